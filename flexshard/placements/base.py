@@ -1,0 +1,99 @@
+"""Regions and the placement protocol: pure layout math, no process group."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Region:
+    """A piece of a parameter that one rank stores, kept contiguous in row-major order.
+
+    A box of the parameter (``offsets``/``sizes`` per dim) or, when ``flat``, a range
+    ``[offsets[0], offsets[0] + sizes[0])`` of the parameter flattened in row-major order.
+    """
+
+    offsets: Shape
+    sizes: Shape
+    flat: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def view_of(self, full: torch.Tensor) -> torch.Tensor:
+        """The elements of ``full`` this region covers (a view, possibly non-contiguous)."""
+        if self.flat:
+            return full.reshape(-1)[self.offsets[0] : self.offsets[0] + self.sizes[0]]
+        index = tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+        return full[index]
+
+
+def whole(shape: Shape) -> Region:
+    return Region(tuple(0 for _ in shape), tuple(shape))
+
+
+class Placement:
+    """How one parameter is split across the W ranks of a bucket's shard group.
+
+    ``assign`` receives every parameter of a bucket that shares this placement's
+    ``group_key`` (so Owned can balance across them and FlatShard can flatten them
+    together) and returns, per parameter, per rank, the regions that rank stores.
+    """
+
+    #: placements whose per-param slots are padded to the same size on every rank, so
+    #: a bucket of them lays out gradients exactly as torch FSDP2 does
+    uniform_slots: bool = False
+    #: placements assigned after the others, so they can fill the lighter ranks
+    balances_loads: bool = False
+
+    def group_key(self) -> object:
+        return self
+
+    def validate(self, fqn: str, shape: Shape, world_size: int) -> None:
+        """Raise ValueError naming ``fqn`` when this placement cannot hold ``shape``."""
+
+    def assign(
+        self,
+        members: Sequence[tuple[Placement, Shape]],
+        world_size: int,
+        loads: Sequence[int],
+    ) -> list[list[list[Region]]]:
+        """``loads``: elements each rank already stores for the bucket's other groups
+        (Owned balances against them; the contiguous placements ignore them)."""
+        raise NotImplementedError
+
+
+def check_world_size(world_size: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+
+
+def contiguous_cuts(loads: Sequence[int], world_size: int) -> list[int]:
+    """Cut a sequence of item loads into ``world_size`` contiguous runs of near-equal load.
+
+    Returns ``world_size + 1`` boundaries. Each cut goes to the item boundary nearest
+    ``k * total / W``, so every run carries at most ``total / W + max(loads)``.
+    """
+    prefix = [0]
+    for load in loads:
+        prefix.append(prefix[-1] + load)
+    total = prefix[-1]
+    cuts = [0]
+    for k in range(1, world_size):
+        target = k * total / world_size
+        i = cuts[-1]
+        while i < len(loads) and prefix[i + 1] <= target:
+            i += 1
+        # i is the first item whose end passes the target: cut before or after it
+        if i < len(loads) and prefix[i + 1] - target < target - prefix[i]:
+            i += 1
+        cuts.append(max(i, cuts[-1]))
+    cuts.append(len(loads))
+    return cuts

@@ -1,0 +1,81 @@
+"""Owned(rank=None): each parameter whole on one rank, owners balanced by LPT."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .base import Placement, Region, Shape, check_world_size, whole
+
+
+def numel_cost(shape: Shape) -> float:
+    return float(math.prod(shape))
+
+
+def lpt_owners(
+    costs: Sequence[float],
+    world_size: int,
+    pinned: Sequence[int | None] = (),
+    loads: Sequence[float] = (),
+) -> list[int]:
+    """Longest-processing-time assignment: largest item first to the least-loaded rank.
+
+    Deterministic: ties break by item index, then by lowest rank. Pinned items keep
+    their rank and count toward its load before the free items are placed; ``loads``
+    are what each rank carries already.
+    """
+    check_world_size(world_size)
+    pinned = list(pinned) + [None] * (len(costs) - len(pinned))
+    loads = [float(x) for x in loads] or [0.0] * world_size
+    owners: list[int] = [-1] * len(costs)
+    for i, rank in enumerate(pinned):
+        if rank is not None:
+            owners[i] = rank
+            loads[rank] += costs[i]
+    heap = [(load, rank) for rank, load in enumerate(loads)]
+    heapq.heapify(heap)
+    free = sorted((i for i, r in enumerate(pinned) if r is None), key=lambda i: (-costs[i], i))
+    for i in free:
+        load, rank = heapq.heappop(heap)
+        owners[i] = rank
+        heapq.heappush(heap, (load + costs[i], rank))
+    return owners
+
+
+@dataclass(frozen=True)
+class Owned(Placement):
+    """The whole parameter lives on ``rank`` (or on the rank LPT picks by ``cost``)."""
+
+    rank: int | None = None
+    cost: Callable[[Shape], float] = field(default=numel_cost, compare=False)
+
+    balances_loads = True
+
+    def group_key(self) -> object:
+        return Owned
+
+    def validate(self, fqn: str, shape: Shape, world_size: int) -> None:
+        if self.rank is not None and not 0 <= self.rank < world_size:
+            raise ValueError(
+                f"Owned(rank={self.rank}) for parameter '{fqn}' is outside the shard "
+                f"group of size {world_size}"
+            )
+
+    def assign(
+        self,
+        members: Sequence[tuple[Placement, Shape]],
+        world_size: int,
+        loads: Sequence[int] = (),
+    ) -> list[list[list[Region]]]:
+        pins = [p.rank for p, _ in members]  # type: ignore[attr-defined]
+        costs = [p.cost(shape) for p, shape in members]  # type: ignore[attr-defined]
+        # balance against what the bucket's other placements already put on each rank,
+        # in their units (numel) only when the cost is numel too
+        base = loads if all(p.cost is numel_cost for p, _ in members) else ()  # type: ignore[attr-defined]
+        owners = lpt_owners(costs, world_size, pins, base)
+        return [
+            [[whole(shape)] if rank == owner else [] for rank in range(world_size)]
+            for (_, shape), owner in zip(members, owners)
+        ]

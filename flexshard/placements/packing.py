@@ -1,0 +1,79 @@
+"""Copy parameters into and out of the flat per-rank layout (pure tensor ops)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .layout import BucketLayout, ParamLayout
+
+
+def _rank_views(param: ParamLayout, rank: int, storage: torch.Tensor):
+    """Pairs (slice of the rank's flat storage, region) for one parameter."""
+    offset = param.offsets[rank]
+    for region in param.regions[rank]:
+        yield storage[offset : offset + region.numel].view(region.sizes), region
+        offset += region.numel
+
+
+def pack_rank(
+    layout: BucketLayout, rank: int, fulls: Sequence[torch.Tensor], out: torch.Tensor
+) -> None:
+    """Write ``rank``'s regions of the full tensors into its flat storage ``out``."""
+    for param, full in zip(layout.params, fulls):
+        for dst, region in _rank_views(param, rank, out):
+            dst.copy_(region.view_of(full))
+
+
+def pack_all(layout: BucketLayout, fulls: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Write every rank's storage into the rows of ``out`` ([W, S]); padding is zeroed."""
+    out.zero_()
+    for rank in range(layout.world_size):
+        pack_rank(layout, rank, fulls, out[rank])
+
+
+def unpack(
+    layout: BucketLayout,
+    gathered: torch.Tensor,
+    fulls: Sequence[torch.Tensor | None],
+) -> None:
+    """Fill the full tensors from the gathered storage of all ranks ([W, S]).
+
+    ``None`` entries are tensors that already alias ``gathered`` (no copy needed).
+    """
+    for param, full in zip(layout.params, fulls):
+        if full is None:
+            continue
+        for rank in range(layout.world_size):
+            for src, region in _rank_views(param, rank, gathered[rank]):
+                region.view_of(full).copy_(src)
+
+
+def gathered_alias(layout: BucketLayout, index: int, gathered: torch.Tensor) -> torch.Tensor | None:
+    """The full parameter as a view of the flat gathered buffer, when its pieces sit
+    there contiguously and in order (FlatShard, Owned, W = 1); otherwise None."""
+    param = layout.params[index]
+    pieces = []  # (position in the gathered buffer, first flat element of the param, numel)
+    for rank in range(layout.world_size):
+        position = rank * layout.shard_numel + param.offsets[rank]
+        for region in param.regions[rank]:
+            if region.flat:
+                pieces.append((position, region.offsets[0], region.numel))
+            elif region.numel == param.numel:
+                pieces.append((position, 0, region.numel))
+            elif region.numel:
+                return None  # a box smaller than the parameter is strided in it
+            position += region.numel
+    pieces = [p for p in pieces if p[2]]
+    if not pieces:
+        return None
+    start = pieces[0][0]
+    covered = 0
+    for position, first, numel in pieces:
+        if first != covered or position != start + covered:
+            return None
+        covered += numel
+    if covered != param.numel:
+        return None
+    return gathered.reshape(-1)[start : start + param.numel].view(param.shape)
