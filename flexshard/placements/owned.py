@@ -49,7 +49,7 @@ class Owned(Placement):
     """The whole parameter lives on ``rank`` (or on the rank LPT picks by ``cost``)."""
 
     rank: int | None = None
-    cost: Callable[[Shape], float] = field(default=numel_cost, compare=False)
+    cost: Callable[[Shape], float] = field(default=numel_cost, compare=False, repr=False)
 
     balances_loads = True
 

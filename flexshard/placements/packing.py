@@ -18,15 +18,20 @@ def _rank_views(param: ParamLayout, rank: int, storage: torch.Tensor):
 
 
 def pack_rank(
-    layout: BucketLayout, rank: int, fulls: Sequence[torch.Tensor], out: torch.Tensor
+    layout: BucketLayout, rank: int, fulls: Sequence[torch.Tensor | None], out: torch.Tensor
 ) -> None:
-    """Write ``rank``'s regions of the full tensors into its flat storage ``out``."""
+    """Write ``rank``'s regions of the full tensors into its flat storage ``out``
+    (``None`` entries are left as they are: zeros after ``pack_all``)."""
     for param, full in zip(layout.params, fulls):
+        if full is None:
+            continue
         for dst, region in _rank_views(param, rank, out):
             dst.copy_(region.view_of(full))
 
 
-def pack_all(layout: BucketLayout, fulls: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+def pack_all(
+    layout: BucketLayout, fulls: Sequence[torch.Tensor | None], out: torch.Tensor
+) -> None:
     """Write every rank's storage into the rows of ``out`` ([W, S]); padding is zeroed."""
     out.zero_()
     for rank in range(layout.world_size):

@@ -1,0 +1,24 @@
+"""flexshard: data-parallel sharding with a placement per bucket of parameters."""
+
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from .api import BucketSpec, flex_shard, fully_shard
+from .placements import BlockShard, FlatShard, Owned, Placement, Replicate, Shard
+from .runtime.module import FlexShardModule
+from .state_dict import full_state_dict, load_full_state_dict
+
+__all__ = [
+    "BlockShard",
+    "BucketSpec",
+    "FlatShard",
+    "FlexShardModule",
+    "MixedPrecisionPolicy",
+    "Owned",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "flex_shard",
+    "full_state_dict",
+    "fully_shard",
+    "load_full_state_dict",
+]

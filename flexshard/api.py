@@ -1,0 +1,248 @@
+"""The public entry points: ``flex_shard`` (buckets by pattern) and ``fully_shard``
+(FSDP2's signature, one bucket per call)."""
+
+from __future__ import annotations
+
+import datetime
+import fnmatch
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from .placements import Placement, Shard, plan_bucket
+from .runtime.bucket import Bucket, BucketParam
+from .runtime.collectives import DEFAULT_TIMEOUT, BucketComm
+from .runtime.consistency import check_same_plan
+from .runtime.groups import MeshGroups, resolve_mesh
+from .runtime.hooks import StepState, install_bucket_hooks, install_root_hooks
+from .runtime.module import FlexShardModule, make_flexshard_class
+
+PlacementFn = Callable[[str, nn.Parameter], Placement]
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """A named group of parameters, chosen by FQN glob patterns, that shares one
+    placement policy (a Placement, or ``placement(fqn, param) -> Placement``)."""
+
+    patterns: str | Sequence[str]
+    placement: Placement | PlacementFn = Shard(0)
+    name: str | None = None
+    mp_policy: MixedPrecisionPolicy | None = None
+    reshard_after_forward: bool | None = None
+
+    @property
+    def pattern_list(self) -> list[str]:
+        return [self.patterns] if isinstance(self.patterns, str) else list(self.patterns)
+
+
+def _parameter_locations(module: nn.Module) -> dict[int, list[str]]:
+    """Every FQN under which each not-yet-sharded parameter is reachable (ties share one)."""
+    locations: dict[int, list[str]] = {}
+    for fqn, param in module.named_parameters(remove_duplicate=False):
+        if getattr(param, "_flexshard_bucket", None) is None:
+            locations.setdefault(id(param), []).append(fqn)
+    return locations
+
+
+def _owner(module: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    prefix, _, attr = fqn.rpartition(".")
+    return module.get_submodule(prefix), attr
+
+
+def _common_parent(fqns: Sequence[str]) -> str:
+    """The FQN of the deepest module that contains every one of the parameters."""
+    paths = [fqn.split(".")[:-1] for fqn in fqns]
+    common: list[str] = []
+    for parts in zip(*paths):
+        if any(p != parts[0] for p in parts):
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def _resolve_placement(spec_placement: object, fqn: str, param: nn.Parameter, bucket: str) -> Placement:
+    placement = spec_placement(fqn, param) if callable(spec_placement) and not isinstance(
+        spec_placement, Placement
+    ) else spec_placement
+    if placement is None:
+        placement = Shard(0)
+    if not isinstance(placement, Placement):
+        placement = _from_torch_placement(placement, fqn, bucket)
+    return placement
+
+
+def _from_torch_placement(placement: object, fqn: str, bucket: str) -> Placement:
+    """Accept torch's own ``Shard(dim)`` from an FSDP2 ``shard_placement_fn``."""
+    from torch.distributed.tensor import Shard as TorchShard
+
+    if isinstance(placement, TorchShard):
+        return Shard(placement.dim)
+    raise TypeError(
+        f"bucket '{bucket}': placement for parameter '{fqn}' must be a flexshard Placement, "
+        f"got {placement!r}"
+    )
+
+
+def _build_bucket(
+    root: nn.Module,
+    name: str,
+    members: list[tuple[nn.Parameter, list[str]]],
+    placements: list[Placement],
+    groups: MeshGroups,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool | None,
+    timeout: datetime.timedelta,
+) -> Bucket:
+    dtypes = {}
+    for param, fqns in members:
+        dtypes.setdefault(param.dtype, fqns[0])
+    if len(dtypes) > 1:
+        listed = ", ".join(f"'{fqn}' is {dtype}" for dtype, fqn in dtypes.items())
+        raise ValueError(
+            f"bucket '{name}': parameters of different dtypes cannot share a bucket ({listed}); "
+            "split them into buckets of one dtype"
+        )
+    layout = plan_bucket(
+        [(fqns[0], tuple(p.shape), pl) for (p, fqns), pl in zip(members, placements)],
+        groups.shard_size,
+        bucket=name,
+    )
+    params = [
+        BucketParam(fqns[0], _on_device(param, groups.device), [_owner(root, f) for f in fqns])
+        for param, fqns in members
+    ]
+    comm = BucketComm(name, groups.shard, groups.reduce, groups.replicate, timeout)
+    bucket = Bucket(name, layout, params, comm, groups.rank, mp_policy, reshard_after_forward)
+    for local in bucket.local_params:
+        local._flexshard_bucket = name  # type: ignore[attr-defined]
+    return bucket
+
+
+def _on_device(param: nn.Parameter, device: torch.device) -> nn.Parameter:
+    if param.device.type in ("meta", device.type):
+        return param
+    return nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad)
+
+
+def flex_shard(
+    module: nn.Module,
+    mesh: DeviceMesh | None = None,
+    buckets: Sequence[BucketSpec] = (),
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool | None = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> FlexShardModule:
+    """Shard ``module``'s parameters into ``buckets``; apply once, at the root.
+
+    Every parameter must match exactly one bucket. All checks run before any
+    collective, so a bad spec raises on every rank instead of hanging one of them.
+    """
+    if isinstance(module, FlexShardModule) or any(
+        isinstance(m, FlexShardModule) for m in module.modules()
+    ):
+        raise ValueError(f"{type(module).__name__} is already sharded by flexshard; wrap it once")
+    if not buckets:
+        raise ValueError("flex_shard needs at least one BucketSpec")
+    groups = resolve_mesh(mesh)
+    locations = _parameter_locations(module)
+    param_of = {id(p): p for p in module.parameters()}
+    names = [spec.name or f"bucket{i}" for i, spec in enumerate(buckets)]
+    if len(set(names)) != len(names):
+        raise ValueError(f"bucket names must be unique, got {names}")
+
+    chosen: dict[int, int] = {}  # param id -> bucket index
+    for b, spec in enumerate(buckets):
+        for pattern in spec.pattern_list:
+            hits = [pid for pid, fqns in locations.items() if any(fnmatch.fnmatchcase(f, pattern) for f in fqns)]
+            if not hits:
+                raise ValueError(f"bucket '{names[b]}': pattern '{pattern}' matches no parameter")
+            for pid in hits:
+                other = chosen.setdefault(pid, b)
+                if other != b:
+                    fqns = locations[pid]
+                    tied = f" (tied as {fqns})" if len(fqns) > 1 else ""
+                    raise ValueError(
+                        f"parameter '{fqns[0]}'{tied} matches bucket '{names[other]}' and bucket "
+                        f"'{names[b]}'; every parameter must be in exactly one bucket"
+                    )
+    for pid, fqns in locations.items():
+        if pid not in chosen:
+            raise ValueError(f"parameter '{fqns[0]}' is in no bucket; add a pattern that matches it")
+
+    plans = []
+    for b, spec in enumerate(buckets):
+        members = [(param_of[pid], locations[pid]) for pid in locations if chosen[pid] == b]
+        placements = [_resolve_placement(spec.placement, fqns[0], p, names[b]) for p, fqns in members]
+        plans.append((names[b], members, placements, spec))
+    check_same_plan(groups, [(n, m, p) for n, m, p, _ in plans])
+
+    built = []
+    for name, members, placements, spec in plans:
+        bucket = _build_bucket(
+            module, name, members, placements, groups,
+            spec.mp_policy or mp_policy or MixedPrecisionPolicy(),
+            spec.reshard_after_forward if spec.reshard_after_forward is not None
+            else reshard_after_forward,
+            timeout,
+        )
+        built.append((bucket, _common_parent([f for _, fqns in members for f in fqns])))
+    make_flexshard_class(module)
+    module._flexshard_buckets = [b for b, _ in built]
+    install_root_hooks(module)
+    state = StepState(module, module._flexshard_buckets)
+    module._flexshard_state = state
+    for bucket, parent in built:
+        install_bucket_hooks(bucket, module.get_submodule(parent))
+    return module  # type: ignore[return-value]
+
+
+def fully_shard(
+    module: nn.Module | Sequence[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: object = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> FlexShardModule:
+    """torch FSDP2's ``fully_shard``: one bucket of the module's parameters that no
+    earlier call took. ``shard_placement_fn`` may return torch's ``Shard(dim)`` or
+    any flexshard placement."""
+    if not isinstance(module, nn.Module):
+        raise TypeError("fully_shard of a list of modules is not supported; wrap a common parent")
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        raise ValueError("flexshard does not offload parameters to the CPU")
+    if isinstance(module, FlexShardModule):
+        raise ValueError(f"{type(module).__name__} is already sharded by flexshard; wrap it once")
+    groups = resolve_mesh(mesh)
+    ignored = {id(p) for p in ignored_params or ()}
+    locations = {pid: f for pid, f in _parameter_locations(module).items() if pid not in ignored}
+    param_of = {id(p): p for p in module.parameters()}
+    name = type(module).__name__
+    members = [(param_of[pid], fqns) for pid, fqns in locations.items()]
+    placements = [
+        _resolve_placement(
+            (lambda f, p: shard_placement_fn(p)) if shard_placement_fn else Shard(0), fqns[0], p, name
+        )
+        for p, fqns in members
+    ]
+    check_same_plan(groups, [(name, members, placements)])
+    make_flexshard_class(module)
+    module._flexshard_buckets = []
+    module._flexshard_state = None
+    install_root_hooks(module)
+    if members:
+        bucket = _build_bucket(
+            module, name, members, placements, groups, mp_policy, reshard_after_forward, timeout
+        )
+        module._flexshard_buckets.append(bucket)
+        install_bucket_hooks(bucket, module)
+    return module  # type: ignore[return-value]

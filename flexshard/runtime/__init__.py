@@ -1,0 +1,1 @@
+"""Side effects: storage, collectives, hooks."""

@@ -1,0 +1,271 @@
+"""A bucket: one flat storage buffer per rank, parameters as views into it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from ..placements import BucketLayout, gathered_alias, pack_all, pack_rank, unpack
+from .collectives import BucketComm, Pending
+
+
+@dataclass
+class BucketParam:
+    """One parameter of a bucket and every module attribute that holds it (ties)."""
+
+    fqn: str
+    original: nn.Parameter
+    locations: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+
+def _free(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def _alloc(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+    if storage.size() < needed:
+        storage.resize_(needed)
+
+
+class Bucket:
+    """Holds this rank's shard of a group of parameters and moves it.
+
+    Life cycle per step: ``unshard`` (all-gather, then full parameters are set on the
+    modules) -> forward -> ``reshard`` (full storage freed) -> ``unshard`` in backward ->
+    gradients land on the full parameters -> ``launch_reduce`` (reduce-scatter, async)
+    -> ``finish_reduce`` (gradient shards land on the local parameters' ``.grad``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        layout: BucketLayout,
+        params: list[BucketParam],
+        comm: BucketComm,
+        rank: int,
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward: bool | None,
+    ) -> None:
+        self.name = name
+        self.layout = layout
+        self.params = params
+        self.comm = comm
+        self.rank = rank
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward
+        self.requires_grad_sync = True
+        first = params[0].original
+        self.dtype = first.dtype
+        self.param_dtype = mp_policy.param_dtype or self.dtype
+        self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
+        self.storage = torch.zeros(layout.shard_numel, dtype=self.dtype, device=first.device)
+        if first.device.type != "meta":
+            with torch.no_grad():
+                pack_rank(layout, rank, [p.original for p in params], self.storage)
+        self.local_params = [
+            nn.Parameter(self._local_view(self.storage, i), requires_grad=p.original.requires_grad)
+            for i, p in enumerate(params)
+        ]
+        self.unsharded = False
+        self._gather: Pending | None = None
+        self._reduce: tuple[Pending, torch.Tensor, torch.Tensor] | None = None
+        self._accumulated: list[torch.Tensor | None] = [None] * len(params)
+        self._on_ready: Callable[[Bucket], None] | None = None
+        self.step_state: Any = None  # the StepState shared with the model's other buckets
+        self._build_full_params()
+        self._set_on_modules(self.local_params)
+        self.reset_backward()
+
+    def rename(self, name: str) -> None:
+        self.name = name
+        self.comm.bucket = name
+
+    # ---------------------------------------------------------------- layout
+    def _local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        param = self.layout.params[index]
+        offset = param.offsets[self.rank]
+        return flat[offset : offset + param.local_numel(self.rank)].view(
+            param.local_shape(self.rank)
+        )
+
+    def _build_full_params(self) -> None:
+        """Full-size parameters the modules use while unsharded. Their storage is freed
+        when resharded but the objects live on, so autograd's saved references to
+        them stay valid across the backward re-gather."""
+        device = self.storage.device
+        layout = self.layout
+        self.gathered = None
+        if not layout.replicated:
+            self.gathered = torch.empty(
+                layout.world_size * layout.shard_numel, dtype=self.param_dtype, device=device
+            )
+        bases, self._owns_storage = [], []
+        for i, p in enumerate(layout.params):
+            if layout.replicated:  # without a cast the storage already is the full bucket
+                base = self._local_view(self.storage, i) if self.param_dtype == self.dtype else None
+            else:
+                gathered_2d = self.gathered.view(layout.world_size, layout.shard_numel)
+                base = gathered_alias(layout, i, gathered_2d)
+            self._owns_storage.append(base is None)
+            bases.append(
+                base if base is not None
+                else torch.empty(p.shape, dtype=self.param_dtype, device=device)
+            )
+        self.full_params = [
+            nn.Parameter(base, requires_grad=p.original.requires_grad)
+            for base, p in zip(bases, self.params)
+        ]
+        for i, full in enumerate(self.full_params):
+            if full.requires_grad:
+                full.register_post_accumulate_grad_hook(lambda _, i=i: self._grad_arrived(i))
+        self._free_full()
+
+    def rebind_storage(self, convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Move the storage (``module.to_empty``/``.to``) and re-point the local params."""
+        storage = convert(self.storage)
+        if storage.dtype != self.dtype:
+            raise TypeError(
+                f"bucket '{self.name}': flexshard keeps parameters in {self.dtype}; cast with "
+                "mp_policy instead of changing the module's dtype after sharding"
+            )
+        self.storage = storage
+        for i, local in enumerate(self.local_params):
+            local.data = self._local_view(self.storage, i)
+        self._build_full_params()
+
+    def _set_on_modules(self, tensors: list[nn.Parameter]) -> None:
+        for param, tensor in zip(self.params, tensors):
+            for module, attr in param.locations:
+                module._parameters[attr] = tensor
+
+    def _owned_full(self) -> list[nn.Parameter]:
+        """Full parameters with a storage of their own (not views of another buffer)."""
+        return [f for f, owns in zip(self.full_params, self._owns_storage) if owns]
+
+    def _free_full(self) -> None:
+        for full in self._owned_full():
+            _free(full)
+        if self.gathered is not None:
+            _free(self.gathered)
+
+    # ---------------------------------------------------------------- unshard
+    def unshard(self, async_op: bool = False) -> None:
+        if self.unsharded:
+            return
+        if self._gather is None:
+            self._launch_gather()
+        if not async_op:
+            self._finish_gather()
+
+    def _launch_gather(self) -> None:
+        if self.gathered is None:  # replicated: nothing to fetch
+            self._gather = Pending(None, "", self.comm.timeout)
+            return
+        _alloc(self.gathered)
+        send = self.storage if self.param_dtype == self.dtype else self.storage.to(self.param_dtype)
+        with torch.autograd._unsafe_preserve_version_counter(tuple(self.full_params)):
+            self._gather = self.comm.all_gather(self.gathered, send)
+        self._send = send  # keep alive while gloo reads it on its own thread
+
+    def _finish_gather(self) -> None:
+        assert self._gather is not None
+        self._gather.wait()
+        self._gather = None
+        self._send = None
+        layout = self.layout
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(
+            tuple(self.full_params)
+        ):
+            owned = [f if owns else None for f, owns in zip(self.full_params, self._owns_storage)]
+            for full in self._owned_full():
+                _alloc(full)
+            if self.gathered is not None:
+                gathered_2d = self.gathered.view(layout.world_size, layout.shard_numel)
+                unpack(layout, gathered_2d, owned)
+            else:  # replicated with a cast
+                for i, full in enumerate(owned):
+                    if full is not None:
+                        full.copy_(self._local_view(self.storage, i).view(full.shape))
+        self._set_on_modules(self.full_params)
+        self.unsharded = True
+
+    def reshard(self) -> None:
+        if self._gather is not None:  # a prefetch nobody used: let it land first
+            self._finish_gather()
+        if not self.unsharded:
+            return
+        self._set_on_modules(self.local_params)
+        self._free_full()
+        self.unsharded = False
+
+    # ---------------------------------------------------------------- gradients
+    def reset_backward(self) -> None:
+        self.ready = False
+        self._waiting_for = {i for i, f in enumerate(self.full_params) if f.requires_grad}
+
+    def _grad_arrived(self, index: int) -> None:
+        self._waiting_for.discard(index)
+        if not self._waiting_for and not self.ready and self._on_ready is not None:
+            self._on_ready(self)
+
+    def _take_grads(self) -> list[torch.Tensor | None]:
+        """Unsharded gradients of this backward plus those held back by no-sync steps."""
+        grads = []
+        for i, full in enumerate(self.full_params):
+            grad, full.grad = full.grad, None
+            held = self._accumulated[i]
+            self._accumulated[i] = None
+            if held is not None and grad is not None:
+                held += grad
+            grads.append(held if held is not None else grad)
+        return grads
+
+    def hold_grads(self) -> None:
+        """Gradient sync is off: keep the unsharded gradients, in ``reduce_dtype``."""
+        for i, grad in enumerate(self._take_grads()):
+            if grad is not None and grad.dtype != self.reduce_dtype:
+                grad = grad.to(self.reduce_dtype)
+            self._accumulated[i] = grad
+
+    def launch_reduce(self) -> None:
+        layout = self.layout
+        grads = self._take_grads()
+        device = self.storage.device
+        if layout.replicated:
+            out = torch.zeros(layout.shard_numel, dtype=self.reduce_dtype, device=device)
+            pack_rank(layout, self.rank, grads, out)
+            self._reduce = (self.comm.all_reduce(out), out, out)
+            return
+        full = torch.empty(
+            layout.world_size, layout.shard_numel, dtype=self.reduce_dtype, device=device
+        )
+        pack_all(layout, grads, full)
+        out = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=device)
+        self._reduce = (self.comm.reduce_scatter(out, full.view(-1)), full, out)
+
+    def finish_reduce(self) -> None:
+        if self._reduce is None:
+            return
+        pending, _, out = self._reduce
+        self._reduce = None
+        pending.wait()
+        if self.comm.replicate_group is not None:
+            self.comm.all_reduce(out, replicas=True).wait()
+        if out.dtype != self.dtype:
+            out = out.to(self.dtype)
+        for i, local in enumerate(self.local_params):
+            if not local.requires_grad:
+                continue
+            grad = self._local_view(out, i)
+            if local.grad is None:
+                local.grad = grad
+            else:
+                local.grad += grad

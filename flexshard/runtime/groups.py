@@ -1,0 +1,67 @@
+"""Process groups for a bucket, resolved from a DeviceMesh (1-D: shard; 2-D: replicate x shard)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+_reduce_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+@dataclass(frozen=True)
+class MeshGroups:
+    shard: dist.ProcessGroup
+    reduce: dist.ProcessGroup  # same ranks as ``shard``: gradient reductions only
+    replicate: dist.ProcessGroup | None  # HSDP: gradients are all-reduced across it
+    rank: int  # this rank's index in ``shard``
+    device: torch.device
+
+    @property
+    def shard_size(self) -> int:
+        return dist.get_world_size(self.shard)
+
+
+def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A second group over the same ranks, so that gradient reductions never wait in
+    line behind parameter prefetches (and the two sequences cannot interleave
+    differently on different ranks)."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _reduce_groups:
+        _reduce_groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _reduce_groups[ranks]
+
+
+def resolve_mesh(mesh: DeviceMesh | dist.ProcessGroup | None) -> MeshGroups:
+    if not dist.is_initialized():
+        raise RuntimeError("flexshard needs torch.distributed to be initialised first")
+    replicate = None
+    if mesh is None:
+        shard = dist.group.WORLD
+        device_type = "cpu" if dist.get_backend() == "gloo" else "cuda"
+    elif isinstance(mesh, DeviceMesh):
+        if mesh.get_coordinate() is None:
+            raise ValueError(
+                f"the mesh {mesh.mesh.tolist()} does not contain this rank "
+                f"({dist.get_rank()}); build the model's mesh from ranks that include it"
+            )
+        if mesh.ndim == 1:
+            shard = mesh.get_group(0)
+        elif mesh.ndim == 2:
+            replicate, shard = mesh.get_group(0), mesh.get_group(1)
+        else:
+            raise ValueError(f"flexshard takes a 1-D or 2-D (replicate, shard) mesh, got {mesh.ndim}-D")
+        device_type = mesh.device_type
+    elif isinstance(mesh, dist.ProcessGroup):
+        if dist.get_rank(mesh) < 0:
+            raise ValueError(f"the process group does not contain this rank ({dist.get_rank()})")
+        shard = mesh
+        device_type = "cpu" if dist.get_backend(mesh) == "gloo" else "cuda"
+    else:
+        raise TypeError(f"mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh)}")
+    device = torch.device(device_type)
+    if device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return MeshGroups(shard, _reduce_group_for(shard), replicate, dist.get_rank(shard), device)

@@ -1,0 +1,199 @@
+"""The per-step life cycle: unshard before forward, prefetch, reshard, backward
+re-gather, gradient reductions launched as buckets complete, one end-of-backward wait."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .bucket import Bucket
+
+#: gradient reductions in flight before the oldest is waited for (bounds the memory
+#: held by unsharded gradient buffers, as FSDP2 and FlexShard do)
+MAX_PENDING_REDUCTIONS = 2
+
+
+class StepState:
+    """What all buckets of one model share: the forward order (learned on the first
+    step, used to prefetch), the order gradient reductions launch in, and the
+    end-of-backward callback."""
+
+    def __init__(self, root: nn.Module, buckets: list[Bucket]) -> None:
+        self.root = root
+        self.buckets = buckets
+        self.forward_order: list[Bucket] = []
+        self.order_known = False
+        self._launch_queue: list[Bucket] = []
+        self._launched = 0
+        self._in_flight: deque[Bucket] = deque()
+        self._backward_running = False
+        for bucket in buckets:
+            bucket._on_ready = self._bucket_ready
+            bucket.step_state = self
+
+    # ---------------------------------------------------------------- forward
+    def before_forward(self, bucket: Bucket) -> None:
+        if not self.order_known and bucket not in self.forward_order:
+            self.forward_order.append(bucket)
+        bucket.unshard()
+        self._prefetch(bucket, +1)
+
+    def _prefetch(self, bucket: Bucket, step: int) -> None:
+        """Start gathering the bucket that runs next, so it lands while this one computes."""
+        if not self.order_known or bucket not in self.forward_order:
+            return
+        index = self.forward_order.index(bucket) + step
+        if 0 <= index < len(self.forward_order):
+            self.forward_order[index].unshard(async_op=True)
+
+    # ---------------------------------------------------------------- backward
+    def _backward_begins(self) -> None:
+        if self._backward_running:
+            return
+        self._backward_running = True
+        rest = [b for b in self.buckets if b not in self.forward_order]
+        self._launch_queue = list(reversed(self.forward_order)) + rest
+        self._launched = 0
+        Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def before_backward(self, bucket: Bucket) -> None:
+        self._backward_begins()
+        bucket.unshard()
+        self._prefetch(bucket, -1)
+
+    def after_backward(self, bucket: Bucket) -> None:
+        """The bucket's module finished its backward: its gradients are complete."""
+        self._backward_begins()
+        self._bucket_ready(bucket)
+        bucket.reshard()
+
+    def _bucket_ready(self, bucket: Bucket) -> None:
+        self._backward_begins()
+        bucket.ready = True
+        # launch strictly in queue order, so every rank issues the same sequence
+        queue = self._launch_queue
+        while self._launched < len(queue) and queue[self._launched].ready:
+            self._launch(queue[self._launched])
+            self._launched += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        if not bucket.requires_grad_sync:
+            bucket.hold_grads()
+            return
+        bucket.launch_reduce()
+        self._in_flight.append(bucket)
+        while len(self._in_flight) > MAX_PENDING_REDUCTIONS:
+            self._in_flight.popleft().finish_reduce()
+
+    def _end_of_backward(self) -> None:
+        try:
+            # buckets whose gradients never all arrived (unused parameters) go now
+            for bucket in self._launch_queue[self._launched :]:
+                self._launch(bucket)
+            while self._in_flight:
+                self._in_flight.popleft().finish_reduce()
+            for bucket in self.buckets:
+                bucket.reshard()
+        finally:
+            for bucket in self.buckets:
+                bucket.reset_backward()
+            self._launched = len(self._launch_queue)
+            self._backward_running = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward runs once the module's backward is
+    done: the moment its bucket's gradients are complete."""
+
+    @staticmethod
+    def forward(ctx: Any, hook: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.hook = hook
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.hook()
+        return (None, *grads)
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return tree
+    return tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+        tree,
+    )
+
+
+def _wrap_inputs(args: tuple, kwargs: dict, hook: Any) -> tuple[tuple, dict]:
+    flat, spec = tree_flatten((args, kwargs))
+    slots = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not slots:
+        return args, kwargs
+    wrapped = _PostBackward.apply(hook, *(flat[i] for i in slots))
+    for i, tensor in zip(slots, wrapped):
+        flat[i] = tensor
+    return spec.unflatten(flat)
+
+
+def install_root_hooks(module: nn.Module) -> None:
+    """Hooks on a module that may turn out to be the root: the first of them to run
+    forward builds the StepState of every bucket below it (FSDP2's lazy init)."""
+
+    def pre_forward(mod: nn.Module, args: tuple) -> None:
+        if getattr(mod, "_flexshard_state", None) is None:
+            buckets = []
+            for fqn, m in mod.named_modules():
+                for bucket in getattr(m, "_flexshard_buckets", ()):
+                    bucket.rename(fqn or "root")  # fully_shard buckets are named by module
+                    buckets.append(bucket)
+            state = StepState(mod, buckets)
+            for m in mod.modules():
+                if hasattr(m, "_flexshard_buckets"):
+                    m._flexshard_state = state
+
+    def post_forward(mod: nn.Module, args: tuple, output: Any) -> None:
+        state = mod._flexshard_state
+        if state.root is mod:  # the first full forward fixes the prefetch order
+            state.order_known = bool(state.forward_order)
+
+    module.register_forward_pre_hook(pre_forward)
+    module.register_forward_hook(post_forward)
+
+
+def install_bucket_hooks(bucket: Bucket, module: nn.Module) -> None:
+    """Forward pre/post hooks on the module that runs the bucket's parameters."""
+    policy = bucket.mp_policy
+
+    def pre_forward(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        state = bucket.step_state
+        state.before_forward(bucket)
+        if policy.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
+        if torch.is_grad_enabled():
+            args, kwargs = _wrap_inputs(args, kwargs, lambda: state.after_backward(bucket))
+        return args, kwargs
+
+    def post_forward(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        state = bucket.step_state
+        reshard = bucket.reshard_after_forward
+        if reshard is None:  # FSDP2's default: backward needs the root's params at once
+            reshard = state.root is not mod
+        if reshard or not torch.is_grad_enabled():
+            bucket.reshard()
+        tensors = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda _: state.before_backward(bucket), mode="any"
+            )
+        return _cast_floats(output, policy.output_dtype)
+
+    module.register_forward_pre_hook(pre_forward, with_kwargs=True)
+    module.register_forward_hook(post_forward, with_kwargs=True)

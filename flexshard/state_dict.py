@@ -1,0 +1,90 @@
+"""Full (unsharded) state dicts: gather for export, scatter-free load for import."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from .placements import pack_rank, unpack
+from .runtime.bucket import Bucket
+from .runtime.module import subtree_buckets
+
+
+def _param_index(module: nn.Module) -> dict[int, tuple[Bucket, int]]:
+    """Local and full parameter objects -> (bucket, index), for every bucket below."""
+    index = {}
+    for bucket in subtree_buckets(module):
+        for i, (local, full) in enumerate(zip(bucket.local_params, bucket.full_params)):
+            index[id(local)] = index[id(full)] = (bucket, i)
+    return index
+
+
+def _gather_full(bucket: Bucket) -> list[torch.Tensor]:
+    """Every parameter of the bucket in full, in its original dtype (a collective)."""
+    layout = bucket.layout
+    fulls = [torch.empty(p.shape, dtype=bucket.dtype, device=bucket.storage.device) for p in layout.params]
+    if layout.replicated:
+        gathered = bucket.storage.view(1, -1).expand(layout.world_size, -1)
+    else:
+        gathered = torch.empty(
+            layout.world_size, layout.shard_numel, dtype=bucket.dtype, device=bucket.storage.device
+        )
+        bucket.comm.all_gather(gathered.view(-1), bucket.storage).wait()
+    unpack(layout, gathered, fulls)
+    return fulls
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` as the unsharded model would give it. Every rank of the
+    shard groups must call it (one all-gather per bucket); every rank gets it all."""
+    index = _param_index(module)
+    gathered: dict[int, list[torch.Tensor]] = {}
+    out = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        entry = index.get(id(value))
+        if entry is None:
+            out[key] = value.detach()
+            continue
+        bucket, i = entry
+        if id(bucket) not in gathered:
+            gathered[id(bucket)] = _gather_full(bucket)
+        out[key] = gathered[id(bucket)][i]
+    return out
+
+
+def load_full_state_dict(
+    module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True
+) -> None:
+    """Load an unsharded state dict: each rank copies out the regions it stores. No
+    collective; every key and shape is checked before anything is changed."""
+    index = _param_index(module)
+    own = module.state_dict(keep_vars=True)
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if strict and (missing or unexpected):
+        raise KeyError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
+    updates: dict[int, tuple[Bucket, list[torch.Tensor | None]]] = {}
+    buffers = {}
+    for key, value in own.items():
+        if key not in state_dict:
+            continue
+        source = state_dict[key]
+        entry = index.get(id(value))
+        shape = tuple(entry[0].layout.params[entry[1]].shape) if entry else tuple(value.shape)
+        if tuple(source.shape) != shape:
+            raise ValueError(f"state dict entry '{key}' has shape {tuple(source.shape)}, the model expects {shape}")
+        if entry is None:
+            buffers[key] = source
+            continue
+        bucket, i = entry
+        fulls = updates.setdefault(id(bucket), (bucket, [None] * len(bucket.params)))[1]
+        fulls[i] = source
+    with torch.no_grad():
+        for bucket, fulls in updates.values():
+            pack_rank(bucket.layout, bucket.rank, [None if f is None else f.to(bucket.storage.device) for f in fulls], bucket.storage)
+            if bucket.unsharded:  # keep the gathered copy in step with the shards
+                bucket.reshard()
+        for key, source in buffers.items():
+            own[key].copy_(source)
