@@ -703,3 +703,23 @@ def test_bad_world_size():
 def test_placement_is_abstract():
     with pytest.raises(NotImplementedError):
         Placement().assign([], 2, [0, 0])
+
+
+# ---------------------------------------------------------------------------------------
+# known issue
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Region.view_of reshapes a non-contiguous tensor into a copy, so unpack "
+    "writes flat regions into a temporary and the full tensor stays unfilled",
+)
+def test_unpack_into_non_contiguous_full():
+    layout = plan_bucket([("w", (3, 4), FlatShard())], 2)
+    full = torch.arange(12.0).reshape(3, 4)
+    gathered = torch.zeros(2, layout.shard_numel)
+    pack_all(layout, [full], gathered)
+    out = torch.zeros(4, 3).t()  # a (3, 4) non-contiguous tensor
+    unpack(layout, gathered, [out])
+    assert torch.equal(out, full)

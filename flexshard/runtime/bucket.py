@@ -35,6 +35,15 @@ def _alloc(tensor: torch.Tensor) -> None:
         storage.resize_(needed)
 
 
+def _own_version_counter(view: torch.Tensor) -> torch.Tensor:
+    """A tensor on the same memory as ``view`` but with a version counter of its own:
+    the collective writing the shared buffer (on gloo's thread, whenever it lands)
+    must not look to autograd like an in-place change of a saved parameter."""
+    alias = torch.empty(0, dtype=view.dtype, device=view.device)
+    alias.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+    return alias
+
+
 class Bucket:
     """Holds this rank's shard of a group of parameters and moves it.
 
@@ -120,7 +129,7 @@ class Bucket:
                 else torch.empty(p.shape, dtype=self.param_dtype, device=device)
             )
         self.full_params = [
-            nn.Parameter(base, requires_grad=p.original.requires_grad)
+            nn.Parameter(_own_version_counter(base), requires_grad=p.original.requires_grad)
             for base, p in zip(bases, self.params)
         ]
         for i, full in enumerate(self.full_params):
@@ -177,13 +186,15 @@ class Bucket:
 
     def _finish_gather(self) -> None:
         assert self._gather is not None
-        self._gather.wait()
-        self._gather = None
-        self._send = None
         layout = self.layout
+        # the parameters are saved for backward: refilling them must not look like an
+        # in-place change to autograd (completing the gather bumps the version too)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(
             tuple(self.full_params)
         ):
+            self._gather.wait()
+            self._gather = None
+            self._send = None
             owned = [f if owns else None for f, owns in zip(self.full_params, self._owns_storage)]
             for full in self._owned_full():
                 _alloc(full)

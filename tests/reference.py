@@ -1,0 +1,48 @@
+"""Single-process references: what W data-parallel ranks must compute together."""
+
+from __future__ import annotations
+
+import torch
+
+from flexshard.testing import TinyTransformer
+
+
+def reference_training(
+    model: TinyTransformer, batches, world_size: int, steps: int, micro: int = 1, lr: float = 1e-2
+) -> list[list[float]]:
+    """Per step, the loss each rank sees; gradients averaged over ranks (and summed
+    over ``micro`` micro-batches) exactly as data parallelism defines them."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        per_rank = []
+        grads = None
+        for rank in range(world_size):
+            model.zero_grad()
+            for m in range(micro):
+                tokens, targets = batches[(step * world_size + rank) * micro + m]
+                loss = model.loss(tokens, targets)
+                loss.backward()
+                per_rank.append(loss.item())
+            current = [p.grad.clone() for p in model.parameters()]
+            grads = current if grads is None else [g + c for g, c in zip(grads, current)]
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g / world_size
+        opt.step()
+        losses.append(per_rank)
+    return losses
+
+
+def sharded_training(model, rank: int, world_size: int, batches, steps: int, micro: int = 1, lr: float = 1e-2):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        for m in range(micro):
+            model.set_requires_gradient_sync(m == micro - 1)
+            tokens, targets = batches[(step * world_size + rank) * micro + m]
+            loss = model.loss(tokens, targets)
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
