@@ -54,15 +54,20 @@ def _owner(module: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     return module.get_submodule(prefix), attr
 
 
-def _common_parent(fqns: Sequence[str]) -> str:
-    """The FQN of the deepest module that contains every one of the parameters."""
+def _hook_module(root: nn.Module, fqns: Sequence[str]) -> nn.Module:
+    """The deepest module that contains every one of the parameters and is called:
+    containers such as ModuleList have no forward, so their parent runs the hooks."""
     paths = [fqn.split(".")[:-1] for fqn in fqns]
     common: list[str] = []
     for parts in zip(*paths):
         if any(p != parts[0] for p in parts):
             break
         common.append(parts[0])
-    return ".".join(common)
+    while common and isinstance(
+        root.get_submodule(".".join(common)), (nn.ModuleList, nn.ModuleDict)
+    ):
+        common.pop()
+    return root.get_submodule(".".join(common))
 
 
 def _resolve_placement(spec_placement: object, fqn: str, param: nn.Parameter, bucket: str) -> Placement:
@@ -117,10 +122,7 @@ def _build_bucket(
         for param, fqns in members
     ]
     comm = BucketComm(name, groups.shard, groups.reduce, groups.replicate, timeout)
-    bucket = Bucket(name, layout, params, comm, groups.rank, mp_policy, reshard_after_forward)
-    for local in bucket.local_params:
-        local._flexshard_bucket = name  # type: ignore[attr-defined]
-    return bucket
+    return Bucket(name, layout, params, comm, groups.rank, mp_policy, reshard_after_forward)
 
 
 def _on_device(param: nn.Parameter, device: torch.device) -> nn.Parameter:
@@ -191,14 +193,14 @@ def flex_shard(
             else reshard_after_forward,
             timeout,
         )
-        built.append((bucket, _common_parent([f for _, fqns in members for f in fqns])))
+        built.append((bucket, _hook_module(module, [f for _, fqns in members for f in fqns])))
     make_flexshard_class(module)
     module._flexshard_buckets = [b for b, _ in built]
     install_root_hooks(module)
     state = StepState(module, module._flexshard_buckets)
     module._flexshard_state = state
-    for bucket, parent in built:
-        install_bucket_hooks(bucket, module.get_submodule(parent))
+    for bucket, hook_module in built:
+        install_bucket_hooks(bucket, hook_module)
     return module  # type: ignore[return-value]
 
 

@@ -79,18 +79,13 @@ class Bucket:
         if first.device.type != "meta":
             with torch.no_grad():
                 pack_rank(layout, rank, [p.original for p in params], self.storage)
-        self.local_params = [
-            nn.Parameter(self._local_view(self.storage, i), requires_grad=p.original.requires_grad)
-            for i, p in enumerate(params)
-        ]
         self.unsharded = False
         self._gather: Pending | None = None
         self._reduce: tuple[Pending, torch.Tensor, torch.Tensor] | None = None
         self._accumulated: list[torch.Tensor | None] = [None] * len(params)
         self._on_ready: Callable[[Bucket], None] | None = None
         self.step_state: Any = None  # the StepState shared with the model's other buckets
-        self._build_full_params()
-        self._set_on_modules(self.local_params)
+        self._build_params()
         self.reset_backward()
 
     def rename(self, name: str) -> None:
@@ -104,6 +99,18 @@ class Bucket:
         return flat[offset : offset + param.local_numel(self.rank)].view(
             param.local_shape(self.rank)
         )
+
+    def _build_params(self) -> None:
+        """Local parameters (views of the storage, what the optimizer sees) and the full
+        ones; both are (re)made whenever the storage is."""
+        self.local_params = [
+            nn.Parameter(self._local_view(self.storage, i), requires_grad=p.original.requires_grad)
+            for i, p in enumerate(self.params)
+        ]
+        for local in self.local_params:
+            local._flexshard_bucket = self.name  # type: ignore[attr-defined]
+        self._build_full_params()
+        self._set_on_modules(self.local_params)
 
     def _build_full_params(self) -> None:
         """Full-size parameters the modules use while unsharded. Their storage is freed
@@ -146,9 +153,7 @@ class Bucket:
                 "mp_policy instead of changing the module's dtype after sharding"
             )
         self.storage = storage
-        for i, local in enumerate(self.local_params):
-            local.data = self._local_view(self.storage, i)
-        self._build_full_params()
+        self._build_params()
 
     def _set_on_modules(self, tensors: list[nn.Parameter]) -> None:
         for param, tensor in zip(self.params, tensors):
