@@ -1,0 +1,133 @@
+"""Runtime behaviour: prefetch and gradient reductions overlap compute, exact byte
+accounting, unshard/reshard, and a stalled rank raises naming the bucket."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import flexshard as fs
+from flexshard.runtime import collectives
+from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
+
+CFG = TransformerConfig()
+
+
+def _buckets():
+    return [
+        fs.BucketSpec("layers.0.*", name="layer0"),
+        fs.BucketSpec("layers.1.*", placement=fs.Owned(), name="layer1"),
+        fs.BucketSpec(["embed.*", "norm.*", "head.*"], placement=fs.FlatShard(), name="outer"),
+    ]
+
+
+def _record_events(model, events):
+    """Log collective launches/waits and the compute of each layer's MLP."""
+    comm_cls = collectives.BucketComm
+    for kind in ("all_gather", "reduce_scatter"):
+        original = getattr(comm_cls, kind)
+
+        def launch(self, *args, _original=original, _kind=kind):
+            events.append((f"launch_{_kind}", self.bucket))
+            return _original(self, *args)
+
+        setattr(comm_cls, kind, launch)
+    for i, layer in enumerate(model.layers):
+        layer.up.register_forward_hook(lambda *_, i=i: events.append(("forward", f"layer{i}")))
+
+        def watch_backward(module, args, out, i=i):
+            out.register_hook(lambda grad: events.append(("backward", f"layer{i}")))
+
+        layer.up.register_forward_hook(watch_backward)
+
+
+def _overlap(rank, world_size):
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = fs.flex_shard(TinyTransformer(CFG), mesh, buckets=_buckets())
+    events: list[tuple[str, str]] = []
+    _record_events(model, events)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for tokens, targets in make_batches(CFG, 2, batch=2):
+        events.clear()  # keep the second step, when the forward order is known
+        model.loss(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+    return events
+
+
+def test_prefetch_and_reduce_overlap_compute():
+    events = run_distributed(_overlap, 3)[0]
+    at = {event: i for i, event in reversed(list(enumerate(events)))}  # first occurrence
+    # forward: layer1's all-gather is launched before layer0 computes
+    assert at[("launch_all_gather", "layer1")] < at[("forward", "layer0")], events
+    # backward: layer0 is re-gathered while layer1 computes its backward
+    backward_gathers = [i for i, e in enumerate(events) if e == ("launch_all_gather", "layer0")]
+    assert len(backward_gathers) == 2, events
+    assert backward_gathers[1] < at[("backward", "layer0")], events
+    # layer1's gradient reduce-scatter is in flight while layer0 runs its backward
+    assert at[("launch_reduce_scatter", "layer1")] < at[("backward", "layer0")], events
+
+
+def _accounting(rank, world_size):
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = fs.flex_shard(TinyTransformer(CFG), mesh, buckets=_buckets())
+    tokens, targets = make_batches(CFG, 1, batch=2)[0]
+    model.loss(tokens, targets).backward()
+    stats = model.comm_stats(reset=True)
+    layouts = {b.name: (b.layout.shard_numel, b.layout.numel) for b in model._flexshard_buckets}
+
+    model.unshard()
+    shapes_unsharded = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    model.reshard()
+    shapes_sharded = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    after = model.comm_stats()["total"]
+    return stats, layouts, shapes_unsharded, shapes_sharded, after
+
+
+def test_comm_stats_bytes_and_unshard_reshard():
+    world_size = 3
+    results = run_distributed(_accounting, world_size)
+    for rank, (stats, layouts, unsharded, sharded, after) in enumerate(results):
+        for name, (shard_numel, numel) in layouts.items():
+            gathers = 1 if name == "outer" else 2  # the root bucket stays unsharded
+            per_collective = (world_size - 1) * shard_numel * 4  # fp32
+            assert stats[name]["all_gather"] == gathers
+            assert stats[name]["reduce_scatter"] == 1
+            assert stats[name]["bytes_sent"] == (gathers + 1) * per_collective
+            assert stats[name]["bytes_received"] == stats[name]["bytes_sent"]
+            assert world_size * shard_numel >= numel
+        assert unsharded["layers.0.up.weight"] == (CFG.hidden, CFG.dim)
+        assert unsharded["embed.weight"] == (CFG.vocab, CFG.dim)
+        rows = [10, 10, 9][rank]  # torch.chunk of 29 rows over 3 ranks
+        assert sharded["layers.0.up.weight"] == (rows, CFG.dim)
+        assert after["all_gather"] == 3 and after["reduce_scatter"] == 0
+
+
+def _stall(rank, world_size):
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = fs.flex_shard(
+        TinyTransformer(CFG), mesh, buckets=_buckets(), timeout=datetime.timedelta(seconds=2)
+    )
+    dist.barrier()
+    if rank == 1:
+        time.sleep(6)  # a stalled rank: never joins the forward's all-gathers
+        return "stalled"
+    tokens, targets = make_batches(CFG, 1, batch=2)[0]
+    started = time.monotonic()
+    try:
+        model.loss(tokens, targets)
+    except RuntimeError as err:
+        return str(err), time.monotonic() - started
+    return "no error", time.monotonic() - started
+
+
+def test_stalled_rank_raises_naming_bucket():
+    results = run_distributed(_stall, 2, timeout=60)
+    message, waited = results[0]
+    assert "all-gather of bucket 'outer'" in message, message
+    assert waited < 5.5, waited
+    assert results[1] == "stalled"
