@@ -25,15 +25,15 @@ def _wrap(model, shard, mesh, **kwargs):
     return model
 
 
-def _run_pair(rank, world_size, mesh, micro=1, **kwargs):
+def _run_pair(rank, world_size, mesh, micro=1, cfg=CFG, **kwargs):
     """Train FSDP2 and flexshard side by side; return both loss lists and whether the
     final parameters are bitwise equal."""
     data_rank = mesh.get_rank() if mesh.ndim == 1 else rank
-    batches = make_batches(CFG, STEPS * world_size * micro, batch=2, seed=5)
+    batches = make_batches(cfg, STEPS * world_size * micro, batch=2, seed=5)
     results = []
     for shard in (torch_fully_shard, fs.fully_shard):
         torch.manual_seed(0)
-        model = _wrap(TinyTransformer(CFG), shard, mesh, **kwargs)
+        model = _wrap(TinyTransformer(cfg), shard, mesh, **kwargs)
         if shard is torch_fully_shard:
             model.set_requires_gradient_sync(True)
         losses = sharded_training(model, data_rank, world_size, batches, STEPS, micro=micro)
@@ -59,6 +59,7 @@ def _modes(rank, world_size):
         ),
         "no_sync_x3": _run_pair(rank, world_size, mesh, micro=3),
         "keep_unsharded": _run_pair(rank, world_size, mesh, reshard_after_forward=False),
+        "checkpointed": _run_pair(rank, world_size, mesh, cfg=TransformerConfig(checkpoint=True)),
     }
     if world_size == 4:
         out["hsdp_2x2"] = _run_pair(rank, world_size, init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -69,7 +70,7 @@ def _modes(rank, world_size):
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_modes_bitwise_equal_to_fsdp2(world_size):
     for rank, modes in enumerate(run_distributed(_modes, world_size)):
-        assert len(modes) == (5 if world_size == 4 else 4)
+        assert len(modes) == (6 if world_size == 4 else 5)
         for mode, (ref_losses, our_losses, differ) in modes.items():
             assert our_losses == ref_losses, (mode, rank)
             assert differ == [], (mode, rank, differ)

@@ -31,7 +31,7 @@ class StepState:
         self._launch_queue: list[Bucket] = []
         self._launched = 0
         self._in_flight: deque[Bucket] = deque()
-        self._backward_running = False
+        self.in_backward = False
         for bucket in buckets:
             bucket._on_ready = self._bucket_ready
             bucket.step_state = self
@@ -53,9 +53,9 @@ class StepState:
 
     # ---------------------------------------------------------------- backward
     def _backward_begins(self) -> None:
-        if self._backward_running:
+        if self.in_backward:
             return
-        self._backward_running = True
+        self.in_backward = True
         rest = [b for b in self.buckets if b not in self.forward_order]
         self._launch_queue = list(reversed(self.forward_order)) + rest
         self._launched = 0
@@ -103,7 +103,7 @@ class StepState:
             for bucket in self.buckets:
                 bucket.reset_backward()
             self._launched = len(self._launch_queue)
-            self._backward_running = False
+            self.in_backward = False
 
 
 class _PostBackward(torch.autograd.Function):
@@ -172,15 +172,20 @@ def install_bucket_hooks(bucket: Bucket, module: nn.Module) -> None:
 
     def pre_forward(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         state = bucket.step_state
-        state.before_forward(bucket)
         if policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
+        if state.in_backward:  # activation checkpointing recomputes inside backward
+            bucket.unshard()
+            return args, kwargs
+        state.before_forward(bucket)
         if torch.is_grad_enabled():
             args, kwargs = _wrap_inputs(args, kwargs, lambda: state.after_backward(bucket))
         return args, kwargs
 
     def post_forward(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         state = bucket.step_state
+        if state.in_backward:  # a recompute: backward of this module comes right after
+            return _cast_floats(output, policy.output_dtype)
         reshard = bucket.reshard_after_forward
         if reshard is None:  # FSDP2's default: backward needs the root's params at once
             reshard = state.root is not mod

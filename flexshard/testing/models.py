@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -17,6 +18,7 @@ class TransformerConfig:
     hidden: int = 29
     layers: int = 2
     seq: int = 9
+    checkpoint: bool = False  # recompute each block in backward (activation checkpointing)
 
 
 class Block(nn.Module):
@@ -52,7 +54,10 @@ class TinyTransformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for layer in self.layers:
-            x = layer(x)
+            if self.cfg.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
         return self.head(self.norm(x))
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
