@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import datetime
 import fnmatch
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -70,10 +70,14 @@ def _hook_module(root: nn.Module, fqns: Sequence[str]) -> nn.Module:
     return root.get_submodule(".".join(common))
 
 
-def _resolve_placement(spec_placement: object, fqn: str, param: nn.Parameter, bucket: str) -> Placement:
-    placement = spec_placement(fqn, param) if callable(spec_placement) and not isinstance(
-        spec_placement, Placement
-    ) else spec_placement
+def _resolve_placement(
+    spec_placement: object, fqn: str, param: nn.Parameter, bucket: str
+) -> Placement:
+    placement = (
+        spec_placement(fqn, param)
+        if callable(spec_placement) and not isinstance(spec_placement, Placement)
+        else spec_placement
+    )
     if placement is None:
         placement = Shard(0)
     if not isinstance(placement, Placement):
@@ -161,7 +165,11 @@ def flex_shard(
     chosen: dict[int, int] = {}  # param id -> bucket index
     for b, spec in enumerate(buckets):
         for pattern in spec.pattern_list:
-            hits = [pid for pid, fqns in locations.items() if any(fnmatch.fnmatchcase(f, pattern) for f in fqns)]
+            hits = [
+                pid
+                for pid, fqns in locations.items()
+                if any(fnmatch.fnmatchcase(f, pattern) for f in fqns)
+            ]
             if not hits:
                 raise ValueError(f"bucket '{names[b]}': pattern '{pattern}' matches no parameter")
             for pid in hits:
@@ -175,21 +183,30 @@ def flex_shard(
                     )
     for pid, fqns in locations.items():
         if pid not in chosen:
-            raise ValueError(f"parameter '{fqns[0]}' is in no bucket; add a pattern that matches it")
+            raise ValueError(
+                f"parameter '{fqns[0]}' is in no bucket; add a pattern that matches it"
+            )
 
     plans = []
     for b, spec in enumerate(buckets):
         members = [(param_of[pid], locations[pid]) for pid in locations if chosen[pid] == b]
-        placements = [_resolve_placement(spec.placement, fqns[0], p, names[b]) for p, fqns in members]
+        placements = [
+            _resolve_placement(spec.placement, fqns[0], p, names[b]) for p, fqns in members
+        ]
         plans.append((names[b], members, placements, spec))
     check_same_plan(groups, [(n, m, p) for n, m, p, _ in plans])
 
     built = []
     for name, members, placements, spec in plans:
         bucket = _build_bucket(
-            module, name, members, placements, groups,
+            module,
+            name,
+            members,
+            placements,
+            groups,
             spec.mp_policy or mp_policy or MixedPrecisionPolicy(),
-            spec.reshard_after_forward if spec.reshard_after_forward is not None
+            spec.reshard_after_forward
+            if spec.reshard_after_forward is not None
             else reshard_after_forward,
             timeout,
         )
@@ -232,7 +249,10 @@ def fully_shard(
     members = [(param_of[pid], fqns) for pid, fqns in locations.items()]
     placements = [
         _resolve_placement(
-            (lambda f, p: shard_placement_fn(p)) if shard_placement_fn else Shard(0), fqns[0], p, name
+            (lambda f, p: shard_placement_fn(p)) if shard_placement_fn else Shard(0),
+            fqns[0],
+            p,
+            name,
         )
         for p, fqns in members
     ]

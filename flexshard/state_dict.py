@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -24,7 +24,10 @@ def _param_index(module: nn.Module) -> dict[int, tuple[Bucket, int]]:
 def _gather_full(bucket: Bucket) -> list[torch.Tensor]:
     """Every parameter of the bucket in full, in its original dtype (a collective)."""
     layout = bucket.layout
-    fulls = [torch.empty(p.shape, dtype=bucket.dtype, device=bucket.storage.device) for p in layout.params]
+    fulls = [
+        torch.empty(p.shape, dtype=bucket.dtype, device=bucket.storage.device)
+        for p in layout.params
+    ]
     if layout.replicated:
         gathered = bucket.storage.view(1, -1).expand(layout.world_size, -1)
     else:
@@ -64,7 +67,9 @@ def load_full_state_dict(
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
     if strict and (missing or unexpected):
-        raise KeyError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
+        raise KeyError(
+            f"state dict does not match the model: missing {missing}, unexpected {unexpected}"
+        )
     updates: dict[int, tuple[Bucket, list[torch.Tensor | None]]] = {}
     buffers = {}
     for key, value in own.items():
@@ -74,7 +79,10 @@ def load_full_state_dict(
         entry = index.get(id(value))
         shape = tuple(entry[0].layout.params[entry[1]].shape) if entry else tuple(value.shape)
         if tuple(source.shape) != shape:
-            raise ValueError(f"state dict entry '{key}' has shape {tuple(source.shape)}, the model expects {shape}")
+            raise ValueError(
+                f"state dict entry '{key}' has shape {tuple(source.shape)}, "
+                f"the model expects {shape}"
+            )
         if entry is None:
             buffers[key] = source
             continue
@@ -83,7 +91,12 @@ def load_full_state_dict(
         fulls[i] = source
     with torch.no_grad():
         for bucket, fulls in updates.values():
-            pack_rank(bucket.layout, bucket.rank, [None if f is None else f.to(bucket.storage.device) for f in fulls], bucket.storage)
+            pack_rank(
+                bucket.layout,
+                bucket.rank,
+                [None if f is None else f.to(bucket.storage.device) for f in fulls],
+                bucket.storage,
+            )
             if bucket.unsharded:  # keep the gathered copy in step with the shards
                 bucket.reshard()
         for key, source in buffers.items():

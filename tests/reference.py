@@ -33,7 +33,9 @@ def reference_training(
     return losses
 
 
-def sharded_training(model, rank: int, world_size: int, batches, steps: int, micro: int = 1, lr: float = 1e-2):
+def sharded_training(
+    model, rank: int, world_size: int, batches, steps: int, micro: int = 1, lr: float = 1e-2
+):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     losses = []
     for step in range(steps):

@@ -51,7 +51,9 @@ def _modes(rank, world_size):
     mesh = init_device_mesh("cpu", (world_size,))
     out = {
         "bf16": _run_pair(
-            rank, world_size, mesh,
+            rank,
+            world_size,
+            mesh,
             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
         ),
         "bf16_reduce": _run_pair(
@@ -62,7 +64,8 @@ def _modes(rank, world_size):
         "checkpointed": _run_pair(rank, world_size, mesh, cfg=TransformerConfig(checkpoint=True)),
     }
     if world_size == 4:
-        out["hsdp_2x2"] = _run_pair(rank, world_size, init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        out["hsdp_2x2"] = _run_pair(
+            rank, world_size, init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         )
     return out
 
@@ -86,7 +89,10 @@ def _meta_and_accumulation(rank, world_size):
     full = {k: v.clone() for k, v in eager.state_dict().items()}
     with torch.device("meta"):
         lazy = TinyTransformer(CFG)
-    buckets = [fs.BucketSpec("layers.*", placement=fs.Owned()), fs.BucketSpec(["embed.*", "norm.*", "head.*"])]
+    buckets = [
+        fs.BucketSpec("layers.*", placement=fs.Owned()),
+        fs.BucketSpec(["embed.*", "norm.*", "head.*"]),
+    ]
     lazy = fs.flex_shard(lazy, mesh, buckets=buckets)
     on_meta = all(p.device.type == "meta" for p in lazy.parameters())
     lazy.to_empty(device="cpu")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from .base import Placement, Region, Shape, check_world_size, whole
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -29,9 +29,7 @@ def pack_rank(
             dst.copy_(region.view_of(full))
 
 
-def pack_all(
-    layout: BucketLayout, fulls: Sequence[torch.Tensor | None], out: torch.Tensor
-) -> None:
+def pack_all(layout: BucketLayout, fulls: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
     """Write every rank's storage into the rows of ``out`` ([W, S]); padding is zeroed."""
     out.zero_()
     for rank in range(layout.world_size):

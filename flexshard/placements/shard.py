@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .base import Placement, Region, Shape, check_world_size
 
@@ -29,8 +29,7 @@ class Shard(Placement):
     def validate(self, fqn: str, shape: Shape, world_size: int) -> None:
         if len(shape) == 0 or not -len(shape) <= self.dim < len(shape):
             raise ValueError(
-                f"Shard({self.dim}) is out of range for parameter '{fqn}' of shape "
-                f"{tuple(shape)}"
+                f"Shard({self.dim}) is out of range for parameter '{fqn}' of shape {tuple(shape)}"
             )
 
     def assign(

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -132,7 +133,8 @@ class Bucket:
                 base = gathered_alias(layout, i, gathered_2d)
             self._owns_storage.append(base is None)
             bases.append(
-                base if base is not None
+                base
+                if base is not None
                 else torch.empty(p.shape, dtype=self.param_dtype, device=device)
             )
         self.full_params = [
@@ -194,8 +196,9 @@ class Bucket:
         layout = self.layout
         # the parameters are saved for backward: refilling them must not look like an
         # in-place change to autograd (completing the gather bumps the version too)
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(
-            tuple(self.full_params)
+        with (
+            torch.no_grad(),
+            torch.autograd._unsafe_preserve_version_counter(tuple(self.full_params)),
         ):
             self._gather.wait()
             self._gather = None

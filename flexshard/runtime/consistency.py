@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,9 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
-def _bucket_digest(name: str, members: Sequence[tuple[nn.Parameter, list[str]]], placements: Sequence[Placement]) -> int:
+def _bucket_digest(
+    name: str, members: Sequence[tuple[nn.Parameter, list[str]]], placements: Sequence[Placement]
+) -> int:
     described = [
         (fqns, tuple(p.shape), str(p.dtype), repr(pl)) for (p, fqns), pl in zip(members, placements)
     ]

@@ -52,7 +52,9 @@ def resolve_mesh(mesh: DeviceMesh | dist.ProcessGroup | None) -> MeshGroups:
         elif mesh.ndim == 2:
             replicate, shard = mesh.get_group(0), mesh.get_group(1)
         else:
-            raise ValueError(f"flexshard takes a 1-D or 2-D (replicate, shard) mesh, got {mesh.ndim}-D")
+            raise ValueError(
+                f"flexshard takes a 1-D or 2-D (replicate, shard) mesh, got {mesh.ndim}-D"
+            )
         device_type = mesh.device_type
     elif isinstance(mesh, dist.ProcessGroup):
         if dist.get_rank(mesh) < 0:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,14 +45,18 @@ class FlexShardModule(nn.Module):
         for bucket in self._flexshard_buckets:
             bucket.reshard()
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """False: keep unsharded gradients across backward passes and reduce nothing
         (gradient accumulation); the next backward with True reduces the sum."""
         buckets = subtree_buckets(self) if recurse else self._flexshard_buckets
         for bucket in buckets:
             bucket.requires_grad_sync = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool, *, recurse: bool = True
+    ) -> None:
         buckets = subtree_buckets(self) if recurse else self._flexshard_buckets
         for bucket in buckets:
             bucket.reshard_after_forward = reshard_after_forward
