@@ -13,11 +13,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .placements import Placement, Shard, plan_bucket
+from .placements import BucketLayout, Placement, Shard, plan_bucket
 from .runtime.bucket import Bucket, BucketParam
 from .runtime.collectives import DEFAULT_TIMEOUT, BucketComm
 from .runtime.consistency import check_same_plan
-from .runtime.groups import MeshGroups, resolve_mesh
+from .runtime.groups import MeshGroups, resolve_mesh, with_reduce_group
 from .runtime.hooks import StepState, install_bucket_hooks, install_root_hooks
 from .runtime.module import FlexShardModule, make_flexshard_class
 
@@ -97,17 +97,28 @@ def _from_torch_placement(placement: object, fqn: str, bucket: str) -> Placement
     )
 
 
-def _build_bucket(
+@dataclass
+class _Plan:
+    """One bucket, validated and laid out; nothing built or communicated yet."""
+
+    name: str
+    members: list[tuple[nn.Parameter, list[str]]]
+    placements: list[Placement]
+    layout: BucketLayout
+    hook_module: nn.Module
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: bool | None
+
+
+def _plan(
     root: nn.Module,
     name: str,
     members: list[tuple[nn.Parameter, list[str]]],
     placements: list[Placement],
-    groups: MeshGroups,
-    mp_policy: MixedPrecisionPolicy,
-    reshard_after_forward: bool | None,
-    timeout: datetime.timedelta,
-) -> Bucket:
-    dtypes = {}
+    world_size: int,
+    first_rank: int,
+) -> BucketLayout:
+    dtypes: dict[torch.dtype, str] = {}
     for param, fqns in members:
         dtypes.setdefault(param.dtype, fqns[0])
     if len(dtypes) > 1:
@@ -116,17 +127,47 @@ def _build_bucket(
             f"bucket '{name}': parameters of different dtypes cannot share a bucket ({listed}); "
             "split them into buckets of one dtype"
         )
-    layout = plan_bucket(
+    return plan_bucket(
         [(fqns[0], tuple(p.shape), pl) for (p, fqns), pl in zip(members, placements)],
-        groups.shard_size,
+        world_size,
         bucket=name,
+        first_rank=first_rank,
     )
-    params = [
-        BucketParam(fqns[0], _on_device(param, groups.device), [_owner(root, f) for f in fqns])
-        for param, fqns in members
-    ]
-    comm = BucketComm(name, groups.shard, groups.reduce, groups.replicate, timeout)
-    return Bucket(name, layout, params, comm, groups.rank, mp_policy, reshard_after_forward)
+
+
+def _agree_and_build(
+    root: nn.Module,
+    plan_fn: Callable[[], list[_Plan]],
+    groups: MeshGroups,
+    timeout: datetime.timedelta,
+) -> list[tuple[Bucket, nn.Module]]:
+    """Validate locally, agree with the other ranks in one small all-gather (so a
+    rank whose input is bad, or differs, makes every rank raise instead of hang),
+    then build the buckets."""
+    try:
+        plans, error = plan_fn(), None
+    except (ValueError, TypeError) as err:
+        plans, error = [], err
+    check_same_plan(groups, [(p.name, p.members, p.placements) for p in plans], error)
+    groups = with_reduce_group(groups)
+    built = []
+    for plan in plans:
+        params = [
+            BucketParam(fqns[0], _on_device(param, groups.device), [_owner(root, f) for f in fqns])
+            for param, fqns in plan.members
+        ]
+        comm = BucketComm(plan.name, groups.shard, groups.reduce, groups.replicate, timeout)
+        bucket = Bucket(
+            plan.name,
+            plan.layout,
+            params,
+            comm,
+            groups.rank,
+            plan.mp_policy,
+            plan.reshard_after_forward,
+        )
+        built.append((bucket, plan.hook_module))
+    return built
 
 
 def _on_device(param: nn.Parameter, device: torch.device) -> nn.Parameter:
@@ -156,6 +197,26 @@ def flex_shard(
     if not buckets:
         raise ValueError("flex_shard needs at least one BucketSpec")
     groups = resolve_mesh(mesh)
+    plan = lambda: _plan_flex(  # noqa: E731
+        module, buckets, groups.shard_size, mp_policy, reshard_after_forward
+    )
+    built = _agree_and_build(module, plan, groups, timeout)
+    make_flexshard_class(module)
+    module._flexshard_buckets = [b for b, _ in built]
+    install_root_hooks(module)
+    module._flexshard_state = StepState(module, module._flexshard_buckets)
+    for bucket, hook_module in built:
+        install_bucket_hooks(bucket, hook_module)
+    return module  # type: ignore[return-value]
+
+
+def _plan_flex(
+    module: nn.Module,
+    buckets: Sequence[BucketSpec],
+    world_size: int,
+    mp_policy: MixedPrecisionPolicy | None,
+    reshard_after_forward: bool | None,
+) -> list[_Plan]:
     locations = _parameter_locations(module)
     param_of = {id(p): p for p in module.parameters()}
     names = [spec.name or f"bucket{i}" for i, spec in enumerate(buckets)]
@@ -193,32 +254,22 @@ def flex_shard(
         placements = [
             _resolve_placement(spec.placement, fqns[0], p, names[b]) for p, fqns in members
         ]
-        plans.append((names[b], members, placements, spec))
-    check_same_plan(groups, [(n, m, p) for n, m, p, _ in plans])
-
-    built = []
-    for name, members, placements, spec in plans:
-        bucket = _build_bucket(
-            module,
-            name,
-            members,
-            placements,
-            groups,
-            spec.mp_policy or mp_policy or MixedPrecisionPolicy(),
-            spec.reshard_after_forward
-            if spec.reshard_after_forward is not None
-            else reshard_after_forward,
-            timeout,
+        # successive buckets start LPT ties on successive ranks, spreading Owned params
+        layout = _plan(module, names[b], members, placements, world_size, b % world_size)
+        plans.append(
+            _Plan(
+                names[b],
+                members,
+                placements,
+                layout,
+                _hook_module(module, [f for _, fqns in members for f in fqns]),
+                spec.mp_policy or mp_policy or MixedPrecisionPolicy(),
+                spec.reshard_after_forward
+                if spec.reshard_after_forward is not None
+                else reshard_after_forward,
+            )
         )
-        built.append((bucket, _hook_module(module, [f for _, fqns in members for f in fqns])))
-    make_flexshard_class(module)
-    module._flexshard_buckets = [b for b, _ in built]
-    install_root_hooks(module)
-    state = StepState(module, module._flexshard_buckets)
-    module._flexshard_state = state
-    for bucket, hook_module in built:
-        install_bucket_hooks(bucket, hook_module)
-    return module  # type: ignore[return-value]
+    return plans
 
 
 def fully_shard(
@@ -243,28 +294,26 @@ def fully_shard(
         raise ValueError(f"{type(module).__name__} is already sharded by flexshard; wrap it once")
     groups = resolve_mesh(mesh)
     ignored = {id(p) for p in ignored_params or ()}
-    locations = {pid: f for pid, f in _parameter_locations(module).items() if pid not in ignored}
-    param_of = {id(p): p for p in module.parameters()}
-    name = type(module).__name__
-    members = [(param_of[pid], fqns) for pid, fqns in locations.items()]
-    placements = [
-        _resolve_placement(
-            (lambda f, p: shard_placement_fn(p)) if shard_placement_fn else Shard(0),
-            fqns[0],
-            p,
-            name,
-        )
-        for p, fqns in members
-    ]
-    check_same_plan(groups, [(name, members, placements)])
+
+    def plan() -> list[_Plan]:
+        locations = {
+            pid: f for pid, f in _parameter_locations(module).items() if pid not in ignored
+        }
+        if not locations:
+            return []
+        param_of = {id(p): p for p in module.parameters()}
+        name = type(module).__name__
+        members = [(param_of[pid], fqns) for pid, fqns in locations.items()]
+        placement = (lambda f, p: shard_placement_fn(p)) if shard_placement_fn else Shard(0)
+        placements = [_resolve_placement(placement, fqns[0], p, name) for p, fqns in members]
+        layout = _plan(module, name, members, placements, groups.shard_size, 0)
+        return [_Plan(name, members, placements, layout, module, mp_policy, reshard_after_forward)]
+
+    built = _agree_and_build(module, plan, groups, timeout)
     make_flexshard_class(module)
-    module._flexshard_buckets = []
+    module._flexshard_buckets = [b for b, _ in built]
     module._flexshard_state = None
     install_root_hooks(module)
-    if members:
-        bucket = _build_bucket(
-            module, name, members, placements, groups, mp_policy, reshard_after_forward, timeout
-        )
-        module._flexshard_buckets.append(bucket)
-        install_bucket_hooks(bucket, module)
+    for bucket, hook_module in built:
+        install_bucket_hooks(bucket, hook_module)
     return module  # type: ignore[return-value]

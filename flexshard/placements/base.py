@@ -64,9 +64,12 @@ class Placement:
         members: Sequence[tuple[Placement, Shape]],
         world_size: int,
         loads: Sequence[int],
+        first_rank: int = 0,
     ) -> list[list[list[Region]]]:
         """``loads``: elements each rank already stores for the bucket's other groups
-        (Owned balances against them; the contiguous placements ignore them)."""
+        (Owned balances against them; the contiguous placements ignore them).
+        ``first_rank``: where ties between equally loaded ranks start, so that buckets
+        planned one after another do not all put their largest item on rank 0."""
         raise NotImplementedError
 
 

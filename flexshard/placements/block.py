@@ -59,6 +59,7 @@ class BlockShard(Placement):
         members: Sequence[tuple[Placement, Shape]],
         world_size: int,
         loads: Sequence[int] = (),
+        first_rank: int = 0,
     ) -> list[list[list[Region]]]:
         grids = [tile_grid(shape, p.block) for p, shape in members]  # type: ignore[attr-defined]
         tiles = [(i, tile) for i, grid in enumerate(grids) for tile in grid]

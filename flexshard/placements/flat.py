@@ -22,6 +22,7 @@ class FlatShard(Placement):
         members: Sequence[tuple[Placement, Shape]],
         world_size: int,
         loads: Sequence[int] = (),
+        first_rank: int = 0,
     ) -> list[list[list[Region]]]:
         check_world_size(world_size)
         numels = [math.prod(shape) for _, shape in members]

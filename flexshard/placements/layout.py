@@ -54,7 +54,10 @@ def _slots(placement: Placement, per_rank: Sequence[Sequence[Region]]) -> list[i
 
 
 def plan_bucket(
-    entries: Sequence[tuple[str, Shape, Placement]], world_size: int, bucket: str = "bucket"
+    entries: Sequence[tuple[str, Shape, Placement]],
+    world_size: int,
+    bucket: str = "bucket",
+    first_rank: int = 0,
 ) -> BucketLayout:
     """Assign every parameter's regions to ranks and lay them out in flat storage.
 
@@ -89,7 +92,8 @@ def plan_bucket(
     # Owned goes last so that it can fill the ranks the other placements left light
     for indices in sorted(groups.values(), key=lambda ix: entries[ix[0]][2].balances_loads):
         members = [(entries[i][2], tuple(entries[i][1])) for i in indices]
-        for i, per_rank in zip(indices, members[0][0].assign(members, world_size, loads)):
+        assigned = members[0][0].assign(members, world_size, loads, first_rank)
+        for i, per_rank in zip(indices, assigned):
             regions[i] = per_rank
             loads = [a + b for a, b in zip(loads, _slots(entries[i][2], per_rank))]
 

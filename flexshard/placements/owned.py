@@ -19,6 +19,7 @@ def lpt_owners(
     world_size: int,
     pinned: Sequence[int | None] = (),
     loads: Sequence[float] = (),
+    first_rank: int = 0,
 ) -> list[int]:
     """Longest-processing-time assignment: largest item first to the least-loaded rank.
 
@@ -34,13 +35,17 @@ def lpt_owners(
         if rank is not None:
             owners[i] = rank
             loads[rank] += costs[i]
-    heap = [(load, rank) for rank, load in enumerate(loads)]
+
+    def tie(rank: int) -> int:
+        return (rank - first_rank) % world_size
+
+    heap = [(load, tie(rank), rank) for rank, load in enumerate(loads)]
     heapq.heapify(heap)
     free = sorted((i for i, r in enumerate(pinned) if r is None), key=lambda i: (-costs[i], i))
     for i in free:
-        load, rank = heapq.heappop(heap)
+        load, _, rank = heapq.heappop(heap)
         owners[i] = rank
-        heapq.heappush(heap, (load + costs[i], rank))
+        heapq.heappush(heap, (load + costs[i], tie(rank), rank))
     return owners
 
 
@@ -68,13 +73,14 @@ class Owned(Placement):
         members: Sequence[tuple[Placement, Shape]],
         world_size: int,
         loads: Sequence[int] = (),
+        first_rank: int = 0,
     ) -> list[list[list[Region]]]:
         pins = [p.rank for p, _ in members]  # type: ignore[attr-defined]
         costs = [p.cost(shape) for p, shape in members]  # type: ignore[attr-defined]
         # balance against what the bucket's other placements already put on each rank,
         # in their units (numel) only when the cost is numel too
         base = loads if all(p.cost is numel_cost for p, _ in members) else ()  # type: ignore[attr-defined]
-        owners = lpt_owners(costs, world_size, pins, base)
+        owners = lpt_owners(costs, world_size, pins, base, first_rank)
         return [
             [[whole(shape)] if rank == owner else [] for rank in range(world_size)]
             for (_, shape), owner in zip(members, owners)

@@ -48,9 +48,13 @@ def unpack(
     for param, full in zip(layout.params, fulls):
         if full is None:
             continue
+        # a flat region of a strided tensor is no view of it: fill a contiguous copy
+        target = full if full.is_contiguous() else torch.empty_like(full).contiguous()
         for rank in range(layout.world_size):
             for src, region in _rank_views(param, rank, gathered[rank]):
-                region.view_of(full).copy_(src)
+                region.view_of(target).copy_(src)
+        if target is not full:
+            full.copy_(target)
 
 
 def gathered_alias(layout: BucketLayout, index: int, gathered: torch.Tensor) -> torch.Tensor | None:

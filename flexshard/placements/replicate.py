@@ -15,6 +15,7 @@ class Replicate(Placement):
         members: Sequence[tuple[Placement, Shape]],
         world_size: int,
         loads: Sequence[int] = (),
+        first_rank: int = 0,
     ) -> list[list[list[Region]]]:
         check_world_size(world_size)
         return [[[whole(shape)] for _ in range(world_size)] for _, shape in members]

@@ -37,6 +37,7 @@ class Shard(Placement):
         members: Sequence[tuple[Placement, Shape]],
         world_size: int,
         loads: Sequence[int] = (),
+        first_rank: int = 0,
     ) -> list[list[list[Region]]]:
         out = []
         for placement, shape in members:

@@ -35,28 +35,45 @@ def _gather(values: list[int], group: dist.ProcessGroup, device: torch.device) -
     return out.view(dist.get_world_size(group), len(values)).cpu()
 
 
-def check_same_plan(groups: MeshGroups, plans: Sequence[Plan]) -> None:
-    """One small fixed-size all-gather per group: every rank must plan the same buckets
-    with the same parameters, shapes, dtypes and placements. Raises on every rank."""
+#: buckets whose own digest travels in the one exchange, so a mismatch can be named
+NAMED_BUCKETS = 16
+
+
+def check_same_plan(
+    groups: MeshGroups, plans: Sequence[Plan], local_error: Exception | None = None
+) -> None:
+    """One small fixed-size all-gather per group, all of them before anything is
+    raised: every rank must plan the same buckets with the same parameters, shapes,
+    dtypes and placements, and none may have failed validation. Raises on every rank
+    (a rank whose own validation failed raises its own error)."""
     digests = [_bucket_digest(*plan) for plan in plans]
-    for group in (groups.shard, groups.replicate):
-        if group is None or dist.get_world_size(group) == 1:
-            continue
-        summary = _gather([len(digests), _digest(repr(digests))], group, groups.device)
+    named = (digests + [0] * NAMED_BUCKETS)[:NAMED_BUCKETS]
+    mine = [int(local_error is not None), len(digests), _digest(repr(digests)), *named]
+    summaries = [
+        (group, _gather(mine, group, groups.device))
+        for group in (groups.shard, groups.replicate)
+        if group is not None and dist.get_world_size(group) > 1
+    ]
+    if local_error is not None:
+        raise local_error
+    for group, summary in summaries:
+        ranks = dist.get_process_group_ranks(group)
+        if summary[:, 0].any():
+            bad = [ranks[r] for r in range(len(ranks)) if summary[r, 0]]
+            raise ValueError(f"bucket specs failed validation on ranks {bad}; see their errors")
         if (summary == summary[0]).all():
             continue
-        ranks = dist.get_process_group_ranks(group)
-        counts = summary[:, 0].tolist()
+        counts = summary[:, 1].tolist()
         if len(set(counts)) > 1:
             raise ValueError(
                 f"bucket specs differ across ranks: ranks {ranks} plan {counts} buckets"
             )
-        per_bucket = _gather(digests, group, groups.device)
-        for b, (name, _, _) in enumerate(plans):
-            column = per_bucket[:, b]
+        for b, (name, _, _) in enumerate(plans[:NAMED_BUCKETS]):
+            column = summary[:, 3 + b]
             if not (column == column[0]).all():
                 differ = [ranks[r] for r in range(len(ranks)) if column[r] != column[0]]
                 raise ValueError(
                     f"bucket '{name}' is specified differently on ranks {differ} than on rank "
                     f"{ranks[0]} (parameters, shapes, dtypes or placements differ)"
                 )
+        raise ValueError(f"bucket specs differ across ranks {ranks} (a bucket past the first 16)")

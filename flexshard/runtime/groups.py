@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,7 @@ _reduce_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 @dataclass(frozen=True)
 class MeshGroups:
     shard: dist.ProcessGroup
-    reduce: dist.ProcessGroup  # same ranks as ``shard``: gradient reductions only
+    reduce: dist.ProcessGroup | None  # same ranks as ``shard``: gradient reductions only
     replicate: dist.ProcessGroup | None  # HSDP: gradients are all-reduced across it
     rank: int  # this rank's index in ``shard``
     device: torch.device
@@ -66,4 +66,10 @@ def resolve_mesh(mesh: DeviceMesh | dist.ProcessGroup | None) -> MeshGroups:
     device = torch.device(device_type)
     if device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    return MeshGroups(shard, _reduce_group_for(shard), replicate, dist.get_rank(shard), device)
+    return MeshGroups(shard, None, replicate, dist.get_rank(shard), device)
+
+
+def with_reduce_group(groups: MeshGroups) -> MeshGroups:
+    """Add the reduce group; its creation synchronises the ranks, so it comes only
+    after they agreed on the buckets."""
+    return replace(groups, reduce=_reduce_group_for(groups.shard))
