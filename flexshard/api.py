@@ -153,14 +153,16 @@ def _agree_and_build(
     built = []
     for plan in plans:
         params = [
-            BucketParam(fqns[0], _on_device(param, groups.device), [_owner(root, f) for f in fqns])
+            BucketParam(fqns[0], param.requires_grad, [_owner(root, f) for f in fqns])
             for param, fqns in plan.members
         ]
+        initial = [_on_device(param, groups.device) for param, _ in plan.members]
         comm = BucketComm(plan.name, groups.shard, groups.reduce, groups.replicate, timeout)
         bucket = Bucket(
             plan.name,
             plan.layout,
             params,
+            initial,
             comm,
             groups.rank,
             plan.mp_policy,
@@ -170,10 +172,10 @@ def _agree_and_build(
     return built
 
 
-def _on_device(param: nn.Parameter, device: torch.device) -> nn.Parameter:
+def _on_device(param: nn.Parameter, device: torch.device) -> torch.Tensor:
     if param.device.type in ("meta", device.type):
-        return param
-    return nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad)
+        return param.detach()
+    return param.detach().to(device)
 
 
 def flex_shard(

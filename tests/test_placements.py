@@ -706,15 +706,10 @@ def test_placement_is_abstract():
 
 
 # ---------------------------------------------------------------------------------------
-# known issue
+# unpack into a strided tensor (flat regions are no views of it)
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Region.view_of reshapes a non-contiguous tensor into a copy, so unpack "
-    "writes flat regions into a temporary and the full tensor stays unfilled",
-)
 def test_unpack_into_non_contiguous_full():
     layout = plan_bucket([("w", (3, 4), FlatShard())], 2)
     full = torch.arange(12.0).reshape(3, 4)

@@ -6,15 +6,46 @@ from collections.abc import Sequence
 
 import torch
 
+from .base import Region
 from .layout import BucketLayout, ParamLayout
 
 
+def _is_next_tile(prev: Region, region: Region, run: int) -> bool:
+    """``region`` continues a run of ``run`` equal tiles along the last dim."""
+    return (
+        not region.flat
+        and len(region.sizes) >= 2
+        and region.sizes == prev.sizes
+        and region.offsets[:-1] == prev.offsets[:-1]
+        and region.offsets[-1] == prev.offsets[-1] + run * prev.sizes[-1]
+    )
+
+
 def _rank_views(param: ParamLayout, rank: int, storage: torch.Tensor):
-    """Pairs (slice of the rank's flat storage, region) for one parameter."""
+    """Pairs (slice of the rank's flat storage, matching view of a full tensor) for one
+    parameter. Equal tiles side by side in one tile row are merged into one 3-D copy,
+    so BlockShard costs a copy per tile row, not per tile."""
     offset = param.offsets[rank]
-    for region in param.regions[rank]:
-        yield storage[offset : offset + region.numel].view(region.sizes), region
-        offset += region.numel
+    regions = param.regions[rank]
+    i = 0
+    while i < len(regions):
+        first = regions[i]
+        run = 1
+        while i + run < len(regions) and _is_next_tile(first, regions[i + run], run):
+            run += 1
+        i += run
+        numel = first.numel * run
+        if run == 1:
+            yield storage[offset : offset + numel].view(first.sizes), first.view_of
+        else:
+            span = Region(first.offsets, (*first.sizes[:-1], first.sizes[-1] * run))
+
+            def tiles(full: torch.Tensor, span: Region = span, run: int = run) -> torch.Tensor:
+                # (..., R, run * C) -> (run, ..., R, C): tile-major, as the storage holds them
+                return span.view_of(full).unflatten(-1, (run, -1)).movedim(-2, 0)
+
+            yield storage[offset : offset + numel].view(run, *first.sizes), tiles
+        offset += numel
 
 
 def pack_rank(
@@ -25,8 +56,8 @@ def pack_rank(
     for param, full in zip(layout.params, fulls):
         if full is None:
             continue
-        for dst, region in _rank_views(param, rank, out):
-            dst.copy_(region.view_of(full))
+        for dst, view_of in _rank_views(param, rank, out):
+            dst.copy_(view_of(full))
 
 
 def pack_all(layout: BucketLayout, fulls: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
@@ -51,8 +82,8 @@ def unpack(
         # a flat region of a strided tensor is no view of it: fill a contiguous copy
         target = full if full.is_contiguous() else torch.empty_like(full).contiguous()
         for rank in range(layout.world_size):
-            for src, region in _rank_views(param, rank, gathered[rank]):
-                region.view_of(target).copy_(src)
+            for src, view_of in _rank_views(param, rank, gathered[rank]):
+                view_of(target).copy_(src)
         if target is not full:
             full.copy_(target)
 

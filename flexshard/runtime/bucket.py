@@ -19,7 +19,7 @@ class BucketParam:
     """One parameter of a bucket and every module attribute that holds it (ties)."""
 
     fqn: str
-    original: nn.Parameter
+    requires_grad: bool
     locations: list[tuple[nn.Module, str]] = field(default_factory=list)
 
 
@@ -59,6 +59,7 @@ class Bucket:
         name: str,
         layout: BucketLayout,
         params: list[BucketParam],
+        initial: list[torch.Tensor],
         comm: BucketComm,
         rank: int,
         mp_policy: MixedPrecisionPolicy,
@@ -72,14 +73,15 @@ class Bucket:
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward
         self.requires_grad_sync = True
-        first = params[0].original
+        # ``initial`` are the unsharded parameters: copy this rank's regions, keep no reference
+        first = initial[0]
         self.dtype = first.dtype
         self.param_dtype = mp_policy.param_dtype or self.dtype
         self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
         self.storage = torch.zeros(layout.shard_numel, dtype=self.dtype, device=first.device)
         if first.device.type != "meta":
             with torch.no_grad():
-                pack_rank(layout, rank, [p.original for p in params], self.storage)
+                pack_rank(layout, rank, initial, self.storage)
         self.unsharded = False
         self._gather: Pending | None = None
         self._reduce: tuple[Pending, torch.Tensor, torch.Tensor] | None = None
@@ -105,7 +107,7 @@ class Bucket:
         """Local parameters (views of the storage, what the optimizer sees) and the full
         ones; both are (re)made whenever the storage is."""
         self.local_params = [
-            nn.Parameter(self._local_view(self.storage, i), requires_grad=p.original.requires_grad)
+            nn.Parameter(self._local_view(self.storage, i), requires_grad=p.requires_grad)
             for i, p in enumerate(self.params)
         ]
         for local in self.local_params:
@@ -138,7 +140,7 @@ class Bucket:
                 else torch.empty(p.shape, dtype=self.param_dtype, device=device)
             )
         self.full_params = [
-            nn.Parameter(_own_version_counter(base), requires_grad=p.original.requires_grad)
+            nn.Parameter(_own_version_counter(base), requires_grad=p.requires_grad)
             for base, p in zip(bases, self.params)
         ]
         for i, full in enumerate(self.full_params):
