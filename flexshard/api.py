@@ -17,7 +17,7 @@ from .placements import BucketLayout, Placement, Shard, plan_bucket
 from .runtime.bucket import Bucket, BucketParam
 from .runtime.collectives import DEFAULT_TIMEOUT, BucketComm
 from .runtime.consistency import check_same_plan
-from .runtime.groups import MeshGroups, resolve_mesh, with_reduce_group
+from .runtime.groups import MeshGroups, resolve_mesh
 from .runtime.hooks import StepState, install_bucket_hooks, install_root_hooks
 from .runtime.module import FlexShardModule, make_flexshard_class
 
@@ -149,7 +149,6 @@ def _agree_and_build(
     except (ValueError, TypeError) as err:
         plans, error = [], err
     check_same_plan(groups, [(p.name, p.members, p.placements) for p in plans], error)
-    groups = with_reduce_group(groups)
     built = []
     for plan in plans:
         params = [
@@ -157,7 +156,7 @@ def _agree_and_build(
             for param, fqns in plan.members
         ]
         initial = [_on_device(param, groups.device) for param, _ in plan.members]
-        comm = BucketComm(plan.name, groups.shard, groups.reduce, groups.replicate, timeout)
+        comm = BucketComm(plan.name, groups.shard, groups.replicate, timeout)
         bucket = Bucket(
             plan.name,
             plan.layout,
@@ -192,12 +191,6 @@ def flex_shard(
     Every parameter must match exactly one bucket. All checks run before any
     collective, so a bad spec raises on every rank instead of hanging one of them.
     """
-    if isinstance(module, FlexShardModule) or any(
-        isinstance(m, FlexShardModule) for m in module.modules()
-    ):
-        raise ValueError(f"{type(module).__name__} is already sharded by flexshard; wrap it once")
-    if not buckets:
-        raise ValueError("flex_shard needs at least one BucketSpec")
     groups = resolve_mesh(mesh)
     plan = lambda: _plan_flex(  # noqa: E731
         module, buckets, groups.shard_size, mp_policy, reshard_after_forward
@@ -219,6 +212,10 @@ def _plan_flex(
     mp_policy: MixedPrecisionPolicy | None,
     reshard_after_forward: bool | None,
 ) -> list[_Plan]:
+    if any(isinstance(m, FlexShardModule) for m in module.modules()):
+        raise ValueError(f"{type(module).__name__} is already sharded by flexshard; wrap it once")
+    if not buckets:
+        raise ValueError("flex_shard needs at least one BucketSpec")
     locations = _parameter_locations(module)
     param_of = {id(p): p for p in module.parameters()}
     names = [spec.name or f"bucket{i}" for i, spec in enumerate(buckets)]
@@ -292,12 +289,14 @@ def fully_shard(
         raise TypeError("fully_shard of a list of modules is not supported; wrap a common parent")
     if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
         raise ValueError("flexshard does not offload parameters to the CPU")
-    if isinstance(module, FlexShardModule):
-        raise ValueError(f"{type(module).__name__} is already sharded by flexshard; wrap it once")
     groups = resolve_mesh(mesh)
     ignored = {id(p) for p in ignored_params or ()}
 
     def plan() -> list[_Plan]:
+        if isinstance(module, FlexShardModule):
+            raise ValueError(
+                f"{type(module).__name__} is already sharded by flexshard; wrap it once"
+            )
         locations = {
             pid: f for pid, f in _parameter_locations(module).items() if pid not in ignored
         }

@@ -86,10 +86,9 @@ class Bucket:
         self._gather: Pending | None = None
         self._reduce: tuple[Pending, torch.Tensor, torch.Tensor] | None = None
         self._accumulated: list[torch.Tensor | None] = [None] * len(params)
-        self._on_ready: Callable[[Bucket], None] | None = None
         self.step_state: Any = None  # the StepState shared with the model's other buckets
+        self.ready = False  # this backward's gradients are complete
         self._build_params()
-        self.reset_backward()
 
     def rename(self, name: str) -> None:
         self.name = name
@@ -143,9 +142,6 @@ class Bucket:
             nn.Parameter(_own_version_counter(base), requires_grad=p.requires_grad)
             for base, p in zip(bases, self.params)
         ]
-        for i, full in enumerate(self.full_params):
-            if full.requires_grad:
-                full.register_post_accumulate_grad_hook(lambda _, i=i: self._grad_arrived(i))
         self._free_full()
 
     def rebind_storage(self, convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -228,15 +224,6 @@ class Bucket:
         self.unsharded = False
 
     # ---------------------------------------------------------------- gradients
-    def reset_backward(self) -> None:
-        self.ready = False
-        self._waiting_for = {i for i, f in enumerate(self.full_params) if f.requires_grad}
-
-    def _grad_arrived(self, index: int) -> None:
-        self._waiting_for.discard(index)
-        if not self._waiting_for and not self.ready and self._on_ready is not None:
-            self._on_ready(self)
-
     def _take_grads(self) -> list[torch.Tensor | None]:
         """Unsharded gradients of this backward plus those held back by no-sync steps."""
         grads = []

@@ -66,21 +66,19 @@ class Pending:
 
 
 class BucketComm:
-    """The collectives of one bucket, on its shard group (all-gather), its reduce group
-    (a duplicate of the shard group, so gradient reductions never queue behind
-    prefetches) and, for HSDP, its replicate group."""
+    """The collectives of one bucket, on its shard group and, for HSDP, its replicate
+    group. Every rank issues them in the same order: gathers in forward order and
+    its reverse, gradient reductions in a fixed queue (see hooks.StepState)."""
 
     def __init__(
         self,
         bucket: str,
         shard_group: dist.ProcessGroup,
-        reduce_group: dist.ProcessGroup,
         replicate_group: dist.ProcessGroup | None,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     ) -> None:
         self.bucket = bucket
         self.shard_group = shard_group
-        self.reduce_group = reduce_group
         self.replicate_group = replicate_group
         self.world_size = dist.get_world_size(shard_group)
         self.timeout = timeout
@@ -101,14 +99,14 @@ class BucketComm:
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Pending:
         work = dist.reduce_scatter_tensor(
-            out, full, op=dist.ReduceOp.AVG, group=self.reduce_group, async_op=True
+            out, full, op=dist.ReduceOp.AVG, group=self.shard_group, async_op=True
         )
         self._count("reduce_scatter", (self.world_size - 1) * out.numel() * out.element_size())
         return Pending(work, f"reduce-scatter of bucket '{self.bucket}'", self.timeout)
 
     def all_reduce(self, tensor: torch.Tensor, replicas: bool = False) -> Pending:
         """Average ``tensor`` over the shard group, or over the replicas (HSDP)."""
-        group = self.replicate_group if replicas else self.reduce_group
+        group = self.replicate_group if replicas else self.shard_group
         size = dist.get_world_size(group)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=True)
         self._count("all_reduce", 2 * (size - 1) * tensor.numel() * tensor.element_size() // size)

@@ -37,6 +37,18 @@ def _gather(values: list[int], group: dist.ProcessGroup, device: torch.device) -
 
 #: buckets whose own digest travels in the one exchange, so a mismatch can be named
 NAMED_BUCKETS = 16
+#: bytes of a failing rank's error message that travel with it
+MESSAGE_BYTES = 512
+
+
+def _encode(message: str) -> list[int]:
+    raw = message.encode()[:MESSAGE_BYTES].ljust(MESSAGE_BYTES, b"\0")
+    return [int.from_bytes(raw[i : i + 7], "little") for i in range(0, MESSAGE_BYTES, 7)]
+
+
+def _decode(values: list[int]) -> str:
+    raw = b"".join(int(v).to_bytes(7, "little") for v in values)
+    return raw.rstrip(b"\0").decode(errors="replace")
 
 
 def check_same_plan(
@@ -44,11 +56,12 @@ def check_same_plan(
 ) -> None:
     """One small fixed-size all-gather per group, all of them before anything is
     raised: every rank must plan the same buckets with the same parameters, shapes,
-    dtypes and placements, and none may have failed validation. Raises on every rank
-    (a rank whose own validation failed raises its own error)."""
+    dtypes and placements, and none may have failed validation. Raises on every rank;
+    a rank whose own validation failed raises its own error, the others quote it."""
     digests = [_bucket_digest(*plan) for plan in plans]
     named = (digests + [0] * NAMED_BUCKETS)[:NAMED_BUCKETS]
-    mine = [int(local_error is not None), len(digests), _digest(repr(digests)), *named]
+    message = _encode(str(local_error) if local_error is not None else "")
+    mine = [int(local_error is not None), len(digests), _digest(repr(digests)), *named, *message]
     summaries = [
         (group, _gather(mine, group, groups.device))
         for group in (groups.shard, groups.replicate)
@@ -56,19 +69,25 @@ def check_same_plan(
     ]
     if local_error is not None:
         raise local_error
+    names = [name for name, _, _ in plans]
     for group, summary in summaries:
         ranks = dist.get_process_group_ranks(group)
-        if summary[:, 0].any():
-            bad = [ranks[r] for r in range(len(ranks)) if summary[r, 0]]
-            raise ValueError(f"bucket specs failed validation on ranks {bad}; see their errors")
-        if (summary == summary[0]).all():
+        failed = [r for r in range(len(ranks)) if summary[r, 0]]
+        if failed:
+            first = _decode(summary[failed[0], 3 + NAMED_BUCKETS :].tolist())
+            raise ValueError(
+                f"flexshard input failed validation on ranks {[ranks[r] for r in failed]}; "
+                f"rank {ranks[failed[0]]}: {first}"
+            )
+        if (summary[:, : 3 + NAMED_BUCKETS] == summary[0, : 3 + NAMED_BUCKETS]).all():
             continue
         counts = summary[:, 1].tolist()
         if len(set(counts)) > 1:
             raise ValueError(
-                f"bucket specs differ across ranks: ranks {ranks} plan {counts} buckets"
+                f"bucket specs differ across ranks: ranks {ranks} plan {counts} buckets; "
+                f"this rank's are {names}"
             )
-        for b, (name, _, _) in enumerate(plans[:NAMED_BUCKETS]):
+        for b, name in enumerate(names[:NAMED_BUCKETS]):
             column = summary[:, 3 + b]
             if not (column == column[0]).all():
                 differ = [ranks[r] for r in range(len(ranks)) if column[r] != column[0]]

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-_reduce_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
 
 @dataclass(frozen=True)
 class MeshGroups:
     shard: dist.ProcessGroup
-    reduce: dist.ProcessGroup | None  # same ranks as ``shard``: gradient reductions only
     replicate: dist.ProcessGroup | None  # HSDP: gradients are all-reduced across it
     rank: int  # this rank's index in ``shard``
     device: torch.device
@@ -22,16 +19,6 @@ class MeshGroups:
     @property
     def shard_size(self) -> int:
         return dist.get_world_size(self.shard)
-
-
-def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A second group over the same ranks, so that gradient reductions never wait in
-    line behind parameter prefetches (and the two sequences cannot interleave
-    differently on different ranks)."""
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _reduce_groups:
-        _reduce_groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-    return _reduce_groups[ranks]
 
 
 def resolve_mesh(mesh: DeviceMesh | dist.ProcessGroup | None) -> MeshGroups:
@@ -56,6 +43,8 @@ def resolve_mesh(mesh: DeviceMesh | dist.ProcessGroup | None) -> MeshGroups:
                 f"flexshard takes a 1-D or 2-D (replicate, shard) mesh, got {mesh.ndim}-D"
             )
         device_type = mesh.device_type
+    elif mesh is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"the process group does not contain this rank ({dist.get_rank()})")
     elif isinstance(mesh, dist.ProcessGroup):
         if dist.get_rank(mesh) < 0:
             raise ValueError(f"the process group does not contain this rank ({dist.get_rank()})")
@@ -66,10 +55,4 @@ def resolve_mesh(mesh: DeviceMesh | dist.ProcessGroup | None) -> MeshGroups:
     device = torch.device(device_type)
     if device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    return MeshGroups(shard, None, replicate, dist.get_rank(shard), device)
-
-
-def with_reduce_group(groups: MeshGroups) -> MeshGroups:
-    """Add the reduce group; its creation synchronises the ranks, so it comes only
-    after they agreed on the buckets."""
-    return replace(groups, reduce=_reduce_group_for(groups.shard))
+    return MeshGroups(shard, replicate, dist.get_rank(shard), device)

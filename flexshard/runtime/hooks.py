@@ -33,7 +33,6 @@ class StepState:
         self._in_flight: deque[Bucket] = deque()
         self.in_backward = False
         for bucket in buckets:
-            bucket._on_ready = self._bucket_ready
             bucket.step_state = self
 
     # ---------------------------------------------------------------- forward
@@ -67,13 +66,16 @@ class StepState:
         self._prefetch(bucket, -1)
 
     def after_backward(self, bucket: Bucket) -> None:
-        """The bucket's module finished its backward: its gradients are complete."""
+        """The bucket's module finished its backward: its gradients are complete.
+
+        This point is set by the graph's structure, not by which parameters got a
+        gradient, so every rank reaches it at the same place in its sequence of
+        collectives, even when some parameters go unused on some ranks."""
         self._backward_begins()
         self._bucket_ready(bucket)
         bucket.reshard()
 
     def _bucket_ready(self, bucket: Bucket) -> None:
-        self._backward_begins()
         bucket.ready = True
         # launch strictly in queue order, so every rank issues the same sequence
         queue = self._launch_queue
@@ -101,7 +103,7 @@ class StepState:
                 bucket.reshard()
         finally:
             for bucket in self.buckets:
-                bucket.reset_backward()
+                bucket.ready = False
             self._launched = len(self._launch_queue)
             self.in_backward = False
 
