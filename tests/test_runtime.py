@@ -131,3 +131,54 @@ def test_stalled_rank_raises_naming_bucket():
     assert "all-gather of bucket 'outer'" in message, message
     assert waited < 5.5, waited
     assert results[1] == "stalled"
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(5, 17)
+        self.a = torch.nn.Linear(17, 3)
+        self.b = torch.nn.Linear(17, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.body(x)
+        return self.a(h).sum() + (self.b(h).sum() if use_b else 0)
+
+
+def _unused_on_some_ranks(rank, world_size):
+    """Head ``b`` gets no gradient on odd ranks: the reduction still runs on every rank
+    (zeros for the missing gradient) and nothing hangs."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    reference = _TwoHeads()
+    model = fs.flex_shard(
+        _TwoHeads(),
+        mesh,
+        buckets=[fs.BucketSpec(["body.*", "b.*"], placement=fs.Owned()), fs.BucketSpec("a.*")],
+    )
+    fs.load_full_state_dict(model, reference.state_dict())
+    inputs = [
+        torch.randn(4, 5, generator=torch.Generator().manual_seed(r)) for r in range(world_size)
+    ]
+    model(inputs[rank], use_b=rank % 2 == 0).backward()
+    for r in range(world_size):
+        (reference(inputs[r], use_b=r % 2 == 0) / world_size).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    regions = {
+        b.params[i].fqn: (b, i) for b in model._flexshard_buckets for i in range(len(b.params))
+    }
+    worst = 0.0
+    for name, param in reference.named_parameters():
+        bucket, i = regions[name]
+        expected = torch.zeros(bucket.layout.params[i].local_numel(rank))
+        for region in bucket.layout.params[i].regions[rank]:
+            expected = region.view_of(param.grad).reshape(-1)
+        got = grads[name]
+        worst = max(worst, (got.reshape(-1) - expected).abs().max().item() if got.numel() else 0.0)
+    return worst, model.comm_stats()["total"]["reduce_scatter"]
+
+
+def test_parameters_unused_on_some_ranks():
+    for worst, reductions in run_distributed(_unused_on_some_ranks, 3):
+        assert worst < 1e-6
+        assert reductions == 2
