@@ -50,8 +50,9 @@ class Placement:
     #: placements whose per-param slots are padded to the same size on every rank, so
     #: a bucket of them lays out gradients exactly as torch FSDP2 does
     uniform_slots: bool = False
-    #: placements assigned after the others, so they can fill the lighter ranks
-    balances_loads: bool = False
+    #: planning order within a bucket: later stages see the loads of earlier ones and
+    #: can fill the lighter ranks (fixed splits 0, Owned 1, BlockShard 2)
+    stage: int = 0
 
     def group_key(self) -> object:
         return self
@@ -78,19 +79,34 @@ def check_world_size(world_size: int) -> None:
         raise ValueError(f"world size must be >= 1, got {world_size}")
 
 
-def contiguous_cuts(loads: Sequence[int], world_size: int) -> list[int]:
+def fill_levels(base: Sequence[float], total: float) -> list[float]:
+    """How much of ``total`` each rank takes so that ranks end as level as possible
+    (water-filling over what they already carry in ``base``)."""
+    order = sorted(range(len(base)), key=lambda r: base[r])
+    level = 0.0
+    for j in range(1, len(base) + 1):
+        level = (total + sum(base[r] for r in order[:j])) / j
+        if j == len(base) or level <= base[order[j]]:
+            break
+    return [max(0.0, level - b) for b in base]
+
+
+def contiguous_cuts(loads: Sequence[int], world_size: int, base: Sequence[float] = ()) -> list[int]:
     """Cut a sequence of item loads into ``world_size`` contiguous runs of near-equal load.
 
     Returns ``world_size + 1`` boundaries. Each cut goes to the item boundary nearest
-    ``k * total / W``, so every run carries at most ``total / W + max(loads)``.
+    its target, so every run is within ``max(loads)`` of its share: ``total / W`` when
+    ``base`` is empty, else the share that levels the ranks out over ``base``.
     """
     prefix = [0]
     for load in loads:
         prefix.append(prefix[-1] + load)
     total = prefix[-1]
+    shares = fill_levels(base, total) if base else [total / world_size] * world_size
     cuts = [0]
+    target = 0.0
     for k in range(1, world_size):
-        target = k * total / world_size
+        target += shares[k - 1]
         i = cuts[-1]
         while i < len(loads) and prefix[i + 1] <= target:
             i += 1

@@ -51,6 +51,8 @@ class BlockShard(Placement):
             raise ValueError(f"BlockShard block must be two positive ints, got {self.block!r}")
         object.__setattr__(self, "block", block)
 
+    stage = 2
+
     def group_key(self) -> object:
         return BlockShard
 
@@ -63,7 +65,8 @@ class BlockShard(Placement):
     ) -> list[list[list[Region]]]:
         grids = [tile_grid(shape, p.block) for p, shape in members]  # type: ignore[attr-defined]
         tiles = [(i, tile) for i, grid in enumerate(grids) for tile in grid]
-        cuts = contiguous_cuts([tile.numel for _, tile in tiles], world_size)
+        # level out what the bucket's Shard, FlatShard and Owned parameters left uneven
+        cuts = contiguous_cuts([tile.numel for _, tile in tiles], world_size, loads)
         out: list[list[list[Region]]] = [[[] for _ in range(world_size)] for _ in members]
         for rank in range(world_size):
             for i, tile in tiles[cuts[rank] : cuts[rank + 1]]:

@@ -5,9 +5,58 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from .base import Placement, Region, Shape, check_world_size
 from .replicate import Replicate
+
+
+@dataclass(frozen=True)
+class CopyBlock:
+    """Storage elements that map to one strided view of the full parameter: a region,
+    or a ``rows x cols`` grid of equal tiles stored tile after tile."""
+
+    offset: int  # first element in the rank's storage
+    region: Region  # the region, or the grid's first tile
+    grid: tuple[int, int] = (1, 1)
+
+    @property
+    def numel(self) -> int:
+        return self.region.numel * self.grid[0] * self.grid[1]
+
+
+def _continues_grid(first: Region, region: Region, row: int, col: int) -> bool:
+    """``region`` is tile (row, col) of a grid of tiles the size of ``first``."""
+    rows, cols = first.sizes[-2:]
+    return (
+        not region.flat
+        and region.sizes == first.sizes
+        and region.offsets[:-2] == first.offsets[:-2]
+        and region.offsets[-2] == first.offsets[-2] + row * rows
+        and region.offsets[-1] == first.offsets[-1] + col * cols
+    )
+
+
+def merge_regions(regions: Sequence[Region], offset: int) -> list[CopyBlock]:
+    """Group consecutive equal tiles into grids, so BlockShard copies a block of whole
+    tile rows at once instead of one tile at a time."""
+    blocks = []
+    i = 0
+    while i < len(regions):
+        first = regions[i]
+        cols = rows = 1
+        if not first.flat and len(first.sizes) >= 2 and all(s == 1 for s in first.sizes[:-2]):
+            while i + cols < len(regions) and _continues_grid(first, regions[i + cols], 0, cols):
+                cols += 1
+            while i + (rows + 1) * cols <= len(regions) and all(
+                _continues_grid(first, regions[i + rows * cols + c], rows, c) for c in range(cols)
+            ):
+                rows += 1
+        block = CopyBlock(offset, first, (rows, cols))
+        blocks.append(block)
+        offset += block.numel
+        i += rows * cols
+    return blocks
 
 
 @dataclass(frozen=True)
@@ -23,6 +72,14 @@ class ParamLayout:
 
     def local_numel(self, rank: int) -> int:
         return sum(region.numel for region in self.regions[rank])
+
+    @cached_property
+    def copy_blocks(self) -> tuple[tuple[CopyBlock, ...], ...]:
+        """Per rank, the copies that move this parameter in or out of its storage."""
+        return tuple(
+            tuple(merge_regions(regions, offset))
+            for regions, offset in zip(self.regions, self.offsets)
+        )
 
     def local_shape(self, rank: int) -> Shape:
         """Shaped like the region when a rank holds one box, flat otherwise."""
@@ -42,6 +99,11 @@ class BucketLayout:
     @property
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
+
+    @property
+    def dense(self) -> bool:
+        """No padding: every storage element of every rank holds a parameter element."""
+        return self.replicated or self.world_size * self.shard_numel == self.numel
 
     def rank_numel(self, rank: int) -> int:
         return sum(p.local_numel(rank) for p in self.params)
@@ -89,8 +151,8 @@ def plan_bucket(
         groups.setdefault(placement.group_key(), []).append(i)
     regions: list[list[list[Region]]] = [[] for _ in entries]
     loads = [0] * world_size
-    # Owned goes last so that it can fill the ranks the other placements left light
-    for indices in sorted(groups.values(), key=lambda ix: entries[ix[0]][2].balances_loads):
+    # Owned, then BlockShard, fill the ranks the fixed splits left light
+    for indices in sorted(groups.values(), key=lambda ix: entries[ix[0]][2].stage):
         members = [(entries[i][2], tuple(entries[i][1])) for i in indices]
         assigned = members[0][0].assign(members, world_size, loads, first_rank)
         for i, per_rank in zip(indices, assigned):

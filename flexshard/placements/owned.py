@@ -56,7 +56,7 @@ class Owned(Placement):
     rank: int | None = None
     cost: Callable[[Shape], float] = field(default=numel_cost, compare=False, repr=False)
 
-    balances_loads = True
+    stage = 1
 
     def group_key(self) -> object:
         return Owned

@@ -7,45 +7,21 @@ from collections.abc import Sequence
 import torch
 
 from .base import Region
-from .layout import BucketLayout, ParamLayout
+from .layout import BucketLayout, CopyBlock
 
 
-def _is_next_tile(prev: Region, region: Region, run: int) -> bool:
-    """``region`` continues a run of ``run`` equal tiles along the last dim."""
-    return (
-        not region.flat
-        and len(region.sizes) >= 2
-        and region.sizes == prev.sizes
-        and region.offsets[:-1] == prev.offsets[:-1]
-        and region.offsets[-1] == prev.offsets[-1] + run * prev.sizes[-1]
-    )
-
-
-def _rank_views(param: ParamLayout, rank: int, storage: torch.Tensor):
-    """Pairs (slice of the rank's flat storage, matching view of a full tensor) for one
-    parameter. Equal tiles side by side in one tile row are merged into one 3-D copy,
-    so BlockShard costs a copy per tile row, not per tile."""
-    offset = param.offsets[rank]
-    regions = param.regions[rank]
-    i = 0
-    while i < len(regions):
-        first = regions[i]
-        run = 1
-        while i + run < len(regions) and _is_next_tile(first, regions[i + run], run):
-            run += 1
-        i += run
-        numel = first.numel * run
-        if run == 1:
-            yield storage[offset : offset + numel].view(first.sizes), first.view_of
-        else:
-            span = Region(first.offsets, (*first.sizes[:-1], first.sizes[-1] * run))
-
-            def tiles(full: torch.Tensor, span: Region = span, run: int = run) -> torch.Tensor:
-                # (..., R, run * C) -> (run, ..., R, C): tile-major, as the storage holds them
-                return span.view_of(full).unflatten(-1, (run, -1)).movedim(-2, 0)
-
-            yield storage[offset : offset + numel].view(run, *first.sizes), tiles
-        offset += numel
+def _views(block: CopyBlock, storage: torch.Tensor, full: torch.Tensor):
+    """(the block's slice of a rank's flat storage, the same elements of ``full``)."""
+    flat = storage[block.offset : block.offset + block.numel]
+    region = block.region
+    if block.grid == (1, 1):
+        return flat.view(region.sizes), region.view_of(full)
+    rows, cols = block.grid
+    tile_rows, tile_cols = region.sizes[-2:]
+    span = Region(region.offsets, (*region.sizes[:-2], rows * tile_rows, cols * tile_cols))
+    box = span.view_of(full).view(rows * tile_rows, cols * tile_cols)  # batch dims are 1
+    tiles = box.unflatten(0, (rows, tile_rows)).unflatten(-1, (cols, tile_cols))
+    return flat.view(rows, cols, tile_rows, tile_cols), tiles.permute(0, 2, 1, 3)
 
 
 def pack_rank(
@@ -56,13 +32,15 @@ def pack_rank(
     for param, full in zip(layout.params, fulls):
         if full is None:
             continue
-        for dst, view_of in _rank_views(param, rank, out):
-            dst.copy_(view_of(full))
+        for block in param.copy_blocks[rank]:
+            dst, src = _views(block, out, full)
+            dst.copy_(src)
 
 
 def pack_all(layout: BucketLayout, fulls: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
     """Write every rank's storage into the rows of ``out`` ([W, S]); padding is zeroed."""
-    out.zero_()
+    if not layout.dense or any(full is None for full in fulls):
+        out.zero_()
     for rank in range(layout.world_size):
         pack_rank(layout, rank, fulls, out[rank])
 
@@ -82,8 +60,9 @@ def unpack(
         # a flat region of a strided tensor is no view of it: fill a contiguous copy
         target = full if full.is_contiguous() else torch.empty_like(full).contiguous()
         for rank in range(layout.world_size):
-            for src, view_of in _rank_views(param, rank, gathered[rank]):
-                view_of(target).copy_(src)
+            for block in param.copy_blocks[rank]:
+                src, dst = _views(block, gathered[rank], target)
+                dst.copy_(src)
         if target is not full:
             full.copy_(target)
 

@@ -93,12 +93,12 @@ class BucketComm:
         self.stats.bytes_received += moved
 
     def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> Pending:
-        work = dist.all_gather_into_tensor(out, local, group=self.shard_group, async_op=True)
+        work = dist.all_gather_single(out, local, group=self.shard_group, async_op=True)
         self._count("all_gather", (self.world_size - 1) * local.numel() * local.element_size())
         return Pending(work, f"all-gather of bucket '{self.bucket}'", self.timeout)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Pending:
-        work = dist.reduce_scatter_tensor(
+        work = dist.reduce_scatter_single(
             out, full, op=dist.ReduceOp.AVG, group=self.shard_group, async_op=True
         )
         self._count("reduce_scatter", (self.world_size - 1) * out.numel() * out.element_size())

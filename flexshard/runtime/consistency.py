@@ -31,7 +31,7 @@ def _bucket_digest(
 def _gather(values: list[int], group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
     local = torch.tensor(values, dtype=torch.int64, device=device)
     out = torch.empty(dist.get_world_size(group) * len(values), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, local, group=group)
+    dist.all_gather_single(out, local, group=group)
     return out.view(dist.get_world_size(group), len(values)).cpu()
 
 

@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks of flexshard against torch FSDP2."""

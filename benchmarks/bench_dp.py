@@ -1,0 +1,205 @@
+"""torch FSDP2 vs flexshard (fully_shard and flex_shard with every placement), side by
+side on one model, one data stream and one world size per process group.
+
+    .venv/bin/python -m benchmarks.bench_dp                # W = 2 and 4
+    .venv/bin/python -m benchmarks.bench_dp --quick        # W = 2, fewer steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flexshard.testing import TransformerConfig, run_distributed
+
+from .dp_rank import BenchOptions, config_names, run_rank
+from .report import markdown
+
+RESULTS = Path(__file__).parent / "results"
+MB = 2**20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: W=2, 1 warm-up, 3 timed steps, 1 rep"
+    )
+    p.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=2, help="interleaved repetitions; best median wins")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--block", type=int, nargs=2, default=[64, 64], help="BlockShard tile (R, C)")
+    p.add_argument("--configs", nargs="+", default=None, help="subset of configurations")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--timeout", type=float, default=600, help="seconds per world size")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.world_sizes, args.warmup, args.steps, args.reps = [2], 1, 3, 1
+    return args
+
+
+def options(args: argparse.Namespace) -> BenchOptions:
+    cfg = TransformerConfig(
+        vocab=1024, dim=args.dim, heads=8, hidden=4 * args.dim, layers=args.layers, seq=64
+    )
+    block = (args.block[0], args.block[1])
+    names = config_names(block)
+    configs = tuple(args.configs or names)
+    unknown = sorted(set(configs) - set(names))
+    if unknown:
+        raise SystemExit(f"unknown configurations {unknown}; choose from {list(names)}")
+    if "fsdp2" not in configs:
+        configs = ("fsdp2", *configs)  # every ratio is against FSDP2
+    return BenchOptions(cfg, args.batch, args.warmup, args.steps, args.reps, configs, block)
+
+
+# ---------------------------------------------------------------- aggregation
+def _slowest_rank(per_rank: list[list[list[float]]]) -> list[list[float]]:
+    """Per step and phase, the slowest rank (the step ends when the last rank does)."""
+    return [[max(ph) for ph in zip(*steps)] for steps in zip(*per_rank)]
+
+
+def _median_ms(steps: list[list[float]], phase: int | None = None) -> float:
+    values = [sum(s) if phase is None else s[phase] for s in steps]
+    return 1e3 * statistics.median(values)
+
+
+def summarize(name: str, reps_by_rank: list[list[dict[str, Any]]], world: int) -> dict[str, Any]:
+    """One configuration at one world size: the best repetition's medians, the peaks."""
+    reps = list(zip(*reps_by_rank))  # per rep, per rank
+    steps_per_rep = [_slowest_rank([r["phases_s"] for r in ranks]) for ranks in reps]
+    medians = [_median_ms(steps) for steps in steps_per_rep]
+    best = min(range(len(medians)), key=medians.__getitem__)
+    steps = steps_per_rep[best]
+    first = reps[0][0]
+    comms = [r["comm"] for ranks in reps for r in ranks]
+    worst_comm = max(comms, key=lambda c: c["bytes_sent"])
+    memory = [r["memory"] for ranks in reps for r in ranks]
+    model_bytes = sum(b["numel"] for b in first["buckets"]) * 4
+    return {
+        "world_size": world,
+        "config": name,
+        "median_ms": medians[best],
+        "median_ms_per_rep": medians,
+        "forward_ms": _median_ms(steps, 0),
+        "backward_ms": _median_ms(steps, 1),
+        "optimizer_ms": _median_ms(steps, 2),
+        "step_ms_slowest_rank": [1e3 * sum(s) for s in steps],
+        # per rank: the max over ranks of the min over repetitions (least allocator noise)
+        "peak_rss_mb": _peak_over_ranks(reps_by_rank, "peak_mb"),
+        "sampled_rss_mb": _peak_over_ranks(reps_by_rank, "sampled_peak_mb"),
+        "live_tensor_mb": _peak_over_ranks(reps_by_rank, "live_tensor_mb"),
+        "peak_source": memory[0]["peak_source"],
+        "local_param_mb": [r["local_param_mb"] for r in reps[0]],
+        "comm": worst_comm,
+        "comm_constant": all(r["comm_constant"] for ranks in reps for r in ranks),
+        "comm_stats_agree": first["comm_stats_agree"],
+        "bytes_vs_min": worst_comm["bytes_sent"] / worst_comm["min_bytes"],
+        "bytes_vs_model": worst_comm["bytes_sent"] / ((world - 1) / world * model_bytes),
+        "buckets": first["buckets"],
+        "max_padding": max(b["padding"] for b in first["buckets"]),
+        "final_loss_rank0": first["losses"][-1],
+    }
+
+
+def _peak_over_ranks(reps_by_rank: list[list[dict[str, Any]]], key: str) -> float:
+    return max(min(rep["memory"][key] for rep in reps) for reps in reps_by_rank)
+
+
+def run_world(opts: BenchOptions, world: int, timeout: float) -> list[dict[str, Any]]:
+    per_rank = run_distributed(run_rank, world, opts, timeout=timeout)
+    rows = [summarize(name, [r[name] for r in per_rank], world) for name in opts.configs]
+    base = next(r["median_ms"] for r in rows if r["config"] == "fsdp2")
+    for row in rows:
+        row["ratio_vs_fsdp2"] = row["median_ms"] / base
+    return rows
+
+
+# ---------------------------------------------------------------- main
+def _git_revision() -> str:
+    """The flexshard commit measured, marked "+dirty" when the work tree has changes."""
+    root = Path(__file__).parent.parent
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "flexshard"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return rev + ("+dirty" if dirty else "")
+
+
+def environment(argv: list[str]) -> dict[str, Any]:
+    return {
+        "flexshard_revision": _git_revision(),
+        "command": " ".join([".venv/bin/python -m benchmarks.bench_dp", *map(shlex.quote, argv)]),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()}, nproc={os.cpu_count()}, "
+        f"{'CUDA' if torch.cuda.is_available() else 'CPU only'}, gloo, 1 thread per rank",
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    opts = options(args)
+    env = environment(argv)
+    start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for world in args.world_sizes:
+        began = time.perf_counter()
+        rows += run_world(opts, world, args.timeout)
+        print(f"W={world}: {time.perf_counter() - began:.0f} s", flush=True)
+    meta = env | {
+        "options": {
+            "model": opts.cfg.__dict__,
+            "batch_per_rank": opts.batch,
+            "warmup": opts.warmup,
+            "steps": opts.steps,
+            "reps": opts.reps,
+            "block": opts.block,
+            "optimizer": "AdamW",
+        },
+        "runtime_s": time.perf_counter() - start,
+        "load_average_at_end": os.getloadavg(),
+    }
+    stem = "dp_bench_quick" if args.quick else "dp_bench"  # a smoke run keeps the real results
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    text = markdown(meta, rows)
+    (args.out / f"{stem}.md").write_text(text)
+    print(text)
+    print(f"total runtime {meta['runtime_s']:.0f} s; wrote {args.out}/{stem}.json and .md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The Markdown page of a data-parallel benchmark run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MB = 2**20
+
+NOTES = """\
+How to read it:
+- **median ms**: per timed step the slowest rank's forward+backward+`optimizer.step()`
+  (a `dist.barrier()` before each step), then the median over steps; best of the
+  interleaved repetitions. fwd / bwd / opt are the same medians per phase.
+- **peak RSS MB**: per rank, VmHWM (reset through `/proc/self/clear_refs` once the model is
+  sharded and glibc's free pages are trimmed) minus the RSS before the model was built;
+  max over ranks, min over repetitions. It includes glibc's cached free memory and gloo
+  buffers, so it over-states live memory. **live MB**: distinct CPU tensor storages
+  reachable from Python after the last step (parameters, gradients, optimizer state and
+  whatever the library keeps), minus the same count before the model was built.
+- **coll/step**, **MB sent/step**: collectives one rank issues per step and the bytes it
+  sends, ring algorithm (`(W-1) x` per-rank chunk for all-gather / reduce-scatter,
+  flexshard's `CommStats` formula), counted by wrapping `torch.distributed` for every
+  configuration (for flexshard it is checked against `model.comm_stats()`).
+- **vs min**: bytes sent / the same collectives without padding (`(W-1)/W x` unpadded
+  bucket bytes each). 1.00 means no padding is sent.
+- **x params**: bytes sent / `(W-1)/W x` all parameter bytes. Each block bucket moves
+  its parameters three times a step (forward all-gather, backward re-gather,
+  reduce-scatter), the root / outer bucket twice (not resharded after forward), so the
+  no-padding value here is 3 - (outer share of the parameters).
+- **max pad %**: the largest bucket's `(W x shard_numel - numel) / (W x shard_numel)`.
+  For Owned the bracket gives the least padding any whole-parameter assignment of
+  that bucket could reach (the largest parameter, or an even split, on one rank).
+"""
+
+
+def _row(r: dict[str, Any]) -> str:
+    comm = r["comm"]
+    pad = f"{100 * r['max_padding']:.1f}"
+    if "owned" in r["config"]:
+        floor = max(b["padding_floor"] for b in r["buckets"])
+        pad += f" [{100 * floor:.1f}]"
+    cells = [
+        r["world_size"],
+        r["config"],
+        f"{r['median_ms']:.1f}",
+        f"{r['ratio_vs_fsdp2']:.2f}",
+        f"{r['forward_ms']:.1f} / {r['backward_ms']:.1f} / {r['optimizer_ms']:.1f}",
+        f"{r['peak_rss_mb']:.1f}",
+        f"{r['live_tensor_mb']:.1f}",
+        f"{comm['collectives']} ({comm['all_gather']} AG, {comm['reduce_scatter']} RS)",
+        f"{comm['bytes_sent'] / MB:.2f}",
+        f"{r['bytes_vs_min']:.3f}",
+        f"{r['bytes_vs_model']:.2f}",
+        pad,
+    ]
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+HEADER = (
+    "| W | config | median ms | / FSDP2 | fwd / bwd / opt ms | peak RSS MB | live MB "
+    "| coll/step | MB sent/step | vs min | x params | max pad % |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def _bucket_padding(r: dict[str, Any]) -> str:
+    """Padding per bucket, the identical per-block buckets folded into ``layers.*``."""
+    worst: dict[str, float] = {}
+    for b in r["buckets"]:
+        key = "layers.*" if b["name"].startswith("layers.") else b["name"]
+        worst[key] = max(worst.get(key, 0.0), b["padding"])
+    return ", ".join(f"{k} {100 * v:.1f}" for k, v in worst.items())
+
+
+def _padding_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| W | config | padding % per bucket | rank storage (elements, first block bucket) |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        first = (
+            r["buckets"][0] if r["buckets"][0]["name"].startswith("layers.") else r["buckets"][1]
+        )
+        lines.append(
+            f"| {r['world_size']} | {r['config']} | {_bucket_padding(r)} "
+            f"| {', '.join(map(str, first['rank_numels']))} |"
+        )
+    return lines
+
+
+def _checks(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for r in rows:
+        problems = []
+        if not r["comm_constant"]:
+            problems.append("collectives differ between steps")
+        if r["comm_stats_agree"] is False:
+            problems.append("model.comm_stats() disagrees with the counted calls")
+        if problems:
+            lines.append(f"- W={r['world_size']} {r['config']}: " + "; ".join(problems))
+    for world in sorted({r["world_size"] for r in rows}):
+        losses = {r["config"]: r["final_loss_rank0"] for r in rows if r["world_size"] == world}
+        spread = max(losses.values()) - min(losses.values())
+        lines.append(
+            f"- W={world}: last timed loss (rank 0) spread across configs {spread:.2e} "
+            f"(FSDP2 {losses.get('fsdp2', float('nan')):.6f})"
+        )
+    return lines
+
+
+def _load(load: list[float]) -> str:
+    return "/".join(f"{x:.1f}" for x in load)
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    opts = meta["options"]
+    model = opts["model"]
+    lines = [
+        "# Data-parallel step: torch FSDP2 vs flexshard",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Date: {meta['date']}; flexshard {meta['flexshard_revision']}; torch {meta['torch']}, "
+        f"Python {meta['python']}; "
+        f"machine: {meta['machine']}  ",
+        f"Model: TinyTransformer {model}, batch {opts['batch_per_rank']} per rank, "
+        f"{opts['optimizer']}; {opts['warmup']} warm-up + {opts['steps']} timed steps x "
+        f"{opts['reps']} interleaved repetitions; "
+        f"one bucket (FSDP2 group) per block plus the root/outer one. Total runtime "
+        f"{meta['runtime_s']:.0f} s. Load average (1/5/15 min) at start "
+        f"{_load(meta['load_average_at_start'])}, at end {_load(meta['load_average_at_end'])} "
+        "(other processes share the machine: compare rows of one W, not runs).",
+        "",
+        HEADER,
+        *(_row(r) for r in rows),
+        "",
+        *_padding_table(rows),
+        "",
+        "Checks:",
+        *_checks(rows),
+        "",
+        NOTES,
+    ]
+    return "\n".join(lines)
