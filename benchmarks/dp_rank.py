@@ -75,6 +75,16 @@ def _flex(placement: Any, model: TinyTransformer, mesh: DeviceMesh) -> nn.Module
     return fs.flex_shard(model, mesh, buckets=buckets)
 
 
+def _owned_all_layers(model: TinyTransformer, mesh: DeviceMesh) -> nn.Module:
+    """Owned over every block's parameters in one bucket: enough whole matrices per
+    bucket for LPT to balance (a per-block bucket has too few, see its padding)."""
+    buckets = [
+        fs.BucketSpec("layers.*", placement=fs.Owned(), name="layers"),
+        fs.BucketSpec(["embed.*", "norm.*", "head.*"], name="outer"),
+    ]
+    return fs.flex_shard(model, mesh, buckets=buckets)
+
+
 def sharders(opts: BenchOptions) -> dict[str, Callable[[TinyTransformer, DeviceMesh], nn.Module]]:
     """Every configuration by name: (model, mesh) -> the sharded model."""
     cfg, block = opts.cfg, opts.block
@@ -90,6 +100,7 @@ def sharders(opts: BenchOptions) -> dict[str, Callable[[TinyTransformer, DeviceM
         "fs.fully_shard": functools.partial(_per_block, fs.fully_shard),
     }
     out.update({name: functools.partial(_flex, p) for name, p in placements.items()})
+    out["flex/owned_all_layers"] = _owned_all_layers
     return out
 
 
