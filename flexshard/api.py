@@ -54,20 +54,26 @@ def _owner(module: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     return module.get_submodule(prefix), attr
 
 
-def _hook_module(root: nn.Module, fqns: Sequence[str]) -> nn.Module:
-    """The deepest module that contains every one of the parameters and is called:
-    containers such as ModuleList have no forward, so their parent runs the hooks."""
+def _hook_modules(root: nn.Module, fqns: Sequence[str]) -> list[nn.Module]:
+    """The called modules that run the bucket's parameters: their deepest common
+    parent, or, when that is a container without a forward (ModuleList, ModuleDict),
+    each of its children that holds some of them (``layers.*``: every layer)."""
     paths = [fqn.split(".")[:-1] for fqn in fqns]
     common: list[str] = []
     for parts in zip(*paths):
         if any(p != parts[0] for p in parts):
             break
         common.append(parts[0])
-    while common and isinstance(
-        root.get_submodule(".".join(common)), (nn.ModuleList, nn.ModuleDict)
-    ):
+    parent = root.get_submodule(".".join(common))
+    containers = (nn.ModuleList, nn.ModuleDict)
+    if isinstance(parent, containers) and all(len(p) > len(common) for p in paths):
+        names = {p[len(common)] for p in paths}
+        children = [m for name, m in parent.named_children() if name in names]
+        if not any(isinstance(m, containers) for m in children):
+            return children
+    while common and isinstance(root.get_submodule(".".join(common)), containers):
         common.pop()
-    return root.get_submodule(".".join(common))
+    return [root.get_submodule(".".join(common))]
 
 
 def _resolve_placement(
@@ -105,7 +111,7 @@ class _Plan:
     members: list[tuple[nn.Parameter, list[str]]]
     placements: list[Placement]
     layout: BucketLayout
-    hook_module: nn.Module
+    hook_modules: list[nn.Module]
     mp_policy: MixedPrecisionPolicy
     reshard_after_forward: bool | None
 
@@ -140,7 +146,7 @@ def _agree_and_build(
     plan_fn: Callable[[], list[_Plan]],
     groups: MeshGroups,
     timeout: datetime.timedelta,
-) -> list[tuple[Bucket, nn.Module]]:
+) -> list[tuple[Bucket, list[nn.Module]]]:
     """Validate locally, agree with the other ranks in one small all-gather (so a
     rank whose input is bad, or differs, makes every rank raise instead of hang),
     then build the buckets."""
@@ -167,7 +173,7 @@ def _agree_and_build(
             plan.mp_policy,
             plan.reshard_after_forward,
         )
-        built.append((bucket, plan.hook_module))
+        built.append((bucket, plan.hook_modules))
     return built
 
 
@@ -200,8 +206,8 @@ def flex_shard(
     module._flexshard_buckets = [b for b, _ in built]
     install_root_hooks(module)
     module._flexshard_state = StepState(module, module._flexshard_buckets)
-    for bucket, hook_module in built:
-        install_bucket_hooks(bucket, hook_module)
+    for bucket, hook_modules in built:
+        install_bucket_hooks(bucket, hook_modules)
     return module  # type: ignore[return-value]
 
 
@@ -261,7 +267,7 @@ def _plan_flex(
                 members,
                 placements,
                 layout,
-                _hook_module(module, [f for _, fqns in members for f in fqns]),
+                _hook_modules(module, [f for _, fqns in members for f in fqns]),
                 spec.mp_policy or mp_policy or MixedPrecisionPolicy(),
                 spec.reshard_after_forward
                 if spec.reshard_after_forward is not None
@@ -308,13 +314,15 @@ def fully_shard(
         placement = (lambda f, p: shard_placement_fn(p)) if shard_placement_fn else Shard(0)
         placements = [_resolve_placement(placement, fqns[0], p, name) for p, fqns in members]
         layout = _plan(module, name, members, placements, groups.shard_size, 0)
-        return [_Plan(name, members, placements, layout, module, mp_policy, reshard_after_forward)]
+        return [
+            _Plan(name, members, placements, layout, [module], mp_policy, reshard_after_forward)
+        ]
 
     built = _agree_and_build(module, plan, groups, timeout)
     make_flexshard_class(module)
     module._flexshard_buckets = [b for b, _ in built]
     module._flexshard_state = None
     install_root_hooks(module)
-    for bucket, hook_module in built:
-        install_bucket_hooks(bucket, hook_module)
+    for bucket, hook_modules in built:
+        install_bucket_hooks(bucket, hook_modules)
     return module  # type: ignore[return-value]

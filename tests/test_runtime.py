@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -182,3 +183,35 @@ def test_parameters_unused_on_some_ranks():
     for worst, reductions in run_distributed(_unused_on_some_ranks, 3):
         assert worst < 1e-6
         assert reductions == 2
+
+
+def _bucket_over_sibling_layers(rank, world_size):
+    """One Owned bucket over every layer (``layers.*``, a ModuleList): gathered once
+    before layer 0, freed after the last layer, re-gathered once in backward."""
+    from .reference import reference_training, sharded_training
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    batches = make_batches(CFG, 3 * world_size, batch=2, seed=9)
+    torch.manual_seed(0)
+    reference = TinyTransformer(CFG)
+    expected = reference_training(reference, batches, world_size, 3)
+    torch.manual_seed(0)
+    buckets = [
+        fs.BucketSpec("layers.*", placement=fs.Owned(), name="layers"),
+        fs.BucketSpec(["embed.*", "norm.*", "head.*"], name="outer"),
+    ]
+    model = fs.flex_shard(TinyTransformer(CFG), mesh, buckets=buckets)
+    layers = model._flexshard_buckets[0]
+    seen = []
+    model.layers[1].register_forward_pre_hook(lambda *_: seen.append(("layer1", layers.unsharded)))
+    model.norm.register_forward_pre_hook(lambda *_: seen.append(("norm", layers.unsharded)))
+    losses = sharded_training(model, rank, world_size, batches, 3)
+    stats = model.comm_stats()["layers"]
+    return losses, [row[rank] for row in expected], seen, stats
+
+
+def test_bucket_over_sibling_layers():
+    for losses, expected, seen, stats in run_distributed(_bucket_over_sibling_layers, 3):
+        assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+        assert seen == [("layer1", True), ("norm", False)] * 3
+        assert (stats["all_gather"], stats["reduce_scatter"]) == (6, 3)

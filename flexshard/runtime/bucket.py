@@ -88,7 +88,13 @@ class Bucket:
         self._accumulated: list[torch.Tensor | None] = [None] * len(params)
         self.step_state: Any = None  # the StepState shared with the model's other buckets
         self.ready = False  # this backward's gradients are complete
+        self.reset_step_counts()
         self._build_params()
+
+    def reset_step_counts(self) -> None:
+        """Forward and backward calls of the bucket's hook modules in this step."""
+        self.forwards_started = self.forwards_wrapped = 0
+        self.forwards_done = self.backwards_done = 0
 
     def rename(self, name: str) -> None:
         self.name = name

@@ -104,6 +104,7 @@ class StepState:
         finally:
             for bucket in self.buckets:
                 bucket.ready = False
+                bucket.reset_step_counts()
             self._launched = len(self._launch_queue)
             self.in_backward = False
 
@@ -132,11 +133,12 @@ def _cast_floats(tree: Any, dtype: torch.dtype | None) -> Any:
     )
 
 
-def _wrap_inputs(args: tuple, kwargs: dict, hook: Any) -> tuple[tuple, dict]:
+def _wrap_inputs(args: tuple, kwargs: dict, hook: Any) -> tuple[tuple, dict] | None:
+    """The inputs routed through _PostBackward, or None when none needs a gradient."""
     flat, spec = tree_flatten((args, kwargs))
     slots = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not slots:
-        return args, kwargs
+        return None
     wrapped = _PostBackward.apply(hook, *(flat[i] for i in slots))
     for i, tensor in zip(slots, wrapped):
         flat[i] = tensor
@@ -168,8 +170,11 @@ def install_root_hooks(module: nn.Module) -> None:
     module.register_forward_hook(post_forward)
 
 
-def install_bucket_hooks(bucket: Bucket, module: nn.Module) -> None:
-    """Forward pre/post hooks on the module that runs the bucket's parameters."""
+def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
+    """Forward pre/post hooks on the modules that run the bucket's parameters. With
+    several (a bucket over sibling layers) the first to run unshards, the last to
+    finish its forward reshards, and the bucket's gradients are complete once every
+    one of them finished its backward."""
     policy = bucket.mp_policy
 
     def pre_forward(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -181,17 +186,30 @@ def install_bucket_hooks(bucket: Bucket, module: nn.Module) -> None:
             return args, kwargs
         state.before_forward(bucket)
         if torch.is_grad_enabled():
-            args, kwargs = _wrap_inputs(args, kwargs, lambda: state.after_backward(bucket))
+            bucket.forwards_started += 1
+            wrapped = _wrap_inputs(args, kwargs, lambda: post_backward(state))
+            if wrapped is not None:
+                bucket.forwards_wrapped += 1
+                args, kwargs = wrapped
         return args, kwargs
+
+    def post_backward(state: StepState) -> None:
+        # complete once every forward call of this step has run its backward; a call
+        # whose inputs need no gradient never reports, so the end of backward decides
+        bucket.backwards_done += 1
+        if bucket.backwards_done == bucket.forwards_wrapped == bucket.forwards_started:
+            state.after_backward(bucket)
 
     def post_forward(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         state = bucket.step_state
         if state.in_backward:  # a recompute: backward of this module comes right after
             return _cast_floats(output, policy.output_dtype)
+        bucket.forwards_done += 1
         reshard = bucket.reshard_after_forward
         if reshard is None:  # FSDP2's default: backward needs the root's params at once
             reshard = state.root is not mod
-        if reshard or not torch.is_grad_enabled():
+        last = bucket.forwards_done % len(modules) == 0
+        if (reshard and last) or not torch.is_grad_enabled():
             bucket.reshard()
         tensors = [
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
@@ -202,5 +220,6 @@ def install_bucket_hooks(bucket: Bucket, module: nn.Module) -> None:
             )
         return _cast_floats(output, policy.output_dtype)
 
-    module.register_forward_pre_hook(pre_forward, with_kwargs=True)
-    module.register_forward_hook(post_forward, with_kwargs=True)
+    for module in modules:
+        module.register_forward_pre_hook(pre_forward, with_kwargs=True)
+        module.register_forward_hook(post_forward, with_kwargs=True)
