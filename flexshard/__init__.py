@@ -3,6 +3,7 @@
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .api import BucketSpec, flex_shard, fully_shard
+from .clip import clip_grad_norm_
 from .placements import BlockShard, FlatShard, Owned, Placement, Replicate, Shard
 from .runtime.module import FlexShardModule
 from .state_dict import full_state_dict, load_full_state_dict
@@ -17,6 +18,7 @@ __all__ = [
     "Placement",
     "Replicate",
     "Shard",
+    "clip_grad_norm_",
     "flex_shard",
     "full_state_dict",
     "fully_shard",

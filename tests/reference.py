@@ -8,7 +8,13 @@ from flexshard.testing import TinyTransformer
 
 
 def reference_training(
-    model: TinyTransformer, batches, world_size: int, steps: int, micro: int = 1, lr: float = 1e-2
+    model: TinyTransformer,
+    batches,
+    world_size: int,
+    steps: int,
+    micro: int = 1,
+    lr: float = 1e-2,
+    before_step=None,
 ) -> list[list[float]]:
     """Per step, the loss each rank sees; gradients averaged over ranks (and summed
     over ``micro`` micro-batches) exactly as data parallelism defines them."""
@@ -28,6 +34,8 @@ def reference_training(
             grads = current if grads is None else [g + c for g, c in zip(grads, current)]
         for p, g in zip(model.parameters(), grads):
             p.grad = g / world_size
+        if before_step is not None:
+            before_step(model)
         opt.step()
         losses.append(per_rank)
     return losses

@@ -1,0 +1,51 @@
+"""Gradient clipping over sharded gradients: the norm of the whole model, not the shard."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .runtime.module import subtree_buckets
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale every bucket's gradient shards so that the gradient of the full model has
+    at most ``max_norm``; return the full model's gradient norm (the same on every rank).
+
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on flexshard's local
+    shards would clip each rank by its own shard's norm and let the ranks drift apart.
+    One all-reduce over the shard group; Replicate buckets count once.
+    """
+    buckets = list(subtree_buckets(module))
+    if not buckets:
+        raise ValueError("clip_grad_norm_ needs a module sharded by flexshard")
+    group = buckets[0].comm.shard_group
+    if any(b.comm.shard_group is not group for b in buckets):
+        raise ValueError(
+            "clip_grad_norm_: the module's buckets use different shard groups: "
+            f"{[b.name for b in buckets]}"
+        )
+    device = buckets[0].storage.device
+    partial = torch.zeros((), dtype=torch.float32, device=device)
+    for bucket in buckets:
+        if bucket.layout.replicated and bucket.rank != 0:
+            continue  # every rank holds the same Replicate gradients: count them once
+        for local in bucket.local_params:
+            if local.grad is None or local.grad.numel() == 0:
+                continue
+            norm = torch.linalg.vector_norm(local.grad.float(), norm_type)
+            partial = (
+                torch.maximum(partial, norm)
+                if norm_type == float("inf")
+                else (partial + norm**norm_type)
+            )
+    op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+    dist.all_reduce(partial, op=op, group=group)
+    total = partial if norm_type == float("inf") else partial ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for bucket in buckets:
+        for local in bucket.local_params:
+            if local.grad is not None:
+                local.grad.mul_(coef.to(local.grad.dtype))
+    return total
