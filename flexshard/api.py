@@ -34,6 +34,9 @@ class BucketSpec:
     name: str | None = None
     mp_policy: MixedPrecisionPolicy | None = None
     reshard_after_forward: bool | None = None
+    #: let parameters of several dtypes share the bucket: one uint8 storage and one
+    #: all-gather of bytes; gradients reduce in the widest dtype (or mp reduce_dtype)
+    pack_as_bytes: bool = False
 
     @property
     def pattern_list(self) -> list[str]:
@@ -117,21 +120,29 @@ class _Plan:
 
 
 def _plan(
-    root: nn.Module,
     name: str,
     members: list[tuple[nn.Parameter, list[str]]],
     placements: list[Placement],
     world_size: int,
     first_rank: int,
+    mp_policy: MixedPrecisionPolicy,
+    pack_as_bytes: bool = False,
 ) -> BucketLayout:
     dtypes: dict[torch.dtype, str] = {}
     for param, fqns in members:
         dtypes.setdefault(param.dtype, fqns[0])
-    if len(dtypes) > 1:
-        listed = ", ".join(f"'{fqn}' is {dtype}" for dtype, fqn in dtypes.items())
+    listed = ", ".join(f"'{fqn}' is {dtype}" for dtype, fqn in dtypes.items())
+    if len(dtypes) > 1 and not pack_as_bytes:
         raise ValueError(
             f"bucket '{name}': parameters of different dtypes cannot share a bucket ({listed}); "
-            "split them into buckets of one dtype"
+            "split them into buckets of one dtype, or pack them as bytes "
+            "(BucketSpec(..., pack_as_bytes=True))"
+        )
+    if len(dtypes) > 1 and mp_policy.param_dtype is not None:
+        raise ValueError(
+            f"bucket '{name}' packs parameters of several dtypes as bytes ({listed}) and "
+            f"gathers each in its own dtype; its mp_policy's param_dtype "
+            f"{mp_policy.param_dtype} would cast them all: give the bucket one or the other"
         )
     return plan_bucket(
         [(fqns[0], tuple(p.shape), pl) for (p, fqns), pl in zip(members, placements)],
@@ -260,7 +271,10 @@ def _plan_flex(
             _resolve_placement(spec.placement, fqns[0], p, names[b]) for p, fqns in members
         ]
         # successive buckets start LPT ties on successive ranks, spreading Owned params
-        layout = _plan(module, names[b], members, placements, world_size, b % world_size)
+        policy = spec.mp_policy or mp_policy or MixedPrecisionPolicy()
+        layout = _plan(
+            names[b], members, placements, world_size, b % world_size, policy, spec.pack_as_bytes
+        )
         plans.append(
             _Plan(
                 names[b],
@@ -268,7 +282,7 @@ def _plan_flex(
                 placements,
                 layout,
                 _hook_modules(module, [f for _, fqns in members for f in fqns]),
-                spec.mp_policy or mp_policy or MixedPrecisionPolicy(),
+                policy,
                 spec.reshard_after_forward
                 if spec.reshard_after_forward is not None
                 else reshard_after_forward,
@@ -313,7 +327,7 @@ def fully_shard(
         members = [(param_of[pid], fqns) for pid, fqns in locations.items()]
         placement = (lambda f, p: shard_placement_fn(p)) if shard_placement_fn else Shard(0)
         placements = [_resolve_placement(placement, fqns[0], p, name) for p, fqns in members]
-        layout = _plan(module, name, members, placements, groups.shard_size, 0)
+        layout = _plan(name, members, placements, groups.shard_size, 0, mp_policy)
         return [
             _Plan(name, members, placements, layout, [module], mp_policy, reshard_after_forward)
         ]

@@ -7,7 +7,6 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .placements import pack_rank, unpack
 from .runtime.bucket import Bucket
 from .runtime.module import subtree_buckets
 
@@ -19,24 +18,6 @@ def _param_index(module: nn.Module) -> dict[int, tuple[Bucket, int]]:
         for i, (local, full) in enumerate(zip(bucket.local_params, bucket.full_params)):
             index[id(local)] = index[id(full)] = (bucket, i)
     return index
-
-
-def _gather_full(bucket: Bucket) -> list[torch.Tensor]:
-    """Every parameter of the bucket in full, in its original dtype (a collective)."""
-    layout = bucket.layout
-    fulls = [
-        torch.empty(p.shape, dtype=bucket.dtype, device=bucket.storage.device)
-        for p in layout.params
-    ]
-    if layout.replicated:
-        gathered = bucket.storage.view(1, -1).expand(layout.world_size, -1)
-    else:
-        gathered = torch.empty(
-            layout.world_size, layout.shard_numel, dtype=bucket.dtype, device=bucket.storage.device
-        )
-        bucket.comm.all_gather(gathered.view(-1), bucket.storage).wait()
-    unpack(layout, gathered, fulls)
-    return fulls
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -52,7 +33,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
             continue
         bucket, i = entry
         if id(bucket) not in gathered:
-            gathered[id(bucket)] = _gather_full(bucket)
+            gathered[id(bucket)] = bucket.gather_full()
         out[key] = gathered[id(bucket)][i]
     return out
 
@@ -89,15 +70,9 @@ def load_full_state_dict(
         bucket, i = entry
         fulls = updates.setdefault(id(bucket), (bucket, [None] * len(bucket.params)))[1]
         fulls[i] = source
+    for bucket, fulls in updates.values():
+        device = bucket.storage.device
+        bucket.load_full([None if f is None else f.to(device) for f in fulls])
     with torch.no_grad():
-        for bucket, fulls in updates.values():
-            pack_rank(
-                bucket.layout,
-                bucket.rank,
-                [None if f is None else f.to(bucket.storage.device) for f in fulls],
-                bucket.storage,
-            )
-            if bucket.unsharded:  # keep the gathered copy in step with the shards
-                bucket.reshard()
         for key, source in buffers.items():
             own[key].copy_(source)

@@ -32,6 +32,7 @@ from flexshard.placements import (
     unpack,
 )
 from flexshard.placements.base import contiguous_cuts
+from flexshard.placements.bytes import ALIGN, as_bytes, byte_view
 
 PROPERTY = settings(max_examples=80, deadline=None)
 CHEAP = settings(max_examples=200, deadline=None)
@@ -785,3 +786,30 @@ def test_unpack_into_non_contiguous_full():
     out = torch.zeros(4, 3).t()  # a (3, 4) non-contiguous tensor
     unpack(layout, gathered, [out])
     assert torch.equal(out, full)
+
+
+# ---------------------------------------------------------------------------------------
+# buckets of several dtypes, packed as bytes
+# ---------------------------------------------------------------------------------------
+
+BYTE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.int16, torch.uint8)
+
+
+@PROPERTY
+@given(ALL_BUCKETS, st.data())
+def test_bytes_layout_round_trips_every_dtype(bucket, data):
+    """Each rank's bytes decode to exactly its elements, whatever the dtypes."""
+    entries, world_size, first_rank = bucket
+    layout = plan_bucket(entries, world_size, bucket="b", first_rank=first_rank)
+    dtypes = [data.draw(st.sampled_from(BYTE_DTYPES)) for _ in entries]
+    fulls = [f.to(d) for f, d in zip(distinct_fulls(entries), dtypes)]
+    packed = as_bytes(layout, [f.element_size() for f in fulls])
+    gathered = torch.zeros(world_size, packed.shard_numel, dtype=torch.uint8)
+    for rank in range(world_size):
+        pack_rank(packed, rank, [byte_view(f) for f in fulls], gathered[rank])
+        for p, b, f in zip(layout.params, packed.params, fulls):
+            assert b.offsets[rank] % ALIGN == 0
+            assert b.local_numel(rank) == p.local_numel(rank) * f.element_size()
+    outs = [torch.zeros_like(f) for f in fulls]
+    unpack(packed, gathered, [byte_view(o) for o in outs])
+    assert all(torch.equal(o, f) for o, f in zip(outs, fulls))

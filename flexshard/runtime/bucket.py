@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..placements import BucketLayout, gathered_alias, pack_all, pack_rank, unpack
+from ..placements.bytes import as_bytes, byte_view
 from .collectives import BucketComm, Pending
 
 
@@ -75,14 +76,25 @@ class Bucket:
         self.requires_grad_sync = True
         # ``initial`` are the unsharded parameters: copy this rank's regions, keep no reference
         first = initial[0]
-        self.dtype = first.dtype
+        self.dtypes = [t.dtype for t in initial]
+        # parameters of several dtypes share one uint8 storage, each region as its bytes
+        self.packed = len(set(self.dtypes)) > 1
+        self.storage_layout = layout
+        if self.packed:
+            self.storage_layout = as_bytes(layout, [t.element_size() for t in initial])
+        self.dtype = torch.uint8 if self.packed else first.dtype  # the storage's
         self.param_dtype = mp_policy.param_dtype or self.dtype
-        self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
-        self.storage = torch.zeros(layout.shard_numel, dtype=self.dtype, device=first.device)
-        if first.device.type != "meta":
-            with torch.no_grad():
-                pack_rank(layout, rank, initial, self.storage)
+        self.full_dtypes = [mp_policy.param_dtype or d for d in self.dtypes]
+        widest = self.dtypes[0]
+        for dtype in self.dtypes:
+            widest = torch.promote_types(widest, dtype)
+        self.reduce_dtype = mp_policy.reduce_dtype or mp_policy.param_dtype or widest
+        self.storage = torch.zeros(
+            self.storage_layout.shard_numel, dtype=self.dtype, device=first.device
+        )
         self.unsharded = False
+        if first.device.type != "meta":
+            self.load_full(initial)
         self._gather: Pending | None = None
         self._reduce: tuple[Pending, torch.Tensor, torch.Tensor] | None = None
         self._accumulated: list[torch.Tensor | None] = [None] * len(params)
@@ -101,18 +113,59 @@ class Bucket:
         self.comm.bucket = name
 
     # ---------------------------------------------------------------- layout
-    def _local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+    def _storage_view(self, storage: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's part of parameter ``index`` in a storage-shaped buffer."""
+        param = self.storage_layout.params[index]
+        offset = param.offsets[self.rank]
+        piece = storage[offset : offset + param.local_numel(self.rank)]
+        if self.packed:
+            piece = piece.view(self.dtypes[index])
+        return piece.view(self.layout.params[index].local_shape(self.rank))
+
+    def _grad_view(self, reduced: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's part of parameter ``index`` in a reduced gradient (elements)."""
         param = self.layout.params[index]
         offset = param.offsets[self.rank]
-        return flat[offset : offset + param.local_numel(self.rank)].view(
+        return reduced[offset : offset + param.local_numel(self.rank)].view(
             param.local_shape(self.rank)
         )
+
+    def _as_storage_units(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Full tensors as ``pack``/``unpack`` on the storage layout read them."""
+        if not self.packed:
+            return tensors
+        return [None if t is None else byte_view(t.contiguous()) for t in tensors]
+
+    def load_full(self, fulls: list[torch.Tensor | None]) -> None:
+        """Copy this rank's regions of full parameters (None: keep) into the storage."""
+        with torch.no_grad():
+            pack_rank(self.storage_layout, self.rank, self._as_storage_units(fulls), self.storage)
+        if self.unsharded:
+            self.reshard()  # the gathered copy is stale now
+
+    def gather_full(self) -> list[torch.Tensor]:
+        """Every parameter of the bucket in full, in its own dtype (a collective)."""
+        layout = self.storage_layout
+        device = self.storage.device
+        fulls = [
+            torch.empty(p.shape, dtype=d, device=device)
+            for p, d in zip(self.layout.params, self.dtypes)
+        ]
+        if layout.replicated:
+            gathered = self.storage.view(1, -1).expand(layout.world_size, -1)
+        else:
+            gathered = torch.empty(
+                layout.world_size, layout.shard_numel, dtype=self.dtype, device=device
+            )
+            self.comm.all_gather(gathered.view(-1), self.storage).wait()
+        unpack(layout, gathered, self._as_storage_units(fulls))
+        return fulls
 
     def _build_params(self) -> None:
         """Local parameters (views of the storage, what the optimizer sees) and the full
         ones; both are (re)made whenever the storage is."""
         self.local_params = [
-            nn.Parameter(self._local_view(self.storage, i), requires_grad=p.requires_grad)
+            nn.Parameter(self._storage_view(self.storage, i), requires_grad=p.requires_grad)
             for i, p in enumerate(self.params)
         ]
         for local in self.local_params:
@@ -125,24 +178,26 @@ class Bucket:
         when resharded but the objects live on, so autograd's saved references to
         them stay valid across the backward re-gather."""
         device = self.storage.device
-        layout = self.layout
+        layout = self.storage_layout
         self.gathered = None
         if not layout.replicated:
             self.gathered = torch.empty(
                 layout.world_size * layout.shard_numel, dtype=self.param_dtype, device=device
             )
         bases, self._owns_storage = [], []
-        for i, p in enumerate(layout.params):
+        for i, (p, dtype) in enumerate(zip(self.layout.params, self.full_dtypes)):
             if layout.replicated:  # without a cast the storage already is the full bucket
-                base = self._local_view(self.storage, i) if self.param_dtype == self.dtype else None
+                base = (
+                    self._storage_view(self.storage, i) if self.param_dtype == self.dtype else None
+                )
+            elif self.packed:
+                base = None  # the gathered buffer is bytes: each parameter decodes its own
             else:
                 gathered_2d = self.gathered.view(layout.world_size, layout.shard_numel)
                 base = gathered_alias(layout, i, gathered_2d)
             self._owns_storage.append(base is None)
             bases.append(
-                base
-                if base is not None
-                else torch.empty(p.shape, dtype=self.param_dtype, device=device)
+                base if base is not None else torch.empty(p.shape, dtype=dtype, device=device)
             )
         self.full_params = [
             nn.Parameter(_own_version_counter(base), requires_grad=p.requires_grad)
@@ -197,7 +252,7 @@ class Bucket:
 
     def _finish_gather(self) -> None:
         assert self._gather is not None
-        layout = self.layout
+        layout = self.storage_layout
         # the parameters are saved for backward: refilling them must not look like an
         # in-place change to autograd (completing the gather bumps the version too)
         with (
@@ -212,11 +267,11 @@ class Bucket:
                 _alloc(full)
             if self.gathered is not None:
                 gathered_2d = self.gathered.view(layout.world_size, layout.shard_numel)
-                unpack(layout, gathered_2d, owned)
+                unpack(layout, gathered_2d, self._as_storage_units(owned))
             else:  # replicated with a cast
                 for i, full in enumerate(owned):
                     if full is not None:
-                        full.copy_(self._local_view(self.storage, i).view(full.shape))
+                        full.copy_(self._storage_view(self.storage, i).view(full.shape))
         self._set_on_modules(self.full_params)
         self.unsharded = True
 
@@ -273,12 +328,14 @@ class Bucket:
         pending.wait()
         if self.comm.replicate_group is not None:
             self.comm.all_reduce(out, replicas=True).wait()
-        if out.dtype != self.dtype:
-            out = out.to(self.dtype)
+        if not self.packed and out.dtype != self.dtype:
+            out = out.to(self.dtype)  # one cast; the gradients stay views of one buffer
         for i, local in enumerate(self.local_params):
             if not local.requires_grad:
                 continue
-            grad = self._local_view(out, i)
+            grad = self._grad_view(out, i)
+            if grad.dtype != local.dtype:
+                grad = grad.to(local.dtype)
             if local.grad is None:
                 local.grad = grad
             else:
