@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import fnmatch
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -205,12 +206,13 @@ def flex_shard(
 ) -> FlexShardModule:
     """Shard ``module``'s parameters into ``buckets``; apply once, at the root.
 
-    Every parameter must match exactly one bucket. All checks run before any
-    collective, so a bad spec raises on every rank instead of hanging one of them.
+    Every parameter must match exactly one bucket. Every check runs before any bucket
+    collective; the ranks then agree in one small all-gather, so a bad or differing
+    spec on any rank raises on every rank instead of hanging the others.
     """
     groups = resolve_mesh(mesh)
-    plan = lambda: _plan_flex(  # noqa: E731
-        module, buckets, groups.shard_size, mp_policy, reshard_after_forward
+    plan = functools.partial(
+        _plan_flex, module, buckets, groups.shard_size, mp_policy, reshard_after_forward
     )
     built = _agree_and_build(module, plan, groups, timeout)
     make_flexshard_class(module)
