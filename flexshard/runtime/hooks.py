@@ -72,16 +72,13 @@ class StepState:
         gradient, so every rank reaches it at the same place in its sequence of
         collectives, even when some parameters go unused on some ranks."""
         self._backward_begins()
-        self._bucket_ready(bucket)
-        bucket.reshard()
-
-    def _bucket_ready(self, bucket: Bucket) -> None:
         bucket.ready = True
         # launch strictly in queue order, so every rank issues the same sequence
         queue = self._launch_queue
         while self._launched < len(queue) and queue[self._launched].ready:
             self._launch(queue[self._launched])
             self._launched += 1
+        bucket.reshard()
 
     def _launch(self, bucket: Bucket) -> None:
         if not bucket.requires_grad_sync:
@@ -94,7 +91,8 @@ class StepState:
 
     def _end_of_backward(self) -> None:
         try:
-            # buckets whose gradients never all arrived (unused parameters) go now
+            # buckets whose modules never reported a backward (their inputs need no
+            # gradient, like the root's token ids) reduce now, still in queue order
             for bucket in self._launch_queue[self._launched :]:
                 self._launch(bucket)
             while self._in_flight:
