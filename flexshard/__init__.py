@@ -4,6 +4,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .api import BucketSpec, flex_shard, fully_shard
 from .clip import clip_grad_norm_
+from .init import init_params
 from .placements import BlockShard, FlatShard, Owned, Placement, Replicate, Shard
 from .runtime.module import FlexShardModule
 from .state_dict import full_state_dict, load_full_state_dict
@@ -22,5 +23,6 @@ __all__ = [
     "flex_shard",
     "full_state_dict",
     "fully_shard",
+    "init_params",
     "load_full_state_dict",
 ]

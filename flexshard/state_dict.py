@@ -11,7 +11,7 @@ from .runtime.bucket import Bucket
 from .runtime.module import subtree_buckets
 
 
-def _param_index(module: nn.Module) -> dict[int, tuple[Bucket, int]]:
+def param_index(module: nn.Module) -> dict[int, tuple[Bucket, int]]:
     """Local and full parameter objects -> (bucket, index), for every bucket below."""
     index = {}
     for bucket in subtree_buckets(module):
@@ -23,7 +23,7 @@ def _param_index(module: nn.Module) -> dict[int, tuple[Bucket, int]]:
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` as the unsharded model would give it. Every rank of the
     shard groups must call it (one all-gather per bucket); every rank gets it all."""
-    index = _param_index(module)
+    index = param_index(module)
     gathered: dict[int, list[torch.Tensor]] = {}
     out = {}
     for key, value in module.state_dict(keep_vars=True).items():
@@ -43,7 +43,7 @@ def load_full_state_dict(
 ) -> None:
     """Load an unsharded state dict: each rank copies out the regions it stores. No
     collective; every key and shape is checked before anything is changed."""
-    index = _param_index(module)
+    index = param_index(module)
     own = module.state_dict(keep_vars=True)
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]

@@ -97,6 +97,16 @@ def _meta_and_accumulation(rank, world_size):
     on_meta = all(p.device.type == "meta" for p in lazy.parameters())
     lazy.to_empty(device="cpu")
     fs.load_full_state_dict(lazy, full)
+
+    # meta build, then init_params under the seed: the values a single process draws
+    with torch.device("meta"):
+        seeded = TinyTransformer(CFG)
+    seeded = fs.flex_shard(seeded, mesh, buckets=buckets)
+    seeded.to_empty(device="cpu")
+    torch.manual_seed(0)
+    fs.init_params(seeded)
+    seeded_state = fs.full_state_dict(seeded)
+    seeded_same = all(torch.equal(seeded_state[k], v) for k, v in full.items())
     eager = fs.flex_shard(eager, mesh, buckets=buckets)
     lazy_losses = sharded_training(lazy, rank, world_size, batches, STEPS, micro=2)
     eager_losses = sharded_training(eager, rank, world_size, batches, STEPS, micro=2)
@@ -107,13 +117,14 @@ def _meta_and_accumulation(rank, world_size):
     reference.load_state_dict(full)
     expected = reference_training(reference, batches, world_size, STEPS, micro=2)
     worst = max((eager_state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
-    return on_meta, lazy_losses, eager_losses, same, expected[0], worst
+    return on_meta, seeded_same, lazy_losses, eager_losses, same, expected[0], worst
 
 
 def test_meta_init_and_accumulation_match():
     for rank, result in enumerate(run_distributed(_meta_and_accumulation, 3)):
-        on_meta, lazy_losses, eager_losses, same, expected, worst = result
+        on_meta, seeded_same, lazy_losses, eager_losses, same, expected, worst = result
         assert on_meta
+        assert seeded_same, rank
         assert lazy_losses == eager_losses and same, rank
         assert len(eager_losses) == STEPS * 2
         assert worst < 2e-5, worst
