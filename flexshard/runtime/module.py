@@ -68,7 +68,11 @@ class FlexShardModule(nn.Module):
         total: dict[str, int] = {}
         for bucket in subtree_buckets(self):
             entry = bucket.comm.stats.as_dict()
-            stats[bucket.name] = entry
+            key, copy = bucket.name, 1
+            while key in stats:  # fully_shard buckets share a class name until named
+                copy += 1
+                key = f"{bucket.name}#{copy}"
+            stats[key] = entry
             for key, value in entry.items():
                 total[key] = total.get(key, 0) + value
             if reset:
