@@ -1,0 +1,463 @@
+"""Block-quantization codecs: MXFP8 bit-exact vs an OCP-spec reference, FP8 blockwise vs a loop."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import struct
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flexshard.quant import (
+    MXFP8,
+    FP8Blockwise,
+    QuantizedTensor,
+    dequantize,
+    pack,
+    packed_nbytes,
+    quantize,
+    scale_shape,
+    unpack,
+)
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+u8 = torch.uint8
+
+# ---- pure-Python OCP MX v1.0 reference (no torch float8 code involved) ---------------------
+
+# float8_e4m3fn, decoded from its bit layout: bias 7, exponent field 0 = subnormal (m/8 * 2^-6),
+# 0x7F = NaN, no inf. Codes 0..126 are the non-negative finite values, increasing with the code.
+E4M3 = [
+    Fraction(m, 8) * Fraction(2) ** -6 if e == 0 else (1 + Fraction(m, 8)) * Fraction(2) ** (e - 7)
+    for code in range(127)
+    for e, m in [(code >> 3, code & 7)]
+]
+assert E4M3[-1] == 448
+
+
+def f32_bits(v: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+def ref_e4m3(v: Fraction, negative: bool) -> int:
+    """Round to nearest, ties to even code (= even mantissa), saturating to 448 (OCP 6.3)."""
+    a = abs(v)
+    if a >= 448:
+        code = 0x7E
+    else:
+        hi = bisect.bisect_left(E4M3, a)  # E4M3[hi-1] < a <= E4M3[hi]
+        lo = hi - 1
+        if E4M3[hi] == a or a - E4M3[lo] > E4M3[hi] - a:
+            code = hi
+        elif a - E4M3[lo] < E4M3[hi] - a:
+            code = lo
+        else:
+            code = hi if hi % 2 == 0 else lo
+    return code | (0x80 if negative else 0)
+
+
+def ref_shared_exp(amax: float, rounding: str) -> int:
+    """Unbiased E8M0 exponent from the float32 bits of the block amax, by integer math."""
+    bits = f32_bits(amax)
+    be, man = bits >> 23, bits & 0x7FFFFF
+    if bits == 0:
+        return -127  # all-zero block: smallest scale (torchao's convention)
+    floor_log2 = be - 127 if be else man.bit_length() - 1 - 149  # exact, subnormals too
+    exact = Fraction(amax)
+    assert Fraction(2) ** floor_log2 <= exact < Fraction(2) ** (floor_log2 + 1)
+    if rounding == "floor":
+        e = floor_log2 - 8  # 8 = emax of e4m3
+    else:  # smallest e with 448 * 2^e >= amax
+        e = floor_log2 - 9
+        while 448 * Fraction(2) ** e < exact:
+            e += 1
+    return max(-127, min(127, e))
+
+
+def ref_mxfp8(x: torch.Tensor, fmt: MXFP8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (data bytes, scale bytes, exact dequantized float32), tile by tile in Python."""
+    shape = tuple(x.shape)
+    rows, cols = (1, 1) if x.dim() == 0 else (1, shape[0]) if x.dim() == 1 else shape[-2:]
+    vals = x.reshape(-1, rows, cols).tolist()
+    r, c = fmt.block
+    gr, gc = -(-rows // r), -(-cols // c)
+    data = [[[0] * cols for _ in range(rows)] for _ in vals]
+    deq = [[[0.0] * cols for _ in range(rows)] for _ in vals]
+    scales = [[[0] * gc for _ in range(gr)] for _ in vals]
+    for b, mat in enumerate(vals):
+        for i in range(gr):
+            for j in range(gc):
+                idx = [
+                    (p, q)
+                    for p in range(i * r, min(rows, i * r + r))
+                    for q in range(j * c, min(cols, j * c + c))
+                ]
+                tile = [mat[p][q] for p, q in idx]
+                if not all(math.isfinite(v) for v in tile):  # NaN or inf: NaN scale, NaN data
+                    scales[b][i][j] = 0xFF
+                    for p, q in idx:
+                        data[b][p][q], deq[b][p][q] = 0x7F, math.nan
+                    continue
+                e = ref_shared_exp(max(abs(v) for v in tile), fmt.rounding)
+                scales[b][i][j] = e + 127
+                for p, q in idx:
+                    v = mat[p][q]
+                    code = ref_e4m3(Fraction(v) / Fraction(2) ** e, math.copysign(1, v) < 0)
+                    data[b][p][q] = code
+                    sign = -1 if code & 0x80 else 1
+                    deq[b][p][q] = sign * float(E4M3[code & 0x7F] * Fraction(2) ** e)
+    grid = scale_shape(shape, fmt)
+    return (
+        torch.tensor(data, dtype=u8).reshape(shape),
+        torch.tensor(scales, dtype=u8).reshape(grid),
+        torch.tensor(deq, dtype=torch.float64).to(torch.float32).reshape(shape),
+    )
+
+
+# ---- input generators: bit patterns around a block exponent, plus overlaid special values ----
+
+# Mantissas hitting OCP edges: 0 (powers of two), 1.75 +- 1 ulp (rceil boundary), all 4-bit
+# patterns (k << 19: exact e4m3 values and round-to-even ties), all-ones.
+EDGE_MANTISSAS = [0, 0x5FFFFF, 0x600000, 0x600001, 0x7FFFFF, 1, 0x400000]
+EDGE_MANTISSAS += [k << 19 for k in range(16)]
+SPECIALS = [math.nan, math.inf, -math.inf, 0.0, -0.0, 448.0, 464.0, 480.0, -1e38, 2.0**-9]
+SPECIALS += [2.0**-149, 2.0**-127, -(2.0**-126), 3 * 2.0**-11]  # fp32 / e4m3 subnormal edges
+BLOCKS = st.one_of(
+    st.sampled_from([(1, 32), (32, 32), (3, 5), (1, 1), (4, 8)]),
+    st.tuples(st.integers(1, 9), st.integers(1, 40)),
+)
+
+
+@st.composite
+def float_tensors(draw, max_numel: int = 700) -> torch.Tensor:
+    ndim = draw(st.sampled_from([1, 2, 2, 3]))
+    shape = [draw(st.integers(1, 3))] if ndim == 3 else []
+    shape += [draw(st.integers(1, 24)) for _ in range(min(ndim, 2))]
+    while math.prod(shape) > max_numel:
+        shape[-1] = max(1, shape[-1] // 2)
+    n = math.prod(shape)
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    base = draw(st.one_of(st.integers(0, 254), st.sampled_from([0, 1, 2, 8, 9, 10, 127, 254])))
+    spread = draw(st.sampled_from([0, 2, 6, 12, 40, 254]))
+    be = (base - torch.randint(0, spread + 1, (n,), generator=g)).clamp(0, 254)
+    edge = torch.tensor(EDGE_MANTISSAS)[torch.randint(0, len(EDGE_MANTISSAS), (n,), generator=g)]
+    man = torch.where(torch.rand(n, generator=g) < 0.5, edge, torch.randint(0, 1 << 23, (n,)))
+    sign = torch.randint(0, 2, (n,), generator=g)
+    bits = (sign << 31) | (be << 23) | man
+    bits = torch.where(torch.rand(n, generator=g) < draw(st.sampled_from([0.0, 0.1, 1.0])), 0, bits)
+    x = bits.to(torch.int32).view(torch.float32).clone()
+    for pos, v in draw(st.lists(st.tuples(st.integers(0, n - 1), st.sampled_from(SPECIALS)))):
+        x[pos] = v
+    return x.reshape(shape)
+
+
+def assert_mx_matches_ref(x: torch.Tensor, fmt: MXFP8) -> None:
+    q = quantize(x, fmt)
+    data, scale, deq = ref_mxfp8(x, fmt)
+    assert q.scale.dtype == torch.float8_e8m0fnu and q.data.dtype == torch.float8_e4m3fn
+    assert torch.equal(q.scale.view(u8), scale)
+    assert torch.equal(q.data.view(u8), data)
+    torch.testing.assert_close(dequantize(q), deq, rtol=0, atol=0, equal_nan=True)
+
+
+# ---- MXFP8 ------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(float_tensors(), BLOCKS, st.sampled_from(["floor", "rceil"]))
+def test_mxfp8_bit_exact_vs_spec_reference(x, block, rounding):
+    assert_mx_matches_ref(x, MXFP8(block, rounding))
+
+
+@SETTINGS
+@given(st.lists(st.floats(width=32), min_size=1, max_size=70), st.integers(1, 33))
+def test_mxfp8_bit_exact_raw_floats(vals, c):
+    x = torch.tensor(vals, dtype=torch.float32)
+    for rounding in ("floor", "rceil"):
+        assert_mx_matches_ref(x, MXFP8((1, c), rounding))
+
+
+def test_mxfp8_every_e4m3_tie_and_neighbour():
+    # amax in [256, 512) -> floor e = 0: elements reach the e4m3 cast unscaled, which pins the
+    # rounding (every tie, both neighbours) and the saturation above 448.
+    mids = [float((a + b) / 2) for a, b in zip(E4M3, E4M3[1:])] + [456.0, 464.0, 470.0, 511.9]
+    near = [
+        torch.nextafter(torch.tensor(m), torch.tensor(d)).item() for m in mids for d in (0, 1e9)
+    ]
+    vals = torch.tensor(mids + near + [float(v) for v in E4M3], dtype=torch.float32)
+    x = torch.cat([vals, -vals, torch.tensor([256.0])]).reshape(1, -1)
+    assert_mx_matches_ref(x, MXFP8((1, x.shape[1]), "floor"))
+    q = quantize(x, MXFP8((1, x.shape[1])))
+    assert q.scale.view(u8).item() == 127 and q.data.view(u8)[0, len(mids) - 4] == 0x7E
+
+
+def test_mxfp8_scale_rules_at_boundaries():
+    def byte(amax: float, rounding: str) -> int:
+        return quantize(torch.tensor([amax]), MXFP8((1, 1), rounding)).scale.view(u8).item()
+
+    assert byte(1.0, "floor") == 127 - 8 and byte(1.99, "floor") == 127 - 8
+    assert byte(448.0, "rceil") == 127 and byte(449.0, "rceil") == 128
+    assert byte(1.75, "rceil") == 127 - 8 and byte(1.7500001, "rceil") == 127 - 7
+    assert byte(0.0, "floor") == 0 and byte(0.0, "rceil") == 0  # all-zero: 2^-127
+    assert byte(2.0**-149, "rceil") == 0 and byte(3.4e38, "floor") == 127 + 119
+    # torchao's float rceil (amax * (1/448)) goes through an fp32 subnormal for this amax and
+    # picks 2^-127, saturating the max element; the exact rule picks 2^-126.
+    x = torch.tensor([0x04600001], dtype=torch.int32).view(torch.float32)
+    assert quantize(x, MXFP8((1, 1), "rceil")).scale.view(u8).item() == 1
+
+
+def test_mxfp8_special_blocks():
+    x = torch.ones(4, 64)
+    x[0, 3], x[1, 40], x[2, :32] = math.nan, -math.inf, 0.0
+    x[2, 5] = -0.0
+    q = quantize(x, MXFP8((1, 32)))
+    s = q.scale.view(u8)
+    assert s[0].tolist() == [255, 119] and s[1].tolist() == [119, 255] and s[2, 0] == 0
+    assert (q.data.view(u8)[0, :32] == 0x7F).all() and (q.data.view(u8)[1, 32:] == 0x7F).all()
+    d = dequantize(q)
+    assert d[0, :32].isnan().all() and d[1, 32:].isnan().all()
+    assert (d[0, 32:] == 1).all() and (d[3] == 1).all()
+    assert q.data.view(u8)[2, 5] == 0x80 and (d[2, :32] == 0).all()  # signed zero kept
+
+
+def test_mxfp8_error_bound_rceil():
+    x = torch.randn(5, 64, 96, generator=torch.Generator().manual_seed(0))
+    x = x * torch.logspace(-20, 20, 96)
+    q = quantize(x, MXFP8((32, 32), "rceil"))
+    err = (dequantize(q) - x).abs()
+    assert (err <= 2.0**-4 * x.abs() + 2.0**-10 * scale_per_element(q)).all()  # nothing clips
+    assert (q.data.float().abs().amax(dim=(-1)) <= 448).all()
+
+
+def test_decode_overflow_near_flt_max():
+    # The quantized values are right, but decoding them to float32 can overflow: rceil puts
+    # FLT_MAX at 2^120 * 255.99.. which rounds to e4m3 256, and 256 * 2^120 = 2^128.
+    big = torch.tensor([torch.finfo(torch.float32).max])
+    assert dequantize(quantize(big, MXFP8((1, 1), "rceil"))).isinf().all()
+    assert dequantize(quantize(big, MXFP8((1, 1), "floor"))) == 448 * 2.0**119  # saturated
+    assert dequantize(quantize(big, FP8Blockwise((1, 1), pow2_scale=True))).isinf().all()
+
+
+def test_e8m0_decode_matches_torch():
+    scale = torch.arange(256, dtype=torch.int32).to(u8).view(torch.float8_e8m0fnu)[None]
+    ones = torch.ones(1, 256).to(torch.float8_e4m3fn)
+    d = dequantize(QuantizedTensor(ones, scale, MXFP8((1, 1))))
+    torch.testing.assert_close(d, scale.float(), rtol=0, atol=0, equal_nan=True)
+    assert d[0, 0] == 2.0**-127 and d[0, 127] == 1 and d[0, 255].isnan()
+
+
+def test_torch_e4m3_cast_behaviour():
+    # What torch 2.13's CPU cast does by itself: saturates finite overflow *and* inf, keeps NaN
+    # with its sign. The codec clamps before the cast and writes NaN as 0x7F, so it relies on
+    # none of this (older torch turned finite overflow into NaN).
+    x = torch.tensor([500.0, 1e30, math.inf, -math.inf, math.nan, -math.nan])
+    got = x.to(torch.float8_e4m3fn).view(u8).tolist()
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13):
+        assert got == [126, 126, 126, 254, 127, 255]
+    q = quantize(x, FP8Blockwise((1, 1)))  # one element per tile: finite ones scale to 448
+    assert q.data.view(u8).tolist() == [126, 126, 126, 254, 0x7F, 0x7F]
+
+
+# ---- FP8 blockwise ----------------------------------------------------------------------------
+
+
+def ref_fp8_blockwise(x: torch.Tensor, fmt: FP8Blockwise) -> tuple[torch.Tensor, torch.Tensor]:
+    """Straightforward per-tile loop (fp32 arithmetic, as in DeepSeek-V3's recipe)."""
+    rows, cols = (1, 1) if x.dim() == 0 else (1, x.shape[0]) if x.dim() == 1 else x.shape[-2:]
+    x3 = x.float().reshape(-1, rows, cols)
+    r, c = fmt.block
+    grid = scale_shape(x.shape, fmt)
+    data = torch.empty(x3.shape, dtype=u8)
+    scale = torch.empty(x3.shape[0], *grid[-2:])
+    for b in range(x3.shape[0]):
+        for i in range(grid[-2]):
+            for j in range(grid[-1]):
+                t = x3[b, i * r : i * r + r, j * c : j * c + c]
+                fin = t[t.isfinite()].abs()
+                amax = fin.max() if fin.numel() else torch.tensor(0.0)
+                s = torch.maximum(amax, torch.tensor(1e-4)) / 448
+                if fmt.pow2_scale:
+                    m, ex = math.frexp(s.item())
+                    s = torch.tensor(2.0 ** (ex - 1) if m == 0.5 else 2.0**ex)
+                y = (t / s).clamp(-448, 448)
+                q = torch.where(y.isnan(), 0x7F, y.to(torch.float8_e4m3fn).view(u8))
+                data[b, i * r : i * r + r, j * c : j * c + c] = q
+                scale[b, i, j] = s
+    return data.reshape(x.shape), scale.reshape(grid)
+
+
+@SETTINGS
+@given(float_tensors(max_numel=400), BLOCKS, st.booleans())
+def test_fp8_blockwise_matches_loop_reference(x, block, pow2):
+    fmt = FP8Blockwise(block, pow2)
+    q = quantize(x, fmt)
+    data, scale = ref_fp8_blockwise(x, fmt)
+    assert q.scale.dtype == torch.float32 and q.scale.shape == scale.shape
+    assert torch.equal(q.scale, scale) and torch.equal(q.data.view(u8), data)
+
+
+def scale_per_element(q: QuantizedTensor) -> torch.Tensor:
+    r, c = q.fmt.block
+    s = q.scale.float().repeat_interleave(r, -2).repeat_interleave(c, -1)
+    if q.data.dim() < 2:
+        return s[0, : max(1, q.data.numel())].reshape(q.data.shape)
+    return s[..., : q.data.shape[-2], : q.data.shape[-1]]
+
+
+@SETTINGS
+@given(float_tensors(max_numel=400), BLOCKS)
+def test_fp8_blockwise_pow2_and_error_bound(x, block):
+    # Finite, and below 2^126: 448 * scale may round past FLT_MAX (see test_decode_overflow).
+    x = torch.where(x.isfinite(), x, 0.0).clamp(-(2.0**126), 2.0**126)
+    exact = quantize(x, FP8Blockwise(block)).scale
+    for pow2 in (False, True):
+        q = quantize(x, FP8Blockwise(block, pow2))
+        if pow2:
+            m, _ = torch.frexp(q.scale)
+            assert (m == 0.5).all() and (q.scale >= exact).all() and (q.scale < 2 * exact).all()
+        # e4m3 has 3 mantissa bits: normals within 2^-4 relative, subnormals within 2^-10 * s
+        # (plus fp32 rounding of x / s and q * s).
+        err = (dequantize(q).double() - x.double()).abs()
+        bound = (2.0**-4 * x.abs().double() + 2.0**-10 * scale_per_element(q).double()) * 1.0001
+        assert (err <= bound).all()
+
+
+def test_fp8_pow2_scale_rounding_edges():
+    # Tiles whose exact scale is a power of two (mantissa 0) or one ulp above it (mantissa 1).
+    amax = (torch.arange(0x43E00000, 0x43E00000 + 4096, dtype=torch.int32)).view(torch.float32)
+    s = amax / 448
+    man = s.view(torch.int32) & 0x7FFFFF
+    pick = torch.cat([amax[man == 0][:1], amax[man == 1][:1]])
+    assert pick.numel() == 2
+    q = quantize(pick.reshape(1, 2), FP8Blockwise((1, 1), pow2_scale=True))
+    assert q.scale.tolist() == [[1.0, 2.0]]
+
+
+def test_fp8_blockwise_special_tiles():
+    x = torch.zeros(3, 200)  # 128x128 tiles: partial in both dims
+    x[0, 0], x[0, 1], x[0, 2], x[1, 3] = 2.0, math.nan, math.inf, -math.inf
+    x[2, 150] = -7.0
+    q = quantize(x, FP8Blockwise())
+    assert q.scale.shape == (1, 2)
+    s0, s1 = q.scale[0, 0], q.scale[0, 1]
+    assert s0 == torch.tensor(2.0) / 448 and s1 == torch.tensor(7.0) / 448  # NaN/inf ignored
+    d = dequantize(q)
+    assert d[0, 0] == 2.0 and d[0, 1].isnan() and d[0, 2] == 448 * s0 and d[1, 3] == -448 * s0
+    assert d[2, 150] == -7.0 and (d[:, 4:128] == 0).all()
+    z = quantize(torch.zeros(5, 5), FP8Blockwise())
+    assert z.scale.item() == (torch.tensor(1e-4) / 448).item() and (z.data.view(u8) == 0).all()
+
+
+# ---- shared semantics: tiling, batching, dtypes -----------------------------------------------
+
+FORMATS = [FP8Blockwise((4, 8)), FP8Blockwise((128, 128), True), MXFP8(), MXFP8((1, 32), "rceil")]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_tiling_is_local(fmt):
+    # Tiles are independent: batch slices, tile-aligned row splits and 1-D rows all agree.
+    x = torch.randn(3, 70, 45, generator=torch.Generator().manual_seed(0))
+    x = x * torch.logspace(-3, 3, 45)
+    q = quantize(x, fmt)
+    assert q.data.shape == x.shape and q.scale.shape == scale_shape(x.shape, fmt)
+    for b in range(3):
+        qb = quantize(x[b], fmt)
+        assert torch.equal(qb.data.view(u8), q.data[b].view(u8))
+        assert torch.equal(qb.scale.view(u8), q.scale[b].view(u8))
+    r = fmt.block[0]
+    if r < 70:
+        top, bot = quantize(x[:, :r], fmt), quantize(x[:, r:], fmt)
+        assert torch.equal(torch.cat([top.data, bot.data], 1).view(u8), q.data.view(u8))
+    row = quantize(x[0, 0], fmt)
+    assert row.scale.shape == (1, -(-45 // fmt.block[1]))
+    assert torch.equal(row.data.view(u8), quantize(x[0, :1], fmt).data[0].view(u8))
+    assert dequantize(q, torch.bfloat16).dtype == torch.bfloat16
+    assert torch.equal(
+        quantize(x.to(torch.bfloat16), fmt).scale, quantize(x.bfloat16().float(), fmt).scale
+    )
+
+
+def test_odd_shapes():
+    g = torch.Generator().manual_seed(0)
+    for shape in [(), (0, 5), (2, 0, 3), (1,), (7,)]:
+        x = torch.randn(shape, generator=g)
+        q = quantize(x, MXFP8())
+        assert q.data.shape == x.shape and q.scale.shape == scale_shape(shape, q.fmt)
+        # OCP floor puts amax in [256, 512): spacing 32 there, and saturation above 448
+        torch.testing.assert_close(dequantize(q), x, rtol=0.125, atol=0)
+        buf = pack(q)
+        assert buf.numel() == packed_nbytes(shape, q.fmt)
+        assert torch.equal(unpack(buf, shape, q.fmt).data.view(u8), q.data.view(u8))
+
+
+# ---- pack / unpack ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_pack_roundtrip(fmt):
+    x = torch.randn(2, 33, 70, generator=torch.Generator().manual_seed(0))
+    q = quantize(x, fmt)
+    buf = pack(q)
+    n = x.numel()
+    assert buf.dtype == u8 and buf.numel() == packed_nbytes(x.shape, fmt)
+    assert torch.equal(buf[:n], q.data.view(u8).reshape(-1))
+    assert (buf[n : n + (-n % 16)] == 0).all() and (n + (-n % 16)) % 16 == 0
+    assert torch.equal(buf[n + (-n % 16) :], q.scale.view(u8).reshape(-1))
+    for b in (buf, torch.cat([torch.zeros(1, dtype=u8), buf])[1:]):  # aligned and misaligned
+        q2 = unpack(b, x.shape, fmt)
+        assert q2.fmt == fmt and q2.scale.dtype == q.scale.dtype
+        assert torch.equal(q2.data.view(u8), q.data.view(u8))
+        assert torch.equal(q2.scale.view(u8), q.scale.view(u8))
+        torch.testing.assert_close(dequantize(q2), dequantize(q), rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="packs to"):
+        unpack(buf[:-1], x.shape, fmt)
+    with pytest.raises(TypeError):
+        unpack(buf.view(torch.int8), x.shape, fmt)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "ratio"),
+    [(FP8Blockwise(), 1.0002), (MXFP8((32, 32)), 1.001), (MXFP8((1, 32)), 1.031)],
+)
+def test_bytes_per_element(fmt, ratio):
+    n = 4096 * 4096
+    scale_bytes = math.prod(scale_shape((4096, 4096), fmt)) * fmt.scale_dtype.itemsize
+    assert packed_nbytes((4096, 4096), fmt) == n + scale_bytes  # n is a multiple of 16: no pad
+    assert abs(packed_nbytes((4096, 4096), fmt) / n - ratio) < 1e-3
+    assert packed_nbytes((3, 5), MXFP8((1, 32))) == 15 + 1 + 3  # 15 B data, pad to 16, 3 scales
+
+
+# ---- validation -------------------------------------------------------------------------------
+
+
+def test_bad_inputs():
+    for bad in [(0, 4), (4, -1), (4,), (1, 2, 3), (1.5, 2), (True, 32), "32x32", 32]:
+        with pytest.raises(ValueError, match="block"):
+            MXFP8(bad)
+        with pytest.raises(ValueError, match="block"):
+            FP8Blockwise(bad)
+    with pytest.raises(ValueError, match="rounding"):
+        MXFP8(rounding="bogus")
+    with pytest.raises(ValueError, match="pow2_scale"):
+        FP8Blockwise(pow2_scale="yes")
+    for dt in (torch.int64, torch.bool, torch.complex64, torch.uint8):
+        x = torch.ones(3, dtype=dt)
+        with pytest.raises(TypeError, match="floating-point"):
+            quantize(x, MXFP8())
+    with pytest.raises(TypeError):
+        quantize([1.0, 2.0], MXFP8())
+    with pytest.raises(TypeError, match="fmt"):
+        quantize(torch.ones(2), "mxfp8")
+    fmt = MXFP8([1, 32])
+    assert fmt.block == (1, 32) and hash(fmt) == hash(MXFP8((1, 32)))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fmt.block = (2, 2)
+    with pytest.raises(ValueError, match="tile grid"):
+        QuantizedTensor(
+            torch.ones(4, 4).to(torch.float8_e4m3fn), torch.ones(2, 2), FP8Blockwise((4, 4))
+        )
