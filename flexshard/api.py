@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .placements import BucketLayout, Placement, Shard, plan_bucket
+from .placements import BlockShard, BucketLayout, Placement, Shard, plan_bucket
+from .quant import QuantFormat
 from .runtime.bucket import Bucket, BucketParam
 from .runtime.collectives import DEFAULT_TIMEOUT, BucketComm
 from .runtime.consistency import check_same_plan
@@ -38,6 +39,9 @@ class BucketSpec:
     #: let parameters of several dtypes share the bucket: one uint8 storage and one
     #: all-gather of bytes; gradients reduce in the widest dtype (or mp reduce_dtype)
     pack_as_bytes: bool = False
+    #: all-gather block-quantized (FP8Blockwise or MXFP8): BlockShard tiles that are
+    #: multiples of the format's block, each rank quantizing its own tiles
+    quant: QuantFormat | None = None
 
     @property
     def pattern_list(self) -> list[str]:
@@ -118,6 +122,35 @@ class _Plan:
     hook_modules: list[nn.Module]
     mp_policy: MixedPrecisionPolicy
     reshard_after_forward: bool | None
+    quant: QuantFormat | None = None
+
+
+def _check_quant(
+    name: str,
+    members: list[tuple[nn.Parameter, list[str]]],
+    placements: list[Placement],
+    quant: QuantFormat,
+) -> None:
+    """A quantized bucket needs whole format blocks inside every tile: then each rank
+    quantizes its own tiles exactly as quantizing the full weight would."""
+    r, c = quant.block
+    if len({param.dtype for param, _ in members}) > 1:
+        raise ValueError(f"bucket '{name}' (quant={quant}): parameters must share one dtype")
+    for (param, fqns), placement in zip(members, placements):
+        where = f"bucket '{name}' (quant={quant}): parameter '{fqns[0]}'"
+        if not isinstance(placement, BlockShard) or param.ndim < 2:
+            raise ValueError(
+                f"{where} must be a 2-D or batched weight placed with BlockShard, got "
+                f"{placement} on shape {tuple(param.shape)}"
+            )
+        rows, cols = placement.block
+        if rows % r or cols % c:
+            raise ValueError(
+                f"{where} has BlockShard tiles {placement.block} that are not multiples of "
+                f"the format's block {quant.block}"
+            )
+        if not param.dtype.is_floating_point:
+            raise ValueError(f"{where} is {param.dtype}; only floating weights quantize")
 
 
 def _plan(
@@ -184,6 +217,7 @@ def _agree_and_build(
             groups.rank,
             plan.mp_policy,
             plan.reshard_after_forward,
+            plan.quant,
         )
         built.append((bucket, plan.hook_modules))
     return built
@@ -277,6 +311,8 @@ def _plan_flex(
         layout = _plan(
             names[b], members, placements, world_size, b % world_size, policy, spec.pack_as_bytes
         )
+        if spec.quant is not None:
+            _check_quant(names[b], members, placements, spec.quant)
         plans.append(
             _Plan(
                 names[b],
@@ -288,6 +324,7 @@ def _plan_flex(
                 spec.reshard_after_forward
                 if spec.reshard_after_forward is not None
                 else reshard_after_forward,
+                spec.quant,
             )
         )
     return plans

@@ -3,7 +3,7 @@
 from .base import Placement, Region
 from .block import BlockShard, tile_grid
 from .flat import FlatShard
-from .layout import BucketLayout, ParamLayout, plan_bucket
+from .layout import BucketLayout, CopyBlock, ParamLayout, plan_bucket
 from .owned import Owned, lpt_owners
 from .packing import gathered_alias, pack_all, pack_rank, unpack
 from .replicate import Replicate
@@ -12,6 +12,7 @@ from .shard import Shard, chunk_bounds
 __all__ = [
     "BlockShard",
     "BucketLayout",
+    "CopyBlock",
     "FlatShard",
     "Owned",
     "ParamLayout",

@@ -10,18 +10,30 @@ from .base import Region
 from .layout import BucketLayout, CopyBlock
 
 
-def _views(block: CopyBlock, storage: torch.Tensor, full: torch.Tensor):
-    """(the block's slice of a rank's flat storage, the same elements of ``full``)."""
+def storage_view(block: CopyBlock, storage: torch.Tensor) -> torch.Tensor:
+    """The block's slice of a rank's flat storage: its region's shape, or
+    ``(rows, cols, R, C)`` for a grid of tiles stored tile after tile."""
     flat = storage[block.offset : block.offset + block.numel]
+    if block.grid == (1, 1):
+        return flat.view(block.region.sizes)
+    return flat.view(*block.grid, *block.region.sizes[-2:])
+
+
+def full_view(block: CopyBlock, full: torch.Tensor) -> torch.Tensor:
+    """The same elements of the full tensor, shaped like ``storage_view``."""
     region = block.region
     if block.grid == (1, 1):
-        return flat.view(region.sizes), region.view_of(full)
+        return region.view_of(full)
     rows, cols = block.grid
     tile_rows, tile_cols = region.sizes[-2:]
     span = Region(region.offsets, (*region.sizes[:-2], rows * tile_rows, cols * tile_cols))
     box = span.view_of(full).view(rows * tile_rows, cols * tile_cols)  # batch dims are 1
     tiles = box.unflatten(0, (rows, tile_rows)).unflatten(-1, (cols, tile_cols))
-    return flat.view(rows, cols, tile_rows, tile_cols), tiles.permute(0, 2, 1, 3)
+    return tiles.permute(0, 2, 1, 3)
+
+
+def _views(block: CopyBlock, storage: torch.Tensor, full: torch.Tensor):
+    return storage_view(block, storage), full_view(block, full)
 
 
 def pack_rank(

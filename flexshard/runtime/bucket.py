@@ -13,6 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from ..placements import BucketLayout, gathered_alias, pack_all, pack_rank, unpack
 from ..placements.bytes import as_bytes, byte_view
 from .collectives import BucketComm, Pending
+from .quantized import QuantizedGather
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Bucket:
         rank: int,
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool | None,
+        quant: Any = None,
     ) -> None:
         self.name = name
         self.layout = layout
@@ -92,6 +94,8 @@ class Bucket:
         self.storage = torch.zeros(
             self.storage_layout.shard_numel, dtype=self.dtype, device=first.device
         )
+        # a quantized bucket all-gathers each rank's fp8 tiles and scales as bytes
+        self.quant = QuantizedGather(layout, quant, rank) if quant is not None else None
         self.unsharded = False
         if first.device.type != "meta":
             self.load_full(initial)
@@ -180,7 +184,11 @@ class Bucket:
         device = self.storage.device
         layout = self.storage_layout
         self.gathered = None
-        if not layout.replicated:
+        if self.quant is not None:
+            self.gathered = torch.empty(
+                layout.world_size * self.quant.nbytes, dtype=torch.uint8, device=device
+            )
+        elif not layout.replicated:
             self.gathered = torch.empty(
                 layout.world_size * layout.shard_numel, dtype=self.param_dtype, device=device
             )
@@ -190,7 +198,7 @@ class Bucket:
                 base = (
                     self._storage_view(self.storage, i) if self.param_dtype == self.dtype else None
                 )
-            elif self.packed:
+            elif self.packed or self.quant is not None:
                 base = None  # the gathered buffer is bytes: each parameter decodes its own
             else:
                 gathered_2d = self.gathered.view(layout.world_size, layout.shard_numel)
@@ -245,7 +253,12 @@ class Bucket:
             self._gather = Pending(None, "", self.comm.timeout)
             return
         _alloc(self.gathered)
-        send = self.storage if self.param_dtype == self.dtype else self.storage.to(self.param_dtype)
+        if self.quant is not None:
+            send = self.quant.encode(self.storage)
+        elif self.param_dtype == self.dtype:
+            send = self.storage
+        else:
+            send = self.storage.to(self.param_dtype)
         with torch.autograd._unsafe_preserve_version_counter(tuple(self.full_params)):
             self._gather = self.comm.all_gather(self.gathered, send)
         self._send = send  # keep alive while gloo reads it on its own thread
@@ -265,7 +278,9 @@ class Bucket:
             owned = [f if owns else None for f, owns in zip(self.full_params, self._owns_storage)]
             for full in self._owned_full():
                 _alloc(full)
-            if self.gathered is not None:
+            if self.quant is not None:
+                self.quant.decode(self.gathered.view(layout.world_size, -1), owned)
+            elif self.gathered is not None:
                 gathered_2d = self.gathered.view(layout.world_size, layout.shard_numel)
                 unpack(layout, gathered_2d, self._as_storage_units(owned))
             else:  # replicated with a cast
@@ -274,6 +289,14 @@ class Bucket:
                         full.copy_(self._storage_view(self.storage, i).view(full.shape))
         self._set_on_modules(self.full_params)
         self.unsharded = True
+
+    def quantized_params(self) -> dict[str, Any]:
+        """While unsharded, a quantized bucket's parameters as QuantizedTensors (fp8
+        data and scales), for FP8 GEMMs that read them instead of the dequantized copy."""
+        if self.quant is None or not self.unsharded:
+            raise RuntimeError(f"bucket '{self.name}' is not quantized or not unsharded")
+        gathered = self.gathered.view(self.layout.world_size, -1)
+        return {p.fqn: self.quant.quantized(gathered, i) for i, p in enumerate(self.params)}
 
     def reshard(self) -> None:
         if self._gather is not None:  # a prefetch nobody used: let it land first

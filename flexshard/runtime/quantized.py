@@ -1,0 +1,118 @@
+"""The quantized all-gather of a BlockShard bucket: each rank quantizes only its own
+tiles, and one uint8 all-gather carries ``[fp8 payload | pad | scales]`` of every rank."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..placements import BucketLayout, CopyBlock, Region
+from ..placements.packing import full_view, storage_view
+from ..quant import QuantFormat, QuantizedTensor, dequantize, quantize, scale_shape
+
+ALIGN = 16
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _scale_block(block: CopyBlock, fmt: QuantFormat) -> CopyBlock:
+    """The block's place in the parameter's grid of scales (tiles start on whole
+    format blocks, so a tile's scales are a box of the scale grid)."""
+    r, c = fmt.block
+    region = block.region
+    *lead, row, col = region.offsets
+    *lead_sizes, rows, cols = region.sizes
+    scaled = Region((*lead, row // r, col // c), (*lead_sizes, -(-rows // r), -(-cols // c)))
+    return CopyBlock(0, scaled, block.grid)
+
+
+class QuantizedGather:
+    """Encodes this rank's storage into its payload and decodes every rank's payload
+    into full parameters. The payload is cached until the storage changes (its
+    version counter moves when the optimizer steps), so the backward re-gather sends
+    exactly the bytes the forward sent: one quantization per step, no drift."""
+
+    def __init__(self, layout: BucketLayout, fmt: QuantFormat, rank: int) -> None:
+        self.layout = layout
+        self.fmt = fmt
+        self.rank = rank
+        # per rank, per parameter, per copy block: first scale in the rank's scale section
+        self._scale_offsets: list[list[list[int]]] = []
+        counts = []
+        for r in range(layout.world_size):
+            cursor, per_param = 0, []
+            for param in layout.params:
+                offsets = []
+                for block in param.copy_blocks[r]:
+                    offsets.append(cursor)
+                    cursor += math.prod(scale_shape(storage_view_shape(block), fmt))
+                per_param.append(offsets)
+            self._scale_offsets.append(per_param)
+            counts.append(cursor)
+        scale_size = torch.empty(0, dtype=fmt.scale_dtype).element_size()
+        self.data_nbytes = _align(layout.shard_numel)
+        self.nbytes = _align(self.data_nbytes + max(counts, default=0) * scale_size)
+        self._cached: tuple[int, torch.Tensor] | None = None
+        self.encodes = 0  # quantizations done (a test counts one per step)
+
+    def _sections(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        data = payload[: self.layout.shard_numel].view(torch.float8_e4m3fn)
+        scales = payload[self.data_nbytes :].view(self.fmt.scale_dtype)
+        return data, scales
+
+    def encode(self, storage: torch.Tensor) -> torch.Tensor:
+        """This rank's payload: its tiles quantized in place of the full tensor."""
+        if self._cached is not None and self._cached[0] == storage._version:
+            return self._cached[1]
+        payload = torch.zeros(self.nbytes, dtype=torch.uint8, device=storage.device)
+        data, scales = self._sections(payload)
+        for i, param in enumerate(self.layout.params):
+            for k, block in enumerate(param.copy_blocks[self.rank]):
+                q = quantize(storage_view(block, storage), self.fmt)
+                storage_view(block, data).copy_(q.data)
+                offset = self._scale_offsets[self.rank][i][k]
+                scales[offset : offset + q.scale.numel()].copy_(q.scale.reshape(-1))
+        self._cached = (storage._version, payload)
+        self.encodes += 1
+        return payload
+
+    def _rank_blocks(self, gathered: torch.Tensor, index: int):
+        """Per rank and copy block of parameter ``index``: (block, its QuantizedTensor)."""
+        param = self.layout.params[index]
+        for rank in range(self.layout.world_size):
+            data, scales = self._sections(gathered[rank])
+            for k, block in enumerate(param.copy_blocks[rank]):
+                tiles = storage_view(block, data)
+                shape = scale_shape(tiles.shape, self.fmt)
+                offset = self._scale_offsets[rank][index][k]
+                scale = scales[offset : offset + math.prod(shape)].view(shape)
+                yield block, QuantizedTensor(tiles, scale, self.fmt)
+
+    def decode(self, gathered: torch.Tensor, fulls: list[torch.Tensor | None]) -> None:
+        """Dequantize every rank's payload ([W, nbytes]) into the full parameters."""
+        for i, full in enumerate(fulls):
+            if full is None:
+                continue
+            for block, q in self._rank_blocks(gathered, i):
+                full_view(block, full).copy_(dequantize(q, dtype=full.dtype))
+
+    def quantized(self, gathered: torch.Tensor, index: int) -> QuantizedTensor:
+        """Parameter ``index`` as one QuantizedTensor (fp8 data and the scale grid of the
+        whole parameter), for FP8 GEMMs that read the quantized weight directly."""
+        shape = self.layout.params[index].shape
+        device = gathered.device
+        data = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+        scale = torch.empty(scale_shape(shape, self.fmt), dtype=self.fmt.scale_dtype, device=device)
+        for block, q in self._rank_blocks(gathered, index):
+            full_view(block, data.view(torch.uint8)).copy_(q.data.view(torch.uint8))
+            full_view(_scale_block(block, self.fmt), scale).copy_(q.scale)
+        return QuantizedTensor(data, scale, self.fmt)
+
+
+def storage_view_shape(block: CopyBlock) -> tuple[int, ...]:
+    if block.grid == (1, 1):
+        return block.region.sizes
+    return (*block.grid, *block.region.sizes[-2:])
