@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import flexshard as fs
 from flexshard.quant import MXFP8, FP8Blockwise, dequantize, quantize
-from flexshard.testing import run_distributed
+from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
 FORMATS = {
     "mxfp8_32x32": MXFP8((32, 32)),
@@ -160,3 +160,63 @@ def test_quantized_bucket_validation():
     assert "BlockShard" in errors["not_blockshard"] and "'up'" in errors["not_blockshard"]
     assert "not multiples" in errors["tile_not_multiple"]
     assert "bucket0" in errors["tile_not_multiple"]
+
+
+QCFG = TransformerConfig(vocab=64, dim=64, heads=4, hidden=128, layers=2, seq=16)
+MATRICES = ("qkv", "proj", "up", "down")
+
+
+def _quantized_buckets(fmt) -> list[fs.BucketSpec]:
+    """Per layer: its four matrices quantized in 32 x 32 tiles, the rest plain."""
+    buckets = []
+    for i in range(QCFG.layers):
+        mats = [f"layers.{i}.{m}.weight" for m in MATRICES]
+        buckets.append(
+            fs.BucketSpec(mats, placement=fs.BlockShard((32, 32)), name=f"mat{i}", quant=fmt)
+        )
+        rest = [f"layers.{i}.{m}.*" for m in ("attn_norm", "mlp_norm")]
+        rest += [f"layers.{i}.{m}.bias" for m in ("up", "down", "proj")]
+        buckets.append(fs.BucketSpec(rest, name=f"rest{i}"))
+    buckets.append(fs.BucketSpec(["embed.*", "norm.*", "head.*"], name="outer"))
+    return buckets
+
+
+def _train_100(rank, world_size):
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    full = TinyTransformer(QCFG).state_dict()
+    bf16 = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # learnable: each target is a fixed function of its token
+    batches = [(t, (t * 7 + 3) % QCFG.vocab) for t, _ in make_batches(QCFG, 100 * world_size, 4)]
+    out = {}
+    for name, fmt in [("bf16", None), ("mxfp8", MXFP8((32, 32)))]:
+        model = fs.flex_shard(
+            TinyTransformer(QCFG), mesh, buckets=_quantized_buckets(fmt), mp_policy=bf16
+        )
+        fs.load_full_state_dict(model, full)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for step in range(100):
+            tokens, targets = batches[step * world_size + rank]
+            loss = model.loss(tokens, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        master = fs.full_state_dict(model)  # full precision, never the quantized copy
+        out[name] = (losses, {k: v.dtype for k, v in master.items()}, master)
+    # the checkpoint holds master weights: not equal to their own quantization
+    qkv = out["mxfp8"][2]["layers.0.qkv.weight"]
+    rounded = dequantize(quantize(qkv, MXFP8((32, 32))))
+    return {k: v[:2] for k, v in out.items()}, bool(torch.equal(qkv, rounded))
+
+
+def test_mxfp8_gather_trains_like_bf16_gather():
+    (runs, master_is_quantized) = run_distributed(_train_100, 2)[0]
+    bf16_losses, bf16_dtypes = runs["bf16"]
+    mx_losses, mx_dtypes = runs["mxfp8"]
+    first, last = sum(mx_losses[:5]) / 5, sum(mx_losses[-10:]) / 10
+    assert last < 0.8 * first  # it trains
+    assert last == pytest.approx(sum(bf16_losses[-10:]) / 10, rel=0.02)
+    assert set(mx_dtypes.values()) == {torch.float32} and mx_dtypes == bf16_dtypes
+    assert not master_is_quantized
