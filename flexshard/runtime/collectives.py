@@ -26,6 +26,7 @@ class CommStats:
     all_reduce: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    all_gather_bytes: int = 0  # of bytes_sent: the parameter all-gathers alone
 
     @property
     def collectives(self) -> int:
@@ -39,6 +40,7 @@ class CommStats:
             "all_reduce": self.all_reduce,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
+            "all_gather_bytes": self.all_gather_bytes,
         }
 
 
@@ -91,6 +93,8 @@ class BucketComm:
         setattr(self.stats, kind, getattr(self.stats, kind) + 1)
         self.stats.bytes_sent += moved
         self.stats.bytes_received += moved
+        if kind == "all_gather":
+            self.stats.all_gather_bytes += moved
 
     def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> Pending:
         work = dist.all_gather_single(out, local, group=self.shard_group, async_op=True)
