@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..placements import BucketLayout, gathered_alias, pack_all, pack_rank, unpack
 from ..placements.bytes import as_bytes, byte_view
+from ..quant import QuantFormat
 from .collectives import BucketComm, Pending
 from .quantized import QuantizedGather
 
@@ -66,7 +68,7 @@ class Bucket:
         rank: int,
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool | None,
-        quant: Any = None,
+        quant: QuantFormat | None = None,
     ) -> None:
         self.name = name
         self.layout = layout
@@ -87,9 +89,7 @@ class Bucket:
         self.dtype = torch.uint8 if self.packed else first.dtype  # the storage's
         self.param_dtype = mp_policy.param_dtype or self.dtype
         self.full_dtypes = [mp_policy.param_dtype or d for d in self.dtypes]
-        widest = self.dtypes[0]
-        for dtype in self.dtypes:
-            widest = torch.promote_types(widest, dtype)
+        widest = functools.reduce(torch.promote_types, self.dtypes)
         self.reduce_dtype = mp_policy.reduce_dtype or mp_policy.param_dtype or widest
         self.storage = torch.zeros(
             self.storage_layout.shard_numel, dtype=self.dtype, device=first.device
@@ -97,9 +97,9 @@ class Bucket:
         # a quantized bucket all-gathers each rank's fp8 tiles and scales as bytes
         self.quant = QuantizedGather(layout, quant, rank) if quant is not None else None
         self.unsharded = False
+        self._gather: Pending | None = None
         if first.device.type != "meta":
             self.load_full(initial)
-        self._gather: Pending | None = None
         self._reduce: tuple[Pending, torch.Tensor, torch.Tensor] | None = None
         self._accumulated: list[torch.Tensor | None] = [None] * len(params)
         self.step_state: Any = None  # the StepState shared with the model's other buckets
