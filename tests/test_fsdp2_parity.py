@@ -10,21 +10,14 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import flexshard as fs
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
+from .reference import sharded_training
+
 STEPS = 10
 
 
 def _train(model, rank, world_size, steps=STEPS):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     batches = make_batches(model.cfg, steps * world_size, batch=2, seed=1)
-    losses = []
-    for step in range(steps):
-        tokens, targets = batches[step * world_size + rank]
-        loss = model.loss(tokens, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return sharded_training(model, rank, world_size, batches, steps)
 
 
 def _shard_both_ways(rank, world_size):

@@ -10,13 +10,17 @@ from .base import Region
 from .layout import BucketLayout, CopyBlock
 
 
-def storage_view(block: CopyBlock, storage: torch.Tensor) -> torch.Tensor:
-    """The block's slice of a rank's flat storage: its region's shape, or
-    ``(rows, cols, R, C)`` for a grid of tiles stored tile after tile."""
-    flat = storage[block.offset : block.offset + block.numel]
+def storage_shape(block: CopyBlock) -> tuple[int, ...]:
+    """The block's region's shape, or ``(rows, cols, R, C)`` for a grid of tiles
+    stored tile after tile."""
     if block.grid == (1, 1):
-        return flat.view(block.region.sizes)
-    return flat.view(*block.grid, *block.region.sizes[-2:])
+        return block.region.sizes
+    return (*block.grid, *block.region.sizes[-2:])
+
+
+def storage_view(block: CopyBlock, storage: torch.Tensor) -> torch.Tensor:
+    """The block's slice of a rank's flat storage, shaped by ``storage_shape``."""
+    return storage[block.offset : block.offset + block.numel].view(storage_shape(block))
 
 
 def full_view(block: CopyBlock, full: torch.Tensor) -> torch.Tensor:

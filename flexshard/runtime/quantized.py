@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..placements import BucketLayout, CopyBlock, Region
-from ..placements.packing import full_view, storage_view
+from ..placements.packing import full_view, storage_shape, storage_view
 from ..quant import QuantFormat, QuantizedTensor, dequantize, quantize, scale_shape
 
 ALIGN = 16
@@ -48,7 +48,7 @@ class QuantizedGather:
                 offsets = []
                 for block in param.copy_blocks[r]:
                     offsets.append(cursor)
-                    cursor += math.prod(scale_shape(storage_view_shape(block), fmt))
+                    cursor += math.prod(scale_shape(storage_shape(block), fmt))
                 per_param.append(offsets)
             self._scale_offsets.append(per_param)
             counts.append(cursor)
@@ -110,9 +110,3 @@ class QuantizedGather:
             full_view(block, data.view(torch.uint8)).copy_(q.data.view(torch.uint8))
             full_view(_scale_block(block, self.fmt), scale).copy_(q.scale)
         return QuantizedTensor(data, scale, self.fmt)
-
-
-def storage_view_shape(block: CopyBlock) -> tuple[int, ...]:
-    if block.grid == (1, 1):
-        return block.region.sizes
-    return (*block.grid, *block.region.sizes[-2:])
