@@ -49,6 +49,13 @@ def _own_version_counter(view: torch.Tensor) -> torch.Tensor:
     return alias
 
 
+def slot_of(param: torch.Tensor) -> tuple[Bucket, int] | None:
+    """The bucket holding local parameter ``param`` and its index there (None: not a
+    flexshard local shard). ``bucket.layout.params[index].regions[rank]`` says which
+    part of the full parameter each rank stores."""
+    return getattr(param, "_flexshard_slot", None)
+
+
 class Bucket:
     """Holds this rank's shard of a group of parameters and moves it.
 
@@ -172,8 +179,8 @@ class Bucket:
             nn.Parameter(self._storage_view(self.storage, i), requires_grad=p.requires_grad)
             for i, p in enumerate(self.params)
         ]
-        for local in self.local_params:
-            local._flexshard_bucket = self.name  # type: ignore[attr-defined]
+        for i, local in enumerate(self.local_params):
+            local._flexshard_slot = (self, i)  # type: ignore[attr-defined]
         self._build_full_params()
         self._set_on_modules(self.local_params)
 
