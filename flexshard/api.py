@@ -52,7 +52,7 @@ def _parameter_locations(module: nn.Module) -> dict[int, list[str]]:
     """Every FQN under which each not-yet-sharded parameter is reachable (ties share one)."""
     locations: dict[int, list[str]] = {}
     for fqn, param in module.named_parameters(remove_duplicate=False):
-        if getattr(param, "_flexshard_bucket", None) is None:
+        if getattr(param, "_flexshard_slot", None) is None:
             locations.setdefault(id(param), []).append(fqn)
     return locations
 
