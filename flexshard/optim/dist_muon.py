@@ -1,0 +1,242 @@
+"""DistMuon: torch.optim.Muon on flexshard's local shards.
+
+Where storage holds whole matrices (Owned, full-width BlockShard row blocks with
+``row_blocks=True``, whole experts of a 3-D stack, plain tensors) the step computes
+locally and issues no collective. Where a placement splits matrices (Shard, FlatShard,
+2-D tiles, Replicate) each matrix goes to one owner rank, chosen by LPT on
+Newton–Schulz FLOPs: one packed all-to-all per bucket brings the pieces, the owner
+orthogonalises, one packed all-to-all per bucket returns each rank its part of the
+update. Bucket i+1's forward all-to-all is in flight while bucket i's Newton–Schulz
+runs. Momentum and weight decay are elementwise, so they run on the shards and every
+piece of state (``momentum_buffer``) is shaped like the local shard it belongs to:
+``state_dict()``/``load_state_dict()`` work rank-locally as for any torch optimizer.
+
+Replicate buckets: every rank holds the whole matrix and its (all-reduced) gradient;
+the owner computes Newton–Schulz and the back all-to-all shares its update (the
+forward needs no collective), so no rank repeats another's Newton–Schulz. HSDP: the
+exchanges run in each bucket's shard group; replicas hold equal gradients and compute
+the same updates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from .matrices import Kind, Target, resolve
+from .newton_schulz import NS_COEFFICIENTS, adjust_lr, ns_flops, zeropower, zeropower_batched
+from .redistribute import (
+    CommCounter,
+    Exchange,
+    Transfer,
+    assemble,
+    local_updates,
+    plan_exchanges,
+    send_inputs,
+    send_updates,
+)
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def check_muon_hyperparameters(group: dict, where: str) -> None:
+    """ValueError/TypeError for hyper-parameters Muon cannot run with (before any step)."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"DistMuon {where}: a tensor lr must have one element")
+        lr = lr.item()
+    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"DistMuon {where}: lr must be a finite number >= 0, got {lr!r}")
+    momentum = group["momentum"]
+    if not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+        raise ValueError(f"DistMuon {where}: momentum must be in [0, 1), got {momentum!r}")
+    if not isinstance(group["weight_decay"], (int, float)) or group["weight_decay"] < 0:
+        raise ValueError(
+            f"DistMuon {where}: weight_decay must be >= 0, got {group['weight_decay']!r}"
+        )
+    steps = group["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"DistMuon {where}: ns_steps must be an int, got {steps!r}")
+    if not 0 <= steps < 100:
+        raise ValueError(
+            f"DistMuon {where}: ns_steps must be in [0, 100) (Newton–Schulz converges in a "
+            f"handful of steps), got {steps}"
+        )
+    if len(tuple(group["ns_coefficients"])) != 3:
+        raise ValueError(f"DistMuon {where}: ns_coefficients must be 3 numbers (a, b, c)")
+    if not group["eps"] >= 0:
+        raise ValueError(f"DistMuon {where}: eps must be >= 0, got {group['eps']!r}")
+    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(
+            f"DistMuon {where}: adjust_lr_fn must be one of {ADJUST_LR_FNS}, "
+            f"got {group['adjust_lr_fn']!r}"
+        )
+
+
+class DistMuon(Optimizer):
+    """``torch.optim.Muon`` for flexshard local shards (and plain tensors).
+
+    Extra per-group option ``row_blocks`` (default False): treat each full-width row
+    block a BlockShard bucket stores (``BlockShard((rows, C))``, e.g. one attention
+    head of a fused QKV) as a matrix of its own, computed without communication.
+    ``comm_stats()`` counts the step's all-to-alls and bytes.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        row_blocks: bool = False,
+    ) -> None:
+        self._targets: dict[int, Target] = {}
+        self._plan: tuple[tuple[int, ...], list[Exchange]] | None = None
+        self.comm = CommCounter()
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": tuple(ns_coefficients),
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "row_blocks": row_blocks,
+        }
+        check_muon_hyperparameters(defaults, "defaults")
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ groups
+    def _is_muon(self, group: dict) -> bool:
+        return True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if not self._is_muon(group):
+            return
+        where = f"param group {len(self.param_groups) - 1}"
+        check_muon_hyperparameters(group, where)
+        names = group.get("param_names")
+        for i, param in enumerate(group["params"]):
+            name = f"'{names[i]}'" if names else f"parameter {i} of {where}"
+            self._targets[id(param)] = resolve(param, name, group)
+        self._plan = None
+
+    def comm_stats(self, reset: bool = False) -> dict[str, int]:
+        """All-to-alls issued by ``step()`` and the bytes this rank sent and received."""
+        stats = self.comm.as_dict()
+        if reset:
+            self.comm = CommCounter()
+        return stats
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._muon_step()
+        return loss
+
+    def _muon_step(self) -> None:
+        updates: list[tuple[Target, torch.Tensor]] = []
+        for group in self.param_groups:
+            if not self._is_muon(group):
+                continue
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                target = self._targets[id(param)]
+                target.group = group
+                updates.append((target, self._momentum_update(param, group)))
+        remote = [t for t, _ in updates if t.kind is Kind.REMOTE]
+        exchanges = self._exchanges(remote)
+        inputs = {id(t.param): u for t, u in updates}
+        forward = send_inputs(exchanges[0], inputs, self.comm) if exchanges else None
+        for target, update in updates:  # whole matrices: overlaps the first all-to-all
+            if target.kind is not Kind.REMOTE:
+                self._step_local(target, update)
+        backs: list[tuple[Exchange, Transfer]] = []
+        for k, exchange in enumerate(exchanges):
+            assert forward is not None
+            received = forward.wait()
+            if k + 1 < len(exchanges):  # in flight during this bucket's Newton–Schulz
+                forward = send_inputs(exchanges[k + 1], inputs, self.comm)
+            fulls = assemble(exchange, received)
+            owned = [self._orthogonalize(u.target, f) for u, f in zip(exchange.owned(), fulls)]
+            backs.append((exchange, send_updates(exchange, owned, self.comm)))
+            if len(backs) > 1:
+                self._apply_remote(*backs.pop(0))
+        for exchange, back in backs:
+            self._apply_remote(exchange, back)
+
+    def _momentum_update(self, param: torch.Tensor, group: dict) -> torch.Tensor:
+        """Momentum (and Nesterov's look-ahead) on the shard: elementwise, bit for bit
+        what torch.optim.Muon computes on the same elements of the full matrix."""
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(
+                param.grad, memory_format=torch.preserve_format
+            )
+        buf = state["momentum_buffer"]
+        momentum = group["momentum"]
+        buf.lerp_(param.grad, 1 - momentum)
+        return param.grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+    def _exchanges(self, remote: list[Target]) -> list[Exchange]:
+        key = tuple(id(t.param) for t in remote)
+        if self._plan is None or self._plan[0] != key:
+            cost = lambda t: ns_flops(t.shape, t.group["ns_steps"])  # noqa: E731
+            self._plan = (key, plan_exchanges(remote, cost))
+        return self._plan[1]
+
+    @staticmethod
+    def _orthogonalize(target: Target, matrix: torch.Tensor) -> torch.Tensor:
+        group = target.group
+        args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+        if matrix.ndim == 3:
+            return zeropower_batched(matrix, *args)
+        return zeropower(matrix, *args)
+
+    @staticmethod
+    def _apply(target: Target, update: torch.Tensor, matrix_shape: tuple[int, ...]) -> None:
+        group = target.group
+        lr = group["lr"]
+        lr = lr.item() if isinstance(lr, torch.Tensor) else lr
+        target.param.mul_(1 - lr * group["weight_decay"])  # decoupled, unadjusted lr
+        target.param.add_(update, alpha=-adjust_lr(lr, group["adjust_lr_fn"], matrix_shape))
+
+    def _step_local(self, target: Target, update: torch.Tensor) -> None:
+        param = target.param
+        if target.kind is Kind.WHOLE:
+            self._apply(target, self._orthogonalize(target, update), target.shape)
+        elif target.kind is Kind.EXPERTS:
+            rows, cols = target.shape[-2:]
+            stack = self._orthogonalize(target, update.reshape(-1, rows, cols))
+            self._apply(target, stack.reshape(param.shape), target.shape)
+        elif target.kind is Kind.ROW_BLOCKS:
+            flat_update, flat_param = update.reshape(-1), param.view(-1)
+            for block in target.blocks:
+                numel = math.prod(block.shape)
+                piece = flat_update[block.offset : block.offset + numel].view(block.shape)
+                view = flat_param[block.offset : block.offset + numel].view(block.shape)
+                sub = Target(view, target.name, target.group, Kind.WHOLE, block.shape)
+                self._apply(sub, self._orthogonalize(sub, piece), block.shape)
+
+    def _apply_remote(self, exchange: Exchange, back: Transfer) -> None:
+        for target, update in local_updates(exchange, back.wait()):
+            self._apply(target, update, target.shape)

@@ -1,0 +1,235 @@
+"""Moving split matrices to their Newton–Schulz owner and the updates back: one packed
+all_to_all_single per bucket and direction, planned from the layout alone."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..placements import Region, lpt_owners
+from .matrices import Target
+
+#: the wire format: Newton–Schulz starts by casting to bf16 and returns bf16, so
+#: sending bf16 both ways changes no bit of the result and halves fp32's bytes
+WIRE_DTYPE = torch.bfloat16
+
+
+@dataclass
+class Unit:
+    """One redistributed matrix (or expert stack) of an exchange."""
+
+    target: Target
+    owner: int
+    inputs: tuple[tuple[Region, ...], ...]  # per rank: what it sends the owner
+    outputs: tuple[tuple[Region, ...], ...]  # per rank: what the owner sends it back
+
+    def input_numel(self, rank: int) -> int:
+        return sum(r.numel for r in self.inputs[rank])
+
+    def output_numel(self, rank: int) -> int:
+        return sum(r.numel for r in self.outputs[rank])
+
+
+@dataclass
+class CommCounter:
+    """What DistMuon's steps sent: all-to-alls and bytes (this rank's, without the
+    part a rank 'sends' itself)."""
+
+    all_to_all: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "all_to_all": self.all_to_all,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+        }
+
+
+@dataclass
+class Exchange:
+    """The redistributed matrices of one flexshard bucket."""
+
+    name: str
+    group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    timeout: datetime.timedelta
+    device: torch.device
+    units: list[Unit]
+    # splits[s][d]: elements rank s sends rank d, forward (to owners) and back
+    forward: list[list[int]] = field(default_factory=list)
+    back: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        w = self.world_size
+        self.forward = [[0] * w for _ in range(w)]
+        self.back = [[0] * w for _ in range(w)]
+        for unit in self.units:
+            for rank in range(w):
+                self.forward[rank][unit.owner] += unit.input_numel(rank)
+                self.back[unit.owner][rank] += unit.output_numel(rank)
+
+    def owned(self) -> list[Unit]:
+        return [u for u in self.units if u.owner == self.rank]
+
+
+def plan_exchanges(
+    targets: Sequence[Target], cost: Callable[[Target], float]
+) -> list[Exchange]:
+    """Group redistributed targets by bucket (in first-seen order) and pick owners by
+    LPT on ``cost``, carrying each rank's load from bucket to bucket so the whole step
+    is balanced. Deterministic: every rank computes the same plan."""
+    by_bucket: dict[int, list[Target]] = {}
+    for target in targets:
+        by_bucket.setdefault(id(target.bucket), []).append(target)
+    exchanges = []
+    loads: dict[int, list[float]] = {}  # per shard-group size
+    for members in by_bucket.values():
+        bucket = members[0].bucket
+        assert bucket is not None
+        w = bucket.layout.world_size
+        load = loads.setdefault(w, [0.0] * w)
+        costs = [cost(t) for t in members]
+        owners = lpt_owners(costs, w, loads=load)
+        units = []
+        for target, owner, c in zip(members, owners, costs):
+            load[owner] += c
+            regions = bucket.layout.params[target.index].regions
+            if bucket.layout.replicated:  # the owner holds it all, everyone gets it all
+                inputs = tuple(regions[r] if r == owner else () for r in range(w))
+            else:
+                inputs = regions
+            units.append(Unit(target, owner, inputs, regions))
+        exchanges.append(
+            Exchange(
+                bucket.name,
+                bucket.comm.shard_group,
+                bucket.rank,
+                w,
+                bucket.comm.timeout,
+                bucket.storage.device,
+                units,
+            )
+        )
+    return exchanges
+
+
+def _wait(work: dist.Work, what: str, timeout: datetime.timedelta) -> None:
+    """Wait for ``work``; a failure or stall raises naming the bucket."""
+    try:
+        done = work.wait(timeout)
+    except Exception as err:  # gloo raises on a dead peer or its own timeout
+        raise RuntimeError(f"flexshard: {what} failed: {err}") from err
+    if done is False:
+        raise RuntimeError(f"flexshard: {what} did not finish within {timeout}")
+
+
+class Transfer:
+    """One in-flight packed all-to-all and the buffer it fills."""
+
+    def __init__(
+        self,
+        exchange: Exchange,
+        splits: list[list[int]],
+        send: torch.Tensor,
+        counter: CommCounter,
+        what: str,
+    ) -> None:
+        rank, w = exchange.rank, exchange.world_size
+        send_sizes = splits[rank]
+        recv_sizes = [splits[s][rank] for s in range(w)]
+        self.recv = torch.empty(sum(recv_sizes), dtype=send.dtype, device=send.device)
+        self.recv_sizes = recv_sizes
+        self._send = send  # alive while gloo reads it
+        # a bucket whose data never leaves its rank (W = 1, or a replicated bucket's
+        # forward) needs no collective; every rank knows this from the same layout
+        if all(splits[s][d] == 0 for s in range(w) for d in range(w) if s != d):
+            self.recv.copy_(send)
+            self.work = None
+            return
+        work = dist.all_to_all_single(
+            self.recv, send, recv_sizes, send_sizes, group=exchange.group, async_op=True
+        )
+        size = send.element_size()
+        counter.all_to_all += 1
+        counter.bytes_sent += (sum(send_sizes) - send_sizes[rank]) * size
+        counter.bytes_received += (sum(recv_sizes) - recv_sizes[rank]) * size
+        self.work = work
+        self.what = f"DistMuon {what} all-to-all of bucket '{exchange.name}'"
+        self.timeout = exchange.timeout
+
+    def wait(self) -> list[torch.Tensor]:
+        """The received buffer, split by source rank."""
+        if self.work is not None:
+            work, self.work = self.work, None
+            _wait(work, self.what, self.timeout)
+        self._send = None
+        return list(torch.split(self.recv, self.recv_sizes))
+
+
+def send_inputs(
+    exchange: Exchange, inputs: dict[int, torch.Tensor], counter: CommCounter
+) -> Transfer:
+    """Launch the forward all-to-all: ``inputs[id(param)]`` is this rank's local update
+    (shaped like its shard); the pieces go to each matrix's owner, owner by owner."""
+    rank = exchange.rank
+    pieces: list[list[torch.Tensor]] = [[] for _ in range(exchange.world_size)]
+    for unit in exchange.units:
+        if unit.input_numel(rank):
+            pieces[unit.owner].append(inputs[id(unit.target.param)].reshape(-1))
+    flat = [p for dest in pieces for p in dest]
+    empty = torch.empty(0, dtype=WIRE_DTYPE, device=exchange.device)
+    send = torch.cat(flat).to(WIRE_DTYPE) if flat else empty
+    return Transfer(exchange, exchange.forward, send, counter, "forward")
+
+
+def assemble(exchange: Exchange, received: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The owner's full matrices, in ``exchange.owned()`` order, from every rank's pieces."""
+    cursors = [0] * exchange.world_size
+    fulls = []
+    for unit in exchange.owned():
+        full = torch.empty(unit.target.shape, dtype=WIRE_DTYPE, device=exchange.device)
+        for source, regions in enumerate(unit.inputs):
+            for region in regions:
+                chunk = received[source][cursors[source] : cursors[source] + region.numel]
+                cursors[source] += region.numel
+                view = region.view_of(full)
+                view.copy_(chunk.view(view.shape))
+        fulls.append(full)
+    return fulls
+
+
+def send_updates(
+    exchange: Exchange, updates: list[torch.Tensor], counter: CommCounter
+) -> Transfer:
+    """Launch the back all-to-all: each rank receives its regions of every update."""
+    pieces: list[list[torch.Tensor]] = [[] for _ in range(exchange.world_size)]
+    for unit, update in zip(exchange.owned(), updates):
+        for rank, regions in enumerate(unit.outputs):
+            pieces[rank].extend(region.view_of(update).reshape(-1) for region in regions)
+    flat = [p for dest in pieces for p in dest]
+    send = torch.cat(flat) if flat else torch.empty(0, dtype=WIRE_DTYPE, device=exchange.device)
+    return Transfer(exchange, exchange.back, send, counter, "back")
+
+
+def local_updates(
+    exchange: Exchange, received: list[torch.Tensor]
+) -> list[tuple[Target, torch.Tensor]]:
+    """This rank's part of every update, shaped like its local shard."""
+    rank = exchange.rank
+    cursors = [0] * exchange.world_size
+    out = []
+    for unit in exchange.units:
+        numel = unit.output_numel(rank)
+        if numel == 0:
+            continue
+        chunk = received[unit.owner][cursors[unit.owner] : cursors[unit.owner] + numel]
+        cursors[unit.owner] += numel
+        out.append((unit.target, chunk.view(unit.target.param.shape)))
+    return out
