@@ -1,0 +1,286 @@
+"""The trainer's configuration: dataclasses per TOML section, loaded from a file and
+overridden from the command line (``--training.steps 20``), with clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message names the key."""
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 0  # 0: dense SwiGLU feed-forward everywhere
+    top_k: int = 2
+    num_shared_experts: int = 1
+    expert_hidden: int = 0  # 0: the dense ffn_hidden
+    first_dense_layers: int = 1  # DeepSeek keeps the first layer(s) dense
+    router_bias: bool = False
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256  # byte-level tokenizer
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2  # grouped-query attention: n_heads % n_kv_heads == 0
+    ffn_hidden: int = 0  # 0: Llama's rule, 8/3 * dim rounded up to ffn_multiple
+    ffn_multiple: int = 16
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+@dataclass
+class ParallelismConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever the world size leaves
+    dp_backend: Literal["flexshard", "fsdp2"] = "flexshard"
+    # reserved for the 5-D trainer; only 1 is accepted today
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    # flexshard buckets: one per block plus one outer bucket, all with this placement
+    placement: Literal["shard0", "flat", "owned", "block", "mixed", "muon"] = "shard0"
+    block: list[int] = field(default_factory=lambda: [16, 16])  # BlockShard tile (R, C)
+    reshard_after_forward: bool = True
+    # explicit buckets replace the defaults: [{patterns=[..], placement="owned", name=".."}]
+    buckets: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 20
+    seed: int = 0
+    seq_len: int = 64
+    batch_size: int = 4  # sequences per data-parallel rank per micro-batch
+    grad_accum: int = 1  # micro-batches per step
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # decay ends at lr * min_lr_ratio
+    warmup_steps: int = 2
+    decay: Literal["cosine", "linear", "none"] = "cosine"
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    max_norm: float = 1.0  # 0: no clipping (the norm is still measured)
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class DataConfig:
+    source: Literal["builtin", "files", "hf_disk"] = "builtin"
+    paths: list[str] = field(default_factory=list)  # text files or globs (source="files")
+    hf_path: str = ""  # datasets.save_to_disk folder (source="hf_disk")
+    hf_split: str = "train"
+    hf_text_field: str = "text"
+
+
+@dataclass
+class JobConfig:
+    dump_folder: str = "outputs/debug"
+    description: str = ""
+    log_every: int = 1
+    progress: bool = True  # rank-0 progress bar on stderr
+    tensorboard: bool = True  # only if the tensorboard package is importable
+    plot: bool = True  # loss-curve PNG at the end (needs matplotlib)
+    peak_tflops: float = 0.0  # per rank, for MFU; 0: known GPU table or a CPU matmul probe
+
+
+@dataclass
+class CheckpointConfig:
+    enable: bool = False
+    interval: int = 10  # steps between saves
+    folder: str = "checkpoint"  # under dump_folder
+    resume: bool = True  # continue from the latest checkpoint in folder, if any
+    export_safetensors: bool = False  # final model as model.safetensors in dump_folder
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    job: JobConfig = field(default_factory=JobConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_type(key: str, value: Any, hint: Any) -> Any:
+    """``value`` converted to ``hint`` (int -> float allowed), or a ConfigError."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(map(repr, choices))}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} = {value!r}: must be a list")
+        (item,) = typing.get_args(hint)
+        return [_check_type(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if origin is dict or hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if (hint is int and isinstance(value, bool)) or not isinstance(value, hint):
+        raise ConfigError(f"{key} = {value!r}: must be {hint.__name__}")
+    return value
+
+
+def _fill(obj: Any, table: dict[str, Any], prefix: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in table.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(
+                f"unknown config key '{path}'; [{prefix.rstrip('.') or 'top level'}] has: "
+                f"{', '.join(sorted(names))}"
+            )
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"'{path}' is a section; write it as [{path}]")
+            _fill(current, value, f"{path}.")
+        else:
+            setattr(obj, key, _check_type(path, value, hints[key]))
+
+
+def _parse_value(text: str) -> Any:
+    """A command-line value as TOML would read it (20, 3e-4, true, [16, 16]); else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_dotted(table: dict[str, Any], dotted: str, value: Any) -> None:
+    *sections, key = dotted.split(".")
+    for section in sections:
+        table = table.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"--{dotted}: '{section}' is not a section")
+    table[key] = value
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``["--training.steps", "20", "--job.dump_folder=out"]`` -> a nested table."""
+    table: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"expected an override like --training.steps 20, got '{arg}'")
+        if "=" in arg:
+            dotted, text = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override '{arg}' has no value")
+            dotted, text = arg[2:], args[i + 1]
+            i += 2
+        _set_dotted(table, dotted, _parse_value(text))
+    return table
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def validate(cfg: Config) -> None:
+    """Values that type-check but make no sense."""
+    m, t, p = cfg.model, cfg.training, cfg.parallelism
+    positive = {
+        "model.vocab_size": m.vocab_size,
+        "model.dim": m.dim,
+        "model.n_layers": m.n_layers,
+        "model.n_heads": m.n_heads,
+        "model.n_kv_heads": m.n_kv_heads,
+        "training.steps": t.steps,
+        "training.seq_len": t.seq_len,
+        "training.batch_size": t.batch_size,
+        "training.grad_accum": t.grad_accum,
+        "parallelism.dp_replicate": p.dp_replicate,
+        "job.log_every": cfg.job.log_every,
+        "checkpoint.interval": cfg.checkpoint.interval,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} = {value}: must be at least 1")
+    if p.dp_shard < 1 and p.dp_shard != -1:
+        raise ConfigError(f"parallelism.dp_shard = {p.dp_shard}: must be -1 (auto) or >= 1")
+    if m.dim % m.n_heads:
+        raise ConfigError(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"head dim {m.dim // m.n_heads} must be even for RoPE")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"model.n_heads = {m.n_heads} is not a multiple of model.n_kv_heads = {m.n_kv_heads}"
+        )
+    moe = m.moe
+    if moe.num_experts and not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(
+            f"model.moe.top_k = {moe.top_k}: must be in 1..num_experts ({moe.num_experts})"
+        )
+    if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError("training.lr must be > 0 and training.min_lr_ratio in [0, 1]")
+    if t.warmup_steps < 0 or t.max_norm < 0 or t.weight_decay < 0:
+        raise ConfigError("training.warmup_steps, max_norm and weight_decay must be >= 0")
+    if len(t.betas) != 2:
+        raise ConfigError(f"training.betas = {t.betas}: must be two numbers")
+    if len(p.block) != 2 or min(p.block) < 1:
+        raise ConfigError(f"parallelism.block = {p.block}: must be two positive sizes [R, C]")
+    for dim in ("tp", "pp", "cp", "ep"):
+        if getattr(p, dim) != 1:
+            raise ConfigError(
+                f"parallelism.{dim} = {getattr(p, dim)}: tensor, pipeline, context and expert "
+                "parallelism are not implemented yet; set it to 1"
+            )
+    if cfg.data.source == "files" and not cfg.data.paths:
+        raise ConfigError('data.source = "files" needs data.paths (text files or globs)')
+    if cfg.data.source == "hf_disk" and not cfg.data.hf_path:
+        raise ConfigError('data.source = "hf_disk" needs data.hf_path (a save_to_disk folder)')
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file, then ``--section.key value`` overrides; validated."""
+    table: dict[str, Any] = {}
+    if path is not None:
+        try:
+            table = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file '{path}' not found") from None
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file '{path}': {err}") from None
+    table = _merge(table, parse_overrides(overrides or []))
+    cfg = Config()
+    _fill(cfg, table, "")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(table: dict[str, Any]) -> Config:
+    """A Config from a nested dict (as ``Config.to_dict`` gives), validated."""
+    cfg = Config()
+    _fill(cfg, table, "")
+    validate(cfg)
+    return cfg

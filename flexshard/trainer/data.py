@@ -1,0 +1,127 @@
+"""Byte-level tokenizer, text sources (shipped corpus, own files, a Hugging Face data
+set saved to disk) and deterministic per-data-parallel-rank sampling."""
+
+from __future__ import annotations
+
+import glob
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError, DataConfig
+
+CORPUS_FILE = "corpus.txt"  # public-domain text shipped as package data
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are the tokens: vocabulary 256, no download, lossless."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+    def decode(self, tokens: torch.Tensor) -> str:
+        return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+def builtin_corpus() -> str:
+    return resources.files("flexshard.trainer").joinpath(CORPUS_FILE).read_text("utf-8")
+
+
+def _read_files(patterns: list[str]) -> str:
+    paths: list[str] = []
+    for pattern in patterns:
+        found = sorted(glob.glob(pattern, recursive=True))
+        if not found:
+            raise ConfigError(f"data.paths: '{pattern}' matches no file")
+        paths.extend(found)
+    return "\n".join(Path(p).read_text("utf-8", errors="replace") for p in paths)
+
+
+def _read_hf_disk(cfg: DataConfig) -> str:
+    try:
+        import datasets  # optional: only for data.source = "hf_disk"
+    except ImportError:
+        raise ConfigError(
+            'data.source = "hf_disk" needs the `datasets` package (pip install datasets)'
+        ) from None
+    loaded = datasets.load_from_disk(cfg.hf_path)
+    if isinstance(loaded, datasets.DatasetDict):
+        if cfg.hf_split not in loaded:
+            raise ConfigError(f"data.hf_split '{cfg.hf_split}' not in {list(loaded)}")
+        loaded = loaded[cfg.hf_split]
+    if cfg.hf_text_field not in loaded.column_names:
+        raise ConfigError(f"data.hf_text_field '{cfg.hf_text_field}' not in {loaded.column_names}")
+    return "\n".join(loaded[cfg.hf_text_field])
+
+
+def load_tokens(cfg: DataConfig, tokenizer: ByteTokenizer) -> torch.Tensor:
+    """The whole training text as one 1-D token tensor (every rank loads the same)."""
+    if cfg.source == "builtin":
+        text = builtin_corpus()
+    elif cfg.source == "files":
+        text = _read_files(cfg.paths)
+    else:
+        text = _read_hf_disk(cfg)
+    return tokenizer.encode(text)
+
+
+class DPSampler:
+    """Which sequences each data-parallel rank trains on, as a pure function of the step.
+
+    The text is cut into windows of ``seq_len + 1`` tokens (input plus shifted target,
+    adjacent windows sharing one token); every epoch visits them in a seeded random
+    order. Step ``s`` takes global samples ``[s*G, (s+1)*G)`` with ``G = dp * accum *
+    batch``; rank ``r`` takes the contiguous slice ``r`` of it, micro-batch after
+    micro-batch. So the ranks of one step never share a sample, a run with one rank and
+    ``batch * dp`` sequences sees exactly the union, and a resumed run needs no state.
+    """
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        seq_len: int,
+        batch_size: int,
+        grad_accum: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+    ) -> None:
+        self.windows = (tokens.numel() - 1) // seq_len
+        if self.windows < 1:
+            raise ConfigError(
+                f"the text has {tokens.numel()} tokens, fewer than one sequence of "
+                f"training.seq_len + 1 = {seq_len + 1}"
+            )
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        self.batch_size, self.grad_accum = batch_size, grad_accum
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self._orders: dict[int, torch.Tensor] = {}
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp_size * self.grad_accum * self.batch_size
+
+    def window_of(self, sample: int) -> int:
+        epoch, position = divmod(sample, self.windows)
+        if epoch not in self._orders:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._orders = {epoch: torch.randperm(self.windows, generator=gen)}
+        return int(self._orders[epoch][position])
+
+    def sample_ids(self, step: int, micro: int) -> list[int]:
+        """Global sample indices of this rank's micro-batch ``micro`` at ``step``."""
+        first = step * self.global_batch
+        first += (self.dp_rank * self.grad_accum + micro) * self.batch_size
+        return list(range(first, first + self.batch_size))
+
+    def batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each [batch_size, seq_len] int64."""
+        rows = []
+        for sample in self.sample_ids(step, micro):
+            start = self.window_of(sample) * self.seq_len
+            rows.append(self.tokens[start : start + self.seq_len + 1])
+        seqs = torch.stack(rows)
+        return seqs[:, :-1], seqs[:, 1:]

@@ -1,0 +1,236 @@
+"""A Llama-3-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) with
+optional DeepSeek-style MoE layers (top-k router, shared expert, 3-D expert weights
+``[E, R, C]``), built from ``ModelConfig``.
+
+Initialisation is one function per module (``init_module``), applied in module order,
+so that ``fs.init_params(model, init_module)`` on a meta-built, sharded model draws
+exactly the values an eagerly built model gets from ``init_weights``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+def ffn_hidden_size(cfg: ModelConfig) -> int:
+    if cfg.ffn_hidden:
+        return cfg.ffn_hidden
+    hidden = int(8 * cfg.dim / 3)  # SwiGLU keeps the 4*dim MLP's parameter count
+    return cfg.ffn_multiple * math.ceil(hidden / cfg.ffn_multiple)
+
+
+def _linear(fan_in: int, fan_out: int, std: float) -> nn.Linear:
+    layer = nn.Linear(fan_in, fan_out, bias=False)
+    layer.init_stds = {"weight": std}  # read by init_module
+    return layer
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.init_stds = {"weight": None}  # None: ones
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(
+    seq_len: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every (position, frequency) pair, [seq_len, head_dim / 2], fp32."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of ``x`` [batch, seq, heads, head_dim] (Llama's layout)."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, out_std: float) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = _linear(cfg.dim, cfg.n_heads * self.head_dim, 0.02)
+        self.wk = _linear(cfg.dim, cfg.n_kv_heads * self.head_dim, 0.02)
+        self.wv = _linear(cfg.dim, cfg.n_kv_heads * self.head_dim, 0.02)
+        self.wo = _linear(cfg.n_heads * self.head_dim, cfg.dim, out_std)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), cos, sin)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        repeat = self.n_heads // self.n_kv_heads  # each kv head serves `repeat` query heads
+        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int, out_std: float) -> None:
+        super().__init__()
+        self.w1 = _linear(dim, hidden, 0.02)
+        self.w2 = _linear(hidden, dim, out_std)
+        self.w3 = _linear(dim, hidden, 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as 3-D weights [E, R, C] (rows = outputs, as nn.Linear): one
+    parameter per projection, so a placement sees whole expert matrices as a batch."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, out_std: float) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.init_stds = {"w1": 0.02, "w2": out_std, "w3": 0.02}
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return (F.silu(x @ self.w1[e].t()) * (x @ self.w3[e].t())) @ self.w2[e].t()
+
+
+class MoE(nn.Module):
+    """Token-choice top-k routing over routed experts plus always-on shared experts."""
+
+    def __init__(self, cfg: ModelConfig, out_std: float) -> None:
+        super().__init__()
+        moe = cfg.moe
+        hidden = moe.expert_hidden or ffn_hidden_size(cfg)
+        self.top_k = moe.top_k
+        self.router = _linear(cfg.dim, moe.num_experts, 0.02)
+        self.experts = GroupedExperts(moe.num_experts, cfg.dim, hidden, out_std)
+        self.shared = (
+            FeedForward(cfg.dim, hidden * moe.num_shared_experts, out_std)
+            if moe.num_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        scores = self.router(flat).float().softmax(dim=-1)
+        weights, chosen = scores.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).type_as(x)
+        out = torch.zeros_like(flat)
+        for e in range(self.experts.w1.shape[0]):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            if token.numel() == 0:
+                continue
+            routed = self.experts.expert(e, flat[token]) * weights[token, slot, None]
+            out = out.index_add(0, token, routed)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view(shape)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # residual branches scaled with depth
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg, out_std)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        use_moe = cfg.moe.num_experts > 0 and layer >= cfg.moe.first_dense_layers
+        self.feed_forward: nn.Module = (
+            MoE(cfg, out_std) if use_moe else FeedForward(cfg.dim, ffn_hidden_size(cfg), out_std)
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings.init_stds = {"weight": 1.0}
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = _linear(cfg.dim, cfg.vocab_size, cfg.dim**-0.5)
+        # RoPE tables are recomputed per device and length, not stored: a meta-built
+        # model then needs no buffer re-initialisation after to_empty
+        self._rope: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (seq_len, device)
+        if key not in self._rope:
+            head_dim = self.cfg.dim // self.cfg.n_heads
+            self._rope[key] = rope_tables(seq_len, head_dim, self.cfg.rope_theta, device)
+        return self._rope[key]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        cos, sin = self.rope(tokens.shape[1], tokens.device)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))
+
+
+def init_module(module: nn.Module) -> None:
+    """Initialise the parameters ``module`` holds directly (not its children's)."""
+    stds = getattr(module, "init_stds", None)
+    if stds is None:
+        return
+    with torch.no_grad():
+        for name, param in module.named_parameters(recurse=False):
+            std = stds[name]
+            if std is None:
+                param.fill_(1.0)
+            else:
+                nn.init.trunc_normal_(param, std=std, a=-3 * std, b=3 * std)
+
+
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Seeded initialisation of an unsharded model, module by module (the order
+    ``fs.init_params`` follows, so a sharded model gets the same values)."""
+    torch.manual_seed(seed)
+    for module in model.modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            init_module(module)
+
+
+def count_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(all parameters, parameters active per token without the embedding table)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    active = total - model.tok_embeddings.weight.numel()
+    moe = cfg.moe
+    if moe.num_experts:
+        for module in model.modules():
+            if isinstance(module, GroupedExperts):
+                routed = sum(p.numel() for p in module.parameters())
+                active -= routed - routed * moe.top_k // moe.num_experts
+    return total, active
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per active weight plus causal attention scores
+    (12 * layers * dim * seq_len, as in the PaLM/torchtitan estimate)."""
+    _, active = count_params(cfg)
+    return 6.0 * active + 12.0 * cfg.n_layers * cfg.dim * seq_len

@@ -1,0 +1,53 @@
+"""Optimizers (AdamW; Muon for hidden matrices + AdamW for the rest through DistMuon)
+and the learning-rate schedule (linear warm-up, then cosine or linear decay)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import ConfigError, TrainingConfig
+
+
+def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.Optimizer:
+    """Built after sharding: it sees this rank's local shards (flexshard) or DTensors."""
+    betas = (cfg.betas[0], cfg.betas[1])
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay
+        )
+    try:
+        from flexshard.optim import muon_and_adamw  # the DistMuon issue provides it
+    except ImportError:
+        raise ConfigError(
+            'training.optimizer = "muon" needs flexshard.optim (DistMuon), which is not in '
+            'this installation; use optimizer = "adamw"'
+        ) from None
+    return muon_and_adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def lr_factor(step: int, cfg: TrainingConfig) -> float:
+    """Multiplier of ``cfg.lr`` for 0-based ``step``: warm-up from lr/warmup to lr, then
+    decay to ``lr * min_lr_ratio`` at the last step."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.decay == "none":
+        return 1.0
+    span = max(1, cfg.steps - cfg.warmup_steps - 1)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.decay == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainingConfig) -> float:
+    """Set every group's lr for 0-based ``step`` from its base lr; a pure function of the
+    step, so a resumed run needs no scheduler state. Returns the first group's lr."""
+    for group in optimizer.param_groups:
+        group.setdefault("base_lr", group["lr"])
+        group["lr"] = group["base_lr"] * lr_factor(step, cfg)
+    return optimizer.param_groups[0]["lr"]

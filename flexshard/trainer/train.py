@@ -1,0 +1,221 @@
+"""The training job, run on every rank: mesh, data, model, sharding, optimizer, loop."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import flexshard as fs
+
+from . import checkpointing
+from .config import Config, ConfigError
+from .data import ByteTokenizer, DPSampler, load_tokens
+from .metrics import (
+    MetricsWriter,
+    ProgressBar,
+    peak_flops_per_rank,
+    peak_memory_mb,
+    plot_losses,
+    read_metrics,
+    summary_table,
+)
+from .model import Transformer, count_params, flops_per_token, init_module, init_weights
+from .optimizers import build_optimizer, set_lr
+from .parallel import ParallelDims, init_distributed, pick_device
+from .sharding import apply_flexshard, apply_fsdp2
+
+
+def check_backend_options(cfg: Config) -> None:
+    par = cfg.parallelism
+    if par.dp_backend == "fsdp2":
+        if par.placement != "shard0" or par.buckets:
+            raise ConfigError(
+                'parallelism.placement and parallelism.buckets apply to dp_backend = "flexshard";'
+                ' torch FSDP2 always shards dim 0 (use placement = "shard0")'
+            )
+        if cfg.training.optimizer == "muon":
+            raise ConfigError('training.optimizer = "muon" runs on dp_backend = "flexshard" only')
+
+
+def build_model(cfg: Config, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """The sharded model with the weights a single process seeded with
+    ``training.seed`` would draw, whatever the backend and world size."""
+    if cfg.parallelism.dp_backend == "fsdp2":
+        model = Transformer(cfg.model)
+        init_weights(model, cfg.training.seed)
+        return apply_fsdp2(model.to(device), cfg, dp_mesh)
+    # flexshard: build on meta (no full copy of the weights anywhere), shard, then
+    # initialise module by module: each rank keeps only its regions
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model = apply_flexshard(model, cfg, dp_mesh)
+    model.to_empty(device=device)
+    torch.manual_seed(cfg.training.seed)
+    fs.init_params(model, init_module)
+    return model
+
+
+def clip_gradients(model: nn.Module, cfg: Config) -> float:
+    """The full model's gradient norm; gradients clipped to ``max_norm`` when > 0
+    (with max_norm = inf the scale is exactly 1.0, so nothing changes)."""
+    max_norm = cfg.training.max_norm or float("inf")
+    if cfg.parallelism.dp_backend == "fsdp2":
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return float(fs.clip_grad_norm_(model, max_norm))
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+@dataclass
+class Job:
+    """What the loop needs, set up once."""
+
+    cfg: Config
+    device: torch.device
+    rank: int
+    dims: ParallelDims
+    dp_rank: int
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    sampler: DPSampler
+    folder: Path
+
+
+def setup(cfg: Config) -> Job:
+    check_backend_options(cfg)
+    device = pick_device(cfg.training.device)
+    init_distributed(device)
+    dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
+    # torch 2.13 renamed the tensor collectives; the old names warn once per process
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")
+    mesh = dims.build_mesh(device.type)
+    dp_mesh, dp_rank = dims.dp_mesh(mesh), dims.dp_rank(mesh)
+    tokenizer = ByteTokenizer()
+    if cfg.model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size = {cfg.model.vocab_size} is below the byte tokenizer's 256"
+        )
+    t = cfg.training
+    sampler = DPSampler(
+        load_tokens(cfg.data, tokenizer),
+        t.seq_len,
+        t.batch_size,
+        t.grad_accum,
+        dp_rank,
+        dims.dp_size,
+        t.seed,
+    )
+    model = build_model(cfg, dp_mesh, device)
+    optimizer = build_optimizer(model, t)
+    folder = Path(cfg.job.dump_folder)
+    return Job(cfg, device, dist.get_rank(), dims, dp_rank, model, optimizer, sampler, folder)
+
+
+def train_step(job: Job, step: int) -> tuple[float, float, float]:
+    """One optimizer step over ``grad_accum`` micro-batches; returns (loss of the global
+    batch, full gradient norm, lr)."""
+    cfg, model = job.cfg, job.model
+    accum = cfg.training.grad_accum
+    lr = set_lr(job.optimizer, step, cfg.training)
+    local_loss = torch.zeros((), device=job.device)
+    for micro in range(accum):
+        # reduce gradients only after the last micro-batch (they accumulate unsharded)
+        model.set_requires_gradient_sync(micro == accum - 1)  # type: ignore[operator]
+        inputs, targets = job.sampler.batch(step, micro)
+        loss = loss_fn(model(inputs.to(job.device)), targets.to(job.device)) / accum
+        loss.backward()
+        local_loss += loss.detach()
+    grad_norm = clip_gradients(model, cfg)
+    job.optimizer.step()
+    job.optimizer.zero_grad(set_to_none=True)
+    # the global batch's loss: mean over data-parallel ranks (every rank holds it)
+    dist.all_reduce(local_loss, op=dist.ReduceOp.AVG)
+    return float(local_loss), grad_norm, lr
+
+
+def _comm_bytes(model: nn.Module) -> dict[str, int] | None:
+    """Bytes this rank sent per bucket since the last call (flexshard only)."""
+    if not isinstance(model, fs.FlexShardModule):
+        return None
+    stats = model.comm_stats(reset=True)
+    return {name: entry["bytes_sent"] for name, entry in stats.items()}
+
+
+def run(cfg: Config) -> list[dict[str, Any]]:
+    """Train; return this rank's per-step records (rank 0 also writes them out)."""
+    job = setup(cfg)
+    t, leader = cfg.training, job.rank == 0
+    start_step = checkpointing.maybe_resume(job)
+    writer = MetricsWriter(job.folder, cfg.job.tensorboard, start_step > 0) if leader else None
+    progress = ProgressBar(t.steps) if leader and cfg.job.progress else None
+    tokens_per_step = job.sampler.global_batch * t.seq_len
+    flops_token = flops_per_token(cfg.model, t.seq_len)
+    peak = peak_flops_per_rank(job.device, cfg.job.peak_tflops)
+    records = []
+    _comm_bytes(job.model)  # count from the first step on
+    for step in range(start_step, t.steps):
+        begin = time.perf_counter()
+        loss, grad_norm, lr = train_step(job, step)
+        if job.device.type == "cuda":
+            torch.cuda.synchronize(job.device)
+        seconds = time.perf_counter() - begin
+        per_rank = tokens_per_step / job.dims.world_size / seconds
+        record = {
+            "step": step + 1,
+            "loss": loss,
+            "tokens_per_s": tokens_per_step / seconds,
+            "tokens_per_s_per_rank": per_rank,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "mfu": flops_token * per_rank / peak if peak else 0.0,
+            "step_time_s": seconds,
+            "peak_memory_mb": peak_memory_mb(job.device),
+            "comm_bytes": _comm_bytes(job.model),
+        }
+        records.append(record)
+        if writer is not None and ((step + 1) % cfg.job.log_every == 0 or step + 1 == t.steps):
+            writer.log(record)
+        if progress is not None:
+            progress.update(step + 1, loss, record["tokens_per_s"])
+        if cfg.checkpoint.enable and (
+            (step + 1) % cfg.checkpoint.interval == 0 or step + 1 == t.steps
+        ):
+            checkpointing.save(job, step + 1)
+    if cfg.checkpoint.export_safetensors:
+        checkpointing.export(job)
+    if writer is not None:
+        writer.close()
+        _report(job, writer.note)
+    return records
+
+
+def _report(job: Job, note: str) -> None:
+    """Rank 0, at the end: the summary table and the loss-curve PNG."""
+    cfg = job.cfg
+    records = read_metrics(job.folder / "metrics.jsonl")
+    total, active = count_params(cfg.model)
+    header = {
+        "run": cfg.job.description or str(job.folder),
+        "backend": f"{cfg.parallelism.dp_backend} ({cfg.parallelism.placement})",
+        "mesh": f"dp_replicate={job.dims.dp_replicate} x dp_shard={job.dims.dp_shard}",
+        "parameters": f"{total:,} ({active:,} active, no embedding)",
+        "global batch": f"{job.sampler.global_batch} x {cfg.training.seq_len} tokens",
+    }
+    print(summary_table(records, header), flush=True)
+    if cfg.job.plot and records:
+        print(plot_losses(records, job.folder / "loss.png", header["run"]), flush=True)
+    for line in (note, f"metrics: {job.folder / 'metrics.jsonl'}"):
+        if line:
+            print(line, flush=True)
