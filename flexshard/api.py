@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from .checkpoint.model_state import install_state_dict_hooks
 from .placements import BlockShard, BucketLayout, Placement, Shard, plan_bucket
 from .quant import QuantFormat
 from .runtime.bucket import Bucket, BucketParam
@@ -250,6 +251,7 @@ def flex_shard(
     )
     built = _agree_and_build(module, plan, groups, timeout)
     make_flexshard_class(module)
+    install_state_dict_hooks(module)
     module._flexshard_buckets = [b for b, _ in built]
     install_root_hooks(module)
     module._flexshard_state = StepState(module, module._flexshard_buckets)
@@ -373,6 +375,7 @@ def fully_shard(
 
     built = _agree_and_build(module, plan, groups, timeout)
     make_flexshard_class(module)
+    install_state_dict_hooks(module)
     module._flexshard_buckets = [b for b, _ in built]
     module._flexshard_state = None
     install_root_hooks(module)

@@ -1,0 +1,249 @@
+"""``save`` / ``load``: plain DCP checkpoints made atomic and checked before use.
+
+``save`` writes into ``<path>.partial``, adds a manifest of checksums once every rank
+has finished, and only then renames the directory to ``<path>``: a save killed
+half-way leaves no directory that looks complete. ``load`` verifies the checksums,
+keys and shapes, reads into fresh buffers, and only then copies into the model and
+optimizer, so a bad checkpoint raises (naming the key) with nothing changed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from .chunks import RegionTensor
+from .manifest import (
+    Entry,
+    check_entries,
+    chunk_entries,
+    digest,
+    read_manifest,
+    share,
+    write_manifest,
+)
+from .model_state import fqn_slots, slot_tensor
+from .optimizer_state import optimizer_state_dict, prepare_optimizer_state
+
+
+@dataclass(frozen=True)
+class _Ranks:
+    """The ranks taking part (a process group, or this process alone)."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+
+    @staticmethod
+    def of(group: dist.ProcessGroup | None) -> _Ranks:
+        if not dist.is_initialized():
+            return _Ranks(None, 0, 1)
+        group = group or dist.group.WORLD
+        return _Ranks(group, dist.get_rank(group), dist.get_world_size(group))
+
+    @property
+    def no_dist(self) -> bool:
+        return self.group is None
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        if self.group is None:
+            return [value]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+
+def _extra_file(rank: int) -> str:
+    return f"extra_{rank}.pt"
+
+
+def _finish(root: str, metadata: Metadata, has_extra: list[bool], ranks: _Ranks) -> None:
+    """Checksum every chunk (each rank a share of the files), then rank 0 writes the
+    manifest that marks the directory complete."""
+    entries = chunk_entries(metadata)
+    entries += [
+        Entry(f"extra (rank {r})", _extra_file(r), 0, -1) for r, has in enumerate(has_extra) if has
+    ]
+    mine = {e.key: digest(root, e) for e in share(entries, ranks.rank, ranks.world)}
+    digests = {k: v for part in ranks.all_gather(mine) for k, v in part.items()}
+    if ranks.rank == 0:
+        write_manifest(root, entries, digests, ranks.world)
+
+
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Any = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Save ``model`` (and ``optimizer``) with ``dcp.save``, each rank writing the
+    regions it stores; ``extra`` (this rank's step, RNG or data-loader state: tensors,
+    numbers, strings and containers of them) is kept per rank. Every rank calls it."""
+    ranks = _Ranks.of(process_group)
+    final = os.path.abspath(os.fspath(path))
+    partial = final + ".partial"
+    state: dict[str, Any] = {"model": model.state_dict()}
+    if optimizer is not None:
+        state["optim"] = optimizer_state_dict(model, optimizer)
+    if ranks.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
+        os.makedirs(partial)
+    ranks.barrier()
+    if extra is not None:
+        torch.save(extra, os.path.join(partial, _extra_file(ranks.rank)))
+    metadata = dcp.save(
+        state,
+        storage_writer=FileSystemWriter(partial, sync_files=True),
+        process_group=ranks.group,
+        no_dist=ranks.no_dist,
+    )
+    _finish(partial, metadata, ranks.all_gather(extra is not None), ranks)
+    ranks.barrier()
+    if ranks.rank == 0:
+        old = final + ".old"
+        if os.path.exists(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(partial, final)
+        shutil.rmtree(old, ignore_errors=True)
+    ranks.barrier()
+
+
+def _model_target(model: nn.Module) -> dict[str, Any]:
+    """Fresh buffers shaped like ``model.state_dict()``: dcp.load fills these, not the model."""
+    target = {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, RegionTensor):
+            target[key] = value.fresh()
+        elif isinstance(value, torch.Tensor):
+            target[key] = value.detach().clone()
+        else:
+            target[key] = value
+    return target
+
+
+def _optim_target(model: nn.Module, metadata: Metadata) -> dict[str, Any]:
+    """Fresh buffers for every optimizer entry the checkpoint holds, keyed as DCP
+    flattened them; state like a sharded parameter gets its chunks."""
+    slots = fqn_slots(model)
+    target: dict[str, Any] = {}
+    for key, path in (metadata.planner_data or {}).items():
+        if not path or path[0] != "optim":
+            continue
+        md = metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            target[key] = ""  # a plain value (lr, betas, params): DCP replaces it
+            continue
+        fqn = path[2] if len(path) == 4 and path[1] == "state" else None
+        slot = slots.get(fqn) if fqn is not None else None
+        size = tuple(md.size)
+        if slot is not None and size and size == slot[0].layout.params[slot[1]].shape:
+            bucket, i = slot
+            local = bucket.local_params[i]
+            buffer = torch.zeros(local.shape, dtype=md.properties.dtype, device=local.device)
+            target[key] = slot_tensor(bucket, i, buffer)
+        else:
+            target[key] = torch.zeros(size, dtype=md.properties.dtype)
+    return target
+
+
+def _nest(flat: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
+    """The flattened optimizer entries back as {"state": ..., "param_groups": [...]}."""
+    out: dict[str, Any] = {"state": {}, "param_groups": []}
+    for key, value in flat.items():
+        path = metadata.planner_data[key][1:]
+        if path[0] == "state":
+            out["state"].setdefault(path[1], {})[path[2]] = value
+        else:
+            groups = out["param_groups"]
+            while len(groups) <= path[1]:
+                groups.append({})
+            groups[path[1]][path[2]] = value
+    return out
+
+
+def _mismatches(target: dict[str, Any], metadata: Metadata, prefix: str) -> list[str]:
+    problems = []
+    saved = {k for k in metadata.state_dict_metadata if k.startswith(prefix)}
+    for key, value in target.items():
+        md = metadata.state_dict_metadata.get(key)
+        if md is None:
+            problems.append(f"key '{key}' is missing from the checkpoint")
+        elif isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata):
+            if tuple(md.size) != tuple(value.shape):
+                problems.append(
+                    f"key '{key}' has shape {tuple(md.size)} in the checkpoint, the model "
+                    f"expects {tuple(value.shape)}"
+                )
+    for key in sorted(saved - set(target)):
+        problems.append(f"key '{key}' in the checkpoint is not in the model (another model?)")
+    return problems
+
+
+def _raise_if_any(problems: list[str], ranks: _Ranks, root: str) -> None:
+    """Every rank raises the same error (problems found on any rank), or none does."""
+    found = sorted({p for part in ranks.all_gather(problems) for p in part})
+    if found:
+        more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
+        raise ValueError(f"cannot load checkpoint '{root}': " + "; ".join(found[:5]) + more)
+
+
+def load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> Any:
+    """Load a checkpoint written by ``save`` at any world size and placements into
+    ``model`` (and ``optimizer``); returns this rank's ``extra`` (rank 0's when this
+    rank had none). Every rank calls it. Raises ValueError naming the key for a
+    missing, truncated, corrupted or mismatched checkpoint, before anything changes."""
+    ranks = _Ranks.of(process_group)
+    root = os.path.abspath(os.fspath(path))
+    problems: list[str] = []
+    try:
+        entries, digests, _ = read_manifest(root)
+        problems = check_entries(root, share(entries, ranks.rank, ranks.world), digests)
+    except ValueError as err:
+        problems = [str(err)]
+    _raise_if_any(problems, ranks, root)
+
+    reader = FileSystemReader(root)
+    metadata = reader.read_metadata()
+    target = {f"model.{k}": v for k, v in _model_target(model).items()}
+    problems = _mismatches(target, metadata, "model.")
+    optim: dict[str, Any] = {}
+    if optimizer is not None:
+        optim = _optim_target(model, metadata)
+        if not optim:
+            problems.append("the checkpoint holds no optimizer state")
+    _raise_if_any(problems, ranks, root)
+
+    dcp.load(
+        {**target, **optim}, storage_reader=reader, process_group=ranks.group, no_dist=ranks.no_dist
+    )
+    prepared = None
+    if optimizer is not None:
+        prepared = prepare_optimizer_state(model, optimizer, _nest(optim, metadata))
+    model.load_state_dict({k[len("model.") :]: v for k, v in target.items()})
+    if optimizer is not None:
+        optimizer.load_state_dict(prepared)
+    for rank in (ranks.rank, 0):
+        extra = os.path.join(root, _extra_file(rank))
+        if os.path.isfile(extra):
+            return torch.load(extra)
+    return None

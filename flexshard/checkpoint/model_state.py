@@ -1,0 +1,109 @@
+"""``module.state_dict()`` / ``load_state_dict`` of a sharded module, as DCP wants them.
+
+``state_dict()`` gives every sharded parameter as a ``RegionTensor`` over the bucket
+storage: ``dcp.save`` writes this rank's boxes straight from it, ``dcp.load`` reads
+into it in place (FSDP2 does the same with DTensors). ``load_state_dict`` accepts
+those, or full tensors, and copies this rank's regions into the storage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..runtime.bucket import Bucket
+from ..runtime.module import subtree_buckets
+from .chunks import RegionTensor, local_boxes, region_tensor
+
+Slot = tuple[Bucket, int]
+
+
+def is_writer(bucket: Bucket) -> bool:
+    """Whether this rank writes the bucket's regions: a replicated copy (Replicate
+    bucket, HSDP replica) is written by its first holder only."""
+    replicas = bucket.comm.replicate_group
+    if replicas is not None and dist.get_rank(replicas) != 0:
+        return False
+    return not (bucket.layout.replicated and bucket.rank != 0)
+
+
+def slot_tensor(bucket: Bucket, index: int, local: torch.Tensor | None = None) -> RegionTensor:
+    """Parameter ``index`` of ``bucket`` (or ``local``, a tensor shaped like it) as chunks."""
+    data = bucket.local_params[index] if local is None else local
+    param = bucket.layout.params[index]
+    return region_tensor(param, bucket.rank, data, is_writer(bucket), (bucket, index))
+
+
+def sharded_keys(module: nn.Module, buckets: list[Bucket]) -> list[tuple[list[str], Slot]]:
+    """Every state-dict key (relative to ``module``) of each parameter of ``buckets``:
+    tied parameters have several, the first is the one ``named_parameters`` gives."""
+    names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+    entries = []
+    for bucket in buckets:
+        for i, param in enumerate(bucket.params):
+            keys = []
+            for owner, attr in param.locations:
+                prefix = names.get(id(owner))
+                if prefix is not None:
+                    keys.append(f"{prefix}.{attr}" if prefix else attr)
+            entries.append((keys, (bucket, i)))
+    return entries
+
+
+def fqn_slots(module: nn.Module) -> dict[str, Slot]:
+    """Canonical FQN (relative to ``module``) -> slot, for every sharded parameter below."""
+    return {keys[0]: slot for keys, slot in sharded_keys(module, list(subtree_buckets(module)))}
+
+
+def to_local(value: torch.Tensor, bucket: Bucket, index: int, key: str) -> torch.Tensor:
+    """This rank's local tensor of parameter ``index`` from a RegionTensor or a full tensor."""
+    param = bucket.layout.params[index]
+    shape = param.local_shape(bucket.rank)
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(
+            f"state dict entry '{key}' has shape {tuple(value.shape)}, bucket "
+            f"'{bucket.name}' expects {tuple(param.shape)}"
+        )
+    boxes = local_boxes(param, bucket.rank)
+    if isinstance(value, RegionTensor):
+        if [box for box, _ in value.pieces] != boxes:
+            raise ValueError(
+                f"state dict entry '{key}' describes other chunks than bucket '{bucket.name}' "
+                f"stores on rank {bucket.rank}; build it with this model's state_dict()"
+            )
+        return value.local().view(shape)
+    if not boxes:
+        return value.new_empty(shape)
+    pieces = [value[tuple(slice(o, o + s) for o, s in zip(*box))].reshape(-1) for box in boxes]
+    return torch.cat(pieces).view(shape)
+
+
+def _own_buckets(module: nn.Module) -> list[Bucket]:
+    return list(getattr(module, "_flexshard_buckets", ()))
+
+
+def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, _meta: Any) -> None:
+    for keys, (bucket, i) in sharded_keys(module, _own_buckets(module)):
+        for key in keys:
+            if prefix + key in state_dict:
+                state_dict[prefix + key] = slot_tensor(bucket, i)
+
+
+def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *_args: Any) -> None:
+    buckets = _own_buckets(module)
+    for bucket in buckets:
+        bucket.reshard()  # the modules hold the local parameters the values copy into
+    for keys, (bucket, i) in sharded_keys(module, buckets):
+        for key in keys:
+            value = state_dict.get(prefix + key)
+            if isinstance(value, torch.Tensor):
+                state_dict[prefix + key] = to_local(value, bucket, i, prefix + key)
+
+
+def install_state_dict_hooks(module: nn.Module) -> None:
+    """Make ``module.state_dict()`` DCP-ready and ``load_state_dict`` accept it."""
+    module.register_state_dict_post_hook(_state_dict_hook)
+    module.register_load_state_dict_pre_hook(_load_pre_hook)
