@@ -43,14 +43,14 @@ def _mixed(fqn: str, param: torch.Tensor) -> fs.Placement:
     }[fqn]
 
 
-# name -> (buckets, row-block params, communication-free)
+# name -> (buckets, row_blocks option per parameter, communication-free)
 CASES = {
     "owned": (
         [
             fs.BucketSpec(list(MATRICES), placement=fs.Owned(), name="owned"),
             fs.BucketSpec("e", placement=fs.Shard(0), name="experts"),  # whole experts
         ],
-        (),
+        {},
         True,
     ),
     "row_blocks": (
@@ -59,7 +59,15 @@ CASES = {
             fs.BucketSpec(["a", "b", "t"], placement=fs.Owned(), name="owned"),
             fs.BucketSpec("e", placement=fs.BlockShard((17, 10)), name="experts"),
         ],
-        ("qkv", "c"),
+        {"qkv": True, "c": True},  # each stored tile is a head
+        True,
+    ),
+    "row_blocks_by_rows": (  # tiles of two heads, Muon per head of 6 rows
+        [
+            fs.BucketSpec(["qkv", "c"], placement=fs.BlockShard((12, 18)), name="heads"),
+            fs.BucketSpec(["a", "b", "t", "e"], placement=fs.Owned(), name="owned"),
+        ],
+        {"qkv": 6, "c": 6},
         True,
     ),
     "shard0": (
@@ -68,7 +76,7 @@ CASES = {
             fs.BucketSpec(["c", "qkv", "t"], placement=fs.Shard(0), name="s2"),
             fs.BucketSpec("e", placement=fs.Shard(1), name="experts"),  # experts split
         ],
-        (),
+        {},
         False,
     ),
     "flat": (
@@ -76,38 +84,37 @@ CASES = {
             fs.BucketSpec(["a", "b", "c"], placement=fs.FlatShard(), name="f1"),
             fs.BucketSpec(["qkv", "t", "e"], placement=fs.FlatShard(), name="f2"),
         ],
-        (),
+        {},
         False,
     ),
     "tiles": (
         [fs.BucketSpec(list(NAMES), placement=fs.BlockShard((8, 8)), name="tiles")],
-        (),
+        {},
         False,
     ),
     "replicate": (
         [fs.BucketSpec(list(NAMES), placement=fs.Replicate(), name="rep")],
-        (),
+        {},
         False,
     ),
-    "mixed": ([fs.BucketSpec(list(NAMES), placement=_mixed, name="mix")], (), False),
+    "mixed": ([fs.BucketSpec(list(NAMES), placement=_mixed, name="mix")], {}, False),
     "tiny_alone": (  # a bucket some ranks hold nothing of (3 rows on 4 ranks)
         [
             fs.BucketSpec("t", placement=fs.Shard(0), name="tiny"),
             fs.BucketSpec(["a", "b", "c", "qkv", "e"], placement=fs.Shard(0), name="rest"),
         ],
-        (),
+        {},
         False,
     ),
 }
 
 
-def _optimizer(model: torch.nn.Module, row_blocks: tuple[str, ...]) -> DistMuon:
+def _optimizer(model: torch.nn.Module, row_blocks: dict) -> DistMuon:
     named = list(model.named_parameters())
-    blocks = [p for n, p in named if n in row_blocks]
-    rest = [p for n, p in named if n not in row_blocks]
-    groups = [{"params": rest}]
-    if blocks:
-        groups.append({"params": blocks, "row_blocks": True})
+    groups = [{"params": [p for n, p in named if n not in row_blocks]}]
+    for option in set(row_blocks.values()):
+        blocks = [p for n, p in named if row_blocks.get(n) == option]
+        groups.append({"params": blocks, "row_blocks": option})
     return DistMuon(groups, lr=LR)
 
 
@@ -127,7 +134,7 @@ def _run_case(name: str, mesh) -> dict:
     for param in model.parameters():  # state shaped like the local shard
         assert opt.state[param]["momentum_buffer"].shape == param.shape
     full = fs.full_state_dict(model)
-    ref = reference_params(NAMES, STEPS, row_blocks)
+    ref = reference_params(NAMES, STEPS, tuple(row_blocks))
     for key in MATRICES:
         assert torch.equal(full[key], ref[key]), f"{name}: {key} differs from torch Muon"
     torch.testing.assert_close(full["e"], ref["e"], rtol=0, atol=EXPERT_ATOL)

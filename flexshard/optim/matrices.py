@@ -62,15 +62,63 @@ def _check_ndim(name: str, shape: Shape) -> None:
         )
 
 
+def _block_rows(option: bool | int | None, name: str) -> int | None:
+    """``row_blocks``: False/None (whole matrices), True (each stored tile is a block:
+    0 stands for "the regions as stored") or a number of rows per block."""
+    if option is None or option is False:
+        return None
+    if option is True:
+        return 0
+    if isinstance(option, int) and option > 0:
+        return option
+    raise ValueError(f"DistMuon: row_blocks for {name} must be a bool or rows > 0, got {option!r}")
+
+
+def _check_row_block_shape(name: str, shape: Shape) -> None:
+    if len(shape) != 2:
+        raise ValueError(f"DistMuon: row_blocks takes 2-D matrices; {name} has shape {shape}")
+
+
+def _check_row_block_region(name: str, shape: Shape, region: Region, rows: int) -> None:
+    """A stored region must be whole rows and, with ``rows`` per block, whole blocks."""
+    whole_rows = _is_full_width(region, shape)
+    if whole_rows and rows:
+        start, size = region.offsets[0], region.sizes[0]
+        whole_rows = start % rows == 0 and (size % rows == 0 or start + size == shape[0])
+    if not whole_rows:
+        per = f"blocks of {rows} rows" if rows else "blocks"
+        raise ValueError(
+            f"DistMuon: {name} stores a piece of {region.sizes} at {region.offsets} that is "
+            f"not whole {per} of its shape {shape}; per-block Muon needs storage in whole "
+            f"row blocks, e.g. BlockShard(({rows or 'rows'}, {shape[-1]}))"
+        )
+
+
+def _split_rows(region: Region, offset: int, rows: int) -> list[Block]:
+    """The blocks of a full-width region stored from ``offset``: ``rows`` rows each, or
+    the region itself when ``rows`` is 0."""
+    height, width = region.sizes
+    step = rows or height
+    return [
+        Block(offset + r * width, (min(step, height - r), width)) for r in range(0, height, step)
+    ]
+
+
 def resolve(param: torch.Tensor, name: str, group: dict) -> Target:
     """Classify ``param`` for DistMuon; raise ValueError naming it when Muon cannot
     take it. No collective: every rank sees every rank's layout."""
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"DistMuon: {name} is a {type(param).__name__}, not a tensor")
     slot = slot_of(param)
+    rows = _block_rows(group["row_blocks"], name)
     if slot is None:  # a plain tensor is a whole matrix (or a whole stack) on this rank
         shape = tuple(param.shape)
         _check_ndim(name, shape)
+        if rows is not None:
+            _check_row_block_shape(name, shape)
+            whole_region = Region((0, 0), shape)
+            blocks = tuple(_split_rows(whole_region, 0, rows))
+            return Target(param, name, group, Kind.ROW_BLOCKS, shape, blocks=blocks)
         kind = Kind.WHOLE if len(shape) == 2 else Kind.EXPERTS
         return Target(param, name, group, kind, shape)
     bucket, index = slot
@@ -81,26 +129,20 @@ def resolve(param: torch.Tensor, name: str, group: dict) -> Target:
     target = Target(param, name, group, Kind.REMOTE, shape, bucket, index)
     all_regions = [r for regions in layout.regions for r in regions]
     mine = layout.regions[bucket.rank]
-    if bucket.layout.replicated:
-        return target  # one owner computes, the others receive its update
-    if group["row_blocks"]:
-        if len(shape) != 2:
-            raise ValueError(f"DistMuon: row_blocks takes 2-D matrices; {name} is {shape}")
+    if rows is not None:  # every rank computes the blocks it stores (all, if replicated)
+        _check_row_block_shape(name, shape)
         for region in all_regions:
-            if not _is_full_width(region, shape):
-                raise ValueError(
-                    f"DistMuon: {name} stores a block of {region.sizes} at {region.offsets} "
-                    f"that does not span whole rows of its shape {shape}; per-block Muon "
-                    f"needs BlockShard((rows, {shape[-1]})) so each block is whole rows"
-                )
+            _check_row_block_region(name, shape, region, rows)
         blocks, offset = [], 0
         for region in mine:
-            blocks.append(Block(offset, region.sizes))
+            blocks.extend(_split_rows(region, offset, rows))
             offset += region.numel
         target.kind, target.blocks = Kind.ROW_BLOCKS, tuple(blocks)
         return target
-    if len(shape) == 2 and all(not regions or regions == (Region((0, 0), shape),)
-                               for regions in layout.regions):
+    if bucket.layout.replicated:
+        return target  # one owner computes, the others receive its update
+    whole = (Region((0, 0), shape),)
+    if len(shape) == 2 and all(not regions or regions == whole for regions in layout.regions):
         target.kind = Kind.WHOLE if mine else Kind.NOTHING
         return target
     if len(shape) == 3 and all(_whole_experts(r, shape) for r in all_regions):
