@@ -2,12 +2,20 @@
 buckets that make Muon communication-free."""
 
 from .dist_muon import DistMuon
+from .muon_adamw import MuonAdamW, muon_and_adamw, split_muon_params
 from .newton_schulz import adjust_lr, ns_flops, zeropower, zeropower_batched
+from .planner import MuonBalance, muon_balance, muon_buckets
 
 __all__ = [
     "DistMuon",
+    "MuonBalance",
+    "MuonAdamW",
     "adjust_lr",
+    "muon_and_adamw",
+    "muon_balance",
+    "muon_buckets",
     "ns_flops",
+    "split_muon_params",
     "zeropower",
     "zeropower_batched",
 ]

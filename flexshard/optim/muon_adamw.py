@@ -8,7 +8,7 @@ shard is judged by its full shape, not its (possibly flat) local one."""
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -145,22 +145,30 @@ def muon_and_adamw(
     eps: float = 1e-7,
     ns_steps: int = 5,
     adjust_lr_fn: str | None = None,
-    row_blocks: Sequence[str] = (),
+    row_blocks: Mapping[str, int | bool] | None = None,
     adamw_patterns: Sequence[str] = (),
     muon_patterns: Sequence[str] = (),
     detect_head: bool = True,
 ) -> MuonAdamW:
     """Build one optimizer over ``model``: :func:`split_muon_params`' Muon parameters
-    in DistMuon groups (those matching ``row_blocks`` globs with per-block Muon), the
-    rest in an AdamW group (``adamw_lr``/``adamw_weight_decay`` default to ``lr`` and
-    ``weight_decay``). Build it after sharding, as any optimizer over flexshard params."""
+    in DistMuon groups, the rest in an AdamW group (``adamw_lr``/``adamw_weight_decay``
+    default to ``lr`` and ``weight_decay``). ``row_blocks`` maps FQN globs to rows per
+    block (e.g. ``{"*.qkv.weight": head_dim}``; True: each stored BlockShard tile) for
+    Muon per attention head. Build it after sharding, as any optimizer over flexshard
+    parameters."""
     muon, adamw = split_named_params(
         model, adamw_patterns=adamw_patterns, muon_patterns=muon_patterns, detect_head=detect_head
     )
-    blocks = [(n, p) for n, p in muon if _matches(n, row_blocks)]
-    whole = [(n, p) for n, p in muon if not _matches(n, row_blocks)]
+    row_blocks = dict(row_blocks or {})
+
+    def block_option(name: str) -> int | bool:
+        hits = [v for pattern, v in row_blocks.items() if fnmatch.fnmatchcase(name, pattern)]
+        return hits[0] if hits else False
+
+    options = [block_option(n) for n, _ in muon]
     groups: list[dict[str, Any]] = []
-    for members, per_block in ((whole, False), (blocks, True)):
+    for per_block in dict.fromkeys(options):  # distinct, in first-seen order
+        members = [m for m, o in zip(muon, options) if o == per_block]
         if members:
             groups.append(
                 {

@@ -1,0 +1,153 @@
+"""Buckets whose placements make Muon communication-free, balanced on Newton–Schulz work.
+
+Every Muon matrix is stored whole on one rank (``Owned``), or in whole row blocks
+(``BlockShard((rows, C))`` per attention head, for parameters named in ``row_blocks``),
+or as whole experts (``BlockShard((R, C))`` of an ``[E, R, C]`` stack: one tile per
+expert). The block/expert bucket is planned first; its per-rank Newton–Schulz FLOPs
+are the starting loads of an LPT over the whole matrices, whose owners are then pinned
+(``Owned(rank=...)``), so the sum over both buckets is level. AdamW parameters go to a
+``Shard(0)`` bucket. Pure arithmetic: no process group needed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..api import BucketSpec
+from ..placements import BlockShard, Owned, Placement, Shard, lpt_owners, plan_bucket
+from .muon_adamw import full_shape, split_named_params
+from .newton_schulz import ns_flops
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MuonBalance:
+    """Newton–Schulz FLOPs each rank runs per step under a plan."""
+
+    flops: tuple[float, ...]
+
+    @property
+    def imbalance(self) -> float:
+        """Busiest rank over the mean (1.0: perfectly level)."""
+        mean = sum(self.flops) / len(self.flops)
+        return max(self.flops) / mean if mean else 1.0
+
+
+def _rows_for(name: str, row_blocks: Mapping[str, int]) -> int | None:
+    for pattern, rows in row_blocks.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return rows
+    return None
+
+
+def _block_placement(name: str, shape: Shape, row_blocks: Mapping[str, int]) -> Placement | None:
+    rows = _rows_for(name, row_blocks)
+    if rows is not None:
+        if len(shape) != 2 or rows <= 0:
+            raise ValueError(
+                f"muon_buckets: row_blocks pattern for '{name}' needs a 2-D matrix and rows > 0,"
+                f" got shape {shape} and rows {rows}"
+            )
+        return BlockShard((rows, shape[1]))
+    if len(shape) == 3:
+        return BlockShard((shape[1], shape[2]))  # one tile per expert
+    return None
+
+
+def _plan(
+    model: nn.Module,
+    world_size: int,
+    row_blocks: Mapping[str, int],
+    ns_steps: int,
+    split_kwargs: dict,
+) -> tuple[list[BucketSpec], MuonBalance]:
+    muon, adamw = split_named_params(model, **split_kwargs)
+    blocks: list[tuple[str, Shape, Placement]] = []
+    whole: list[tuple[str, Shape]] = []
+    for name, param in muon:
+        shape = full_shape(param)
+        placement = _block_placement(name, shape, row_blocks)
+        if placement is None:
+            whole.append((name, shape))
+        else:
+            blocks.append((name, shape, placement))
+    loads = [0.0] * world_size
+    specs = []
+    if blocks:
+        layout = plan_bucket(blocks, world_size, bucket="muon_blocks")
+        for param in layout.params:
+            for rank, regions in enumerate(param.regions):
+                loads[rank] += sum(ns_flops(r.sizes, ns_steps) for r in regions)
+        placements = {name: placement for name, _, placement in blocks}
+        specs.append(
+            BucketSpec(
+                [name for name, _, _ in blocks],
+                placement=lambda fqn, _p, table=placements: table[fqn],
+                name="muon_blocks",
+            )
+        )
+    if whole:
+        costs = [ns_flops(shape, ns_steps) for _, shape in whole]
+        owners = lpt_owners(costs, world_size, loads=loads)
+        for owner, cost in zip(owners, costs):
+            loads[owner] += cost
+        pinned = {name: Owned(rank=owner) for (name, _), owner in zip(whole, owners)}
+        specs.append(
+            BucketSpec(
+                [name for name, _ in whole],
+                placement=lambda fqn, _p, table=pinned: table[fqn],
+                name="muon_owned",
+            )
+        )
+    if adamw:
+        specs.append(BucketSpec([name for name, _ in adamw], placement=Shard(0), name="adamw"))
+    return specs, MuonBalance(tuple(loads))
+
+
+def muon_buckets(
+    model: nn.Module,
+    world_size: int,
+    *,
+    row_blocks: Mapping[str, int] | None = None,
+    ns_steps: int = 5,
+    adamw_patterns: Sequence[str] = (),
+    muon_patterns: Sequence[str] = (),
+    detect_head: bool = True,
+) -> list[BucketSpec]:
+    """Buckets for ``flex_shard(model, mesh, buckets=...)`` under which DistMuon's step
+    moves no byte: ``muon_blocks`` (BlockShard per head for ``row_blocks`` globs -> rows,
+    e.g. ``{"*.qkv.weight": head_dim}``, and per expert for 3-D stacks), ``muon_owned``
+    (Owned, owners pinned by LPT on Newton–Schulz FLOPs on top of the block bucket's),
+    ``adamw`` (Shard(0): embeddings, LM head, norms, biases, as ``split_muon_params``
+    decides). Pass the same ``row_blocks`` to ``muon_and_adamw``. Call it on the
+    unsharded model; :func:`muon_balance` reports the per-rank work."""
+    return _plan(model, world_size, row_blocks or {}, ns_steps, _split(
+        adamw_patterns, muon_patterns, detect_head))[0]
+
+
+def muon_balance(
+    model: nn.Module,
+    world_size: int,
+    *,
+    row_blocks: Mapping[str, int] | None = None,
+    ns_steps: int = 5,
+    adamw_patterns: Sequence[str] = (),
+    muon_patterns: Sequence[str] = (),
+    detect_head: bool = True,
+) -> MuonBalance:
+    """Per-rank Newton–Schulz FLOPs of the plan :func:`muon_buckets` proposes."""
+    return _plan(model, world_size, row_blocks or {}, ns_steps, _split(
+        adamw_patterns, muon_patterns, detect_head))[1]
+
+
+def _split(adamw_patterns: Sequence[str], muon_patterns: Sequence[str], detect_head: bool) -> dict:
+    return {
+        "adamw_patterns": adamw_patterns,
+        "muon_patterns": muon_patterns,
+        "detect_head": detect_head,
+    }
