@@ -14,6 +14,7 @@ from flexshard.optim import DistMuon
 from flexshard.testing import run_distributed
 
 from .muon_cases import (
+    HEAD_ROWS,
     LR,
     SHAPES,
     STEPS,
@@ -175,6 +176,25 @@ def _guard_catches_redistribution(mesh) -> None:
             opt.step()
 
 
+def _bad_inputs(mesh) -> None:
+    """Storage that per-block Muon cannot use raises ValueError naming the parameter and
+    its bucket, while the optimizer is built: before any collective."""
+    tiles = fs.flex_shard(Mats(), mesh, buckets=[fs.BucketSpec("*", fs.BlockShard((8, 8)))])
+    rows = fs.flex_shard(Mats(), mesh, buckets=[fs.BucketSpec("*", fs.Shard(0), name="rows")])
+    qkv_tiles = {"params": [tiles.qkv], "row_blocks": True}
+    qkv_rows = {"params": [rows.qkv], "row_blocks": HEAD_ROWS}  # 14-row chunks at W = 4
+    with no_collectives():
+        with pytest.raises(ValueError, match="'qkv' in bucket 'bucket0'.*not whole blocks"):
+            DistMuon([qkv_tiles])
+        with pytest.raises(ValueError, match="'qkv' in bucket 'rows'.*not whole blocks of 6"):
+            DistMuon([qkv_rows])
+        with pytest.raises(ValueError, match="row_blocks takes 2-D.*'e' in bucket 'rows'"):
+            DistMuon([{"params": [rows.e], "row_blocks": True}])
+        for bad in ({"ns_steps": 100}, {"lr": -1.0}, {"momentum": 1.0}):
+            with pytest.raises(ValueError, match=next(iter(bad))):
+                DistMuon(rows.parameters(), **bad)
+
+
 def _all_cases(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world_size,))
@@ -182,6 +202,8 @@ def _all_cases(rank: int, world_size: int) -> dict:
     if world_size == 2:
         _resume_bitwise(mesh)
         _guard_catches_redistribution(mesh)
+    if world_size == 4:
+        _bad_inputs(mesh)
     if world_size == 4:  # HSDP: 2 replicas x 2 shards, exchanges inside each shard group
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         out["hsdp"] = _run_case("shard0", hsdp)
