@@ -233,9 +233,9 @@ def load(
             problems.append("the checkpoint holds no optimizer state")
     _raise_if_any(problems, ranks, root)
 
-    dcp.load(
-        {**target, **optim}, storage_reader=reader, process_group=ranks.group, no_dist=ranks.no_dist
-    )
+    both = {**target, **optim}  # DCP puts plain values (lr, params) into this dict
+    dcp.load(both, storage_reader=reader, process_group=ranks.group, no_dist=ranks.no_dist)
+    optim = {k: both[k] for k in optim}
     prepared = None
     if optimizer is not None:
         prepared = prepare_optimizer_state(model, optimizer, _nest(optim, metadata))

@@ -1,0 +1,172 @@
+"""Checkpoints of training state: exact resume in new processes (AdamW and Muon+AdamW),
+optimizer state resharded across world sizes and placements and into one process
+(and back), and a safetensors export of the full model."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import flexshard as fs
+from flexshard import checkpoint as ckpt
+from flexshard.checkpoint import RegionTensor
+from flexshard.optim import muon_and_adamw
+from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
+
+CFG = TransformerConfig()
+FIRST, REST = 3, 3  # steps before and after the checkpoint
+
+
+def _mixed(fqn: str, param: torch.Tensor) -> fs.Placement:
+    if param.ndim < 2:
+        return fs.FlatShard()
+    if "qkv" in fqn:
+        return fs.BlockShard((CFG.dim // CFG.heads, 64))  # one head's rows per tile
+    if "up" in fqn or "embed" in fqn:
+        return fs.Owned()
+    if "down" in fqn:
+        return fs.BlockShard((4, 4))
+    return fs.Shard(1) if "proj" in fqn else fs.Shard(0)
+
+
+def _model(group, placement, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    buckets = [
+        fs.BucketSpec("layers.0.*", placement=placement, name="layer0"),
+        fs.BucketSpec("layers.1.*", placement=placement, name="layer1"),
+        fs.BucketSpec(["embed.*", "norm.*", "head.*"], placement=placement, name="outer"),
+    ]
+    return fs.flex_shard(TinyTransformer(CFG), group, buckets=buckets)
+
+
+def _optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return muon_and_adamw(model, lr=2e-2)
+
+
+def _train(model, opt, rank: int, world: int, start: int, steps: int) -> list[float]:
+    batches = make_batches(CFG, (FIRST + REST) * world, batch=2, seed=5)
+    losses = []
+    for step in range(start, start + steps):
+        tokens, targets = batches[step * world + rank]
+        loss = model.loss(tokens, targets)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _numpy(state: dict) -> dict:
+    return {k: v.detach().numpy().copy() for k, v in state.items()}
+
+
+def _first_run(rank: int, world: int, root: str) -> dict:
+    """Uninterrupted runs, then runs that stop after FIRST steps and save."""
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for kind in ("adamw", "muon"):
+        model = _model(mesh, _mixed, 0)
+        out[f"{kind} uninterrupted"] = _train(model, _optimizer(model, kind), rank, world, 0, 6)
+        model = _model(mesh, _mixed, 0)
+        opt = _optimizer(model, kind)
+        out[f"{kind} first"] = _train(model, opt, rank, world, 0, FIRST)
+        torch.manual_seed(100 + rank)  # a per-rank RNG state the resume must restore
+        extra = {"step": FIRST, "rng": torch.get_rng_state(), "loader": {"epoch": 0, "index": 9}}
+        ckpt.save(f"{root}/{kind}", model, opt, extra=extra)
+        out[f"{kind} rng draw"] = torch.rand(3).tolist()
+        if kind == "adamw":
+            ckpt.export_safetensors(model, f"{root}/model.safetensors")
+            out["full"] = _numpy(fs.full_state_dict(model))
+    return out
+
+
+def _state_pieces_match(model, opt, full_model: dict, full_optim: dict) -> list[str]:
+    """Keys where this rank's pieces differ from the full tensors (model and optimizer)."""
+    bad = []
+    checks = [(k, v, full_model[k]) for k, v in model.state_dict().items()]
+    for fqn, entries in ckpt.optimizer_state_dict(model, opt)["state"].items():
+        checks += [(f"{fqn}.{n}", v, full_optim[fqn][n]) for n, v in entries.items()]
+    for key, value, full in checks:
+        full = torch.as_tensor(full)
+        if isinstance(value, RegionTensor):
+            for (offsets, sizes), piece in value.pieces:
+                index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+                if not torch.equal(piece, full[index]):
+                    bad.append(key)
+        elif not torch.equal(torch.as_tensor(value), full):
+            bad.append(key)
+    return bad
+
+
+def _resume(rank: int, world: int, root: str, full_model: dict, full_optim: dict) -> dict:
+    """New processes: load, check the extra state, train the remaining steps; then
+    load the optimizer state at another world size and placements, and the
+    one-process re-save at world 3."""
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for kind in ("adamw", "muon"):
+        model = _model(mesh, _mixed, 99)  # other values: the load must replace them all
+        opt = _optimizer(model, kind)
+        extra = ckpt.load(f"{root}/{kind}", model, opt)
+        torch.set_rng_state(extra["rng"])
+        out[f"{kind} rng draw"] = torch.rand(3).tolist()
+        out[f"{kind} extra"] = (extra["step"], extra["loader"])
+        out[f"{kind} rest"] = _train(model, opt, rank, world, extra["step"], REST)
+
+    pair = dist.new_group([0, 1])
+    if rank < 2:  # world 2, other placements
+        for name, placement in (("shard0", fs.Shard(0)), ("owned", fs.Owned())):
+            model = _model(pair, placement, 99)
+            opt = _optimizer(model, "adamw")
+            ckpt.load(f"{root}/adamw", model, opt, process_group=pair)
+            out[f"w2 {name}"] = _state_pieces_match(model, opt, full_model, full_optim)
+    model = _model(mesh, fs.Shard(0), 99)  # the one-process re-save, at world 3
+    opt = _optimizer(model, "adamw")
+    ckpt.load(f"{root}/plain", model, opt)
+    out["from one process"] = _state_pieces_match(model, opt, full_model, full_optim)
+    return out
+
+
+def _one_process(root: str) -> tuple[dict, dict]:
+    """Load the world-3 checkpoint into an unsharded model and optimizer, without
+    torch.distributed, and save it again from there."""
+    assert not dist.is_initialized()
+    model = TinyTransformer(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ckpt.load(f"{root}/adamw", model, opt)
+    ckpt.save(f"{root}/plain", model, opt)
+    names = {id(p): n for n, p in model.named_parameters()}
+    optim = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, optim
+
+
+def test_resume_reshard_and_export(tmp_path):
+    root = os.fspath(tmp_path)
+    first = run_distributed(_first_run, 3, root)
+    full_model, full_optim = _one_process(root)
+    for key, value in first[0]["full"].items():
+        assert np.array_equal(full_model[key].numpy(), value), key
+    resumed = run_distributed(_resume, 3, root, full_model, full_optim)
+    for rank, (a, b) in enumerate(zip(first, resumed)):
+        for kind in ("adamw", "muon"):
+            assert a[f"{kind} first"] + b[f"{kind} rest"] == a[f"{kind} uninterrupted"], (
+                f"rank {rank} {kind}"
+            )
+            assert b[f"{kind} rng draw"] == a[f"{kind} rng draw"]
+            assert b[f"{kind} extra"] == (FIRST, {"epoch": 0, "index": 9})
+        assert b["from one process"] == []
+        if rank < 2:
+            assert b["w2 shard0"] == [] and b["w2 owned"] == []
+    # the exported file is the full model, read by safetensors itself
+    from safetensors.torch import load_file
+
+    exported = load_file(f"{root}/model.safetensors")
+    assert exported.keys() == first[0]["full"].keys()
+    for key, value in exported.items():
+        assert np.array_equal(value.numpy(), first[0]["full"][key]), key
