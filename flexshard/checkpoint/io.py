@@ -9,6 +9,7 @@ optimizer, so a bad checkpoint raises (naming the key) with nothing changed.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 from dataclasses import dataclass
@@ -33,6 +34,9 @@ from .manifest import (
 )
 from .model_state import fqn_slots, slot_tensor
 from .optimizer_state import optimizer_state_dict, prepare_optimizer_state
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,32 @@ def _finish(root: str, metadata: Metadata, has_extra: list[bool], ranks: _Ranks)
         write_manifest(root, entries, digests, ranks.world)
 
 
+def _exchange(a: str, b: str) -> bool:
+    """Swap two directories in one atomic step (Linux renameat2 RENAME_EXCHANGE);
+    False where the system or file system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.renameat2(_AT_FDCWD, a.encode(), _AT_FDCWD, b.encode(), _RENAME_EXCHANGE) == 0
+    except (AttributeError, OSError):
+        return False
+
+
+def _move_into_place(partial: str, final: str) -> None:
+    """Rename the finished checkpoint to ``final``. An older one there is swapped out
+    atomically where the system allows, so some complete checkpoint is at ``final``
+    at every instant; elsewhere it is moved aside first."""
+    if not os.path.exists(final):
+        os.replace(partial, final)
+        return
+    if not _exchange(partial, final):
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(partial, final)
+        partial = old
+    shutil.rmtree(partial, ignore_errors=True)  # now the older checkpoint
+
+
 def save(
     path: str | os.PathLike,
     model: nn.Module,
@@ -114,12 +144,7 @@ def save(
     _finish(partial, metadata, ranks.all_gather(extra is not None), ranks)
     ranks.barrier()
     if ranks.rank == 0:
-        old = final + ".old"
-        if os.path.exists(final):
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(partial, final)
-        shutil.rmtree(old, ignore_errors=True)
+        _move_into_place(partial, final)
     ranks.barrier()
 
 
