@@ -2,7 +2,7 @@
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from . import optim  # noqa: F401  (flexshard.optim.DistMuon, ...)
+from . import checkpoint, optim  # noqa: F401  (fs.checkpoint.save, fs.optim.DistMuon, ...)
 from .api import BucketSpec, flex_shard, fully_shard
 from .clip import clip_grad_norm_
 from .init import init_params
