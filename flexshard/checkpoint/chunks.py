@@ -59,9 +59,34 @@ def region_boxes(region: Region, shape: Sequence[int]) -> list[Box]:
     return [] if region.numel == 0 else [(tuple(region.offsets), tuple(region.sizes))]
 
 
+def _joined(a: Box, b: Box, shape: Sequence[int]) -> Box | None:
+    """``a`` and ``b`` as one box when ``b`` continues ``a`` in row-major order (e.g.
+    full-width BlockShard tiles one under the other); else None."""
+    (ao, asz), (bo, bsz) = a, b
+    for d in range(len(shape)):
+        if ao[d] != bo[d] or asz[d] != bsz[d]:
+            ends_before = all(s == 1 for s in asz[:d])
+            full_after = all(
+                o == 0 and s == n for o, s, n in zip(ao[d + 1 :], asz[d + 1 :], shape[d + 1 :])
+            )
+            if ends_before and full_after and bo[:d] == ao[:d] and bsz[d + 1 :] == asz[d + 1 :]:
+                if bo[d] == ao[d] + asz[d] and bo[d + 1 :] == ao[d + 1 :]:
+                    return ao, (*asz[:d], asz[d] + bsz[d], *asz[d + 1 :])
+            return None
+    return None
+
+
 def local_boxes(param: ParamLayout, rank: int) -> list[Box]:
-    """The boxes rank ``rank`` stores, in the order its local tensor holds them."""
-    return [b for r in param.regions[rank] for b in region_boxes(r, param.shape)]
+    """The boxes rank ``rank`` stores, in the order its local tensor holds them;
+    neighbours that form one box are joined (fewer chunks for DCP to plan and read)."""
+    boxes: list[Box] = []
+    for box in (b for r in param.regions[rank] for b in region_boxes(r, param.shape)):
+        joined = _joined(boxes[-1], box, param.shape) if boxes else None
+        if joined is None:
+            boxes.append(box)
+        else:
+            boxes[-1] = joined
+    return boxes
 
 
 class RegionTensor(torch.Tensor):
