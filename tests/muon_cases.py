@@ -110,9 +110,18 @@ def reference_params(
     return out
 
 
+def _sequence_numbers() -> dict[object, int]:
+    """Per process group, how many collectives it has issued (the backend's own count,
+    which functional collectives and direct ProcessGroup calls advance too)."""
+    if not dist.is_initialized():
+        return {}
+    return {pg: pg._get_sequence_number_for_group() for pg in list(c10d._world.pg_map)}
+
+
 @contextlib.contextmanager
 def no_collectives() -> Iterator[None]:
-    """Every torch.distributed collective raises while inside."""
+    """Every torch.distributed collective raises while inside, and on the way out no
+    process group may have issued one by any other route."""
 
     def forbidden(name: str):
         def fail(*args, **kwargs):
@@ -120,6 +129,7 @@ def no_collectives() -> Iterator[None]:
 
         return fail
 
+    before = _sequence_numbers()
     saved = []
     for module in (dist, c10d):
         for name in COLLECTIVES:
@@ -131,6 +141,9 @@ def no_collectives() -> Iterator[None]:
     finally:
         for module, name, fn in saved:
             setattr(module, name, fn)
+    after = _sequence_numbers()
+    moved = [pg for pg, n in before.items() if after.get(pg) != n]
+    assert not moved, f"{len(moved)} process group(s) issued collectives inside the block"
 
 
 @contextlib.contextmanager

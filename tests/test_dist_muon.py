@@ -8,6 +8,8 @@ import copy
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard as TorchShard
+from torch.distributed.tensor import distribute_tensor
 
 import flexshard as fs
 from flexshard.optim import DistMuon
@@ -183,6 +185,7 @@ def _bad_inputs(mesh) -> None:
     rows = fs.flex_shard(Mats(), mesh, buckets=[fs.BucketSpec("*", fs.Shard(0), name="rows")])
     qkv_tiles = {"params": [tiles.qkv], "row_blocks": True}
     qkv_rows = {"params": [rows.qkv], "row_blocks": HEAD_ROWS}  # 14-row chunks at W = 4
+    tp = distribute_tensor(torch.zeros(8, 4), mesh, [TorchShard(0)])  # scatters: outside
     with no_collectives():
         with pytest.raises(ValueError, match="'qkv' in bucket 'bucket0'.*not whole blocks"):
             DistMuon([qkv_tiles])
@@ -190,9 +193,58 @@ def _bad_inputs(mesh) -> None:
             DistMuon([qkv_rows])
         with pytest.raises(ValueError, match="row_blocks takes 2-D.*'e' in bucket 'rows'"):
             DistMuon([{"params": [rows.e], "row_blocks": True}])
+        with pytest.raises(TypeError, match="DTensor"):
+            DistMuon([torch.nn.Parameter(tp)])
         for bad in ({"ns_steps": 100}, {"lr": -1.0}, {"momentum": 1.0}):
             with pytest.raises(ValueError, match=next(iter(bad))):
                 DistMuon(rows.parameters(), **bad)
+
+
+def _pipeline_order(mesh) -> None:
+    """Bucket i+1's forward all-to-all is launched (async) before bucket i's
+    Newton–Schulz runs, and bucket i's update goes back before bucket i+1's runs."""
+    import flexshard.optim.dist_muon as dm
+
+    model = fs.flex_shard(Mats(), mesh, buckets=CASES["shard0"][0])
+    opt = DistMuon(model.parameters(), lr=LR)
+    set_grads(model, full_grads(NAMES, 0))
+    events: list[str] = []
+    plan = opt._exchanges([opt._targets[id(p)] for p in model.parameters()])
+    names = {id(u.target.param): ex.name for ex in plan for u in ex.units}
+    sends = {"send_inputs": "forward", "send_updates": "back"}
+    originals = {name: getattr(dm, name) for name in sends}
+
+    def logged(name):
+        def run(exchange, *args):
+            events.append(f"{sends[name]} {exchange.name}")
+            return originals[name](exchange, *args)
+
+        return run
+
+    def orthogonalize(target, matrix):
+        events.append(f"ns {names[id(target.param)]}")
+        return DistMuon._orthogonalize(target, matrix)
+
+    for name in sends:
+        setattr(dm, name, logged(name))
+    opt._orthogonalize = orthogonalize
+    try:
+        opt.step()
+    finally:
+        for name in sends:
+            setattr(dm, name, originals[name])
+    first = {event: i for i, event in reversed(list(enumerate(events)))}
+    last = {event: i for i, event in enumerate(events)}
+    order = [ex.name for ex in plan]
+    for k, bucket in enumerate(order):
+        if f"ns {bucket}" not in first:
+            continue  # this rank owns nothing of the bucket
+        assert first[f"forward {bucket}"] < first[f"ns {bucket}"]
+        if k + 1 < len(order):
+            assert first[f"forward {order[k + 1]}"] < first[f"ns {bucket}"], events
+        assert last[f"ns {bucket}"] < first[f"back {bucket}"], events
+        if k + 1 < len(order) and f"ns {order[k + 1]}" in first:
+            assert first[f"back {bucket}"] < first[f"ns {order[k + 1]}"], events
 
 
 def _all_cases(rank: int, world_size: int) -> dict:
@@ -202,6 +254,7 @@ def _all_cases(rank: int, world_size: int) -> dict:
     if world_size == 2:
         _resume_bitwise(mesh)
         _guard_catches_redistribution(mesh)
+        _pipeline_order(mesh)
     if world_size == 4:
         _bad_inputs(mesh)
     if world_size == 4:  # HSDP: 2 replicas x 2 shards, exchanges inside each shard group

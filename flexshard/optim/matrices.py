@@ -8,6 +8,7 @@ import enum
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..placements import ParamLayout, Region
 from ..runtime.bucket import Bucket, slot_of
@@ -107,8 +108,11 @@ def _split_rows(region: Region, offset: int, rows: int) -> list[Block]:
 def resolve(param: torch.Tensor, name: str, group: dict) -> Target:
     """Classify ``param`` for DistMuon; raise ValueError naming it when Muon cannot
     take it. No collective: every rank sees every rank's layout."""
-    if not isinstance(param, torch.Tensor):
-        raise TypeError(f"DistMuon: {name} is a {type(param).__name__}, not a tensor")
+    if isinstance(param, DTensor):  # its .shape is global, its data local: not a matrix here
+        raise TypeError(
+            f"DistMuon: {name} is a DTensor (tensor parallel?); DistMuon takes flexshard "
+            "local shards and plain tensors"
+        )
     slot = slot_of(param)
     rows = _block_rows(group["row_blocks"], name)
     if slot is None:  # a plain tensor is a whole matrix (or a whole stack) on this rank
