@@ -189,6 +189,11 @@ def test_bad_hyperparameters(kwargs, match) -> None:
         DistMuon([nn.Parameter(torch.zeros(3, 4))], **kwargs)
 
 
+def test_bad_adamw_hyperparameters() -> None:
+    with pytest.raises(ValueError, match="beta"):
+        muon_and_adamw(TinyTransformer(), lr=0.02, adamw_betas=(0.9, 1.5))
+
+
 def test_bad_parameters_named() -> None:
     model = TinyTransformer()
     with pytest.raises(ValueError, match="'layers.0.attn_norm.weight' has shape \\(18,\\)"):

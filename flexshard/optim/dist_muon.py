@@ -16,6 +16,10 @@ the owner computes Newton–Schulz and the back all-to-all shares its update (th
 forward needs no collective), so no rank repeats another's Newton–Schulz. HSDP: the
 exchanges run in each bucket's shard group; replicas hold equal gradients and compute
 the same updates.
+
+Every rank of a shard group must hold gradients for the same parameters (flexshard's
+backward gives every rank a gradient, empty where it stores nothing): which matrices
+are exchanged is decided from the layout and the parameters that have a gradient.
 """
 
 from __future__ import annotations

@@ -109,10 +109,9 @@ class MuonAdamW(DistMuon):
         if not param_group.get("use_muon", True):
             for key, value in self._adamw_defaults.items():
                 param_group.setdefault(key, value)
-            shell = torch.optim.AdamW([torch.zeros(0, requires_grad=True)], **{
-                k: param_group[k] for k in ("lr", "betas", "eps", "weight_decay")
-            })  # torch's own checks of the AdamW hyper-parameters
-            del shell
+            # torch's own checks of the AdamW hyper-parameters (ValueError on bad ones)
+            checked = ("lr", "betas", "eps", "weight_decay")
+            torch.optim.AdamW([torch.zeros(0)], **{k: param_group[k] for k in checked})
         super().add_param_group(param_group)
 
     @torch.no_grad()
