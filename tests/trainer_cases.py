@@ -35,7 +35,7 @@ def single_process_losses(cfg: Config, dp_size: int) -> list[float]:
     init_weights(model, t.seed)
     tokens = load_tokens(cfg.data, ByteTokenizer())
     sampler = DPSampler(tokens, t.seq_len, dp_size * t.grad_accum * t.batch_size, 1, 0, 1, t.seed)
-    optimizer = build_optimizer(model, t)
+    optimizer = build_optimizer(model, t, cfg.model)
     losses = []
     for step in range(t.steps):
         set_lr(optimizer, step, t)

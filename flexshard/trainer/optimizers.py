@@ -8,10 +8,18 @@ import math
 import torch
 from torch import nn
 
-from .config import ConfigError, TrainingConfig
+from .config import ConfigError, ModelConfig, TrainingConfig
 
 
-def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.Optimizer:
+def muon_row_blocks(model_cfg: ModelConfig) -> dict[str, int]:
+    """Muon orthogonalises attention projections per head: rows per block by FQN glob."""
+    head_dim = model_cfg.dim // model_cfg.n_heads
+    return {"*.wq.weight": head_dim, "*.wk.weight": head_dim, "*.wv.weight": head_dim}
+
+
+def build_optimizer(
+    model: nn.Module, cfg: TrainingConfig, model_cfg: ModelConfig
+) -> torch.optim.Optimizer:
     """Built after sharding: it sees this rank's local shards (flexshard) or DTensors."""
     betas = (cfg.betas[0], cfg.betas[1])
     if cfg.optimizer == "adamw":
@@ -25,7 +33,13 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.Optimi
             'training.optimizer = "muon" needs flexshard.optim (DistMuon), which is not in '
             'this installation; use optimizer = "adamw"'
         ) from None
-    return muon_and_adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return muon_and_adamw(
+        model,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        adamw_betas=betas,
+        row_blocks=muon_row_blocks(model_cfg),
+    )
 
 
 def lr_factor(step: int, cfg: TrainingConfig) -> float:

@@ -94,7 +94,9 @@ def bucket_specs(cfg: Config, model: nn.Module, dp_shard: int) -> list[fs.Bucket
                 'parallelism.placement = "muon" needs flexshard.optim.muon_buckets, which is '
                 "not in this installation"
             ) from None
-        return list(muon_buckets(model, dp_shard))
+        from .optimizers import muon_row_blocks
+
+        return list(muon_buckets(model, dp_shard, row_blocks=muon_row_blocks(cfg.model)))
     placement = named_placement(par.placement, cfg)
     layers = [
         fs.BucketSpec(f"layers.{i}.*", placement, name=f"layers.{i}")

@@ -120,7 +120,7 @@ def setup(cfg: Config) -> Job:
         t.seed,
     )
     model = build_model(cfg, dp_mesh, device)
-    optimizer = build_optimizer(model, t)
+    optimizer = build_optimizer(model, t, cfg.model)
     folder = Path(cfg.job.dump_folder)
     return Job(cfg, device, dist.get_rank(), dims, dp_rank, model, optimizer, sampler, folder)
 
