@@ -100,3 +100,33 @@ def test_mixed_muon_adamw_training_matches_single_process() -> None:
         assert last < 0.9 * first, (name, ref)  # it learns
     assert all(r["planned_bytes"] == 0 for r in results)
     assert all(r["shard0_all_to_all"] == 2 * STEPS for r in results)  # one bucket: 2 a step
+
+
+def _same_batch_everywhere(rank: int, world_size: int) -> dict:
+    """Every rank trains on the same batches: at W = 2 the gradient average (g + g) / 2
+    is exact, so the whole pipeline (gather, backward, reduce-scatter, redistribution,
+    Newton–Schulz, AdamW) must give the single-process parameters bit for bit."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    differ = []
+    for name, buckets, row_blocks in (
+        ("shard0", [fs.BucketSpec("*", placement=fs.Shard(0))], {}),
+        ("planned", muon_buckets(_model(), world_size, row_blocks=HEADS), HEADS),
+    ):
+        model = fs.flex_shard(_model(), mesh, buckets=buckets)
+        got = _three_steps(model, row_blocks, fs.full_state_dict)
+        expected = _three_steps(_model(), row_blocks, lambda m: m.state_dict())
+        differ += [(name, k) for k, v in expected.items() if not torch.equal(got[k], v)]
+    return differ
+
+
+def _three_steps(model, row_blocks: dict, state_dict) -> dict:
+    opt = muon_and_adamw(model, row_blocks=row_blocks, **OPT)
+    for tokens, targets in make_batches(CFG, 3, batch=2):
+        model.loss(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+    return state_dict(model)
+
+
+def test_identical_batches_bitwise_at_two_ranks() -> None:
+    assert run_distributed(_same_batch_everywhere, 2, timeout=120) == [[], []]
