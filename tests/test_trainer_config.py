@@ -1,0 +1,156 @@
+"""Trainer pieces that need no processes: config files, overrides and their errors,
+the byte tokenizer and corpus, the data-parallel sampler, the model, the lr schedule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexshard.trainer.config import ConfigError, TrainingConfig, load_config, parse_overrides
+from flexshard.trainer.data import ByteTokenizer, DPSampler, builtin_corpus
+from flexshard.trainer.model import Transformer, count_params, init_weights
+from flexshard.trainer.optimizers import lr_factor
+from flexshard.trainer.parallel import ParallelDims
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name", ["debug", "moe_debug", "llama3_8b", "moe"])
+def test_shipped_configs_load(name):
+    cfg = load_config(CONFIGS / f"{name}.toml")
+    assert cfg.model.vocab_size == 256
+    assert (cfg.model.moe.num_experts > 0) == ("moe" in name)
+
+
+def test_8b_config_has_llama3_8b_shapes():
+    total, _ = count_params(load_config(CONFIGS / "llama3_8b.toml").model)
+    assert 6.9e9 < total < 7.1e9  # Llama-3-8B without its 128k-token embedding and head
+
+
+def test_overrides_parse_like_toml_and_win_over_the_file():
+    assert parse_overrides(["--training.steps", "7", "--job.dump_folder=out/x"]) == {
+        "training": {"steps": 7},
+        "job": {"dump_folder": "out/x"},
+    }
+    cfg = load_config(
+        CONFIGS / "debug.toml",
+        ["--training.lr", "1e-4", "--parallelism.block", "[8, 4]", "--model.moe.num_experts", "2"],
+    )
+    assert cfg.training.lr == 1e-4 and cfg.parallelism.block == [8, 4]
+    assert cfg.model.moe.num_experts == 2 and cfg.model.dim == 64  # the file's value stays
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--training.stepz", "3"], "unknown config key 'training.stepz'"),
+        (["--trainingg.steps", "3"], "unknown config key 'trainingg'"),
+        (["--training.steps", "many"], "training.steps = 'many': must be int"),
+        (["--training.steps", "0"], "training.steps = 0: must be at least 1"),
+        (["--training.optimizer", "sgd"], "must be one of 'adamw', 'muon'"),
+        (["--parallelism.dp_backend", "ddp"], "must be one of 'flexshard', 'fsdp2'"),
+        (["--parallelism.tp", "2"], "parallelism.tp = 2: tensor, pipeline"),
+        (["--parallelism.ep", "2"], "parallelism.ep = 2"),
+        (["--model.n_kv_heads", "3"], "not a multiple of model.n_kv_heads = 3"),
+        (["--model.moe.top_k", "9", "--model.moe.num_experts", "4"], "model.moe.top_k = 9"),
+        (["--training.steps"], "has no value"),
+        (["steps", "3"], "expected an override like --training.steps 20"),
+        (["--data.source", "files"], "needs data.paths"),
+    ],
+)
+def test_bad_config_raises_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_config(CONFIGS / "debug.toml", overrides)
+
+
+def test_bad_file_and_world_size_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[training]\nsteps = \n")
+    with pytest.raises(ConfigError, match="broken.toml"):
+        load_config(broken)
+    section = tmp_path / "section.toml"
+    section.write_text("model = 3\n")
+    with pytest.raises(ConfigError, match="'model' is a section"):
+        load_config(section)
+    par = load_config(None, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"])
+    assert ParallelDims.from_config(par.parallelism, 4).dp_size == 4
+    with pytest.raises(ConfigError, match="multiply to 4 .* world size is 3"):
+        ParallelDims.from_config(par.parallelism, 3)
+    auto = load_config(None, ["--parallelism.dp_replicate", "2"])
+    assert ParallelDims.from_config(auto.parallelism, 6).dp_shard == 3
+    with pytest.raises(ConfigError, match="not divisible by dp_replicate"):
+        ParallelDims.from_config(auto.parallelism, 3)
+
+
+def test_tokenizer_round_trips_the_shipped_corpus():
+    text = builtin_corpus()
+    assert len(text) > 40_000 and "Coriolanus" in text
+    tok = ByteTokenizer()
+    tokens = tok.encode(text)
+    assert tokens.dtype == torch.int64 and int(tokens.max()) < 256
+    assert tok.decode(tokens) == text
+    assert tok.decode(tok.encode("naïve – ok")) == "naïve – ok"  # multi-byte UTF-8
+
+
+def test_sampler_is_deterministic_disjoint_and_the_union_of_one_big_batch():
+    tokens = torch.arange(10_000) % 251
+    dp, batch, accum, seq = 3, 2, 2, 16
+
+    def sampler(rank: int, size: int = dp, b: int = batch, a: int = accum) -> DPSampler:
+        return DPSampler(tokens, seq, b, a, rank, size, seed=5)
+
+    for step in (0, 1, 17):
+        ids = [sampler(r).sample_ids(step, m) for r in range(dp) for m in range(accum)]
+        flat = [i for chunk in ids for i in chunk]
+        assert len(set(flat)) == len(flat)  # no sample on two ranks or micro-batches
+        windows = [sampler(0).window_of(i) for i in flat]
+        assert len(set(windows)) == len(windows)  # and no window twice within a step
+        # same answer from a fresh sampler (resume needs no state)
+        again = sampler(1).batch(step, 1)
+        assert all(torch.equal(x, y) for x, y in zip(again, sampler(1).batch(step, 1)))
+        # one rank with the whole global batch sees exactly the ranks' batches, in order
+        union = torch.cat([sampler(r).batch(step, m)[0] for r in range(dp) for m in range(accum)])
+        whole = sampler(0, size=1, b=dp * accum * batch, a=1).batch(step)[0]
+        assert torch.equal(union, whole)
+    inputs, targets = sampler(0).batch(0)
+    assert inputs.shape == (batch, seq) and torch.equal(inputs[:, 1:], targets[:, :-1])
+    other_seed = DPSampler(tokens, seq, batch, accum, 0, dp, seed=6).batch(0)[0]
+    assert not torch.equal(other_seed, inputs)
+    with pytest.raises(ConfigError, match="fewer than one sequence"):
+        DPSampler(torch.arange(10), 16, 1, 1, 0, 1, seed=0)
+
+
+def test_model_dense_and_moe_forward_and_seeded_init():
+    cfg = load_config(CONFIGS / "moe_debug.toml").model
+    model = Transformer(cfg)
+    init_weights(model, 1)
+    kinds = [type(layer.feed_forward).__name__ for layer in model.layers]
+    assert kinds == ["FeedForward", "MoE"]  # first_dense_layers = 1
+    assert model.layers[1].feed_forward.experts.w1.shape == (4, 64, 64)  # [E, R, C]
+    assert model.layers[0].attention.wk.weight.shape == (32, 64)  # 2 kv heads of 16
+    logits = model(torch.randint(0, 256, (2, 12)))
+    assert logits.shape == (2, 12, 256) and torch.isfinite(logits).all()
+    twin = Transformer(cfg)
+    init_weights(twin, 1)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    # causal: the first position's output ignores later tokens
+    tokens = torch.randint(0, 256, (1, 8))
+    changed = tokens.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % 256
+    assert torch.allclose(model(tokens)[0, 0], model(changed)[0, 0])
+    total, active = count_params(cfg)
+    assert total == sum(p.numel() for p in model.parameters()) and active < total
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    cfg = TrainingConfig(steps=10, warmup_steps=2, min_lr_ratio=0.1, decay="cosine")
+    factors = [lr_factor(s, cfg) for s in range(10)]
+    assert factors[:3] == [0.5, 1.0, 1.0]
+    assert all(a >= b for a, b in zip(factors[2:], factors[3:]))
+    assert factors[-1] == pytest.approx(0.1)
+    linear = TrainingConfig(steps=10, warmup_steps=0, min_lr_ratio=0.0, decay="linear")
+    assert lr_factor(9, linear) == 0.0 and lr_factor(0, linear) == 1.0
