@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Sourced by demo.sh and test.sh: create .venv and install flexshard with its test
-# extras, unless that is done already.
-if ! { [ -x .venv/bin/flexshard-demo ] && [ -x .venv/bin/ruff ] &&
-       .venv/bin/python -c 'import flexshard, pytest, hypothesis' 2>/dev/null; }; then
+# Sourced by demo.sh and test.sh: create .venv and install flexshard with its test and
+# trainer extras, unless that is done already.
+if ! { [ -x .venv/bin/flexshard-train ] && [ -x .venv/bin/ruff ] &&
+       .venv/bin/python -c 'import flexshard, pytest, hypothesis, matplotlib, safetensors' \
+         2>/dev/null; }; then
   [ -x .venv/bin/python ] || python3 -m venv .venv
   # the CPU torch first, pinned, so that installing flexshard never pulls another build
   .venv/bin/pip install torch==2.13.0
-  .venv/bin/pip install -e '.[test]'
+  .venv/bin/pip install -e '.[test,train]'
 fi
