@@ -38,9 +38,17 @@ def peak_flops_per_rank(device: torch.device, configured_tflops: float) -> float
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak allocated device memory (CUDA) or peak resident set size (CPU), MB."""
+    """Peak allocated device memory (CUDA) or this process's peak resident set size
+    (CPU: Linux VmHWM, which ``/proc/self/clear_refs`` can reset; else ru_maxrss), MB."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
@@ -161,7 +169,8 @@ def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> str:
     lr_axis = ax.twinx()
     lr_axis.plot(steps, [r["lr"] for r in records], color="tab:orange", alpha=0.5, label="lr")
     lr_axis.set_ylabel("learning rate")
-    fig.legend(loc="upper right")
+    lines = ax.get_lines() + lr_axis.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,0 +1,238 @@
+"""The LLM trainer with flexshard against the same trainer with dp_backend = "fsdp2":
+tokens/s and peak memory per rank on CPU (gloo), W = 2 and 4, side by side.
+
+    .venv/bin/python -m benchmarks.bench_trainer              # W = 2 and 4
+    .venv/bin/python -m benchmarks.bench_trainer --quick      # W = 2, fewer steps
+
+Both backends run inside the same W processes, interleaved (flexshard, fsdp2,
+flexshard, fsdp2, ...), on the same model, data, seed and config; only
+``parallelism.dp_backend`` differs. Results: benchmarks/results/trainer_bench.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flexshard.testing import run_distributed
+from flexshard.trainer.config import config_from_dict
+from flexshard.trainer.model import count_params
+from flexshard.trainer.train import run
+
+from .measure import peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
+
+RESULTS = Path(__file__).parent / "results"
+BACKENDS = ("flexshard", "fsdp2")
+MB = 2**20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--steps", type=int, default=12, help="steps per run, warm-up included")
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
+    p.add_argument("--reps", type=int, default=2, help="interleaved runs per backend")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--quick", action="store_true", help="W = 2, 6 steps, 1 rep")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.world_sizes, args.steps, args.warmup, args.reps = [2], 6, 2, 1
+    return args
+
+
+def trainer_table(args: argparse.Namespace, backend: str, folder: str) -> dict[str, Any]:
+    heads = max(1, args.dim // 32)
+    return {
+        "model": {
+            "dim": args.dim,
+            "n_layers": args.layers,
+            "n_heads": heads,
+            "n_kv_heads": max(1, heads // 2),
+        },
+        "parallelism": {"dp_backend": backend},
+        "training": {
+            "steps": args.steps,
+            "seq_len": args.seq_len,
+            "batch_size": args.batch,
+            "warmup_steps": 2,
+        },
+        "job": {
+            "dump_folder": folder,
+            "progress": False,
+            "plot": False,
+            "tensorboard": False,
+            "peak_tflops": 1.0,  # a fixed reference, so MFU columns compare across runs
+        },
+    }
+
+
+def _rank(rank: int, world_size: int, args: argparse.Namespace, folder: str) -> list[dict]:
+    """Every backend, ``reps`` times, interleaved; per run this rank's median tokens/s
+    and its peak RSS above the RSS before the model was built."""
+    out = []
+    for rep in range(args.reps):
+        for backend in BACKENDS:
+            release_free_memory()
+            base = rss_bytes()
+            reset_peak_rss()
+            cfg = config_from_dict(trainer_table(args, backend, f"{folder}/{backend}{rep}"))
+            records = run(cfg)[args.warmup :]
+            out.append(
+                {
+                    "backend": backend,
+                    "rep": rep,
+                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
+                    "tokens_per_s_per_rank": statistics.median(
+                        r["tokens_per_s_per_rank"] for r in records
+                    ),
+                    "step_ms": 1000 * statistics.median(r["step_time_s"] for r in records),
+                    "peak_rss_mb": (peak_rss_bytes() - base) / MB,
+                    "loss_last": records[-1]["loss"],
+                    "comm_mb_per_step": (records[-1]["comm_bytes"] or {}).get("total", 0) / MB,
+                }
+            )
+    return out
+
+
+def summarise(world_size: int, per_rank: list[list[dict]]) -> list[dict]:
+    """Per backend: the best rep's tokens/s (slowest rank's step sets the pace, and
+    all ranks report the same global rate), peak RSS max over ranks, min over reps."""
+    rows = []
+    for backend in BACKENDS:
+        runs = [[r for r in rank_runs if r["backend"] == backend] for rank_runs in per_rank]
+        reps = len(runs[0])
+        tps = [min(rank[i]["tokens_per_s"] for rank in runs) for i in range(reps)]
+        best = max(range(reps), key=lambda i: tps[i])
+        rows.append(
+            {
+                "world_size": world_size,
+                "backend": backend,
+                "tokens_per_s": tps[best],
+                "tokens_per_s_per_rank": tps[best] / world_size,
+                "step_ms": max(rank[best]["step_ms"] for rank in runs),
+                "peak_rss_mb_per_rank": min(
+                    max(rank[i]["peak_rss_mb"] for rank in runs) for i in range(reps)
+                ),
+                "comm_mb_per_step": runs[0][best]["comm_mb_per_step"],
+                "loss_last": runs[0][best]["loss_last"],
+                "tokens_per_s_reps": tps,
+            }
+        )
+    fsdp2 = rows[1]["tokens_per_s"]
+    for row in rows:
+        row["vs_fsdp2"] = row["tokens_per_s"] / fsdp2
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict[str, Any]) -> str:
+    lines = [
+        "# Trainer benchmark: flexshard vs torch FSDP2 (CPU, gloo)",
+        "",
+        f"`{meta['command']}` on {meta['machine']}, torch {meta['torch']}, {meta['date']}.",
+        f"Model: {meta['model']}; {meta['batch']} sequences x {meta['seq_len']} tokens per rank"
+        f" per step; AdamW, fp32; {meta['steps']} steps per run, the first {meta['warmup']} "
+        f"left out; {meta['reps']} interleaved runs per backend, best kept.",
+        "",
+        "| W | backend | tokens/s | tokens/s per rank | / FSDP2 | step ms | peak RSS MB per rank"
+        " | comm MB/step (rank 0) | loss at last step |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        comm = f"{r['comm_mb_per_step']:.2f}" if r["backend"] == "flexshard" else "–"
+        lines.append(
+            f"| {r['world_size']} | {r['backend']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_s_per_rank']:,.0f} | {r['vs_fsdp2']:.2f} | {r['step_ms']:.1f} | "
+            f"{r['peak_rss_mb_per_rank']:.1f} | {comm} | {r['loss_last']:.4f} |"
+        )
+    lines += [
+        "",
+        "- tokens/s: global batch tokens / wall time of one optimizer step (forward, "
+        "backward, clipping, AdamW, loss all-reduce), median over the timed steps, the "
+        "slowest rank's; per rank = / W.",
+        "- peak RSS per rank: VmHWM (reset through /proc/self/clear_refs before the run) "
+        "minus the RSS before the model was built; max over ranks, min over runs. It "
+        "includes glibc's cached free memory and gloo buffers.",
+        "- The machine is shared and noisy: compare rows of one W, not runs.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r["world_size"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax, key, label in (
+        (axes[0], "tokens_per_s", "tokens/s (global)"),
+        (axes[1], "peak_rss_mb_per_rank", "peak RSS per rank, MB"),
+    ):
+        for i, backend in enumerate(BACKENDS):
+            values = [
+                next(r[key] for r in rows if r["world_size"] == w and r["backend"] == backend)
+                for w in sizes
+            ]
+            ax.bar([x + 0.38 * i for x in range(len(sizes))], values, width=0.36, label=backend)
+        ax.set_xticks([x + 0.19 for x in range(len(sizes))], [f"W = {w}" for w in sizes])
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("flexshard-train vs dp_backend = fsdp2 (CPU, gloo)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for world_size in args.world_sizes:
+        folder = f"/tmp/flexshard_bench_trainer/w{world_size}"
+        per_rank = run_distributed(_rank, world_size, args, folder, timeout=1200)
+        rows += summarise(world_size, per_rank)
+        for row in rows[-2:]:
+            print(
+                f"W={world_size} {row['backend']:<9} {row['tokens_per_s']:>9,.0f} tok/s "
+                f"({row['vs_fsdp2']:.2f}x FSDP2)  peak RSS/rank {row['peak_rss_mb_per_rank']:.1f}"
+                " MB",
+                flush=True,
+            )
+    model_cfg = config_from_dict(trainer_table(args, "flexshard", "-")).model
+    total, _ = count_params(model_cfg)
+    meta = {
+        "command": "python -m benchmarks.bench_trainer" + (" --quick" if args.quick else ""),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads in the parent",
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "model": f"dim {model_cfg.dim}, {model_cfg.n_layers} layers, {model_cfg.n_heads} heads "
+        f"({model_cfg.n_kv_heads} kv), {total:,} parameters, byte vocabulary",
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "reps": args.reps,
+    }
+    (args.out / "trainer_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / "trainer_bench.md").write_text(markdown(rows, meta))
+    plot(rows, args.out / "trainer_bench.png")
+    print(f"wrote {args.out}/trainer_bench.{{json,md,png}}")
+
+
+if __name__ == "__main__":
+    main()
