@@ -154,3 +154,54 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert factors[-1] == pytest.approx(0.1)
     linear = TrainingConfig(steps=10, warmup_steps=0, min_lr_ratio=0.0, decay="linear")
     assert lr_factor(9, linear) == 0.0 and lr_factor(0, linear) == 1.0
+
+
+def _record(step: int, loss: float) -> dict:
+    return {
+        "step": step, "loss": loss, "tokens_per_s": 1000.0 * step, "grad_norm": 0.5,
+        "lr": 1e-3, "mfu": 0.01, "peak_memory_mb": 100.0 + step,
+        "comm_bytes": {"layers.0": 2_000_000, "total": 3_000_000},
+    }  # fmt: skip
+
+
+def test_metrics_jsonl_summary_plot_and_tensorboard(tmp_path, monkeypatch):
+    from flexshard.trainer import metrics
+
+    writer = metrics.MetricsWriter(tmp_path, tensorboard=True, append=False)
+    for step, loss in [(1, 5.0), (2, 4.0), (3, 3.5)]:
+        writer.log(_record(step, loss))
+    writer.close()
+    resumed = metrics.MetricsWriter(tmp_path, tensorboard=False, append=True)
+    resumed.log(_record(3, 3.25))  # a resumed run repeats step 3: the later record wins
+    resumed.close()
+    records = metrics.read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 5.0), (2, 4.0), (3, 3.25)]
+    table = metrics.summary_table(records, {"run": "t"})
+    assert "5.0000 -> 3.2500" in table and "layers.0 2.000" in table and "103.0" in table
+    assert metrics.plot_losses(records, tmp_path / "loss.png", "t").startswith("loss curve")
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    try:
+        import tensorboard  # noqa: F401  (optional extra)
+
+        assert writer.tb is not None and list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    except ImportError:
+        assert "TensorBoard skipped" in writer.note
+    # without the package the writer says so and carries on
+    monkeypatch.setitem(__import__("sys").modules, "torch.utils.tensorboard", None)
+    skipped = metrics.MetricsWriter(tmp_path / "no_tb", tensorboard=True, append=False)
+    assert skipped.tb is None and "tensorboard package is not installed" in skipped.note
+    skipped.close()
+
+
+def test_progress_bar_writes_carriage_return_lines():
+    import io
+
+    from flexshard.trainer.metrics import ProgressBar
+
+    stream = io.StringIO()
+    bar = ProgressBar(4, stream=stream, width=8)
+    for step in range(1, 5):
+        bar.update(step, 5.0 - step, 1234.0)
+    text = stream.getvalue()
+    assert text.count("\r") == 4 and text.endswith("\n")
+    assert "[########] 4/4  loss 1.0000  1,234 tok/s  ETA 0:00:00" in text
