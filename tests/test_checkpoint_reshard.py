@@ -166,6 +166,11 @@ def _save_all(rank: int, root: str, groups: dict, plan: set, report: dict) -> No
                 model_state = Net().state_dict()
             else:
                 model_state = _build(source, groups, _seed(source)).state_dict()
+                # replicated copies are written by their first holder alone
+                items = sum(len(v.__create_write_items__(k, v)) for k, v in model_state.items())
+                silent = (source[1] == "replicate" and rank > 0) or (source == HSDP and rank >= 2)
+                if (items == 0) != silent:
+                    report["bad"].append(("writes", _label(source), rank, items))
             for target in wanted:
                 state.update(_prefixed(model_state, source, target))
         if world == 0:
