@@ -90,18 +90,19 @@ def _count_collectives() -> tuple[dict[str, int], Callable[[], None]]:
 
 def run_variant(variant: str, rank: int, world_size: int, mesh: DeviceMesh, steps: int) -> dict:
     model, opt = _build(variant, mesh)
-    times, bytes_sent, collectives = [], [], []
+    times, cpu, bytes_sent, collectives = [], [], [], []
     for step in range(steps + 2):  # two warm-up steps
         _grads(model, step)
         counts, restore = _count_collectives()
         stats_before = opt.comm_stats()["bytes_sent"] if hasattr(opt, "comm_stats") else 0
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         opt.step()
-        elapsed = time.perf_counter() - start
+        elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
         restore()
         if step >= 2:
             times.append(elapsed)
+            cpu.append(elapsed_cpu)
             after = opt.comm_stats()["bytes_sent"] if hasattr(opt, "comm_stats") else 0
             bytes_sent.append(after - stats_before)
             collectives.append(sum(counts.values()))
@@ -109,6 +110,7 @@ def run_variant(variant: str, rank: int, world_size: int, mesh: DeviceMesh, step
     digest = hashlib.sha256(b"".join(full[k].numpy().tobytes() for k in sorted(full)))
     return {
         "ms": [t * 1e3 for t in times],
+        "cpu_ms": [t * 1e3 for t in cpu],  # this process's CPU time (gloo threads too)
         "bytes_sent": bytes_sent[-1],
         "collectives": collectives[-1],
         "digest": digest.hexdigest()[:16],
