@@ -104,6 +104,31 @@ def _state_pieces_match(model, opt, full_model: dict, full_optim: dict) -> list[
     return bad
 
 
+def _packed_full() -> dict:
+    torch.manual_seed(3)
+    model = TinyTransformer(CFG)
+    model.layers[0].to(torch.bfloat16)
+    return model.state_dict()
+
+
+def _packed(group, placement, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = TinyTransformer(CFG)
+    model.layers[0].to(torch.bfloat16)
+    spec = fs.BucketSpec("*", placement=placement, pack_as_bytes=True)
+    return fs.flex_shard(model, group, buckets=[spec])
+
+
+def _pieces_differ(model, full: dict) -> list[str]:
+    bad = []
+    for key, value in model.state_dict().items():
+        for (offsets, sizes), piece in value.pieces:
+            index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+            if not torch.equal(piece, torch.as_tensor(full[key])[index]):
+                bad.append(key)
+    return bad
+
+
 def _resume(rank: int, world: int, root: str, full_model: dict, full_optim: dict) -> dict:
     """New processes: load, check the extra state, train the remaining steps; then
     load the optimizer state at another world size and placements, and the
@@ -126,6 +151,20 @@ def _resume(rank: int, world: int, root: str, full_model: dict, full_optim: dict
             opt = _optimizer(model, "adamw")
             ckpt.load(f"{root}/adamw", model, opt, process_group=pair)
             out[f"w2 {name}"] = _state_pieces_match(model, opt, full_model, full_optim)
+    # a full (unsharded) state dict through module.load_state_dict
+    model = _model(mesh, _mixed, 99)
+    model.load_state_dict(full_model)
+    out["load_state_dict of full tensors"] = _pieces_differ(model, full_model)
+    # a bucket of bf16 and fp32 parameters packed as bytes, resharded
+    for group, placement in ((mesh, fs.Shard(0)), (pair, fs.Owned())):
+        if group is pair and rank >= 2:
+            continue
+        model = _packed(group, placement, 3 if group is mesh else 4)
+        if group is mesh:
+            ckpt.save(f"{root}/packed", model)
+        else:
+            ckpt.load(f"{root}/packed", model, process_group=pair)
+            out["packed"] = _pieces_differ(model, _packed_full())
     model = _model(mesh, fs.Shard(0), 99)  # the one-process re-save, at world 3
     opt = _optimizer(model, "adamw")
     ckpt.load(f"{root}/plain", model, opt)
@@ -161,7 +200,9 @@ def test_resume_reshard_and_export(tmp_path):
             assert b[f"{kind} rng draw"] == a[f"{kind} rng draw"]
             assert b[f"{kind} extra"] == (FIRST, {"epoch": 0, "index": 9})
         assert b["from one process"] == []
+        assert b["load_state_dict of full tensors"] == []
         if rank < 2:
+            assert b["packed"] == []
             assert b["w2 shard0"] == [] and b["w2 owned"] == []
     # the exported file is the full model, read by safetensors itself
     from safetensors.torch import load_file
