@@ -145,6 +145,20 @@ def _run_cases(rank: int, world_size: int) -> dict:
     moved = dict(layer0=("layers.0.*", "norm.*"), outer=("embed.*", "head.*"))
     attempt("inconsistent_patterns", new(), shard(_buckets(**(moved if rank == 1 else {}))))
 
+    # arguments of the wrapped module's methods, and of the entry points
+    attempt("sync_not_bool", wrapped, lambda m: m.set_requires_gradient_sync("no"))
+    attempt("reshard_not_bool", wrapped, lambda m: m.set_reshard_after_forward(1))
+    attempt("check_finite_not_bool", wrapped, lambda m: m.set_check_finite_grads("yes"))
+    attempt("comm_stats_reset", wrapped, lambda m: m.comm_stats(reset="yes"))
+    attempt("unshard_async_not_bool", wrapped, lambda m: m.unshard(async_op="later"))
+    on_time = functools.partial(fs.flex_shard, mesh=mesh, buckets=_buckets())
+    attempt("timeout_not_timedelta", new(), lambda m: on_time(m, timeout=5))
+    attempt("timeout_not_positive", new(), lambda m: on_time(m, timeout=datetime.timedelta(0)))
+    attempt("fully_shard_timeout", new(), lambda m: fs.fully_shard(m, timeout=-1.0))
+    attempt("mesh_not_a_mesh", new(), shard(_buckets(), on="cpu"))
+    attempt("fully_shard_list", new(), lambda m: fs.fully_shard([m.layers[0], m.layers[1]]))
+    attempt("clip_unsharded", new(), lambda m: fs.clip_grad_norm_(m, 1.0))
+
     # load_full_state_dict: the bad key is the last one, so a load that checked as it
     # went would already have changed every other parameter
     before = fs.full_state_dict(wrapped)
@@ -245,6 +259,25 @@ CASES = {  # case: (exception, needles in the message, ranks that raise: None fo
     "load_missing_key": (KeyError, ("'head.weight'", "missing"), None),
     "load_wrong_shape": (ValueError, ("'head.weight'", "(17, 19)"), None),
     "load_unexpected_key": (KeyError, ("'head.bias'", "unexpected"), None),
+    "sync_not_bool": (
+        TypeError,
+        ("set_requires_gradient_sync", "requires_gradient_sync", "'no'"),
+        None,
+    ),
+    "reshard_not_bool": (
+        TypeError,
+        ("set_reshard_after_forward", "reshard_after_forward", "1"),
+        None,
+    ),
+    "check_finite_not_bool": (TypeError, ("set_check_finite_grads", "'yes'"), None),
+    "comm_stats_reset": (TypeError, ("comm_stats", "reset", "'yes'"), None),
+    "unshard_async_not_bool": (TypeError, ("unshard", "async_op", "'later'"), None),
+    "timeout_not_timedelta": (TypeError, ("timeout", "timedelta", "5"), None),
+    "timeout_not_positive": (ValueError, ("timeout must be positive", "0:00:00"), None),
+    "fully_shard_timeout": (TypeError, ("timeout", "timedelta", "-1.0"), None),
+    "mesh_not_a_mesh": (TypeError, ("mesh", "DeviceMesh", "str"), None),
+    "fully_shard_list": (TypeError, ("fully_shard", "list of modules"), None),
+    "clip_unsharded": (ValueError, ("clip_grad_norm_", "sharded by flexshard"), None),
     "mesh_without_rank": (ValueError, ("does not contain this rank (2)",), (2,)),
     "group_without_rank": (ValueError, ("does not contain this rank (2)",), (2,)),
 }

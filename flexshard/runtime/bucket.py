@@ -15,6 +15,7 @@ from ..placements import BucketLayout, gathered_alias, pack_all, pack_rank, unpa
 from ..placements.bytes import as_bytes, byte_view
 from ..quant import QuantFormat
 from .collectives import BucketComm, Pending
+from .grad_check import nonfinite_codes
 from .quantized import QuantizedGather
 
 
@@ -85,6 +86,9 @@ class Bucket:
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward
         self.requires_grad_sync = True
+        # opt-in: each backward records which unsharded gradients hold a NaN or an inf
+        self.check_finite = False
+        self.nonfinite = [0] * len(params)
         # ``initial`` are the unsharded parameters: copy this rank's regions, keep no reference
         first = initial[0]
         self.dtypes = [t.dtype for t in initial]
@@ -257,7 +261,7 @@ class Bucket:
 
     def _launch_gather(self) -> None:
         if self.gathered is None:  # replicated: nothing to fetch
-            self._gather = Pending(None, "", self.comm.timeout)
+            self._gather = Pending(None, "all-gather", self.name, self.comm.timeout)
             return
         _alloc(self.gathered)
         if self.quant is not None:
@@ -274,7 +278,9 @@ class Bucket:
         assert self._gather is not None
         layout = self.storage_layout
         # the parameters are saved for backward: refilling them must not look like an
-        # in-place change to autograd (completing the gather bumps the version too)
+        # in-place change to autograd (completing the gather bumps the version too).
+        # A failed wait leaves ``_gather`` set: it raises again, and the buffer gloo may
+        # still write into is never freed or read
         with (
             torch.no_grad(),
             torch.autograd._unsafe_preserve_version_counter(tuple(self.full_params)),
@@ -329,7 +335,10 @@ class Bucket:
 
     def hold_grads(self) -> None:
         """Gradient sync is off: keep the unsharded gradients, in ``reduce_dtype``."""
-        for i, grad in enumerate(self._take_grads()):
+        grads = self._take_grads()
+        if self.check_finite:
+            self.nonfinite = nonfinite_codes(grads)
+        for i, grad in enumerate(grads):
             if grad is not None and grad.dtype != self.reduce_dtype:
                 grad = grad.to(self.reduce_dtype)
             self._accumulated[i] = grad
@@ -337,6 +346,8 @@ class Bucket:
     def launch_reduce(self) -> None:
         layout = self.layout
         grads = self._take_grads()
+        if self.check_finite:
+            self.nonfinite = nonfinite_codes(grads)
         device = self.storage.device
         if layout.replicated:
             out = torch.zeros(layout.shard_numel, dtype=self.reduce_dtype, device=device)

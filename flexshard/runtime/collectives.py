@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,27 +47,134 @@ class CommStats:
         }
 
 
-class Pending:
-    """An in-flight collective; ``wait`` raises naming the bucket if it fails or stalls."""
+def check_timeout(timeout: object) -> None:
+    """The ``timeout`` of flex_shard/fully_shard: how long any one collective may take."""
+    if not isinstance(timeout, datetime.timedelta):
+        raise TypeError(
+            f"timeout must be a datetime.timedelta (how long one collective may take), "
+            f"got {timeout!r}"
+        )
+    if timeout <= datetime.timedelta(0):
+        raise ValueError(f"timeout must be positive, got {timeout}")
 
-    def __init__(self, work: dist.Work | None, what: str, timeout: datetime.timedelta) -> None:
+
+class CollectiveError(RuntimeError):
+    """A bucket's collective failed or did not complete within the timeout: a rank of
+    its group died, stalled or skipped it. The process group is unusable afterwards,
+    the local shards are as they were before the step (restart from a checkpoint)."""
+
+    def __init__(self, message: str, *, bucket: str, collective: str, rank: int) -> None:
+        super().__init__(message)
+        self.bucket = bucket
+        self.collective = collective
+        self.rank = rank
+
+
+class Pending:
+    """An in-flight collective; ``wait`` raises a CollectiveError naming the bucket and
+    the collective if it fails or does not complete within ``timeout``.
+
+    A failure is sticky: the work (and the buffers it writes) is kept and every later
+    ``wait`` raises the same error, so a caller that retries never frees or reads a
+    buffer that gloo's thread may still write into."""
+
+    def __init__(
+        self,
+        work: dist.Work | None,
+        collective: str,
+        bucket: str,
+        timeout: datetime.timedelta,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.work = work
-        self.what = what
+        self.collective = collective
+        self.bucket = bucket
         self.timeout = timeout
+        self.group = group
+        self.started = time.monotonic()
+        self.error: CollectiveError | None = None
+
+    @classmethod
+    def launch(
+        cls,
+        start: Callable[[], dist.Work | None],
+        collective: str,
+        bucket: str,
+        timeout: datetime.timedelta,
+        group: dist.ProcessGroup,
+    ) -> Pending:
+        """Issue a collective; a group already broken can refuse it at once."""
+        pending = cls(None, collective, bucket, timeout, group)
+        try:
+            pending.work = start()
+        except Exception as err:
+            pending.error = pending._error(err)
+            raise pending.error from err
+        return pending
+
+    def _error(self, cause: BaseException | None) -> CollectiveError:
+        rank = dist.get_rank()
+        members = dist.get_process_group_ranks(self.group) if self.group is not None else []
+        elapsed = time.monotonic() - self.started
+        seconds = self.timeout.total_seconds()
+        what = (
+            f"did not complete within the timeout ({seconds:g} s)"
+            if elapsed + 0.05 >= seconds  # wait() gives up at the timeout to the clock tick
+            else f"failed {elapsed:.1f} s after launch (timeout {seconds:g} s)"
+        )
+        message = (
+            f"flexshard: {self.collective} of bucket '{self.bucket}' {what} on rank {rank} "
+            f"(group ranks {members}): a rank of the group died, stalled or skipped this "
+            "collective; the process group is unusable now, the local shards are unchanged"
+        )
+        if cause is not None:
+            message += f" [backend: {str(cause).strip().splitlines()[0][:300]}]"
+        return CollectiveError(message, bucket=self.bucket, collective=self.collective, rank=rank)
 
     def wait(self) -> None:
+        if self.error is not None:
+            raise self.error
         if self.work is None:
             return
-        work, self.work = self.work, None
+        # the clock runs from launch: a prefetch waited on late gets no extra time
+        left = max(self.timeout.total_seconds() - (time.monotonic() - self.started), 0.001)
         try:
-            ok = work.wait(self.timeout)
-        except Exception as err:  # gloo raises on a dead peer or its own timeout
-            raise RuntimeError(f"flexshard: {self.what} failed: {err}") from err
+            if self.group is not None and dist.get_backend(self.group) == "gloo":
+                ok = _wait_in_thread(self.work, left)
+            else:  # NCCL: a stream wait, bounded by the watchdog
+                ok = self.work.wait(datetime.timedelta(seconds=left))
+        except Exception as err:  # our timeout, gloo's own, or a peer that closed
+            self.error = self._error(err)
+            raise self.error from err
         if ok is False:
-            raise RuntimeError(
-                f"flexshard: {self.what} did not finish within {self.timeout}; a rank may "
-                "have died or stalled"
-            )
+            self.error = self._error(None)
+            raise self.error
+        self.work = None
+
+
+def _wait_in_thread(work: dist.Work, seconds: float) -> bool:
+    """``work.wait()`` given up after ``seconds``. gloo's reduce-scatter work ignores
+    wait's timeout and never reports ``is_completed``, so a helper thread waits (and
+    stays blocked, harmlessly, when the peer never comes)."""
+    if work.is_completed():
+        return work.wait()
+    done = threading.Event()
+    outcome: list[BaseException | bool] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(work.wait())
+        except BaseException as err:
+            outcome.append(err)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="flexshard-wait", daemon=True).start()
+    if not done.wait(seconds):
+        raise TimeoutError("Operation timed out!")
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0] is not False
 
 
 class BucketComm:
@@ -79,6 +189,7 @@ class BucketComm:
         replicate_group: dist.ProcessGroup | None,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     ) -> None:
+        check_timeout(timeout)
         self.bucket = bucket
         self.shard_group = shard_group
         self.replicate_group = replicate_group
@@ -89,30 +200,62 @@ class BucketComm:
     def reset_stats(self) -> None:
         self.stats = CommStats()
 
-    def _count(self, kind: str, moved: int) -> None:
+    def _count(self, kind: str, moved: int, payload: bool = True) -> None:
         setattr(self.stats, kind, getattr(self.stats, kind) + 1)
         self.stats.bytes_sent += moved
         self.stats.bytes_received += moved
-        if kind == "all_gather":
+        if kind == "all_gather" and payload:
             self.stats.all_gather_bytes += moved
 
+    def _launch(
+        self, start: Callable[[], dist.Work | None], collective: str, group: dist.ProcessGroup
+    ) -> Pending:
+        return Pending.launch(start, collective, self.bucket, self.timeout, group)
+
     def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> Pending:
-        work = dist.all_gather_single(out, local, group=self.shard_group, async_op=True)
+        group = self.shard_group
+        pending = self._launch(
+            lambda: dist.all_gather_single(out, local, group=group, async_op=True),
+            "all-gather",
+            group,
+        )
         self._count("all_gather", (self.world_size - 1) * local.numel() * local.element_size())
-        return Pending(work, f"all-gather of bucket '{self.bucket}'", self.timeout)
+        return pending
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Pending:
-        work = dist.reduce_scatter_single(
-            out, full, op=dist.ReduceOp.AVG, group=self.shard_group, async_op=True
+        group = self.shard_group
+        pending = self._launch(
+            lambda: dist.reduce_scatter_single(
+                out, full, op=dist.ReduceOp.AVG, group=group, async_op=True
+            ),
+            "reduce-scatter",
+            group,
         )
         self._count("reduce_scatter", (self.world_size - 1) * out.numel() * out.element_size())
-        return Pending(work, f"reduce-scatter of bucket '{self.bucket}'", self.timeout)
+        return pending
 
     def all_reduce(self, tensor: torch.Tensor, replicas: bool = False) -> Pending:
         """Average ``tensor`` over the shard group, or over the replicas (HSDP)."""
         group = self.replicate_group if replicas else self.shard_group
         size = dist.get_world_size(group)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=True)
+        pending = self._launch(
+            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=True),
+            "all-reduce across replicas" if replicas else "all-reduce",
+            group,
+        )
         self._count("all_reduce", 2 * (size - 1) * tensor.numel() * tensor.element_size() // size)
-        where = "across replicas " if replicas else ""
-        return Pending(work, f"all-reduce {where}of bucket '{self.bucket}'", self.timeout)
+        return pending
+
+    def gather_flags(self, out: torch.Tensor, local: torch.Tensor, replicas: bool) -> Pending:
+        """All-gather a few small integers (the opt-in finite-gradient check); counted
+        as an all-gather, not as parameter bytes."""
+        group = self.replicate_group if replicas else self.shard_group
+        size = dist.get_world_size(group)
+        pending = self._launch(
+            lambda: dist.all_gather_single(out, local, group=group, async_op=True),
+            "finite-gradient check all-gather",
+            group,
+        )
+        moved = (size - 1) * local.numel() * local.element_size()
+        self._count("all_gather", moved, payload=False)
+        return pending

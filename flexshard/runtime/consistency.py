@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 from collections.abc import Sequence
 
@@ -10,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..placements import Placement
+from .collectives import DEFAULT_TIMEOUT, Pending, check_timeout
 from .groups import MeshGroups
 
 Plan = tuple[str, Sequence[tuple[nn.Parameter, list[str]]], Sequence[Placement]]
@@ -28,10 +30,23 @@ def _bucket_digest(
     return _digest(repr((name, described)))
 
 
-def _gather(values: list[int], group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+def _gather(
+    values: list[int],
+    group: dist.ProcessGroup,
+    device: torch.device,
+    timeout: datetime.timedelta,
+    buckets: list[str],
+) -> torch.Tensor:
+    """Bounded by ``timeout``: a rank that never reaches set-up makes the others raise."""
     local = torch.tensor(values, dtype=torch.int64, device=device)
     out = torch.empty(dist.get_world_size(group) * len(values), dtype=torch.int64, device=device)
-    dist.all_gather_single(out, local, group=group)
+    Pending.launch(
+        lambda: dist.all_gather_single(out, local, group=group, async_op=True),
+        "set-up agreement all-gather",
+        ", ".join(buckets) or "(none planned on this rank)",
+        timeout,
+        group,
+    ).wait()
     return out.view(dist.get_world_size(group), len(values)).cpu()
 
 
@@ -52,24 +67,28 @@ def _decode(values: list[int]) -> str:
 
 
 def check_same_plan(
-    groups: MeshGroups, plans: Sequence[Plan], local_error: Exception | None = None
+    groups: MeshGroups,
+    plans: Sequence[Plan],
+    local_error: Exception | None = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> None:
     """One small fixed-size all-gather per group, all of them before anything is
     raised: every rank must plan the same buckets with the same parameters, shapes,
     dtypes and placements, and none may have failed validation. Raises on every rank;
     a rank whose own validation failed raises its own error, the others quote it."""
+    check_timeout(timeout)
     digests = [_bucket_digest(*plan) for plan in plans]
     named = (digests + [0] * NAMED_BUCKETS)[:NAMED_BUCKETS]
     message = _encode(str(local_error) if local_error is not None else "")
     mine = [int(local_error is not None), len(digests), _digest(repr(digests)), *named, *message]
+    names = [name for name, _, _ in plans]
     summaries = [
-        (group, _gather(mine, group, groups.device))
+        (group, _gather(mine, group, groups.device, timeout, names))
         for group in (groups.shard, groups.replicate)
         if group is not None and dist.get_world_size(group) > 1
     ]
     if local_error is not None:
         raise local_error
-    names = [name for name, _, _ in plans]
     for group, summary in summaries:
         ranks = dist.get_process_group_ranks(group)
         failed = [r for r in range(len(ranks)) if summary[r, 0]]

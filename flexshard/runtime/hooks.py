@@ -3,7 +3,9 @@ re-gather, gradient reductions launched as buckets complete, one end-of-backward
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .bucket import Bucket
+from .grad_check import check_finite_grads
 
 #: gradient reductions in flight before the oldest is waited for (bounds the memory
 #: held by unsharded gradient buffers, as FSDP2 and FlexShard do)
@@ -62,8 +65,20 @@ class StepState:
 
     def before_backward(self, bucket: Bucket) -> None:
         self._backward_begins()
-        bucket.unshard()
-        self._prefetch(bucket, -1)
+        with self._abort_step_on_error():
+            bucket.unshard()
+            self._prefetch(bucket, -1)
+
+    @contextlib.contextmanager
+    def _abort_step_on_error(self) -> Iterator[None]:
+        """A collective that fails inside backward ends the backward without the
+        end-of-backward callback: forget the step, so the next forward is not taken
+        for an activation-checkpointing recompute."""
+        try:
+            yield
+        except BaseException:
+            self._reset_step()
+            raise
 
     def after_backward(self, bucket: Bucket) -> None:
         """The bucket's module finished its backward: its gradients are complete.
@@ -73,12 +88,13 @@ class StepState:
         collectives, even when some parameters go unused on some ranks."""
         self._backward_begins()
         bucket.ready = True
-        # launch strictly in queue order, so every rank issues the same sequence
-        queue = self._launch_queue
-        while self._launched < len(queue) and queue[self._launched].ready:
-            self._launch(queue[self._launched])
-            self._launched += 1
-        bucket.reshard()
+        with self._abort_step_on_error():
+            # launch strictly in queue order, so every rank issues the same sequence
+            queue = self._launch_queue
+            while self._launched < len(queue) and queue[self._launched].ready:
+                self._launch(queue[self._launched])
+                self._launched += 1
+            bucket.reshard()
 
     def _launch(self, bucket: Bucket) -> None:
         if not bucket.requires_grad_sync:
@@ -99,12 +115,18 @@ class StepState:
                 self._in_flight.popleft().finish_reduce()
             for bucket in self.buckets:
                 bucket.reshard()
+            if any(bucket.check_finite for bucket in self.buckets):
+                check_finite_grads(self.buckets)  # every rank raises alike, or none
         finally:
-            for bucket in self.buckets:
-                bucket.ready = False
-                bucket.reset_step_counts()
-            self._launched = len(self._launch_queue)
-            self.in_backward = False
+            self._reset_step()
+
+    def _reset_step(self) -> None:
+        for bucket in self.buckets:
+            bucket.ready = False
+            bucket.reset_step_counts()
+        self._in_flight.clear()
+        self._launched = len(self._launch_queue)
+        self.in_backward = False
 
 
 class _PostBackward(torch.autograd.Function):

@@ -16,6 +16,12 @@ def subtree_buckets(module: nn.Module) -> Iterator[Bucket]:
         yield from getattr(m, "_flexshard_buckets", ())
 
 
+def _check_bool(method: str, name: str, value: object) -> None:
+    # a truthy string ("no") would silently mean True
+    if not isinstance(value, bool):
+        raise TypeError(f"{method}: {name} must be a bool, got {value!r}")
+
+
 class UnshardHandle:
     def __init__(self, buckets: list[Bucket]) -> None:
         self._buckets = buckets
@@ -32,6 +38,7 @@ class FlexShardModule(nn.Module):
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's buckets; with ``async_op`` return a handle to wait on."""
+        _check_bool("unshard", "async_op", async_op)
         buckets = list(self._flexshard_buckets)
         for bucket in buckets:
             bucket.unshard(async_op=True)
@@ -50,6 +57,8 @@ class FlexShardModule(nn.Module):
     ) -> None:
         """False: keep unsharded gradients across backward passes and reduce nothing
         (gradient accumulation); the next backward with True reduces the sum."""
+        _check_bool("set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
+        _check_bool("set_requires_gradient_sync", "recurse", recurse)
         buckets = subtree_buckets(self) if recurse else self._flexshard_buckets
         for bucket in buckets:
             bucket.requires_grad_sync = requires_gradient_sync
@@ -57,13 +66,27 @@ class FlexShardModule(nn.Module):
     def set_reshard_after_forward(
         self, reshard_after_forward: bool, *, recurse: bool = True
     ) -> None:
+        _check_bool("set_reshard_after_forward", "reshard_after_forward", reshard_after_forward)
+        _check_bool("set_reshard_after_forward", "recurse", recurse)
         buckets = subtree_buckets(self) if recurse else self._flexshard_buckets
         for bucket in buckets:
             bucket.reshard_after_forward = reshard_after_forward
 
+    def set_check_finite_grads(self, check_finite_grads: bool, *, recurse: bool = True) -> None:
+        """True: after every backward, raise FloatingPointError on every rank if a
+        gradient holds a NaN or an inf on any rank, naming the parameter, bucket and
+        rank (one small all-gather per backward). Off (default): no cost at all. Every
+        rank must set the same."""
+        _check_bool("set_check_finite_grads", "check_finite_grads", check_finite_grads)
+        _check_bool("set_check_finite_grads", "recurse", recurse)
+        buckets = subtree_buckets(self) if recurse else self._flexshard_buckets
+        for bucket in buckets:
+            bucket.check_finite = check_finite_grads
+
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, int]]:
         """Per bucket: collectives issued and bytes this rank sent and received since
         the last reset, plus a ``"total"`` entry."""
+        _check_bool("comm_stats", "reset", reset)
         stats: dict[str, dict[str, int]] = {}
         total: dict[str, int] = {}
         for bucket in subtree_buckets(self):

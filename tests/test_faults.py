@@ -1,0 +1,356 @@
+"""A rank that stalls or dies mid-step: the others raise a CollectiveError naming the
+bucket and the collective within the model's timeout, instead of hanging, and their
+local shards are as they were before the step.
+
+Stalls run in one spawn of W = 3 ranks, each scenario on a fresh process group (the
+one it broke stays broken): rank 2 sleeps past the timeout at one blocking point of the
+runtime, then abandons the scenario. Kills (SIGKILL, os._exit) need a spawn each.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import math
+import os
+import queue
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.autograd import Variable
+
+import flexshard as fs
+from flexshard.runtime.bucket import slot_of as fs_slot_of
+from flexshard.runtime.collectives import DEFAULT_TIMEOUT, CollectiveError
+from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
+from flexshard.testing.launch import _child, free_port
+
+W = 3
+VICTIM = 2
+TIMEOUT = datetime.timedelta(seconds=2)
+STALL = 3.0  # seconds the victim sleeps: past the survivors' timeout
+BUCKETS = [
+    fs.BucketSpec("layers.0.*", name="layer0"),
+    fs.BucketSpec("layers.1.*", placement=fs.Owned(), name="layer1"),
+    fs.BucketSpec(["embed.*", "norm.*", "head.*"], name="outer"),
+]
+
+
+def run_tolerant(fn: Callable, world_size: int, *args: Any, timeout: float) -> list[Any]:
+    """``run_distributed`` that expects ranks to die: the result of each rank that
+    reported within ``timeout`` (None for the others); a child's error is re-raised."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world_size, port, args, results), daemon=True)
+        for r in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size and time.monotonic() < deadline:
+            if len(out) + sum(not p.is_alive() and p.exitcode != 0 for p in procs) >= world_size:
+                break  # every rank reported or died
+            try:
+                rank, status, value = results.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for proc in procs:  # survivors may block in destroy_process_group on a dead peer
+            proc.join(timeout=1)
+            if proc.is_alive():
+                proc.kill()
+    return [out.get(r) for r in range(world_size)]
+
+
+class _Stalled(Exception):
+    """Raised in the victim once it has slept: it abandons the scenario."""
+
+
+def _stall() -> None:
+    time.sleep(STALL)
+    raise _Stalled
+
+
+def _train(model, opt, batches, rank: int, steps: range, arm: Callable[[], None]) -> None:
+    for step in steps:
+        if step == 1:
+            arm()  # the fault strikes in the second step
+        tokens, targets = batches[step * W + rank]
+        model.loss(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _arm(model: TinyTransformer, where: str, fault: Callable[[], None]) -> None:
+    """Make ``fault`` happen at ``where`` in this rank's next step."""
+
+    def on_grad(module, args, output) -> None:
+        if where == "backward":  # in the middle of backward: after layer 1's gradients
+            output.register_hook(lambda grad: fault())
+        else:  # after the whole backward, before flexshard's end-of-backward wait
+            output.register_hook(lambda grad: Variable._execution_engine.queue_callback(fault))
+
+    if where == "forward":  # before flexshard's own pre-hook of layer 1
+        model.layers[1].register_forward_pre_hook(lambda *_: fault(), prepend=True)
+    else:  # the head's output gradient is the first of the backward
+        (model.layers[1] if where == "backward" else model.head).register_forward_hook(on_grad)
+
+
+def _snapshot(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The local shards (what the optimizer holds) and a copy of their values."""
+    return [(p, p.detach().clone()) for p in model.parameters()]
+
+
+def _outcome(model, before, started: float, err: BaseException | None) -> dict:
+    return {
+        "error": None if err is None else (type(err).__name__, str(err)),
+        "bucket": getattr(err, "bucket", None),
+        "collective": getattr(err, "collective", None),
+        "seconds": time.monotonic() - started,
+        "unchanged": before is not None and all(torch.equal(p, copy) for p, copy in before),
+    }
+
+
+SCENARIOS = ("set_up", "forward", "backward", "end_of_backward", "full_state_dict")
+
+
+def _stall_cases(rank: int, world_size: int) -> dict:
+    cfg = TransformerConfig()
+    batches = make_batches(cfg, 2 * W, batch=2, seed=3)
+    out = {}
+    for scenario in SCENARIOS:
+        # a fresh group per scenario; gloo's own timeout (30 min) is not the one that fires
+        group = dist.new_group()
+        torch.manual_seed(0)
+        model = TinyTransformer(cfg)
+        victim = rank == VICTIM
+        before, err, started = None, None, time.monotonic()
+        try:
+            if scenario == "set_up":
+                # the agreement all-gather runs on the group's own timeout
+                short = dist.new_group(timeout=TIMEOUT)
+                if victim:
+                    _stall()
+                started = time.monotonic()
+                fs.flex_shard(model, short, buckets=BUCKETS, timeout=TIMEOUT)
+                continue
+            model = fs.flex_shard(model, group, buckets=BUCKETS, timeout=TIMEOUT)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            if scenario == "full_state_dict":
+                _train(model, opt, batches, rank, range(1), lambda: None)
+                before, started = _snapshot(model), time.monotonic()
+                if victim:
+                    _stall()
+                fs.full_state_dict(model)
+                continue
+            arm = functools.partial(_arm, model, scenario, _stall) if victim else (lambda: None)
+            _train(model, opt, batches, rank, range(1), arm)
+            before, started = _snapshot(model), time.monotonic()
+            _train(model, opt, batches, rank, range(1, 2), arm)
+        except _Stalled:
+            err = None
+        except Exception as caught:
+            err = caught
+        finally:
+            if not (victim and scenario == "set_up"):
+                out[scenario] = _outcome(model, before, started, err)
+        if err is not None and scenario != "set_up":  # later calls re-raise, never hang
+            try:
+                model.reshard()
+                out[scenario]["again"] = None
+            except CollectiveError as again:
+                out[scenario]["again"] = str(again)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stalls() -> list[dict]:
+    return run_tolerant(_stall_cases, W, timeout=120)
+
+
+EXPECTED = {  # scenario: (collective, bucket) the survivors name
+    "set_up": ("set-up agreement all-gather", "layer0, layer1, outer"),
+    "forward": ("all-gather", "layer1"),
+    "backward": ("reduce-scatter", "layer1"),
+    "end_of_backward": ("reduce-scatter", "outer"),
+    "full_state_dict": ("all-gather", "outer"),
+}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_a_stalled_rank_makes_the_others_raise_naming_bucket_and_collective(stalls, scenario):
+    collective, bucket = EXPECTED[scenario]
+    for rank in range(W):
+        if rank == VICTIM:
+            continue
+        got = stalls[rank][scenario]
+        assert got["error"] is not None and got["error"][0] == "CollectiveError", got
+        assert (got["collective"], got["bucket"]) == (collective, bucket), got
+        message = got["error"][1]
+        assert f"{collective} of bucket '{bucket}'" in message
+        assert f"on rank {rank}" in message and "stalled" in message
+
+
+@pytest.mark.parametrize("scenario", sorted(set(SCENARIOS) - {"set_up"}))
+def test_the_runtime_timeout_is_the_models(stalls, scenario):
+    """The error quotes the flex_shard timeout (not gloo's 30 minutes) and says it ran out."""
+    for rank in (0, 1):
+        assert "did not complete within the timeout (2 s)" in stalls[rank][scenario]["error"][1]
+
+
+@pytest.mark.parametrize("scenario", sorted(set(SCENARIOS) - {"set_up"}))
+def test_no_data_lost_and_later_calls_raise_the_same_error(stalls, scenario):
+    for rank in (0, 1):
+        got = stalls[rank][scenario]
+        assert got["unchanged"], got
+        if scenario == "forward":  # a bucket left mid-gather raises again, frees nothing
+            assert got["again"] == got["error"][1]
+
+
+def test_the_default_timeout_is_at_most_five_minutes():
+    assert datetime.timedelta(0) < DEFAULT_TIMEOUT <= datetime.timedelta(minutes=5)
+
+
+def _killed_mid_step(rank: int, world_size: int, how: str) -> dict:
+    """Rank 2 dies in its forward of step 2 (before layer 1 runs): the survivors fail in
+    their next collective that needs it, by gloo's closed connection or our timeout."""
+    cfg = TransformerConfig()
+    batches = make_batches(cfg, 2 * W, batch=2, seed=3)
+    torch.manual_seed(0)
+    model = fs.flex_shard(TinyTransformer(cfg), None, buckets=BUCKETS, timeout=TIMEOUT)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    die = {"sigkill": lambda: os.kill(os.getpid(), signal.SIGKILL), "exit": lambda: os._exit(3)}
+    arm = functools.partial(_arm, model, "forward", die[how]) if rank == VICTIM else (lambda: None)
+    _train(model, opt, batches, rank, range(1), arm)
+    before, started, err = _snapshot(model), time.monotonic(), None
+    try:
+        _train(model, opt, batches, rank, range(1, 2), arm)
+    except Exception as caught:
+        err = caught
+    return _outcome(model, before, started, err)
+
+
+@pytest.mark.parametrize("how", ["sigkill"])
+def test_a_killed_rank_makes_the_others_raise_naming_bucket_and_collective(how):
+    results = run_tolerant(_killed_mid_step, W, how, timeout=60)
+    assert results[VICTIM] is None  # it died without a word
+    for rank in (0, 1):
+        got = results[rank]
+        assert got["error"] is not None and got["error"][0] == "CollectiveError", got
+        assert got["collective"] in ("all-gather", "reduce-scatter"), got
+        assert got["bucket"] in ("layer0", "layer1", "outer"), got
+        assert f"{got['collective']} of bucket '{got['bucket']}'" in got["error"][1]
+        assert got["unchanged"], got
+
+
+# ----------------------------------------------------------- finite-gradient check
+def _poison(model, fqn: str, value: float) -> Any:
+    """Put ``value`` into this rank's unsharded gradient of ``fqn`` (before reduction)."""
+    local = model.get_parameter(fqn)
+    bucket, index = fs_slot_of(local)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1)[0] = value
+        return grad
+
+    return bucket.full_params[index].register_hook(hook)
+
+
+def _count_all_gathers() -> list[int]:
+    calls = [0]
+    real = dist.all_gather_single
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    dist.all_gather_single = counted
+    return calls
+
+
+def _finite_check_cases(rank: int, world_size: int) -> dict:
+    cfg = TransformerConfig()
+    batches = make_batches(cfg, 4 * W, batch=2, seed=4)
+    calls = _count_all_gathers()
+    models, gathers, losses = {}, {}, {}
+    for check in (False, True):
+        torch.manual_seed(0)
+        model = fs.flex_shard(TinyTransformer(cfg), None, buckets=BUCKETS, timeout=TIMEOUT)
+        model.set_check_finite_grads(check)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        start, losses[check] = calls[0], []
+        for step in range(2):  # clean steps: the check changes nothing but one all-gather
+            tokens, targets = batches[step * W + rank]
+            loss = model.loss(tokens, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[check].append(loss.item())
+        gathers[check] = calls[0] - start
+        models[check] = (model, opt)
+    model, opt = models[True]
+    out: dict[str, Any] = {"losses": losses, "gathers": gathers}
+    # rank 1 alone gets a NaN in one weight's gradient, rank 2 an inf in another's
+    hooks = []
+    if rank == 1:
+        hooks.append(_poison(model, "layers.1.up.weight", float("nan")))
+    if rank == 2:
+        hooks.append(_poison(model, "head.weight", float("inf")))
+    before = _snapshot(model)
+    tokens, targets = batches[2 * W + rank]
+    try:
+        model.loss(tokens, targets).backward()
+        out["error"] = None
+        opt.step()
+    except FloatingPointError as err:
+        out["error"] = str(err)
+    out["unchanged"] = all(torch.equal(p, copy) for p, copy in before)
+    for hook in hooks:
+        hook.remove()
+    opt.zero_grad()  # the ranks are still in step: the next step trains
+    tokens, targets = batches[3 * W + rank]
+    loss = model.loss(tokens, targets)
+    loss.backward()
+    opt.step()
+    out["next_loss"] = loss.item()
+    return out
+
+
+@pytest.fixture(scope="module")
+def finite_checks() -> list[dict]:
+    return run_distributed(_finite_check_cases, W, timeout=120)
+
+
+def test_finite_check_off_adds_no_collective_and_on_adds_one_per_backward(finite_checks):
+    for per_rank in finite_checks:
+        off, on = per_rank["gathers"][False], per_rank["gathers"][True]
+        assert off > 0 and on == off + 2  # two backward passes
+        assert per_rank["losses"][True] == per_rank["losses"][False]
+
+
+def test_a_nan_on_one_rank_raises_the_same_error_on_every_rank(finite_checks):
+    errors = [per_rank["error"] for per_rank in finite_checks]
+    assert errors[0] is not None and errors == [errors[0]] * W
+    assert "parameter 'layers.1.up.weight' of bucket 'layer1' (NaN on rank 1)" in errors[0]
+    assert "parameter 'head.weight' of bucket 'outer' (inf on rank 2)" in errors[0]
+    assert "2 parameter(s)" in errors[0]
+
+
+def test_after_the_error_nothing_changed_and_the_next_step_trains(finite_checks):
+    for per_rank in finite_checks:
+        assert per_rank["unchanged"]
+        assert math.isfinite(per_rank["next_loss"])
