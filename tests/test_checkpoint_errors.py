@@ -88,7 +88,7 @@ def _damage(root: str, case: str) -> str:
 
 
 DAMAGES = {
-    "truncated": r"'(model|optim)\.[\w.]+ at offsets \[.*\]' is missing or truncated in file '__1_0",
+    "truncated": r"'(model|optim)\.[\w.]+ at offsets \[.*\]' is missing or truncated in '__1_0",
     "corrupted": r"'model\.layers\.0\.up\.weight( at offsets \[.*\])?' is corrupted: checksum",
     "metadata corrupted": r"'\.metadata' is corrupted",
     "manifest unreadable": r"flexshard\.json is unreadable",
@@ -104,6 +104,7 @@ MISMATCHES = {
     "optimizer of other parameters": r"optimizer state does not match the optimizer",
     "wrong-shape load_state_dict": r"state dict entry 'layers\.0\.up\.weight' has shape "
     r"\(3, 3\), bucket 'bucket0' expects \(29, 18\)",
+    "save onto a file": r"cannot save a checkpoint to '.*a_file': a file is there",
     "foreign optimizer parameter": r"optimizer param group 0 holds a parameter of shape "
     r"\(2, 2\) that is not in the model",
 }
@@ -163,6 +164,10 @@ def _cases(rank: int, world: int, root: str) -> dict:
     state = fresh.state_dict()
     state["layers.0.up.weight"] = torch.zeros(3, 3)
     attempt("wrong-shape load_state_dict", fresh, fresh_opt, lambda: fresh.load_state_dict(state))
+    if rank == 0:
+        open(f"{root}/a_file", "w").close()
+    torch.distributed.barrier()
+    attempt("save onto a file", fresh, fresh_opt, lambda: ckpt.save(f"{root}/a_file", fresh))
     foreign = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2, 2))])
     attempt(
         "foreign optimizer parameter", fresh, fresh_opt, lambda: ckpt.save(good, fresh, foreign)

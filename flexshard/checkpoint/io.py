@@ -126,6 +126,8 @@ def save(
     ranks = _Ranks.of(process_group)
     final = os.path.abspath(os.fspath(path))
     partial = final + ".partial"
+    if os.path.exists(final) and not os.path.isdir(final):
+        raise ValueError(f"cannot save a checkpoint to '{final}': a file is there")
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optim"] = optimizer_state_dict(model, optimizer)

@@ -104,7 +104,7 @@ def check_entries(root: str, entries: list[Entry], digests: dict[str, str]) -> l
     for entry in entries:
         found = digest(root, entry)
         if found is None:
-            problems.append(f"'{entry.key}' is missing or truncated in file '{entry.file}'")
+            problems.append(f"'{entry.key}' is missing or truncated in '{entry.file}'")
         elif found != digests[entry.key]:
             problems.append(f"'{entry.key}' is corrupted: checksum mismatch in '{entry.file}'")
     return problems
