@@ -7,12 +7,14 @@ from .api import BucketSpec, flex_shard, fully_shard
 from .clip import clip_grad_norm_
 from .init import init_params
 from .placements import BlockShard, FlatShard, Owned, Placement, Replicate, Shard
+from .runtime.collectives import CollectiveError
 from .runtime.module import FlexShardModule
 from .state_dict import full_state_dict, load_full_state_dict
 
 __all__ = [
     "BlockShard",
     "BucketSpec",
+    "CollectiveError",
     "FlatShard",
     "FlexShardModule",
     "MixedPrecisionPolicy",

@@ -27,7 +27,7 @@ from torch.autograd import Variable
 
 import flexshard as fs
 from flexshard.runtime.bucket import slot_of as fs_slot_of
-from flexshard.runtime.collectives import DEFAULT_TIMEOUT, CollectiveError
+from flexshard.runtime.collectives import DEFAULT_TIMEOUT
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 from flexshard.testing.launch import _child, free_port
 
@@ -171,7 +171,7 @@ def _stall_cases(rank: int, world_size: int) -> dict:
             try:
                 model.reshard()
                 out[scenario]["again"] = None
-            except CollectiveError as again:
+            except fs.CollectiveError as again:
                 out[scenario]["again"] = str(again)
     return out
 
@@ -224,16 +224,16 @@ def test_the_default_timeout_is_at_most_five_minutes():
     assert datetime.timedelta(0) < DEFAULT_TIMEOUT <= datetime.timedelta(minutes=5)
 
 
-def _killed_mid_step(rank: int, world_size: int, how: str) -> dict:
-    """Rank 2 dies in its forward of step 2 (before layer 1 runs): the survivors fail in
-    their next collective that needs it, by gloo's closed connection or our timeout."""
+def _killed_mid_step(rank: int, world_size: int, how: str, where: str) -> dict:
+    """Rank 2 dies at ``where`` in step 2: the survivors fail in their next collective
+    that needs it, by gloo's closed connection or our timeout."""
     cfg = TransformerConfig()
     batches = make_batches(cfg, 2 * W, batch=2, seed=3)
     torch.manual_seed(0)
     model = fs.flex_shard(TinyTransformer(cfg), None, buckets=BUCKETS, timeout=TIMEOUT)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     die = {"sigkill": lambda: os.kill(os.getpid(), signal.SIGKILL), "exit": lambda: os._exit(3)}
-    arm = functools.partial(_arm, model, "forward", die[how]) if rank == VICTIM else (lambda: None)
+    arm = functools.partial(_arm, model, where, die[how]) if rank == VICTIM else (lambda: None)
     _train(model, opt, batches, rank, range(1), arm)
     before, started, err = _snapshot(model), time.monotonic(), None
     try:
@@ -243,9 +243,9 @@ def _killed_mid_step(rank: int, world_size: int, how: str) -> dict:
     return _outcome(model, before, started, err)
 
 
-@pytest.mark.parametrize("how", ["sigkill"])
-def test_a_killed_rank_makes_the_others_raise_naming_bucket_and_collective(how):
-    results = run_tolerant(_killed_mid_step, W, how, timeout=60)
+@pytest.mark.parametrize("how, where", [("sigkill", "forward"), ("exit", "end_of_backward")])
+def test_a_killed_rank_makes_the_others_raise_naming_bucket_and_collective(how, where):
+    results = run_tolerant(_killed_mid_step, W, how, where, timeout=60)
     assert results[VICTIM] is None  # it died without a word
     for rank in (0, 1):
         got = results[rank]
