@@ -249,6 +249,19 @@ def _pipeline_order(mesh) -> None:
             assert first[f"back {bucket}"] < first[f"ns {order[k + 1]}"], events
 
 
+def _owners_avoid_busy_ranks(mesh) -> None:
+    """Rank 0 orthogonalises the Owned 'qkv' locally, so LPT sends the split 'a' to
+    rank 1 (without the local work both ranks tie and rank 0 would take it)."""
+    buckets = [
+        fs.BucketSpec("qkv", placement=fs.Owned(rank=0), name="owned"),
+        fs.BucketSpec("a", placement=fs.Shard(0), name="split"),
+    ]
+    model = fs.flex_shard(Mats(("qkv", "a")), mesh, buckets=buckets)
+    opt = DistMuon(model.parameters(), lr=LR)
+    (exchange,) = opt._exchanges([opt._targets[id(p)] for p in model.parameters()])
+    assert [u.owner for u in exchange.units] == [1]
+
+
 def _all_cases(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world_size,))
@@ -257,6 +270,7 @@ def _all_cases(rank: int, world_size: int) -> dict:
         _resume_bitwise(mesh)
         _guard_catches_redistribution(mesh)
         _pipeline_order(mesh)
+        _owners_avoid_busy_ranks(mesh)
     if world_size == 4:
         _bad_inputs(mesh)
     if world_size == 4:  # HSDP: 2 replicas x 2 shards, exchanges inside each shard group

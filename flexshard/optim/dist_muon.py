@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from .matrices import Kind, Target, resolve
+from .matrices import Kind, Target, rank_work, resolve
 from .newton_schulz import NS_COEFFICIENTS, adjust_lr, ns_flops, zeropower, zeropower_batched
 from .redistribute import (
     CommCounter,
@@ -167,8 +167,7 @@ class DistMuon(Optimizer):
                 target = self._targets[id(param)]
                 target.group = group
                 updates.append((target, self._momentum_update(param, group)))
-        remote = [t for t, _ in updates if t.kind is Kind.REMOTE]
-        exchanges = self._exchanges(remote)
+        exchanges = self._exchanges([t for t, _ in updates])
         inputs = {id(t.param): u for t, u in updates}
         forward = send_inputs(exchanges[0], inputs, self.comm) if exchanges else None
         for target, update in updates:  # whole matrices: overlaps the first all-to-all
@@ -201,11 +200,20 @@ class DistMuon(Optimizer):
         buf.lerp_(param.grad, 1 - momentum)
         return param.grad.lerp(buf, momentum) if group["nesterov"] else buf
 
-    def _exchanges(self, remote: list[Target]) -> list[Exchange]:
-        key = tuple(id(t.param) for t in remote)
+    def _exchanges(self, targets: list[Target]) -> list[Exchange]:
+        """The redistribution plan for the parameters that have gradients this step
+        (cached): owners balance on top of the work ranks do on whole matrices."""
+        key = tuple(id(t.param) for t in targets)
         if self._plan is None or self._plan[0] != key:
+            loads: dict[int, list[float]] = {}
+            for target in targets:
+                work = rank_work(target, target.group["ns_steps"])
+                if work is not None:
+                    load = loads.setdefault(len(work), [0.0] * len(work))
+                    loads[len(work)] = [a + b for a, b in zip(load, work)]
+            remote = [t for t in targets if t.kind is Kind.REMOTE]
             cost = lambda t: ns_flops(t.shape, t.group["ns_steps"])  # noqa: E731
-            self._plan = (key, plan_exchanges(remote, cost))
+            self._plan = (key, plan_exchanges(remote, cost, loads))
         return self._plan[1]
 
     @staticmethod

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from ..placements import ParamLayout, Region
 from ..runtime.bucket import Bucket, slot_of
+from .newton_schulz import ns_flops
 
 Shape = tuple[int, ...]
 
@@ -44,6 +45,7 @@ class Target:
     bucket: Bucket | None = None
     index: int = -1
     blocks: tuple[Block, ...] = ()
+    rows: int | None = None  # row_blocks: rows per block (0: each stored region)
 
 
 def _is_full_width(region: Region, shape: Shape) -> bool:
@@ -141,7 +143,7 @@ def resolve(param: torch.Tensor, name: str, group: dict) -> Target:
         for region in mine:
             blocks.extend(_split_rows(region, offset, rows))
             offset += region.numel
-        target.kind, target.blocks = Kind.ROW_BLOCKS, tuple(blocks)
+        target.kind, target.blocks, target.rows = Kind.ROW_BLOCKS, tuple(blocks), rows
         return target
     if bucket.layout.replicated:
         return target  # one owner computes, the others receive its update
@@ -153,3 +155,21 @@ def resolve(param: torch.Tensor, name: str, group: dict) -> Target:
         target.kind = Kind.EXPERTS if mine else Kind.NOTHING
         return target
     return target
+
+
+def rank_work(target: Target, steps: int) -> list[float] | None:
+    """Newton–Schulz FLOPs each rank of the shard group spends on a communication-free
+    flexshard target (None for plain tensors and redistributed ones): known on every
+    rank from the layout, so owners of redistributed matrices can avoid busy ranks."""
+    if target.bucket is None or target.kind is Kind.REMOTE:
+        return None
+    layout = target.bucket.layout.params[target.index]
+    work = []
+    for regions in layout.regions:
+        if target.kind is Kind.ROW_BLOCKS:
+            assert target.rows is not None
+            blocks = [b for r in regions for b in _split_rows(r, 0, target.rows)]
+            work.append(sum(ns_flops(b.shape, steps) for b in blocks))
+        else:  # whole matrices or whole experts: each region is a matrix or a stack
+            work.append(sum(ns_flops(r.sizes, steps) for r in regions))
+    return work

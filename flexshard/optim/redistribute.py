@@ -80,16 +80,19 @@ class Exchange:
 
 
 def plan_exchanges(
-    targets: Sequence[Target], cost: Callable[[Target], float]
+    targets: Sequence[Target],
+    cost: Callable[[Target], float],
+    loads: dict[int, list[float]] | None = None,
 ) -> list[Exchange]:
     """Group redistributed targets by bucket (in first-seen order) and pick owners by
-    LPT on ``cost``, carrying each rank's load from bucket to bucket so the whole step
-    is balanced. Deterministic: every rank computes the same plan."""
+    LPT on ``cost``, starting from ``loads`` (per shard-group size, each rank's work on
+    matrices it stores whole) and carrying each rank's load from bucket to bucket so
+    the whole step is balanced. Deterministic: every rank computes the same plan."""
     by_bucket: dict[int, list[Target]] = {}
     for target in targets:
         by_bucket.setdefault(id(target.bucket), []).append(target)
     exchanges = []
-    loads: dict[int, list[float]] = {}  # per shard-group size
+    loads = {w: list(load) for w, load in (loads or {}).items()}
     for members in by_bucket.values():
         bucket = members[0].bucket
         assert bucket is not None
