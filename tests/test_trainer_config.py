@@ -205,3 +205,23 @@ def test_progress_bar_writes_carriage_return_lines():
     text = stream.getvalue()
     assert text.count("\r") == 4 and text.endswith("\n")
     assert "[########] 4/4  loss 1.0000  1,234 tok/s  ETA 0:00:00" in text
+
+
+def test_own_text_files_and_backend_option_errors(tmp_path):
+    from flexshard.trainer.data import load_tokens
+    from flexshard.trainer.train import check_backend_options
+
+    (tmp_path / "a.txt").write_text("hello ")
+    (tmp_path / "b.txt").write_text("world")
+    cfg = load_config(None, ["--data.source", "files", "--data.paths", f'["{tmp_path}/*.txt"]'])
+    assert ByteTokenizer().decode(load_tokens(cfg.data, ByteTokenizer())) == "hello \nworld"
+    missing = load_config(None, ["--data.source", "files", "--data.paths", '["/nonexistent/*"]'])
+    with pytest.raises(ConfigError, match="matches no file"):
+        load_tokens(missing.data, ByteTokenizer())
+    for overrides, message in [
+        (["--parallelism.placement", "owned"], "apply to dp_backend"),
+        (["--training.optimizer", "muon"], "runs on dp_backend = \"flexshard\" only"),
+    ]:
+        cfg = load_config(None, ["--parallelism.dp_backend", "fsdp2", *overrides])
+        with pytest.raises(ConfigError, match=message):
+            check_backend_options(cfg)

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from flexshard.trainer.launch import main
+
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["--job.tensorboard", "false"]
 
@@ -64,12 +68,14 @@ def test_torchrun_runs_the_module(tmp_path):
     assert "dp_shard=3" in done.stdout and "flexshard (block)" in done.stdout
 
 
-def test_cli_config_errors_are_one_clear_line(tmp_path):
+def test_cli_config_errors_are_one_clear_line():
+    """Bad input stops the command before any process is spawned, with one line."""
     for args, message in [
         (["--training.stepz", "3"], "config error: unknown config key 'training.stepz'"),
         (["--nproc", "3", "--parallelism.dp_shard", "2"], "multiply to 2"),
         (["--nproc", "2", "--parallelism.cp", "2"], "parallelism.cp = 2"),
+        (["--nproc", "0"], "--nproc 0: must be at least 1"),
     ]:
-        done = _train("--config", "configs/debug.toml", *args, timeout=60)
-        assert done.returncode != 0 and message in done.stderr, done.stderr
-        assert "Traceback" not in done.stderr
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--config", str(ROOT / "configs/debug.toml"), *args])
+        assert message in str(exit_info.value.code), exit_info.value.code
