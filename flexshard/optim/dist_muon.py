@@ -85,10 +85,13 @@ def check_muon_hyperparameters(group: dict, where: str) -> None:
 class DistMuon(Optimizer):
     """``torch.optim.Muon`` for flexshard local shards (and plain tensors).
 
-    Extra per-group option ``row_blocks`` (default False): treat each full-width row
-    block a BlockShard bucket stores (``BlockShard((rows, C))``, e.g. one attention
-    head of a fused QKV) as a matrix of its own, computed without communication.
-    ``comm_stats()`` counts the step's all-to-alls and bytes.
+    Extra per-group option ``row_blocks`` (default False): Muon per row block, each
+    block a matrix of its own (one attention head of a fused QKV), computed without
+    communication. An int gives the rows per block (``head_dim``; the storage must hold
+    whole blocks, e.g. ``BlockShard((k * head_dim, C))``, and a plain tensor is split
+    the same way); True takes each stored full-width BlockShard tile as a block.
+    Learning rates adjust by each matrix's shape (a block's, one expert's).
+    ``comm_stats()`` counts the step's all-to-alls and the bytes this rank sent.
     """
 
     def __init__(
@@ -103,7 +106,7 @@ class DistMuon(Optimizer):
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
         *,
-        row_blocks: bool = False,
+        row_blocks: bool | int = False,
     ) -> None:
         self._targets: dict[int, Target] = {}
         self._plan: tuple[tuple[int, ...], list[Exchange]] | None = None
