@@ -58,6 +58,9 @@ def test_overrides_parse_like_toml_and_win_over_the_file():
         (["--training.steps"], "has no value"),
         (["steps", "3"], "expected an override like --training.steps 20"),
         (["--data.source", "files"], "needs data.paths"),
+        (["--parallelism.buckets", '[{patterns = "x", placement = "diag"}]'], "buckets[0].place"),
+        (["--parallelism.buckets", '[{patterns = "x", owner = 1}]'], "unknown keys ['owner']"),
+        (["--parallelism.buckets", "[{placement = 'owned'}]"], "buckets[0].patterns: a list"),
     ],
 )
 def test_bad_config_raises_naming_the_key(overrides, message):
@@ -220,7 +223,7 @@ def test_own_text_files_and_backend_option_errors(tmp_path):
         load_tokens(missing.data, ByteTokenizer())
     for overrides, message in [
         (["--parallelism.placement", "owned"], "apply to dp_backend"),
-        (["--training.optimizer", "muon"], "runs on dp_backend = \"flexshard\" only"),
+        (["--training.optimizer", "muon"], 'runs on dp_backend = "flexshard" only'),
     ]:
         cfg = load_config(None, ["--parallelism.dp_backend", "fsdp2", *overrides])
         with pytest.raises(ConfigError, match=message):

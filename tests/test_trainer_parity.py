@@ -15,6 +15,10 @@ from .trainer_cases import STEPS, single_process_losses, tiny_config
 LOSS_RTOL = 2e-5
 NO_CLIP = {"max_norm": 0.0}
 FSDP2 = {"dp_backend": "fsdp2"}
+EXPLICIT_BUCKETS = [  # all blocks in one Owned bucket; the rest in 8 x 8 tiles
+    {"patterns": ["layers.*"], "placement": "owned", "name": "blocks"},
+    {"patterns": ["tok_embeddings.*", "norm.*", "output.*"], "placement": "block", "block": [8, 8]},
+]
 
 
 def _runs(rank: int, world_size: int, folder: str) -> dict[str, list[dict]]:
@@ -26,6 +30,7 @@ def _runs(rank: int, world_size: int, folder: str) -> dict[str, list[dict]]:
     if world_size == 2:
         cases["accum2"] = {"training": {"grad_accum": 2}}
         cases["mixed"] = {"parallelism": {"placement": "mixed"}}
+        cases["explicit_buckets"] = {"parallelism": {"buckets": EXPLICIT_BUCKETS}}
         bf16 = {**NO_CLIP, "mixed_precision": "bf16"}
         cases["flexshard_bf16"] = {"training": bf16}
         cases["fsdp2_bf16"] = {"parallelism": FSDP2, "training": bf16}
@@ -41,9 +46,7 @@ def test_losses_match_single_process_and_fsdp2(world_size, tmp_path):
     expected = {
         "clip": single_process_losses(tiny_config("-"), world_size),
         "no_clip": single_process_losses(tiny_config("-", training=NO_CLIP), world_size),
-        "accum2": single_process_losses(
-            tiny_config("-", training={"grad_accum": 2}), world_size
-        ),
+        "accum2": single_process_losses(tiny_config("-", training={"grad_accum": 2}), world_size),
     }
     for rank, by_case in enumerate(results):
         losses = {name: [r["loss"] for r in records] for name, records in by_case.items()}

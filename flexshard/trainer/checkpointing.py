@@ -41,7 +41,7 @@ def _flexshard_checkpoint() -> Any:
         ckpt = None
     if ckpt is None or not all(hasattr(ckpt, f) for f in ("save", "load", "export_safetensors")):
         raise ConfigError(
-            "checkpoint.enable / export_safetensors with dp_backend = \"flexshard\" need "
+            'checkpoint.enable / export_safetensors with dp_backend = "flexshard" need '
             "flexshard.checkpoint.save/load/export_safetensors, not in this installation"
         )
     return ckpt
@@ -117,4 +117,3 @@ def export(job: Job) -> Path:
         save_file({k: v.detach().cpu().contiguous() for k, v in full.items()}, str(path))
     dist.barrier()
     return path
-

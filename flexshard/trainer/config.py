@@ -206,6 +206,35 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+PLACEMENT_NAMES = ("shard0", "flat", "owned", "block", "mixed")
+
+
+def _check_bucket_entry(where: str, entry: Any) -> None:
+    """One explicit bucket: {patterns = [...], placement = "owned", name = "..", block = [R, C]}."""
+    if not isinstance(entry, dict):
+        raise ConfigError(f'{where}: a table like {{patterns = ["layers.*"], placement = ..}}')
+    unknown = set(entry) - {"patterns", "placement", "name", "block"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
+    patterns = entry.get("patterns")
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    if not patterns or not all(isinstance(x, str) for x in patterns):
+        raise ConfigError(f"{where}.patterns: a list of FQN glob patterns is required")
+    if entry.get("placement", "shard0") not in PLACEMENT_NAMES:
+        raise ConfigError(
+            f"{where}.placement = {entry['placement']!r}: must be one of {PLACEMENT_NAMES}"
+        )
+    block = entry.get("block", [1, 1])
+    if not (
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) for b in block)
+        and min(block) >= 1
+    ):
+        raise ConfigError(f"{where}.block = {block!r}: must be two positive sizes [R, C]")
+
+
 def validate(cfg: Config) -> None:
     """Values that type-check but make no sense."""
     m, t, p = cfg.model, cfg.training, cfg.parallelism
@@ -255,6 +284,8 @@ def validate(cfg: Config) -> None:
                 f"parallelism.{dim} = {getattr(p, dim)}: tensor, pipeline, context and expert "
                 "parallelism are not implemented yet; set it to 1"
             )
+    for i, entry in enumerate(p.buckets):
+        _check_bucket_entry(f"parallelism.buckets[{i}]", entry)
     if cfg.data.source == "files" and not cfg.data.paths:
         raise ConfigError('data.source = "files" needs data.paths (text files or globs)')
     if cfg.data.source == "hf_disk" and not cfg.data.hf_path:

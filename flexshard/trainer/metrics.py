@@ -143,9 +143,10 @@ def summary_table(records: list[dict[str, Any]], header: dict[str, Any]) -> str:
     ]
     comm = records[-1].get("comm_bytes")
     if comm:
-        lines.append(f"{'comm MB/step (last)':<22} " + ", ".join(
-            f"{name} {value / 1e6:.3f}" for name, value in comm.items()
-        ))
+        lines.append(
+            f"{'comm MB/step (last)':<22} "
+            + ", ".join(f"{name} {value / 1e6:.3f}" for name, value in comm.items())
+        )
     width = max(len(line) for line in lines)
     return "\n".join(["=" * width, *lines, "=" * width])
 

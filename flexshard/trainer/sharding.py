@@ -65,18 +65,11 @@ def named_placement(name: str, cfg: Config, block: list[int] | None = None) -> P
 
 
 def _explicit_buckets(cfg: Config) -> list[fs.BucketSpec]:
+    """``[[parallelism.buckets]]`` tables (checked by config.validate) as BucketSpecs."""
     specs = []
     for i, entry in enumerate(cfg.parallelism.buckets):
-        where = f"parallelism.buckets[{i}]"
-        unknown = set(entry) - {"patterns", "placement", "name", "block"}
-        if unknown:
-            raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
-        patterns = entry.get("patterns")
-        if isinstance(patterns, str):
-            patterns = [patterns]
-        if not patterns or not all(isinstance(p, str) for p in patterns):
-            raise ConfigError(f"{where}.patterns: a list of FQN glob patterns is required")
-        placement = named_placement(str(entry.get("placement", "shard0")), cfg, entry.get("block"))
+        patterns = entry["patterns"]
+        placement = named_placement(entry.get("placement", "shard0"), cfg, entry.get("block"))
         specs.append(fs.BucketSpec(patterns, placement, name=entry.get("name", f"bucket{i}")))
     return specs
 
