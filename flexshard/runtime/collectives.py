@@ -85,8 +85,10 @@ class Pending:
         bucket: str,
         timeout: datetime.timedelta,
         group: dist.ProcessGroup | None = None,
+        wait_ignores_timeout: bool = False,
     ) -> None:
         self.work = work
+        self.wait_ignores_timeout = wait_ignores_timeout
         self.collective = collective
         self.bucket = bucket
         self.timeout = timeout
@@ -102,9 +104,10 @@ class Pending:
         bucket: str,
         timeout: datetime.timedelta,
         group: dist.ProcessGroup,
+        wait_ignores_timeout: bool = False,
     ) -> Pending:
         """Issue a collective; a group already broken can refuse it at once."""
-        pending = cls(None, collective, bucket, timeout, group)
+        pending = cls(None, collective, bucket, timeout, group, wait_ignores_timeout)
         try:
             pending.work = start()
         except Exception as err:
@@ -139,9 +142,9 @@ class Pending:
         # the clock runs from launch: a prefetch waited on late gets no extra time
         left = max(self.timeout.total_seconds() - (time.monotonic() - self.started), 0.001)
         try:
-            if self.group is not None and dist.get_backend(self.group) == "gloo":
+            if self.wait_ignores_timeout:
                 ok = _wait_in_thread(self.work, left)
-            else:  # NCCL: a stream wait, bounded by the watchdog
+            else:  # gloo's all-gather and all-reduce; NCCL: a stream wait, watchdog-bounded
                 ok = self.work.wait(datetime.timedelta(seconds=left))
         except Exception as err:  # our timeout, gloo's own, or a peer that closed
             self.error = self._error(err)
@@ -153,9 +156,9 @@ class Pending:
 
 
 def _wait_in_thread(work: dist.Work, seconds: float) -> bool:
-    """``work.wait()`` given up after ``seconds``. gloo's reduce-scatter work ignores
-    wait's timeout and never reports ``is_completed``, so a helper thread waits (and
-    stays blocked, harmlessly, when the peer never comes)."""
+    """``work.wait()`` given up after ``seconds``. gloo's reduce-scatter work (torch
+    2.13) ignores wait's timeout and never reports ``is_completed``, so a helper thread
+    waits (and stays blocked, harmlessly, when the peer never comes)."""
     if work.is_completed():
         return work.wait()
     done = threading.Event()
@@ -208,9 +211,15 @@ class BucketComm:
             self.stats.all_gather_bytes += moved
 
     def _launch(
-        self, start: Callable[[], dist.Work | None], collective: str, group: dist.ProcessGroup
+        self,
+        start: Callable[[], dist.Work | None],
+        collective: str,
+        group: dist.ProcessGroup,
+        wait_ignores_timeout: bool = False,
     ) -> Pending:
-        return Pending.launch(start, collective, self.bucket, self.timeout, group)
+        return Pending.launch(
+            start, collective, self.bucket, self.timeout, group, wait_ignores_timeout
+        )
 
     def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> Pending:
         group = self.shard_group
@@ -230,6 +239,7 @@ class BucketComm:
             ),
             "reduce-scatter",
             group,
+            wait_ignores_timeout=dist.get_backend(group) == "gloo",
         )
         self._count("reduce_scatter", (self.world_size - 1) * out.numel() * out.element_size())
         return pending
