@@ -228,3 +228,24 @@ def test_own_text_files_and_backend_option_errors(tmp_path):
         cfg = load_config(None, ["--parallelism.dp_backend", "fsdp2", *overrides])
         with pytest.raises(ConfigError, match=message):
             check_backend_options(cfg)
+
+
+def test_hf_dataset_saved_to_disk(tmp_path):
+    datasets = pytest.importorskip("datasets")  # optional: pip install datasets
+    from flexshard.trainer.data import load_tokens
+
+    rows = datasets.Dataset.from_dict({"text": ["to be", "or not"], "id": [1, 2]})
+    datasets.DatasetDict({"train": rows}).save_to_disk(str(tmp_path / "dd"))
+    rows.save_to_disk(str(tmp_path / "plain"))
+    for folder in ("dd", "plain"):
+        cfg = load_config(
+            None, ["--data.source", "hf_disk", "--data.hf_path", str(tmp_path / folder)]
+        )
+        assert ByteTokenizer().decode(load_tokens(cfg.data, ByteTokenizer())) == "to be\nor not"
+    for overrides, message in [
+        (["--data.hf_split", "test"], "data.hf_split 'test' not in"),
+        (["--data.hf_text_field", "body"], "data.hf_text_field 'body' not in"),
+    ]:
+        base = ["--data.source", "hf_disk", "--data.hf_path", str(tmp_path / "dd")]
+        with pytest.raises(ConfigError, match=message):
+            load_tokens(load_config(None, base + overrides).data, ByteTokenizer())

@@ -50,9 +50,12 @@ def build_model(cfg: Config, dp_mesh: DeviceMesh, device: torch.device) -> nn.Mo
     """The sharded model with the weights a single process seeded with
     ``training.seed`` would draw, whatever the backend and world size."""
     if cfg.parallelism.dp_backend == "fsdp2":
-        model = Transformer(cfg.model)
+        # the comparison backend builds the whole model on the device first (same random
+        # stream as the single process); models too large for that are flexshard's case
+        with torch.device(device):
+            model = Transformer(cfg.model)
         init_weights(model, cfg.training.seed)
-        return apply_fsdp2(model.to(device), cfg, dp_mesh)
+        return apply_fsdp2(model, cfg, dp_mesh)
     # flexshard: build on meta (no full copy of the weights anywhere), shard, then
     # initialise module by module: each rank keeps only its regions
     with torch.device("meta"):
