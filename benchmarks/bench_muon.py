@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -72,6 +73,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     started = time.time()
+    load_before = os.getloadavg()[0]
     results = {}
     for w in args.world_sizes:
         results[w] = summarise(run_distributed(rank_main, w, args.steps, timeout=600))
@@ -85,7 +87,8 @@ def main() -> None:
         "Command: `.venv/bin/python -m benchmarks.bench_muon`  ",
         f"Date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}; "
         f"torch {torch.__version__}; CPU (2 cores), gloo, one thread per rank; "
-        f"{time.time() - started:.0f} s",
+        f"{time.time() - started:.0f} s; 1-min load average {load_before:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after (other jobs share the machine: wall times vary)",
         f"Matrices: {shapes} fp32 ({sum(a * b for a, b in SHAPES) / 1e6:.2f} M elements); "
         f"Muon lr 0.02, 5 Newton–Schulz steps; {args.steps} timed steps after 2 warm-up, "
         "median over steps of the slowest rank, best of 2 interleaved repeats.",
