@@ -188,6 +188,7 @@ def _bad_inputs(mesh) -> None:
     qkv_tiles = {"params": [tiles.qkv], "row_blocks": True}
     qkv_rows = {"params": [rows.qkv], "row_blocks": HEAD_ROWS}  # 14-row chunks at W = 4
     tp = distribute_tensor(torch.zeros(8, 4), mesh, [TorchShard(0)])  # scatters: outside
+    linear = fs.flex_shard(torch.nn.Linear(5, 3), mesh, buckets=[fs.BucketSpec("*", name="lin")])
     with no_collectives():
         with pytest.raises(ValueError, match="'qkv' in bucket 'bucket0'.*not whole blocks"):
             DistMuon([qkv_tiles])
@@ -195,6 +196,8 @@ def _bad_inputs(mesh) -> None:
             DistMuon([qkv_rows])
         with pytest.raises(ValueError, match="row_blocks takes 2-D.*'e' in bucket 'rows'"):
             DistMuon([{"params": [rows.e], "row_blocks": True}])
+        with pytest.raises(ValueError, match="parameter 'bias' in bucket 'lin' has shape"):
+            DistMuon(linear.parameters())
         with pytest.raises(TypeError, match="DTensor"):
             DistMuon([torch.nn.Parameter(tp)])
         for bad in ({"ns_steps": 100}, {"lr": -1.0}, {"momentum": 1.0}):
