@@ -327,6 +327,15 @@ def _finite_check_cases(rank: int, world_size: int) -> dict:
     loss.backward()
     opt.step()
     out["next_loss"] = loss.item()
+    opt.zero_grad()
+    # gradient accumulation: a no-sync backward holds its gradients, and is checked too
+    model.set_requires_gradient_sync(False)
+    hooks = [_poison(model, "layers.0.qkv.weight", float("nan"))] if rank == 0 else []
+    try:
+        model.loss(tokens, targets).backward()
+        out["no_sync_error"] = None
+    except FloatingPointError as err:
+        out["no_sync_error"] = str(err)
     return out
 
 
@@ -354,3 +363,9 @@ def test_after_the_error_nothing_changed_and_the_next_step_trains(finite_checks)
     for per_rank in finite_checks:
         assert per_rank["unchanged"]
         assert math.isfinite(per_rank["next_loss"])
+
+
+def test_a_no_sync_backward_is_checked_too(finite_checks):
+    errors = [per_rank["no_sync_error"] for per_rank in finite_checks]
+    assert errors[0] is not None and errors == [errors[0]] * W
+    assert "parameter 'layers.0.qkv.weight' of bucket 'layer0' (NaN on rank 0)" in errors[0]
