@@ -20,7 +20,9 @@ QUIET = ["--job.tensorboard", "false"]
 
 def _train(*args: str, torchrun: int = 0, timeout: float = 240) -> subprocess.CompletedProcess:
     if torchrun:
-        launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(torchrun)]
+        # --standalone: a free local rendezvous port, not a fixed one other jobs may hold
+        launcher = ["-m", "torch.distributed.run", "--standalone"]
+        launcher += ["--nproc-per-node", str(torchrun)]
         command = [sys.executable, *launcher, "-m", "flexshard.trainer", *args]
     else:  # what the `flexshard-train` console script runs
         command = [sys.executable, "-m", "flexshard.trainer.launch", *args]
