@@ -17,6 +17,10 @@ forward needs no collective), so no rank repeats another's Newton–Schulz. HSDP
 exchanges run in each bucket's shard group; replicas hold equal gradients and compute
 the same updates.
 
+Expert stacks ``[E, R, C]``: experts whole on a rank run one batched Newton–Schulz
+there; a stack whose experts are cut is redistributed expert by expert (each expert
+a matrix with its own LPT owner), so E experts spread over the ranks.
+
 Every rank of a shard group must hold gradients for the same parameters (flexshard's
 backward gives every rank a gradient, empty where it stores nothing): which matrices
 are exchanged is decided from the layout and the parameters that have a gradient.
@@ -215,7 +219,7 @@ class DistMuon(Optimizer):
                     load = loads.setdefault(len(work), [0.0] * len(work))
                     loads[len(work)] = [a + b for a, b in zip(load, work)]
             remote = [t for t in targets if t.kind is Kind.REMOTE]
-            cost = lambda t: ns_flops(t.shape, t.group["ns_steps"])  # noqa: E731
+            cost = lambda t, shape: ns_flops(shape, t.group["ns_steps"])  # noqa: E731
             self._plan = (key, plan_exchanges(remote, cost, loads))
         return self._plan[1]
 
@@ -253,5 +257,8 @@ class DistMuon(Optimizer):
                 self._apply(sub, self._orthogonalize(sub, piece), block.shape)
 
     def _apply_remote(self, exchange: Exchange, back: Transfer) -> None:
-        for target, update in local_updates(exchange, back.wait()):
-            self._apply(target, update, target.shape)
+        # piece by piece: weight decay and the update are elementwise, every element of
+        # the local shard is in exactly one piece
+        for unit, param, update in local_updates(exchange, back.wait()):
+            piece = Target(param, unit.target.name, unit.target.group, Kind.WHOLE, unit.shape)
+            self._apply(piece, update, unit.shape)

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..placements import Region, lpt_owners
+from ..placements import lpt_owners
 from .matrices import Target
+from .units import Piece, matrices, pieces
 
 #: the wire format: Newton–Schulz starts by casting to bf16 and returns bf16, so
 #: sending bf16 both ways changes no bit of the result and halves fp32's bytes
@@ -20,18 +21,19 @@ WIRE_DTYPE = torch.bfloat16
 
 @dataclass
 class Unit:
-    """One redistributed matrix (or expert stack) of an exchange."""
+    """One redistributed matrix (a 2-D parameter, or one expert of a stack)."""
 
     target: Target
+    shape: tuple[int, ...]  # the matrix's
     owner: int
-    inputs: tuple[tuple[Region, ...], ...]  # per rank: what it sends the owner
-    outputs: tuple[tuple[Region, ...], ...]  # per rank: what the owner sends it back
+    inputs: tuple[tuple[Piece, ...], ...]  # per rank: what it sends the owner
+    outputs: tuple[tuple[Piece, ...], ...]  # per rank: what the owner sends it back
 
     def input_numel(self, rank: int) -> int:
-        return sum(r.numel for r in self.inputs[rank])
+        return sum(p.region.numel for p in self.inputs[rank])
 
     def output_numel(self, rank: int) -> int:
-        return sum(r.numel for r in self.outputs[rank])
+        return sum(p.region.numel for p in self.outputs[rank])
 
 
 @dataclass
@@ -81,11 +83,12 @@ class Exchange:
 
 def plan_exchanges(
     targets: Sequence[Target],
-    cost: Callable[[Target], float],
+    cost: Callable[[Target, tuple[int, ...]], float],
     loads: dict[int, list[float]] | None = None,
 ) -> list[Exchange]:
-    """Group redistributed targets by bucket (in first-seen order) and pick owners by
-    LPT on ``cost``, starting from ``loads`` (per shard-group size, each rank's work on
+    """Group redistributed targets by bucket (in first-seen order), split each into its
+    matrices (each expert of a stack apart) and pick owners by LPT on ``cost(target,
+    matrix shape)``, starting from ``loads`` (per shard-group size, each rank's work on
     matrices it stores whole) and carrying each rank's load from bucket to bucket so
     the whole step is balanced. Deterministic: every rank computes the same plan."""
     by_bucket: dict[int, list[Target]] = {}
@@ -98,17 +101,18 @@ def plan_exchanges(
         assert bucket is not None
         w = bucket.layout.world_size
         load = loads.setdefault(w, [0.0] * w)
-        costs = [cost(t) for t in members]
+        items = [(t, e, shape) for t in members for e, shape in matrices(t.shape)]
+        costs = [cost(t, shape) for t, _, shape in items]
         owners = lpt_owners(costs, w, loads=load)
         units = []
-        for target, owner, c in zip(members, owners, costs):
+        for (target, expert, shape), owner, c in zip(items, owners, costs):
             load[owner] += c
             regions = bucket.layout.params[target.index].regions
+            held = tuple(pieces(regions[r], target.shape, expert) for r in range(w))
+            inputs = held
             if bucket.layout.replicated:  # the owner holds it all, everyone gets it all
-                inputs = tuple(regions[r] if r == owner else () for r in range(w))
-            else:
-                inputs = regions
-            units.append(Unit(target, owner, inputs, regions))
+                inputs = tuple(held[r] if r == owner else () for r in range(w))
+            units.append(Unit(target, shape, owner, inputs, held))
         exchanges.append(
             Exchange(
                 bucket.name,
@@ -182,11 +186,13 @@ def send_inputs(
     """Launch the forward all-to-all: ``inputs[id(param)]`` is this rank's local update
     (shaped like its shard); the pieces go to each matrix's owner, owner by owner."""
     rank = exchange.rank
-    pieces: list[list[torch.Tensor]] = [[] for _ in range(exchange.world_size)]
+    per_owner: list[list[torch.Tensor]] = [[] for _ in range(exchange.world_size)]
     for unit in exchange.units:
-        if unit.input_numel(rank):
-            pieces[unit.owner].append(inputs[id(unit.target.param)].reshape(-1))
-    flat = [p for dest in pieces for p in dest]
+        local = inputs[id(unit.target.param)].reshape(-1)
+        per_owner[unit.owner].extend(
+            local[p.local : p.local + p.region.numel] for p in unit.inputs[rank]
+        )
+    flat = [p for dest in per_owner for p in dest]
     empty = torch.empty(0, dtype=WIRE_DTYPE, device=exchange.device)
     send = torch.cat(flat).to(WIRE_DTYPE) if flat else empty
     return Transfer(exchange, exchange.forward, send, counter, "forward")
@@ -197,12 +203,13 @@ def assemble(exchange: Exchange, received: list[torch.Tensor]) -> list[torch.Ten
     cursors = [0] * exchange.world_size
     fulls = []
     for unit in exchange.owned():
-        full = torch.empty(unit.target.shape, dtype=WIRE_DTYPE, device=exchange.device)
-        for source, regions in enumerate(unit.inputs):
-            for region in regions:
-                chunk = received[source][cursors[source] : cursors[source] + region.numel]
-                cursors[source] += region.numel
-                view = region.view_of(full)
+        full = torch.empty(unit.shape, dtype=WIRE_DTYPE, device=exchange.device)
+        for source, held in enumerate(unit.inputs):
+            for piece in held:
+                numel = piece.region.numel
+                chunk = received[source][cursors[source] : cursors[source] + numel]
+                cursors[source] += numel
+                view = piece.region.view_of(full)
                 view.copy_(chunk.view(view.shape))
         fulls.append(full)
     return fulls
@@ -212,27 +219,28 @@ def send_updates(
     exchange: Exchange, updates: list[torch.Tensor], counter: CommCounter
 ) -> Transfer:
     """Launch the back all-to-all: each rank receives its regions of every update."""
-    pieces: list[list[torch.Tensor]] = [[] for _ in range(exchange.world_size)]
+    per_rank: list[list[torch.Tensor]] = [[] for _ in range(exchange.world_size)]
     for unit, update in zip(exchange.owned(), updates):
-        for rank, regions in enumerate(unit.outputs):
-            pieces[rank].extend(region.view_of(update).reshape(-1) for region in regions)
-    flat = [p for dest in pieces for p in dest]
+        for rank, held in enumerate(unit.outputs):
+            per_rank[rank].extend(p.region.view_of(update).reshape(-1) for p in held)
+    flat = [p for dest in per_rank for p in dest]
     send = torch.cat(flat) if flat else torch.empty(0, dtype=WIRE_DTYPE, device=exchange.device)
     return Transfer(exchange, exchange.back, send, counter, "back")
 
 
 def local_updates(
     exchange: Exchange, received: list[torch.Tensor]
-) -> list[tuple[Target, torch.Tensor]]:
-    """This rank's part of every update, shaped like its local shard."""
+) -> list[tuple[Unit, torch.Tensor, torch.Tensor]]:
+    """(unit, piece of the local parameter, its update), flat, for every piece of
+    every matrix this rank stores."""
     rank = exchange.rank
     cursors = [0] * exchange.world_size
     out = []
     for unit in exchange.units:
-        numel = unit.output_numel(rank)
-        if numel == 0:
-            continue
-        chunk = received[unit.owner][cursors[unit.owner] : cursors[unit.owner] + numel]
-        cursors[unit.owner] += numel
-        out.append((unit.target, chunk.view(unit.target.param.shape)))
+        param = unit.target.param.view(-1)
+        for piece in unit.outputs[rank]:
+            numel, cursor = piece.region.numel, cursors[unit.owner]
+            update = received[unit.owner][cursor : cursor + numel]
+            cursors[unit.owner] += numel
+            out.append((unit, param[piece.local : piece.local + numel], update))
     return out
