@@ -59,6 +59,7 @@ def test_overrides_parse_like_toml_and_win_over_the_file():
         (["--training.steps"], "has no value"),
         (["steps", "3"], "expected an override like --training.steps 20"),
         (["--data.source", "files"], "needs data.paths"),
+        (["--model.vocab_size", "100"], "the byte tokenizer needs 256"),
         (["--parallelism.buckets", '[{patterns = "x", placement = "diag"}]'], "buckets[0].place"),
         (["--parallelism.buckets", '[{patterns = "x", owner = 1}]'], "unknown keys ['owner']"),
         (["--parallelism.buckets", "[{placement = 'owned'}]"], "buckets[0].patterns: a list"),

@@ -255,6 +255,8 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key} = {value}: must be at least 1")
+    if m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size = {m.vocab_size}: the byte tokenizer needs 256")
     if p.dp_shard < 1 and p.dp_shard != -1:
         raise ConfigError(f"parallelism.dp_shard = {p.dp_shard}: must be -1 (auto) or >= 1")
     if m.dim % m.n_heads:

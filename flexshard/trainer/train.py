@@ -107,14 +107,9 @@ def setup(cfg: Config) -> Job:
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")
     mesh = dims.build_mesh(device.type)
     dp_mesh, dp_rank = dims.dp_mesh(mesh), dims.dp_rank(mesh)
-    tokenizer = ByteTokenizer()
-    if cfg.model.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size = {cfg.model.vocab_size} is below the byte tokenizer's 256"
-        )
     t = cfg.training
     sampler = DPSampler(
-        load_tokens(cfg.data, tokenizer),
+        load_tokens(cfg.data, ByteTokenizer()),
         t.seq_len,
         t.batch_size,
         t.grad_accum,
