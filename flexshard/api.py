@@ -18,11 +18,12 @@ from .checkpoint.model_state import install_state_dict_hooks
 from .placements import BlockShard, BucketLayout, Placement, Shard, plan_bucket
 from .quant import QuantFormat
 from .runtime.bucket import Bucket, BucketParam
-from .runtime.collectives import DEFAULT_TIMEOUT, BucketComm
+from .runtime.collectives import DEFAULT_TIMEOUT, BucketComm, check_timeout
 from .runtime.consistency import check_same_plan
 from .runtime.groups import MeshGroups, resolve_mesh
 from .runtime.hooks import StepState, install_bucket_hooks, install_root_hooks
 from .runtime.module import FlexShardModule, make_flexshard_class
+from .validation import check_bucket_spec, check_module, check_options
 
 PlacementFn = Callable[[str, nn.Parameter], Placement]
 
@@ -43,6 +44,9 @@ class BucketSpec:
     #: all-gather block-quantized (FP8Blockwise or MXFP8): BlockShard tiles that are
     #: multiples of the format's block, each rank quantizing its own tiles
     quant: QuantFormat | None = None
+
+    def __post_init__(self) -> None:
+        check_bucket_spec(self)
 
     @property
     def pattern_list(self) -> list[str]:
@@ -200,7 +204,7 @@ def _agree_and_build(
         plans, error = plan_fn(), None
     except (ValueError, TypeError) as err:
         plans, error = [], err
-    check_same_plan(groups, [(p.name, p.members, p.placements) for p in plans], error)
+    check_same_plan(groups, [(p.name, p.members, p.placements) for p in plans], error, timeout)
     built = []
     for plan in plans:
         params = [
@@ -245,6 +249,13 @@ def flex_shard(
     collective; the ranks then agree in one small all-gather, so a bad or differing
     spec on any rank raises on every rank instead of hanging the others.
     """
+    check_module("flex_shard", module)
+    if isinstance(buckets, (str, BucketSpec)) or not all(
+        isinstance(b, BucketSpec) for b in buckets
+    ):
+        raise TypeError(f"flex_shard: buckets must be a list of BucketSpec, got {buckets!r}")
+    check_options("flex_shard", mp_policy, reshard_after_forward, allow_none_policy=True)
+    check_timeout(timeout)
     groups = resolve_mesh(mesh)
     plan = functools.partial(
         _plan_flex, module, buckets, groups.shard_size, mp_policy, reshard_after_forward
@@ -350,6 +361,13 @@ def fully_shard(
         raise TypeError("fully_shard of a list of modules is not supported; wrap a common parent")
     if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
         raise ValueError("flexshard does not offload parameters to the CPU")
+    check_module("fully_shard", module)
+    check_options("fully_shard", mp_policy, reshard_after_forward, allow_none_policy=False)
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(
+            f"fully_shard: shard_placement_fn must be callable or None, got {shard_placement_fn!r}"
+        )
+    check_timeout(timeout)
     groups = resolve_mesh(mesh)
     ignored = {id(p) for p in ignored_params or ()}
 

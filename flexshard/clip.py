@@ -17,6 +17,13 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     shards would clip each rank by its own shard's norm and let the ranks drift apart.
     One all-reduce over the shard group; Replicate buckets count once.
     """
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"clip_grad_norm_: {name} must be a number, got {value!r}")
+    if not max_norm >= 0:  # also rejects NaN
+        raise ValueError(f"clip_grad_norm_: max_norm must be >= 0, got {max_norm}")
+    if not norm_type > 0:
+        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (or inf), got {norm_type}")
     buckets = list(subtree_buckets(module))
     if not buckets:
         raise ValueError("clip_grad_norm_ needs a module sharded by flexshard")

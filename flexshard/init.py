@@ -24,7 +24,11 @@ def init_params(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
     single process would have built with the same seed. Needs no collective; peak
     extra memory is one module's parameters.
     """
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(f"init_params: init_fn must be callable or None, got {init_fn!r}")
     index = param_index(module)
+    if not index:
+        raise ValueError("init_params needs a module sharded by flexshard")
     for sub in module.modules():
         own = [(name, p) for name, p in sub._parameters.items() if id(p) in index]
         if not own or (init_fn is None and not hasattr(sub, "reset_parameters")):

@@ -52,7 +52,19 @@ def load_full_state_dict(
 ) -> None:
     """Load an unsharded state dict: each rank copies out the regions it stores. No
     collective; every key and shape is checked before anything is changed."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"load_full_state_dict: state_dict must be a mapping of name -> tensor, got "
+            f"{type(state_dict).__name__}"
+        )
+    for key, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"state dict entry '{key}' must be a tensor, got {type(value).__name__}"
+            )
     index = param_index(module)
+    if not index:
+        raise ValueError("load_full_state_dict needs a module sharded by flexshard")
     own = module.state_dict(keep_vars=True)
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]

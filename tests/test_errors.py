@@ -158,6 +158,32 @@ def _run_cases(rank: int, world_size: int) -> dict:
     attempt("mesh_not_a_mesh", new(), shard(_buckets(), on="cpu"))
     attempt("fully_shard_list", new(), lambda m: fs.fully_shard([m.layers[0], m.layers[1]]))
     attempt("clip_unsharded", new(), lambda m: fs.clip_grad_norm_(m, 1.0))
+    attempt("clip_max_norm_str", wrapped, lambda m: fs.clip_grad_norm_(m, "1"))
+    attempt("clip_max_norm_negative", wrapped, lambda m: fs.clip_grad_norm_(m, -1.0))
+    attempt("clip_norm_type_zero", wrapped, lambda m: fs.clip_grad_norm_(m, 1.0, norm_type=0))
+    attempt("init_unsharded", new(), lambda m: fs.init_params(m))
+    attempt("init_fn_not_callable", wrapped, lambda m: fs.init_params(m, 3))
+    attempt("load_not_mapping", wrapped, lambda m: fs.load_full_state_dict(m, [1, 2]))
+    attempt("load_not_tensor", wrapped, lambda m: fs.load_full_state_dict(m, {"embed.weight": 1.0}))
+    attempt("load_unsharded", new(), lambda m: fs.load_full_state_dict(m, {}))
+    attempt("buckets_not_specs", new(), lambda m: fs.flex_shard(m, mesh, buckets="*"))
+    attempt("module_not_module", new(), lambda m: fs.flex_shard("model", mesh, buckets=_buckets()))
+    attempt("raf_not_bool", new(), lambda m: on_time(m, reshard_after_forward="yes"))
+    attempt("mp_policy_str", new(), lambda m: on_time(m, mp_policy="bf16"))
+    attempt("fully_shard_raf", new(), lambda m: fs.fully_shard(m, reshard_after_forward="no"))
+    attempt("fully_shard_mp", new(), lambda m: fs.fully_shard(m, mp_policy=None))
+    attempt("fully_shard_fn", new(), lambda m: fs.fully_shard(m, shard_placement_fn=0))
+    for case, make in {
+        "spec_pattern_int": lambda: fs.BucketSpec(5),
+        "spec_patterns_empty": lambda: fs.BucketSpec([]),
+        "spec_placement_str": lambda: fs.BucketSpec("*", placement="shard"),
+        "spec_mp_policy_str": lambda: fs.BucketSpec("*", mp_policy="bf16"),
+        "spec_quant_str": lambda: fs.BucketSpec("*", quant="fp8"),
+        "spec_pack_not_bool": lambda: fs.BucketSpec("*", pack_as_bytes="yes"),
+        "shard_dim_str": lambda: fs.Shard("0"),
+        "owned_rank_str": lambda: fs.Owned(rank="a"),
+    }.items():
+        attempt(case, new(), lambda m, make=make: make())
 
     # load_full_state_dict: the bad key is the last one, so a load that checked as it
     # went would already have changed every other parameter
@@ -278,6 +304,29 @@ CASES = {  # case: (exception, needles in the message, ranks that raise: None fo
     "mesh_not_a_mesh": (TypeError, ("mesh", "DeviceMesh", "str"), None),
     "fully_shard_list": (TypeError, ("fully_shard", "list of modules"), None),
     "clip_unsharded": (ValueError, ("clip_grad_norm_", "sharded by flexshard"), None),
+    "clip_max_norm_str": (TypeError, ("clip_grad_norm_", "max_norm", "'1'"), None),
+    "clip_max_norm_negative": (ValueError, ("clip_grad_norm_", "max_norm", "-1.0"), None),
+    "clip_norm_type_zero": (ValueError, ("clip_grad_norm_", "norm_type", "0"), None),
+    "init_unsharded": (ValueError, ("init_params", "sharded by flexshard"), None),
+    "init_fn_not_callable": (TypeError, ("init_params", "init_fn", "3"), None),
+    "load_not_mapping": (TypeError, ("load_full_state_dict", "mapping", "list"), None),
+    "load_not_tensor": (TypeError, ("'embed.weight'", "tensor", "float"), None),
+    "load_unsharded": (ValueError, ("load_full_state_dict", "sharded by flexshard"), None),
+    "buckets_not_specs": (TypeError, ("flex_shard", "buckets", "BucketSpec", "'*'"), None),
+    "module_not_module": (TypeError, ("flex_shard", "module", "str"), None),
+    "raf_not_bool": (TypeError, ("reshard_after_forward", "'yes'"), None),
+    "mp_policy_str": (TypeError, ("mp_policy", "MixedPrecisionPolicy", "'bf16'"), None),
+    "fully_shard_raf": (TypeError, ("fully_shard", "reshard_after_forward", "'no'"), None),
+    "fully_shard_mp": (TypeError, ("fully_shard", "mp_policy", "None"), None),
+    "fully_shard_fn": (TypeError, ("fully_shard", "shard_placement_fn", "0"), None),
+    "spec_pattern_int": (TypeError, ("BucketSpec(5)", "patterns"), None),
+    "spec_patterns_empty": (ValueError, ("BucketSpec([])", "patterns is empty"), None),
+    "spec_placement_str": (TypeError, ("BucketSpec('*')", "placement", "'shard'"), None),
+    "spec_mp_policy_str": (TypeError, ("BucketSpec('*')", "mp_policy", "'bf16'"), None),
+    "spec_quant_str": (TypeError, ("BucketSpec('*')", "quant", "'fp8'"), None),
+    "spec_pack_not_bool": (TypeError, ("BucketSpec('*')", "pack_as_bytes", "'yes'"), None),
+    "shard_dim_str": (TypeError, ("Shard(dim)", "'0'"), None),
+    "owned_rank_str": (TypeError, ("Owned(rank)", "'a'"), None),
     "mesh_without_rank": (ValueError, ("does not contain this rank (2)",), (2,)),
     "group_without_rank": (ValueError, ("does not contain this rank (2)",), (2,)),
 }

@@ -58,6 +58,13 @@ class Owned(Placement):
 
     stage = 1
 
+    def __post_init__(self) -> None:
+        rank = self.rank
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):
+            raise TypeError(f"Owned(rank): rank must be an int or None, got {rank!r}")
+        if not callable(self.cost):
+            raise TypeError(f"Owned(cost): cost must be callable, got {self.cost!r}")
+
     def group_key(self) -> object:
         return Owned
 

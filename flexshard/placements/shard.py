@@ -26,6 +26,10 @@ class Shard(Placement):
     dim: int = 0
     uniform_slots = True  # padded per parameter, like FSDP2, for bitwise parity
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise TypeError(f"Shard(dim): dim must be an int, got {self.dim!r}")
+
     def validate(self, fqn: str, shape: Shape, world_size: int) -> None:
         if len(shape) == 0 or not -len(shape) <= self.dim < len(shape):
             raise ValueError(
