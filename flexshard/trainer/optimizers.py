@@ -39,6 +39,8 @@ def build_optimizer(
         weight_decay=cfg.weight_decay,
         adamw_betas=betas,
         row_blocks=muon_row_blocks(model_cfg),
+        # Moonlight's scaling: Muon's update RMS matches AdamW's, so one lr serves both
+        adjust_lr_fn="match_rms_adamw",
     )
 
 
