@@ -198,6 +198,8 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     if writer is not None:
         writer.close()
         _report(job, writer.note)
+    # end together: no rank tears its process group down while another still reports
+    dist.barrier()
     return records
 
 
