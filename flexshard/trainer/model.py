@@ -10,12 +10,17 @@ exactly the values an eagerly built model gets from ``init_weights``.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from .context_parallel import ContextParallel
+    from .expert_parallel import ExpertParallel
 
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:
@@ -70,16 +75,25 @@ class Attention(nn.Module):
         self.wk = _linear(cfg.dim, cfg.n_kv_heads * self.head_dim, 0.02)
         self.wv = _linear(cfg.dim, cfg.n_kv_heads * self.head_dim, 0.02)
         self.wo = _linear(cfg.n_heads * self.head_dim, cfg.dim, out_std)
+        self.context_parallel: ContextParallel | None = None  # set by apply_cp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), cos, sin)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        cp, mask = self.context_parallel, None
+        if cp is not None:  # local queries attend to the whole sequence's keys and values
+            k, v = cp.gather_kv(k, v)
+            mask = cp.causal_mask(s, x.device)
         repeat = self.n_heads // self.n_kv_heads  # each kv head serves `repeat` query heads
         k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=mask is None,
         )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -107,6 +121,8 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.init_stds = {"w1": 0.02, "w2": out_std, "w3": 0.02}
+        # set by apply_ep: this rank keeps experts [first, first + local) of `total`
+        self.ep_range: tuple[int, int] | None = None
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return (F.silu(x @ self.w1[e].t()) * (x @ self.w3[e].t())) @ self.w2[e].t()
@@ -127,6 +143,7 @@ class MoE(nn.Module):
             if moe.num_shared_experts
             else None
         )
+        self.expert_parallel: ExpertParallel | None = None  # set by apply_ep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -134,13 +151,16 @@ class MoE(nn.Module):
         scores = self.router(flat).float().softmax(dim=-1)
         weights, chosen = scores.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).type_as(x)
-        out = torch.zeros_like(flat)
-        for e in range(self.experts.w1.shape[0]):
-            token, slot = (chosen == e).nonzero(as_tuple=True)
-            if token.numel() == 0:
-                continue
-            routed = self.experts.expert(e, flat[token]) * weights[token, slot, None]
-            out = out.index_add(0, token, routed)
+        if self.expert_parallel is not None:  # the experts live on the EP ranks: all-to-all
+            out = self.expert_parallel.routed(self.experts, flat, weights, chosen)
+        else:
+            out = torch.zeros_like(flat)
+            for e in range(self.experts.w1.shape[0]):
+                token, slot = (chosen == e).nonzero(as_tuple=True)
+                if token.numel() == 0:
+                    continue
+                routed = self.experts.expert(e, flat[token]) * weights[token, slot, None]
+                out = out.index_add(0, token, routed)
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.view(shape)
@@ -175,12 +195,18 @@ class Transformer(nn.Module):
         # RoPE tables are recomputed per device and length, not stored: a meta-built
         # model then needs no buffer re-initialisation after to_empty
         self._rope: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.context_parallel: ContextParallel | None = None  # set by apply_cp
 
     def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (seq_len, device)
+        cp = self.context_parallel
+        total = cp.global_len(seq_len) if cp is not None else seq_len
+        key = (total, device)
         if key not in self._rope:
             head_dim = self.cfg.dim // self.cfg.n_heads
-            self._rope[key] = rope_tables(seq_len, head_dim, self.cfg.rope_theta, device)
+            self._rope[key] = rope_tables(total, head_dim, self.cfg.rope_theta, device)
+        if cp is not None:  # this rank's tokens sit at zig-zag global positions
+            index = cp.positions(seq_len, device)
+            return self._rope[key][0][index], self._rope[key][1][index]
         return self._rope[key]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -196,13 +222,19 @@ def init_module(module: nn.Module) -> None:
     stds = getattr(module, "init_stds", None)
     if stds is None:
         return
+    # EP keeps a slice of the experts: draw all of them (the single process's random
+    # stream) and keep the slice
+    ep_range = getattr(module, "ep_range", None)
     with torch.no_grad():
         for name, param in module.named_parameters(recurse=False):
             std = stds[name]
+            drawn = param if ep_range is None else param.new_empty(ep_range[1], *param.shape[1:])
             if std is None:
-                param.fill_(1.0)
+                drawn.fill_(1.0)
             else:
-                nn.init.trunc_normal_(param, std=std, a=-3 * std, b=3 * std)
+                nn.init.trunc_normal_(drawn, std=std, a=-3 * std, b=3 * std)
+            if ep_range is not None:
+                param.copy_(drawn[ep_range[0] : ep_range[0] + param.shape[0]])
 
 
 def init_weights(model: nn.Module, seed: int) -> None:

@@ -1,0 +1,179 @@
+"""Expert parallelism: the routed experts split across an EP group, tokens sent to the
+ranks that own their chosen experts and the results sent back (two uneven
+``all_to_all_single``, differentiable; the counts travel first).
+
+EP borrows its ranks from the data-parallel ranks (as torchtitan): each EP rank trains
+on its own tokens, keeps ``E / ep`` whole experts of every 3-D ``[E, R, C]`` weight and
+computes them for the tokens of the whole EP group. Router and shared experts stay
+replicated, so data parallelism syncs them like any other weight; the expert weights
+are sharded (by flexshard) over the data-parallel ranks that hold the same experts
+(``dp_shard_mod_ep``).
+
+Gradient scale: a data-parallel group of D ranks averages each gradient over D. An
+expert weight's gradient already sums the losses of the ``ep`` ranks whose tokens it
+served and is then averaged over only D / ep ranks, so it is scaled by ``1 / ep`` on
+the way back; with that every weight gets the gradient of the global mean loss.
+
+The integrator calls ``check_ep`` at start-up and ``apply_ep(model, ep_mesh)`` before
+data parallelism; the expert weights then need their own flexshard mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .context_parallel import Group, as_group
+
+
+def check_ep(num_experts: int, ep: int, dp_shard_cp: int) -> None:
+    """Start-up check of an EP degree against the MoE and the data-parallel degree."""
+    if ep < 1:
+        raise ValueError(f"parallelism.ep must be >= 1, got {ep}")
+    if ep == 1:
+        return
+    if num_experts == 0:
+        raise ValueError(
+            f"parallelism.ep = {ep} needs a mixture-of-experts model (model.moe.num_experts > 0)"
+        )
+    if num_experts % ep:
+        raise ValueError(
+            f"model.moe.num_experts = {num_experts} is not divisible by parallelism.ep = {ep}: "
+            "every EP rank keeps the same number of whole experts"
+        )
+    if dp_shard_cp % ep:
+        raise ValueError(
+            f"parallelism.ep = {ep} must divide dp_shard * cp = {dp_shard_cp}: EP borrows its "
+            "ranks from the data-parallel and context-parallel ranks"
+        )
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows exchanged with uneven splits; the backward sends the gradients home."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        rows: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = rows.new_empty(sum(out_splits), *rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """``GroupedExperts.expert``'s arithmetic on one expert's matrices."""
+    return (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
+
+
+class ExpertParallel:
+    """The EP group and this rank's share of the experts of one MoE layer."""
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int) -> None:
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.num_experts = num_experts
+        self.local = num_experts // self.size
+        self.first = self.rank * self.local
+
+    def routed(
+        self, experts: nn.Module, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum for this rank's tokens ``flat`` [N, dim],
+        given the router's ``weights`` and ``chosen`` experts [N, top_k]."""
+        ep, local, group = self.size, self.local, self.group
+        # one row per (token, choice), sorted by expert (stable: tokens stay in order),
+        # hence grouped by the EP rank that owns the expert
+        expert_of = chosen.reshape(-1)
+        order = torch.argsort(expert_of, stable=True)
+        token_of = torch.arange(flat.shape[0], device=flat.device).repeat_interleave(
+            chosen.shape[1]
+        )[order]
+        sent = torch.bincount(expert_of, minlength=self.num_experts)
+        received = torch.empty_like(sent)  # [source rank, my local expert], flattened
+        dist.all_to_all_single(received, sent, group=group)
+        send_splits = sent.view(ep, local).sum(1).tolist()
+        recv_counts = received.view(ep, local)
+        recv_splits = recv_counts.sum(1).tolist()
+        inbound = _AllToAll.apply(flat[token_of], recv_splits, send_splits, group)
+
+        # rows arrive by source rank, then by expert: group them by expert to compute
+        expert_of_row = torch.arange(local, device=flat.device).repeat(ep)
+        expert_of_row = expert_of_row.repeat_interleave(recv_counts.reshape(-1))
+        by_expert = torch.argsort(expert_of_row, stable=True)
+        w1, w2, w3 = (_ScaleGrad.apply(w, 1.0 / ep) for w in (experts.w1, experts.w2, experts.w3))
+        rows = inbound[by_expert].split(recv_counts.sum(0).tolist())
+        computed = torch.cat([_swiglu(x, w1[j], w2[j], w3[j]) for j, x in enumerate(rows)])
+        outbound = _AllToAll.apply(
+            computed[torch.argsort(by_expert)], send_splits, recv_splits, group
+        )
+
+        # combine as the single process does: expert by expert, tokens in order
+        routed = outbound * weights.reshape(-1)[order, None]
+        out = torch.zeros_like(flat)
+        counts = sent.tolist()
+        for tokens, values in zip(token_of.split(counts), routed.split(counts)):
+            if tokens.numel():
+                out = out.index_add(0, tokens, values)
+        return out
+
+
+def apply_ep(model: nn.Module, ep_mesh: Group) -> list[str]:
+    """Keep this rank's ``E / ep`` experts of every MoE layer (works on a meta-built
+    model; ``init_module`` then draws all experts and keeps the slice) and route the
+    tokens through the EP group. Returns the FQNs of the sliced expert modules, for
+    the data-parallel wrapper to shard on their own mesh. Collective-free."""
+    group = as_group(ep_mesh)
+    ep = dist.get_world_size(group)
+    sliced = []
+    for fqn, moe in model.named_modules():
+        if not hasattr(moe, "expert_parallel"):
+            continue
+        experts = moe.experts
+        total = experts.w1.shape[0]
+        if total % ep:
+            raise ValueError(
+                f"{fqn}: {total} experts are not divisible by the EP degree {ep}; every EP "
+                "rank keeps the same number of whole experts"
+            )
+        if experts.ep_range is not None:
+            raise ValueError(f"{fqn}: experts already split by apply_ep")
+        parallel = ExpertParallel(group, total)
+        keep = slice(parallel.first, parallel.first + parallel.local)
+        for name, param in list(experts.named_parameters(recurse=False)):
+            piece = nn.Parameter(param.detach()[keep].clone(), requires_grad=param.requires_grad)
+            setattr(experts, name, piece)
+        experts.ep_range = (parallel.first, total)
+        moe.expert_parallel = parallel
+        sliced.append(f"{fqn}.experts" if fqn else "experts")
+    if not sliced:
+        raise ValueError(f"{type(model).__name__} has no MoE layer to split across EP ranks")
+    return sliced

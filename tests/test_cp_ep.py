@@ -1,0 +1,282 @@
+"""Context parallelism (zig-zag, all-gathered K/V) and expert parallelism (all-to-all
+dispatch) against the single-process model: loss and gradients of one step, then a few
+training steps composed with flexshard data parallelism (cp2 x dp2 on the flattened
+dp_shard_cp mesh; dp_shard 4 x ep 2 with the expert weights sharded over
+dp_shard_mod_ep), with bad inputs rejected before any collective."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import flexshard as fs
+from flexshard.testing import run_distributed
+from flexshard.trainer.config import ModelConfig, config_from_dict
+from flexshard.trainer.context_parallel import apply_cp, check_cp, split_sequence
+from flexshard.trainer.expert_parallel import apply_ep, check_ep
+from flexshard.trainer.model import GroupedExperts, Transformer, init_module, init_weights
+from flexshard.trainer.train import loss_fn
+
+SEED = 5
+SEQ = 24  # divisible by 2 * cp for cp = 2, 3 (and 4)
+# fp32: one rank's sum over a zig-zag shard vs one process's sum over the whole
+# sequence / batch rounds differently. Measured worst gaps are in the report of each
+# case (printed with -s); these bounds leave ~10x room.
+GRAD_ATOL = 1e-6
+LOSS_RTOL = 1e-6
+TRAIN_LOSS_RTOL = 2e-5
+STEPS = 4
+
+
+def model_config(num_experts: int = 0) -> ModelConfig:
+    moe = {"num_experts": num_experts, "top_k": 2, "expert_hidden": 24, "first_dense_layers": 1}
+    table = {"model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "moe": moe}}
+    return config_from_dict(table).model
+
+
+def tokens(batch: int, seq: int = SEQ + 1) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(11))
+
+
+def reference(cfg: ModelConfig, batch: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    """The single process: loss of the whole batch and every parameter's gradient."""
+    model = Transformer(cfg)
+    init_weights(model, SEED)
+    loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _average(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    tensor = tensor.detach().clone()
+    dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
+    return tensor
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+# ------------------------------------------------------------------ one step, no DP
+def cp_step(cp_group: dist.ProcessGroup) -> dict[str, float]:
+    """CP over ``cp_group`` (every rank has the whole batch): loss and gradients."""
+    cfg, batch = model_config(), tokens(2)
+    ref_loss, ref_grads = reference(cfg, batch)
+    model = Transformer(cfg)
+    init_weights(model, SEED)
+    apply_cp(model, cp_group)
+    inputs, targets = (split_sequence(t, cp_group) for t in (batch[:, :-1], batch[:, 1:]))
+    loss = loss_fn(model(inputs), targets)
+    loss.backward()
+    # every CP rank holds the same number of tokens: the global mean is the ranks' mean
+    loss_gap = abs(float(_average(loss, cp_group)) - ref_loss) / ref_loss
+    grad_gap = max(
+        _gap(_average(p.grad, cp_group), ref_grads[n]) for n, p in model.named_parameters()
+    )
+    assert loss_gap < LOSS_RTOL and grad_gap < GRAD_ATOL, (loss_gap, grad_gap)
+    return {"loss_gap": loss_gap, "grad_gap": grad_gap}
+
+
+def ep_step(ep_group: dist.ProcessGroup, num_experts: int, meta: bool) -> dict[str, float]:
+    """EP over ``ep_group``, each rank with its own rows of the batch."""
+    cfg = model_config(num_experts)
+    ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    batch = tokens(2 * ep)
+    ref_loss, ref_grads = reference(cfg, batch)
+    with torch.device("meta" if meta else "cpu"):
+        model = Transformer(cfg)
+    if not meta:
+        init_weights(model, SEED)
+    sliced = apply_ep(model, ep_group)
+    assert sliced == ["layers.1.feed_forward.experts"]
+    if meta:  # the trainer's path: build on meta, split, then draw (all experts, keep ours)
+        model.to_empty(device="cpu")
+        init_weights(model, SEED)
+    local = num_experts // ep
+    experts = slice(rank * local, (rank + 1) * local)
+    single = Transformer(cfg)
+    init_weights(single, SEED)
+    for (name, p), q in zip(model.named_parameters(), single.parameters()):
+        assert torch.equal(p, q[experts] if ".experts." in name else q), name
+    mine = batch[2 * rank : 2 * rank + 2]
+    loss = loss_fn(model(mine[:, :-1]), mine[:, 1:])
+    loss.backward()
+    loss_gap = abs(float(_average(loss, ep_group)) - ref_loss) / ref_loss
+    gaps = {}
+    for name, p in model.named_parameters():
+        if ".experts." in name:  # already the global mean's gradient (scaled by 1 / ep)
+            gaps[name] = _gap(p.grad, ref_grads[name][experts])
+        else:  # replicated: averaged over the ranks as data parallelism does
+            gaps[name] = _gap(_average(p.grad, ep_group), ref_grads[name])
+    grad_gap = max(gaps.values())
+    assert loss_gap < LOSS_RTOL and grad_gap < GRAD_ATOL, (loss_gap, gaps)
+    return {"loss_gap": loss_gap, "grad_gap": grad_gap}
+
+
+def bad_inputs(world_group: dist.ProcessGroup) -> None:
+    """Errors name the cause before any collective runs."""
+    with pytest.raises(ValueError, match="seq_len = 20 is not divisible by 2 \\* parallelism.cp"):
+        check_cp(20, 3)
+    with pytest.raises(ValueError, match="not divisible by 2 \\* parallelism.cp"):
+        split_sequence(tokens(1, 10), world_group)
+    with pytest.raises(TypeError, match="cp_mesh must be"):
+        split_sequence(tokens(1), "cp")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_experts = 5 is not divisible by parallelism.ep"):
+        check_ep(5, 2, 4)
+    with pytest.raises(ValueError, match="must divide dp_shard \\* cp = 3"):
+        check_ep(4, 2, 3)
+    with pytest.raises(ValueError, match="needs a mixture-of-experts"):
+        check_ep(0, 2, 2)
+    with torch.device("meta"):
+        moe = Transformer(model_config(num_experts=5))
+        dense = Transformer(model_config())
+    with pytest.raises(ValueError, match="layers.1.feed_forward: 5 experts are not divisible"):
+        apply_ep(moe, world_group)
+    with pytest.raises(ValueError, match="no MoE layer"):
+        apply_ep(dense, world_group)
+    with pytest.raises(ValueError, match="no attention that supports CP"):
+        apply_cp(nn.Linear(2, 2), world_group)
+
+
+def _small_cases(rank: int, world_size: int) -> dict[str, dict[str, float]]:
+    world = dist.group.WORLD
+    bad_inputs(world)
+    results = {f"cp{world_size}": cp_step(world)}
+    experts = 2 * world_size  # two experts per rank (W = 3: six experts)
+    results[f"ep{world_size}"] = ep_step(world, experts, meta=False)
+    results[f"ep{world_size}_meta"] = ep_step(world, experts, meta=True)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_cp_and_ep_match_single_process(world_size):
+    results = run_distributed(_small_cases, world_size, timeout=300)
+    print(results[0])
+
+
+# ------------------------------------------------------------ training with flexshard
+def _train_reference(cfg: ModelConfig, batches: list[torch.Tensor]) -> tuple[list, list, dict]:
+    model = Transformer(cfg)
+    init_weights(model, SEED)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    losses, norms = [], []
+    for batch in batches:
+        loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _grad_norm(model: nn.Module, group: dist.ProcessGroup) -> float:
+    """Every element of the model's gradient lives on exactly one rank of ``group``."""
+    partial = sum((p.grad.float().square().sum() for p in model.parameters()), torch.zeros(()))
+    dist.all_reduce(partial, group=group)
+    return float(partial.sqrt())
+
+
+def _train(model: nn.Module, batch_of, steps: int, dp_group) -> tuple[list, list]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    losses, norms = [], []
+    for step in range(steps):
+        inputs, targets = batch_of(step)
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        norms.append(_grad_norm(model, dp_group))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(_average(loss)))  # equal tokens per rank: the global mean
+    return losses, norms
+
+
+def _compare(name, losses, norms, params, expected) -> dict[str, float]:
+    ref_losses, ref_norms, ref_params = expected
+    loss_gap = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+    norm_gap = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
+    param_gap = max(_gap(params[n], ref_params[n]) for n in ref_params)
+    assert loss_gap < TRAIN_LOSS_RTOL and norm_gap < TRAIN_LOSS_RTOL, (name, loss_gap, norm_gap)
+    assert param_gap < 1e-4, (name, param_gap)
+    assert losses[-1] < losses[0], name  # it learns
+    return {"loss_gap": loss_gap, "norm_gap": norm_gap, "param_gap": param_gap}
+
+
+def _layer_buckets(cfg: ModelConfig) -> list[fs.BucketSpec]:
+    layers = [fs.BucketSpec(f"layers.{i}.*", name=f"layers.{i}") for i in range(cfg.n_layers)]
+    return [*layers, fs.BucketSpec(["tok_embeddings.*", "norm.*", "output.*"], name="outer")]
+
+
+def cp_dp_training(rank: int) -> dict[str, float]:
+    """cp 2 x dp_shard 2: flexshard shards over the flattened dp_shard x cp ranks."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
+    dp_cp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    cfg, dp_rank = model_config(), mesh.get_local_rank("dp_shard")
+    batches = [tokens(4, SEQ + 1 + step)[:, step:] for step in range(STEPS)]
+    expected = _train_reference(cfg, batches)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    apply_cp(model, mesh["cp"])
+    model = fs.flex_shard(model, dp_cp, buckets=_layer_buckets(cfg))
+    model.to_empty(device="cpu")
+    torch.manual_seed(SEED)
+    fs.init_params(model, init_module)
+
+    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mine = batches[step][2 * dp_rank : 2 * dp_rank + 2]
+        return tuple(split_sequence(t, mesh["cp"]) for t in (mine[:, :-1], mine[:, 1:]))
+
+    losses, norms = _train(model, batch_of, STEPS, dp_cp.get_group())
+    return _compare("cp2xdp2", losses, norms, fs.full_state_dict(model), expected)
+
+
+def ep_dp_training(rank: int) -> dict[str, float]:
+    """dp_shard 4 with ep 2 borrowed from it: expert weights sharded by flexshard over
+    dp_shard_mod_ep (2 ranks), everything else over all 4 dp_shard ranks."""
+    dp = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+    ep_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+    cfg = model_config(num_experts=4)
+    batches = [tokens(8, SEQ + 1 + step)[:, step:] for step in range(STEPS)]
+    expected = _train_reference(cfg, batches)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    sliced = apply_ep(model, ep_mesh["ep"])
+    for fqn in sliced:  # experts first, on their own mesh; then blocks and root (FSDP2 style)
+        fs.fully_shard(model.get_submodule(fqn), mesh=ep_mesh["dp_shard_mod_ep"])
+    for layer in model.layers:
+        fs.fully_shard(layer, mesh=dp)
+    model = fs.fully_shard(model, mesh=dp)
+    model.to_empty(device="cpu")
+    torch.manual_seed(SEED)
+    fs.init_params(model, init_module)
+
+    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mine = batches[step][2 * rank : 2 * rank + 2]
+        return mine[:, :-1], mine[:, 1:]
+
+    losses, norms = _train(model, batch_of, STEPS, dp.get_group())
+    # the full model: other layers from flexshard, the experts gathered across EP ranks
+    params = fs.full_state_dict(model)
+    for fqn in sliced:
+        experts = model.get_submodule(fqn)
+        assert isinstance(experts, GroupedExperts)
+        for name in ("w1", "w2", "w3"):
+            local = params[f"{fqn}.{name}"]
+            pieces = [torch.empty_like(local) for _ in range(2)]
+            dist.all_gather(pieces, local.contiguous(), group=ep_mesh["ep"].get_group())
+            params[f"{fqn}.{name}"] = torch.cat(pieces)
+    return _compare("dp4_ep2", losses, norms, params, expected)
+
+
+def _training_cases(rank: int, world_size: int) -> dict[str, dict[str, float]]:
+    return {"cp2xdp2": cp_dp_training(rank), "dp4xep2": ep_dp_training(rank)}
+
+
+def test_cp_and_ep_train_with_flexshard():
+    results = run_distributed(_training_cases, 4, timeout=400)
+    print(results[0])
