@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .checkpoint.model_state import install_state_dict_hooks
 from .placements import BlockShard, BucketLayout, Placement, Shard, plan_bucket
@@ -184,7 +186,10 @@ def _plan(
             f"{mp_policy.param_dtype} would cast them all: give the bucket one or the other"
         )
     return plan_bucket(
-        [(fqns[0], tuple(p.shape), pl) for (p, fqns), pl in zip(members, placements)],
+        [
+            (fqns[0], tuple(_local_tensor(p).shape), pl)
+            for (p, fqns), pl in zip(members, placements)
+        ],
         world_size,
         bucket=name,
         first_rank=first_rank,
@@ -208,7 +213,9 @@ def _agree_and_build(
     built = []
     for plan in plans:
         params = [
-            BucketParam(fqns[0], param.requires_grad, [_owner(root, f) for f in fqns])
+            BucketParam(
+                fqns[0], param.requires_grad, [_owner(root, f) for f in fqns], _tp_spec(param)
+            )
             for param, fqns in plan.members
         ]
         initial = [_on_device(param, groups.device) for param, _ in plan.members]
@@ -228,7 +235,17 @@ def _agree_and_build(
     return built
 
 
+def _tp_spec(param: nn.Parameter) -> DTensorSpec | None:
+    return param._spec if isinstance(param, DTensor) else None
+
+
+def _local_tensor(param: nn.Parameter) -> torch.Tensor:
+    """What flexshard shards: a tensor-parallel DTensor's local tensor (its TP piece)."""
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
 def _on_device(param: nn.Parameter, device: torch.device) -> torch.Tensor:
+    param = _local_tensor(param)
     if param.device.type in ("meta", device.type):
         return param.detach()
     return param.detach().to(device)

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..placements import BucketLayout, gathered_alias, pack_all, pack_rank, unpack
 from ..placements.bytes import as_bytes, byte_view
@@ -26,6 +28,9 @@ class BucketParam:
     fqn: str
     requires_grad: bool
     locations: list[tuple[nn.Module, str]] = field(default_factory=list)
+    #: a tensor-parallel DTensor parameter's spec (mesh, placements, global shape): the
+    #: bucket shards its local tensor and hands the modules DTensors with this spec
+    tp_spec: DTensorSpec | None = None
 
 
 def _free(tensor: torch.Tensor) -> None:
@@ -55,6 +60,37 @@ def slot_of(param: torch.Tensor) -> tuple[Bucket, int] | None:
     flexshard local shard). ``bucket.layout.params[index].regions[rank]`` says which
     part of the full parameter each rank stores."""
     return getattr(param, "_flexshard_slot", None)
+
+
+def _full_parameter(local: torch.Tensor, param: BucketParam) -> nn.Parameter:
+    """The parameter the modules see while unsharded: the gathered tensor, or for a
+    tensor-parallel parameter a DTensor on its TP mesh wrapping the gathered local
+    tensor, so that TP's module hooks keep working."""
+    if param.tp_spec is None:
+        return nn.Parameter(local, requires_grad=param.requires_grad)
+    spec = param.tp_spec
+    meta = spec.tensor_meta
+    if meta is not None and meta.dtype != local.dtype:  # mp_policy casts the gathered copy
+        meta = TensorMeta(meta.shape, meta.stride, local.dtype)
+        spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
+    wrapped = DTensor(local, spec, requires_grad=False)
+    return nn.Parameter(wrapped, requires_grad=param.requires_grad)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _local_grad(grad: torch.Tensor | None, tp_spec: DTensorSpec | None) -> torch.Tensor | None:
+    """A TP parameter's gradient as the local tensor of its own placements (a
+    replicated weight's gradient may come back Partial: redistribute sums it over tp)."""
+    if grad is None or tp_spec is None:
+        return grad
+    if not isinstance(grad, DTensor):
+        raise TypeError(f"expected a DTensor gradient for a TP parameter, got {type(grad)}")
+    if tuple(grad.placements) != tuple(tp_spec.placements):
+        grad = grad.redistribute(tp_spec.mesh, tp_spec.placements)
+    return grad._local_tensor
 
 
 class Bucket:
@@ -219,9 +255,14 @@ class Bucket:
                 base if base is not None else torch.empty(p.shape, dtype=dtype, device=device)
             )
         self.full_params = [
-            nn.Parameter(_own_version_counter(base), requires_grad=p.requires_grad)
-            for base, p in zip(bases, self.params)
+            _full_parameter(_own_version_counter(base), p) for base, p in zip(bases, self.params)
         ]
+        # the plain tensors the collectives fill: a TP parameter's local tensor
+        self.full_locals = [_local(full) for full in self.full_params]
+        # refilling any of them must not look like an in-place change to autograd
+        self._version_guarded = tuple(self.full_params) + tuple(
+            local for local, full in zip(self.full_locals, self.full_params) if local is not full
+        )
         self._free_full()
 
     def rebind_storage(self, convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -240,9 +281,10 @@ class Bucket:
             for module, attr in param.locations:
                 module._parameters[attr] = tensor
 
-    def _owned_full(self) -> list[nn.Parameter]:
-        """Full parameters with a storage of their own (not views of another buffer)."""
-        return [f for f, owns in zip(self.full_params, self._owns_storage) if owns]
+    def _owned_full(self) -> list[torch.Tensor]:
+        """Full parameters (local tensors) with a storage of their own (not views of
+        another buffer)."""
+        return [f for f, owns in zip(self.full_locals, self._owns_storage) if owns]
 
     def _free_full(self) -> None:
         for full in self._owned_full():
@@ -270,7 +312,7 @@ class Bucket:
             send = self.storage
         else:
             send = self.storage.to(self.param_dtype)
-        with torch.autograd._unsafe_preserve_version_counter(tuple(self.full_params)):
+        with torch.autograd._unsafe_preserve_version_counter(self._version_guarded):
             self._gather = self.comm.all_gather(self.gathered, send)
         self._send = send  # keep alive while gloo reads it on its own thread
 
@@ -283,12 +325,12 @@ class Bucket:
         # still write into is never freed or read
         with (
             torch.no_grad(),
-            torch.autograd._unsafe_preserve_version_counter(tuple(self.full_params)),
+            torch.autograd._unsafe_preserve_version_counter(self._version_guarded),
         ):
             self._gather.wait()
             self._gather = None
             self._send = None
-            owned = [f if owns else None for f, owns in zip(self.full_params, self._owns_storage)]
+            owned = [f if owns else None for f, owns in zip(self.full_locals, self._owns_storage)]
             for full in self._owned_full():
                 _alloc(full)
             if self.quant is not None:
@@ -324,8 +366,8 @@ class Bucket:
     def _take_grads(self) -> list[torch.Tensor | None]:
         """Unsharded gradients of this backward plus those held back by no-sync steps."""
         grads = []
-        for i, full in enumerate(self.full_params):
-            grad, full.grad = full.grad, None
+        for i, (full, param) in enumerate(zip(self.full_params, self.params)):
+            grad, full.grad = _local_grad(full.grad, param.tp_spec), None
             held = self._accumulated[i]
             self._accumulated[i] = None
             if held is not None and grad is not None:

@@ -1,0 +1,110 @@
+"""Tensor parallelism for the trainer's Transformer, torchtitan style, on torch DTensor.
+
+``apply_tp`` runs before data parallelism: the projections become DTensor parameters
+on the tp mesh (column-wise wq/wk/wv/w1/w3, row-wise wo/w2, vocabulary-sharded
+embedding, column-wise output head), and flexshard later shards each DTensor's local
+tensor over the data-parallel group, handing the modules their DTensors back after
+every unshard.
+
+With ``sequence_parallel`` the activations between blocks are split along the
+sequence across tp (norms run on their sequence shard, weights replicated), and each
+attention / feed-forward gathers the sequence on entry and reduce-scatters it on exit.
+
+MoE layers keep the router and the experts replicated over tp: every tp rank routes
+the whole sequence and runs every expert on it (the work is duplicated over tp; expert
+parallelism is the axis that splits experts). Their gradients come out identical on
+every tp rank, so no tp reduction is needed.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from .config import ConfigError, ModelConfig
+from .model import Attention, FeedForward, MoE, Transformer
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Start-up errors: every tp rank must hold whole attention heads."""
+    if cfg.n_heads % tp:
+        raise ConfigError(
+            f"model.n_heads = {cfg.n_heads} is not divisible by parallelism.tp = {tp}; "
+            "tensor parallelism gives every tp rank whole attention heads"
+        )
+    if cfg.n_kv_heads % tp:
+        raise ConfigError(
+            f"model.n_kv_heads = {cfg.n_kv_heads} is not divisible by parallelism.tp = {tp}; "
+            "tensor parallelism gives every tp rank whole key/value heads"
+        )
+
+
+def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, object]:
+    """The parallel style of each part of one TransformerBlock."""
+    split = Shard(1) if sequence_parallel else Replicate()  # layout between the parts
+    norm = SequenceParallel() if sequence_parallel else None
+    gather_input = PrepareModuleInput(
+        input_layouts=(split, None, None),
+        desired_input_layouts=(Replicate(), None, None),
+    )
+    plan: dict[str, object] = {
+        "attention": gather_input,
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=split),
+    }
+    if norm is not None:
+        plan["attention_norm"] = norm
+        plan["ffn_norm"] = SequenceParallel()
+    ffn = block.feed_forward
+    ffn_input = PrepareModuleInput(input_layouts=(split,), desired_input_layouts=(Replicate(),))
+    if isinstance(ffn, FeedForward):
+        plan["feed_forward"] = ffn_input
+        plan["feed_forward.w1"] = ColwiseParallel()
+        plan["feed_forward.w3"] = ColwiseParallel()
+        plan["feed_forward.w2"] = RowwiseParallel(output_layouts=split)
+    elif isinstance(ffn, MoE):
+        # replicated experts: gather the sequence in, hand back this rank's part out
+        plan["feed_forward"] = PrepareModuleInputOutput(
+            input_layouts=(split,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(split,),
+        )
+    return plan
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
+    """Tensor-parallelise ``model`` in place over the 1-D ``tp_mesh`` (before any data
+    parallelism). Attention modules then work on their local heads."""
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tp takes a 1-D tp mesh, got {tp_mesh.ndim}-D")
+    tp = tp_mesh.size()
+    check_tp(model.cfg, tp)
+    split = Shard(1) if sequence_parallel else Replicate()
+    outer: dict[str, object] = {
+        # vocabulary rows split over tp; the partial sums land sequence-split (SP)
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=split),
+        # logits gathered whole: the loss is the single process's
+        "output": ColwiseParallel(input_layouts=split, output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        outer["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, outer)  # type: ignore[arg-type]
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))  # type: ignore[arg-type]
+        attention = block.attention
+        assert isinstance(attention, Attention)
+        attention.n_heads //= tp  # the projections now give this rank's heads only
+        attention.n_kv_heads //= tp
