@@ -15,7 +15,8 @@ served and is then averaged over only D / ep ranks, so it is scaled by ``1 / ep`
 the way back; with that every weight gets the gradient of the global mean loss.
 
 The integrator calls ``check_ep`` at start-up and ``apply_ep(model, ep_mesh)`` before
-data parallelism; the expert weights then need their own flexshard mesh.
+data parallelism; the expert weights then need their own flexshard mesh, and the
+gradient norm ``clip_grad_norm_`` (``fs.clip_grad_norm_`` wants one shard group).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from flexshard.runtime.module import subtree_buckets
 
 from .context_parallel import Group, as_group
 
@@ -154,10 +157,9 @@ def apply_ep(model: nn.Module, ep_mesh: Group) -> list[str]:
     group = as_group(ep_mesh)
     ep = dist.get_world_size(group)
     sliced = []
-    for fqn, moe in model.named_modules():
-        if not hasattr(moe, "expert_parallel"):
+    for fqn, experts in model.named_modules():
+        if not hasattr(experts, "expert_parallel"):
             continue
-        experts = moe.experts
         total = experts.w1.shape[0]
         if total % ep:
             raise ValueError(
@@ -172,8 +174,34 @@ def apply_ep(model: nn.Module, ep_mesh: Group) -> list[str]:
             piece = nn.Parameter(param.detach()[keep].clone(), requires_grad=param.requires_grad)
             setattr(experts, name, piece)
         experts.ep_range = (parallel.first, total)
-        moe.expert_parallel = parallel
-        sliced.append(f"{fqn}.experts" if fqn else "experts")
+        experts.expert_parallel = parallel
+        sliced.append(fqn)
     if not sliced:
         raise ValueError(f"{type(model).__name__} has no MoE layer to split across EP ranks")
     return sliced
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, dp_group: dist.ProcessGroup) -> torch.Tensor:
+    """``fs.clip_grad_norm_`` for a model whose buckets sit on different shard groups
+    (experts on dp_shard_mod_ep, the rest on dp_shard_cp): the squares of every local
+    gradient shard summed over ``dp_group`` (dp_shard_cp), on which each gradient
+    element lives exactly once (EP x dp_shard_mod_ep = dp_shard_cp; HSDP replicas are
+    outside it). Returns the full model's 2-norm; scales the shards to ``max_norm``."""
+    buckets = list(subtree_buckets(model))
+    if not buckets:
+        raise ValueError("clip_grad_norm_ needs a model sharded by flexshard")
+    partial = torch.zeros((), dtype=torch.float32, device=buckets[0].storage.device)
+    for bucket in buckets:
+        if bucket.layout.replicated and bucket.rank != 0:
+            continue  # a Replicate bucket's ranks hold the same gradient: count it once
+        for local in bucket.local_params:
+            if local.grad is not None and local.grad.numel():
+                partial += torch.linalg.vector_norm(local.grad.float()) ** 2
+    dist.all_reduce(partial, group=dp_group)
+    total = partial.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for bucket in buckets:
+        for local in bucket.local_params:
+            if local.grad is not None:
+                local.grad.mul_(coef.to(local.grad.dtype))
+    return total

@@ -121,11 +121,29 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.init_stds = {"w1": 0.02, "w2": out_std, "w3": 0.02}
-        # set by apply_ep: this rank keeps experts [first, first + local) of `total`
+        # set by apply_ep: the EP group, and (first, total): this rank keeps experts
+        # first .. first + len(w1) - 1 of total
+        self.expert_parallel: ExpertParallel | None = None
         self.ep_range: tuple[int, int] | None = None
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return (F.silu(x @ self.w1[e].t()) * (x @ self.w3[e].t())) @ self.w2[e].t()
+
+    def forward(
+        self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+    ) -> torch.Tensor:
+        """Per token, the router-weighted sum of its ``chosen`` experts' outputs (a
+        module call, so that a data-parallel wrapper of the experts sees it run)."""
+        if self.expert_parallel is not None:  # the experts live on the EP ranks: all-to-all
+            return self.expert_parallel.routed(self, flat, weights, chosen)
+        out = torch.zeros_like(flat)
+        for e in range(self.w1.shape[0]):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            if token.numel() == 0:
+                continue
+            routed = self.expert(e, flat[token]) * weights[token, slot, None]
+            out = out.index_add(0, token, routed)
+        return out
 
 
 class MoE(nn.Module):
@@ -143,7 +161,6 @@ class MoE(nn.Module):
             if moe.num_shared_experts
             else None
         )
-        self.expert_parallel: ExpertParallel | None = None  # set by apply_ep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -151,16 +168,7 @@ class MoE(nn.Module):
         scores = self.router(flat).float().softmax(dim=-1)
         weights, chosen = scores.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).type_as(x)
-        if self.expert_parallel is not None:  # the experts live on the EP ranks: all-to-all
-            out = self.expert_parallel.routed(self.experts, flat, weights, chosen)
-        else:
-            out = torch.zeros_like(flat)
-            for e in range(self.experts.w1.shape[0]):
-                token, slot = (chosen == e).nonzero(as_tuple=True)
-                if token.numel() == 0:
-                    continue
-                routed = self.experts.expert(e, flat[token]) * weights[token, slot, None]
-                out = out.index_add(0, token, routed)
+        out = self.experts(flat, weights, chosen)
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.view(shape)
