@@ -13,8 +13,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .checkpoint.model_state import install_state_dict_hooks
 from .placements import BlockShard, BucketLayout, Placement, Shard, plan_bucket
@@ -25,6 +23,7 @@ from .runtime.consistency import check_same_plan
 from .runtime.groups import MeshGroups, resolve_mesh
 from .runtime.hooks import StepState, install_bucket_hooks, install_root_hooks
 from .runtime.module import FlexShardModule, make_flexshard_class
+from .runtime.tp_params import check_tp_param, local_of, spec_of
 from .validation import check_bucket_spec, check_module, check_options
 
 PlacementFn = Callable[[str, nn.Parameter], Placement]
@@ -94,6 +93,7 @@ def _hook_modules(root: nn.Module, fqns: Sequence[str]) -> list[nn.Module]:
 def _resolve_placement(
     spec_placement: object, fqn: str, param: nn.Parameter, bucket: str
 ) -> Placement:
+    check_tp_param(param, fqn, bucket)
     placement = (
         spec_placement(fqn, param)
         if callable(spec_placement) and not isinstance(spec_placement, Placement)
@@ -187,7 +187,7 @@ def _plan(
         )
     return plan_bucket(
         [
-            (fqns[0], tuple(_local_tensor(p).shape), pl)
+            (fqns[0], tuple(local_of(p).shape), pl)
             for (p, fqns), pl in zip(members, placements)
         ],
         world_size,
@@ -214,7 +214,7 @@ def _agree_and_build(
     for plan in plans:
         params = [
             BucketParam(
-                fqns[0], param.requires_grad, [_owner(root, f) for f in fqns], _tp_spec(param)
+                fqns[0], param.requires_grad, [_owner(root, f) for f in fqns], spec_of(param)
             )
             for param, fqns in plan.members
         ]
@@ -235,17 +235,8 @@ def _agree_and_build(
     return built
 
 
-def _tp_spec(param: nn.Parameter) -> DTensorSpec | None:
-    return param._spec if isinstance(param, DTensor) else None
-
-
-def _local_tensor(param: nn.Parameter) -> torch.Tensor:
-    """What flexshard shards: a tensor-parallel DTensor's local tensor (its TP piece)."""
-    return param._local_tensor if isinstance(param, DTensor) else param
-
-
 def _on_device(param: nn.Parameter, device: torch.device) -> torch.Tensor:
-    param = _local_tensor(param)
+    param = local_of(param)  # a TP DTensor: its local piece is what flexshard shards
     if param.device.type in ("meta", device.type):
         return param.detach()
     return param.detach().to(device)

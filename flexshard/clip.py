@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .runtime.module import subtree_buckets
+from .runtime.tp_params import tp_group, tp_sharded
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -34,21 +35,31 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
             f"{[b.name for b in buckets]}"
         )
     device = buckets[0].storage.device
-    partial = torch.zeros((), dtype=torch.float32, device=device)
+    # [parameters split over tp, the others]: tensor-parallel pieces also sum over tp
+    partial = torch.zeros(2, dtype=torch.float32, device=device)
+    tp_groups = set()
     for bucket in buckets:
         if bucket.layout.replicated and bucket.rank != 0:
             continue  # every rank holds the same Replicate gradients: count them once
-        for local in bucket.local_params:
+        for local, param in zip(bucket.local_params, bucket.params):
+            if param.tp_spec is not None:
+                tp_groups.add(tp_group(param.tp_spec))
             if local.grad is None or local.grad.numel() == 0:
                 continue
             norm = torch.linalg.vector_norm(local.grad.float(), norm_type)
-            partial = (
-                torch.maximum(partial, norm)
+            slot = 0 if tp_sharded(param.tp_spec) else 1
+            partial[slot] = (
+                torch.maximum(partial[slot], norm)
                 if norm_type == float("inf")
-                else (partial + norm**norm_type)
+                else (partial[slot] + norm**norm_type)
             )
     op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
     dist.all_reduce(partial, op=op, group=group)
+    if len(tp_groups) > 1:
+        raise ValueError("clip_grad_norm_: the module's TP parameters use different tp meshes")
+    if tp_groups:
+        dist.all_reduce(partial[0:1], op=op, group=tp_groups.pop())
+    partial = partial.max() if norm_type == float("inf") else partial.sum()
     total = partial if norm_type == float("inf") else partial ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for bucket in buckets:

@@ -10,6 +10,7 @@ from torch import nn
 from .checkpoint.chunks import RegionTensor
 from .runtime.bucket import Bucket
 from .runtime.module import subtree_buckets
+from .runtime.tp_params import global_tensor, local_piece
 
 
 def param_index(module: nn.Module) -> dict[int, tuple[Bucket, int]]:
@@ -43,7 +44,10 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         bucket, i = entry
         if id(bucket) not in gathered:
             gathered[id(bucket)] = bucket.gather_full()
-        out[key] = gathered[id(bucket)][i]
+        spec = bucket.params[i].tp_spec
+        full = gathered[id(bucket)][i]
+        # a TP parameter: the gathered tensor is this tp rank's piece; join the pieces
+        out[key] = full if spec is None else global_tensor(full, spec)
     return out
 
 
@@ -79,7 +83,10 @@ def load_full_state_dict(
             continue
         source = state_dict[key]
         entry = _slot(index, value)
-        shape = tuple(entry[0].layout.params[entry[1]].shape) if entry else tuple(value.shape)
+        spec = entry[0].params[entry[1]].tp_spec if entry else None
+        shape = tuple(value.shape)
+        if entry is not None:
+            shape = tuple(spec.shape if spec else entry[0].layout.params[entry[1]].shape)
         if tuple(source.shape) != shape:
             raise ValueError(
                 f"state dict entry '{key}' has shape {tuple(source.shape)}, "
@@ -90,7 +97,8 @@ def load_full_state_dict(
             continue
         bucket, i = entry
         fulls = updates.setdefault(id(bucket), (bucket, [None] * len(bucket.params)))[1]
-        fulls[i] = source
+        # a TP parameter: this tp rank stores its piece of the whole tensor
+        fulls[i] = source if spec is None else local_piece(source, spec)
     for bucket, fulls in updates.values():
         device = bucket.storage.device
         bucket.load_full([None if f is None else f.to(device) for f in fulls])

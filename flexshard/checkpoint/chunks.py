@@ -174,11 +174,22 @@ class RegionTensor(torch.Tensor):
         return RegionTensor(self.shape, pieces, self.writer, self.dtype, self.device, self.slot)
 
 
+def shifted(boxes: list[Box], offset: Sequence[int]) -> list[Box]:
+    """Boxes of a tensor-parallel piece in the coordinates of the whole tensor."""
+    return [(tuple(o + d for o, d in zip(offs, offset)), sizes) for offs, sizes in boxes]
+
+
 def region_tensor(
-    param: ParamLayout, rank: int, local: torch.Tensor, writer: bool, slot: Any = None
+    param: ParamLayout,
+    rank: int,
+    local: torch.Tensor,
+    writer: bool,
+    slot: Any = None,
+    frame: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> RegionTensor:
     """Describe ``local`` (this rank's data of ``param``, any shape with the local
-    numel, e.g. the parameter or an optimizer state like it) as chunks."""
+    numel, e.g. the parameter or an optimizer state like it) as chunks. ``frame``
+    (global shape, offset): ``param`` is a tensor-parallel piece of a larger tensor."""
     flat = local.detach().reshape(-1)
     if flat.numel() != param.local_numel(rank):
         raise ValueError(
@@ -186,8 +197,12 @@ def region_tensor(
             f"{param.local_numel(rank)}"
         )
     pieces, cursor = [], 0
-    for offsets, sizes in local_boxes(param, rank):
+    boxes = local_boxes(param, rank)
+    shape = param.shape
+    if frame is not None:
+        shape, boxes = frame[0], shifted(boxes, frame[1])
+    for offsets, sizes in boxes:
         numel = math.prod(sizes)
         pieces.append(((offsets, sizes), flat[cursor : cursor + numel].view(sizes)))
         cursor += numel
-    return RegionTensor(param.shape, pieces, writer, local.dtype, local.device, slot)
+    return RegionTensor(shape, pieces, writer, local.dtype, local.device, slot)

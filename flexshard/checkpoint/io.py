@@ -32,7 +32,7 @@ from .manifest import (
     share,
     write_manifest,
 )
-from .model_state import fqn_slots, slot_tensor
+from .model_state import fqn_slots, slot_shape, slot_tensor
 from .optimizer_state import optimizer_state_dict, prepare_optimizer_state
 
 _AT_FDCWD = -100
@@ -178,7 +178,7 @@ def _optim_target(model: nn.Module, metadata: Metadata) -> dict[str, Any]:
         fqn = path[2] if len(path) == 4 and path[1] == "state" else None
         slot = slots.get(fqn) if fqn is not None else None
         size = tuple(md.size)
-        if slot is not None and size and size == slot[0].layout.params[slot[1]].shape:
+        if slot is not None and size and size == slot_shape(*slot):
             bucket, i = slot
             local = bucket.local_params[i]
             buffer = torch.zeros(local.shape, dtype=md.properties.dtype, device=local.device)

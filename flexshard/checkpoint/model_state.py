@@ -16,7 +16,8 @@ from torch import nn
 
 from ..runtime.bucket import Bucket
 from ..runtime.module import subtree_buckets
-from .chunks import RegionTensor, local_boxes, region_tensor
+from ..runtime.tp_params import tp_frame
+from .chunks import RegionTensor, local_boxes, region_tensor, shifted
 
 Slot = tuple[Bucket, int]
 
@@ -30,11 +31,23 @@ def is_writer(bucket: Bucket) -> bool:
     return not (bucket.layout.replicated and bucket.rank != 0)
 
 
+def slot_shape(bucket: Bucket, index: int) -> tuple[int, ...]:
+    """The whole parameter's shape (a tensor-parallel piece's global shape)."""
+    spec = bucket.params[index].tp_spec
+    return tuple(spec.shape) if spec is not None else tuple(bucket.layout.params[index].shape)
+
+
 def slot_tensor(bucket: Bucket, index: int, local: torch.Tensor | None = None) -> RegionTensor:
     """Parameter ``index`` of ``bucket`` (or ``local``, a tensor shaped like it) as chunks."""
     data = bucket.local_params[index] if local is None else local
     param = bucket.layout.params[index]
-    return region_tensor(param, bucket.rank, data, is_writer(bucket), (bucket, index))
+    spec = bucket.params[index].tp_spec
+    if spec is None:
+        return region_tensor(param, bucket.rank, data, is_writer(bucket), (bucket, index))
+    # a tensor-parallel piece: its chunks sit at the piece's offset in the whole tensor
+    shape, offset, tp_writes = tp_frame(spec)
+    writer = is_writer(bucket) and tp_writes
+    return region_tensor(param, bucket.rank, data, writer, (bucket, index), (shape, offset))
 
 
 def sharded_keys(module: nn.Module, buckets: list[Bucket]) -> list[tuple[list[str], Slot]]:
@@ -62,12 +75,17 @@ def to_local(value: torch.Tensor, bucket: Bucket, index: int, key: str) -> torch
     """This rank's local tensor of parameter ``index`` from a RegionTensor or a full tensor."""
     param = bucket.layout.params[index]
     shape = param.local_shape(bucket.rank)
-    if tuple(value.shape) != tuple(param.shape):
+    boxes = local_boxes(param, bucket.rank)
+    expected = tuple(param.shape)
+    spec = bucket.params[index].tp_spec
+    if spec is not None:  # a tensor-parallel piece: boxes in the whole tensor's coordinates
+        expected, offset, _ = tp_frame(spec)
+        boxes = shifted(boxes, offset)
+    if tuple(value.shape) != expected:
         raise ValueError(
             f"state dict entry '{key}' has shape {tuple(value.shape)}, bucket "
-            f"'{bucket.name}' expects {tuple(param.shape)}"
+            f"'{bucket.name}' expects {expected}"
         )
-    boxes = local_boxes(param, bucket.rank)
     if isinstance(value, RegionTensor):
         if [box for box, _ in value.pieces] != boxes:
             raise ValueError(

@@ -10,8 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..placements import BucketLayout, gathered_alias, pack_all, pack_rank, unpack
 from ..placements.bytes import as_bytes, byte_view
@@ -19,6 +18,7 @@ from ..quant import QuantFormat
 from .collectives import BucketComm, Pending
 from .grad_check import nonfinite_codes
 from .quantized import QuantizedGather
+from .tp_params import full_parameter, local_grad, local_of
 
 
 @dataclass
@@ -60,37 +60,6 @@ def slot_of(param: torch.Tensor) -> tuple[Bucket, int] | None:
     flexshard local shard). ``bucket.layout.params[index].regions[rank]`` says which
     part of the full parameter each rank stores."""
     return getattr(param, "_flexshard_slot", None)
-
-
-def _full_parameter(local: torch.Tensor, param: BucketParam) -> nn.Parameter:
-    """The parameter the modules see while unsharded: the gathered tensor, or for a
-    tensor-parallel parameter a DTensor on its TP mesh wrapping the gathered local
-    tensor, so that TP's module hooks keep working."""
-    if param.tp_spec is None:
-        return nn.Parameter(local, requires_grad=param.requires_grad)
-    spec = param.tp_spec
-    meta = spec.tensor_meta
-    if meta is not None and meta.dtype != local.dtype:  # mp_policy casts the gathered copy
-        meta = TensorMeta(meta.shape, meta.stride, local.dtype)
-        spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
-    wrapped = DTensor(local, spec, requires_grad=False)
-    return nn.Parameter(wrapped, requires_grad=param.requires_grad)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
-def _local_grad(grad: torch.Tensor | None, tp_spec: DTensorSpec | None) -> torch.Tensor | None:
-    """A TP parameter's gradient as the local tensor of its own placements (a
-    replicated weight's gradient may come back Partial: redistribute sums it over tp)."""
-    if grad is None or tp_spec is None:
-        return grad
-    if not isinstance(grad, DTensor):
-        raise TypeError(f"expected a DTensor gradient for a TP parameter, got {type(grad)}")
-    if tuple(grad.placements) != tuple(tp_spec.placements):
-        grad = grad.redistribute(tp_spec.mesh, tp_spec.placements)
-    return grad._local_tensor
 
 
 class Bucket:
@@ -255,10 +224,11 @@ class Bucket:
                 base if base is not None else torch.empty(p.shape, dtype=dtype, device=device)
             )
         self.full_params = [
-            _full_parameter(_own_version_counter(base), p) for base, p in zip(bases, self.params)
+            full_parameter(_own_version_counter(base), p.tp_spec, p.requires_grad)
+            for base, p in zip(bases, self.params)
         ]
         # the plain tensors the collectives fill: a TP parameter's local tensor
-        self.full_locals = [_local(full) for full in self.full_params]
+        self.full_locals = [local_of(full) for full in self.full_params]
         # refilling any of them must not look like an in-place change to autograd
         self._version_guarded = tuple(self.full_params) + tuple(
             local for local, full in zip(self.full_locals, self.full_params) if local is not full
@@ -367,7 +337,7 @@ class Bucket:
         """Unsharded gradients of this backward plus those held back by no-sync steps."""
         grads = []
         for i, (full, param) in enumerate(zip(self.full_params, self.params)):
-            grad, full.grad = _local_grad(full.grad, param.tp_spec), None
+            grad, full.grad = local_grad(full.grad, param.tp_spec), None
             held = self._accumulated[i]
             self._accumulated[i] = None
             if held is not None and grad is not None:
