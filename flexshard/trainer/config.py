@@ -44,11 +44,14 @@ class ParallelismConfig:
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: whatever the world size leaves
     dp_backend: Literal["flexshard", "fsdp2"] = "flexshard"
-    # reserved for the 5-D trainer; only 1 is accepted today
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
+    tp: int = 1  # tensor parallel (innermost)
+    pp: int = 1  # pipeline stages (outermost)
+    cp: int = 1  # context parallel: every sequence split in 2 * cp zig-zag chunks
+    ep: int = 1  # expert parallel, borrowed from the dp_shard * cp ranks
+    sequence_parallel: bool = True  # with tp > 1 and pp = 1: norms on sequence shards
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    pp_microbatches: int = 0  # 0: pp (one microbatch per stage)
+    pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b)
     # flexshard buckets: one per block plus one outer bucket, all with this placement
     placement: Literal["shard0", "flat", "owned", "block", "mixed", "muon"] = "shard0"
     block: list[int] = field(default_factory=lambda: [16, 16])  # BlockShard tile (R, C)
@@ -280,18 +283,90 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"training.betas = {t.betas}: must be two numbers")
     if len(p.block) != 2 or min(p.block) < 1:
         raise ConfigError(f"parallelism.block = {p.block}: must be two positive sizes [R, C]")
-    for dim in ("tp", "pp", "cp", "ep"):
-        if getattr(p, dim) != 1:
-            raise ConfigError(
-                f"parallelism.{dim} = {getattr(p, dim)}: tensor, pipeline, context and expert "
-                "parallelism are not implemented yet; set it to 1"
-            )
+    check_parallel_layout(cfg)
     for i, entry in enumerate(p.buckets):
         _check_bucket_entry(f"parallelism.buckets[{i}]", entry)
     if cfg.data.source == "files" and not cfg.data.paths:
         raise ConfigError('data.source = "files" needs data.paths (text files or globs)')
     if cfg.data.source == "hf_disk" and not cfg.data.hf_path:
         raise ConfigError('data.source = "hf_disk" needs data.hf_path (a save_to_disk folder)')
+
+
+def check_parallel_layout(cfg: Config) -> None:
+    """Start-up errors of the tp / pp / cp / ep degrees against the model and the batch
+    (the world size is checked by ``ParallelDims.from_config``)."""
+    m, t, p = cfg.model, cfg.training, cfg.parallelism
+    for dim in ("tp", "pp", "cp", "ep", "pp_virtual_stages"):
+        if getattr(p, dim) < 1:
+            raise ConfigError(f"parallelism.{dim} = {getattr(p, dim)}: must be at least 1")
+    if p.pp_microbatches < 0:
+        raise ConfigError(f"parallelism.pp_microbatches = {p.pp_microbatches}: must be >= 0")
+    if m.n_heads % p.tp or m.n_kv_heads % p.tp:
+        raise ConfigError(
+            f"parallelism.tp = {p.tp} must divide model.n_heads = {m.n_heads} and "
+            f"model.n_kv_heads = {m.n_kv_heads}: every tp rank holds whole heads"
+        )
+    stages = p.pp * p.pp_virtual_stages
+    if m.n_layers % stages:
+        raise ConfigError(
+            f"parallelism.pp = {p.pp} x pp_virtual_stages = {p.pp_virtual_stages} = {stages} "
+            f"stages do not divide model.n_layers = {m.n_layers}"
+        )
+    if p.pp_virtual_stages > 1 and p.pp_schedule != "interleaved_1f1b":
+        raise ConfigError(
+            f"parallelism.pp_virtual_stages = {p.pp_virtual_stages} needs "
+            'parallelism.pp_schedule = "interleaved_1f1b"'
+        )
+    micro = p.pp_microbatches or p.pp
+    if p.pp > 1 and t.batch_size % micro:
+        raise ConfigError(
+            f"training.batch_size = {t.batch_size} is not divisible by "
+            f"parallelism.pp_microbatches = {micro}"
+        )
+    if p.pp > 1 and t.grad_accum != 1:
+        raise ConfigError(
+            "training.grad_accum must be 1 with parallelism.pp > 1: the pipeline's "
+            "microbatches (parallelism.pp_microbatches) accumulate instead"
+        )
+    if t.seq_len % (2 * p.cp):
+        raise ConfigError(
+            f"training.seq_len = {t.seq_len} is not divisible by 2 * parallelism.cp = "
+            f"{2 * p.cp}: context parallelism cuts every sequence into 2 * cp zig-zag chunks"
+        )
+    if p.tp > 1 and p.pp == 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError(
+            f"training.seq_len / cp = {t.seq_len // p.cp} is not divisible by parallelism.tp "
+            f"= {p.tp}: sequence parallelism splits each rank's sequence across tp"
+        )
+    if p.ep > 1:
+        if not m.moe.num_experts:
+            raise ConfigError(
+                f"parallelism.ep = {p.ep} needs a mixture-of-experts model "
+                "(model.moe.num_experts > 0)"
+            )
+        if m.moe.num_experts % p.ep:
+            raise ConfigError(
+                f"model.moe.num_experts = {m.moe.num_experts} is not divisible by "
+                f"parallelism.ep = {p.ep}"
+            )
+        if p.dp_shard != -1 and (p.dp_shard * p.cp) % p.ep:
+            raise ConfigError(
+                f"parallelism.ep = {p.ep} must divide dp_shard * cp = {p.dp_shard * p.cp}: "
+                "expert parallelism borrows its ranks from the data and context parallel ranks"
+            )
+    composed = p.tp * p.pp * p.ep > 1
+    if composed and (p.buckets or p.placement == "muon"):
+        raise ConfigError(
+            'parallelism.buckets and placement = "muon" are for data parallelism alone; '
+            "with tp, pp or ep > 1 use a named placement"
+        )
+    if composed and cfg.training.optimizer == "muon":
+        raise ConfigError('training.optimizer = "muon" is not wired with tp, pp or ep > 1')
+    if composed and cfg.checkpoint.enable:
+        raise ConfigError(
+            "checkpoint.enable: checkpoints cover data and context parallel layouts "
+            "(dp_replicate, dp_shard, cp); not yet tp, pp or ep > 1"
+        )
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -1,8 +1,12 @@
-"""One DeviceMesh with named dimensions for every kind of parallelism.
+"""One DeviceMesh with named dimensions for every kind of parallelism, and the
+sub-meshes the pieces take.
 
-Today only data parallelism is live (``dp_replicate`` x ``dp_shard``); ``pp``, ``cp``,
-``tp`` and ``ep`` are reserved names with degree 1, so that the 5-D trainer adds
-dimensions to this mesh instead of building a second one.
+World mesh, outermost first: ``pp, dp_replicate, dp_shard, cp, tp`` (degree-1 dims
+left out, except ``dp_shard``). flexshard's data-parallel mesh spans dp_replicate x
+(dp_shard * cp): the sequence is split across cp, so cp ranks average gradients like
+dp ranks. EP borrows its ranks from dp_shard * cp (as torchtitan): that dimension is
+viewed as (dp_shard_mod_ep, ep), the experts split across ``ep`` and their weights
+sharded by flexshard over ``dp_shard_mod_ep``.
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ class ParallelDims:
                 f"dp_shard={dp_shard} x cp={cfg.cp} x tp={cfg.tp} x pp={cfg.pp}) but the world "
                 f"size is {world_size}; make them equal"
             )
+        if dims.ep > 1 and (dims.dp_shard * dims.cp) % dims.ep:
+            raise ConfigError(
+                f"parallelism.ep = {dims.ep} must divide dp_shard * cp = "
+                f"{dims.dp_shard * dims.cp}: expert parallelism borrows its ranks from them"
+            )
         return dims
 
     def degree(self, name: str) -> int:
@@ -57,7 +66,13 @@ class ParallelDims:
 
     @property
     def dp_size(self) -> int:
+        """Data-parallel degree of the sampler (cp ranks share their samples)."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def composed(self) -> bool:
+        """Anything beyond data and context parallelism."""
+        return self.tp * self.pp * self.ep > 1
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The world mesh; dimensions of degree 1 are kept out, except ``dp_shard``
@@ -65,6 +80,36 @@ class ParallelDims:
         names = [n for n in MESH_ORDER if self.degree(n) > 1 or n == "dp_shard"]
         shape = tuple(self.degree(n) for n in names)
         return init_device_mesh(device_type, shape, mesh_dim_names=tuple(names))
+
+    def meshes(self, mesh: DeviceMesh) -> Meshes:
+        """Every sub-mesh the parallel pieces take. The flattened dims are views of the
+        world mesh's rank grid, built as their own DeviceMesh (every rank builds them
+        alike, so the groups agree)."""
+        grid = mesh.mesh.reshape(self.pp, self.dp_replicate, self.dp_shard * self.cp, self.tp)
+        dp_names = ("pp", "dp_replicate", "dp_shard_cp", "tp")
+        dp_view = DeviceMesh(mesh.device_type, grid, mesh_dim_names=dp_names)
+        dp = dp_view["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else None
+        dp = dp if dp is not None else dp_view["dp_shard_cp"]
+        found = Meshes(
+            world=mesh,
+            dp=dp,
+            dp_shard_cp=dp_view["dp_shard_cp"],
+            tp=mesh["tp"] if self.tp > 1 else None,
+            pp=mesh["pp"] if self.pp > 1 else None,
+            cp=mesh["cp"] if self.cp > 1 else None,
+        )
+        if self.ep > 1:
+            outer = self.dp_shard * self.cp // self.ep
+            ep_grid = grid.reshape(self.pp, self.dp_replicate, outer, self.ep, self.tp)
+            names = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+            ep_view = DeviceMesh(mesh.device_type, ep_grid, mesh_dim_names=names)
+            found.ep = ep_view["ep"]
+            found.experts_dp = (
+                ep_view["dp_replicate", "dp_shard_mod_ep"]
+                if self.dp_replicate > 1
+                else ep_view["dp_shard_mod_ep"]
+            )
+        return found
 
     def dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """1-D (dp_shard) or 2-D (dp_replicate, dp_shard, i.e. HSDP) sub-mesh."""
@@ -77,6 +122,20 @@ class ParallelDims:
         if self.dp_replicate > 1:
             return mesh.get_local_rank("dp_replicate") * self.dp_shard + shard
         return shard
+
+
+@dataclass
+class Meshes:
+    """The world mesh and the sub-meshes of one rank (None: that degree is 1)."""
+
+    world: DeviceMesh
+    dp: DeviceMesh  # flexshard / FSDP2: (dp_replicate,) dp_shard_cp
+    dp_shard_cp: DeviceMesh  # one copy of every gradient element (norms)
+    tp: DeviceMesh | None = None
+    pp: DeviceMesh | None = None
+    cp: DeviceMesh | None = None
+    ep: DeviceMesh | None = None
+    experts_dp: DeviceMesh | None = None  # (dp_replicate,) dp_shard_mod_ep
 
 
 def pick_device(choice: str) -> torch.device:

@@ -30,7 +30,9 @@ from .metrics import (
 )
 from .model import Transformer, count_params, flops_per_token, init_module, init_weights
 from .optimizers import build_optimizer, set_lr
-from .parallel import ParallelDims, init_distributed, pick_device
+from .parallel import Meshes, ParallelDims, init_distributed, pick_device
+from .parallelize import Parallelized, local_batch, parallelize
+from .parallelize import clip_grad_norm_ as clip_parallel
 from .sharding import apply_flexshard, apply_fsdp2
 
 
@@ -67,12 +69,15 @@ def build_model(cfg: Config, dp_mesh: DeviceMesh, device: torch.device) -> nn.Mo
     return model
 
 
-def clip_gradients(model: nn.Module, cfg: Config) -> float:
+def clip_gradients(job: Job) -> float:
     """The full model's gradient norm; gradients clipped to ``max_norm`` when > 0
     (with max_norm = inf the scale is exactly 1.0, so nothing changes). flexshard and
     torch (on DTensors) sum the norm in different orders: the norms agree to an ulp or
     two, and a step where clipping acts is then not bit-equal between the backends."""
+    cfg, model = job.cfg, job.model
     max_norm = cfg.training.max_norm or float("inf")
+    if job.dims.composed:  # gradients spread over tp, pp, ep too
+        return clip_parallel(job.parallel, job.dims, job.meshes, max_norm)
     if cfg.parallelism.dp_backend == "fsdp2":
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -92,10 +97,12 @@ class Job:
     rank: int
     dims: ParallelDims
     dp_rank: int
-    model: nn.Module
+    model: nn.Module  # the first (often only) stage module
     optimizer: torch.optim.Optimizer
     sampler: DPSampler
     folder: Path
+    meshes: Meshes
+    parallel: Parallelized  # every stage module this rank runs, and the pipeline runner
 
 
 def setup(cfg: Config) -> Job:
@@ -106,7 +113,7 @@ def setup(cfg: Config) -> Job:
     # torch 2.13 renamed the tensor collectives; the old names warn once per process
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")
     mesh = dims.build_mesh(device.type)
-    dp_mesh, dp_rank = dims.dp_mesh(mesh), dims.dp_rank(mesh)
+    meshes, dp_rank = dims.meshes(mesh), dims.dp_rank(mesh)
     t = cfg.training
     sampler = DPSampler(
         load_tokens(cfg.data, ByteTokenizer()),
@@ -117,10 +124,26 @@ def setup(cfg: Config) -> Job:
         dims.dp_size,
         t.seed,
     )
-    model = build_model(cfg, dp_mesh, device)
-    optimizer = build_optimizer(model, t, cfg.model)
+    if dims.composed or dims.cp > 1:
+        parallel = parallelize(cfg, dims, meshes, device)
+    else:  # data parallelism alone: flexshard builds on meta, no full copy anywhere
+        parallel = Parallelized([build_model(cfg, meshes.dp, device)])
+    model = parallel.modules[0]
+    optimizer = build_optimizer(parallel, t, cfg.model)  # type: ignore[arg-type]
     folder = Path(cfg.job.dump_folder)
-    return Job(cfg, device, dist.get_rank(), dims, dp_rank, model, optimizer, sampler, folder)
+    return Job(
+        cfg,
+        device,
+        dist.get_rank(),
+        dims,
+        dp_rank,
+        model,
+        optimizer,
+        sampler,
+        folder,
+        meshes,
+        parallel,
+    )
 
 
 def train_step(job: Job, step: int) -> tuple[float, float, float]:
@@ -130,27 +153,36 @@ def train_step(job: Job, step: int) -> tuple[float, float, float]:
     accum = cfg.training.grad_accum
     lr = set_lr(job.optimizer, step, cfg.training)
     local_loss = torch.zeros((), device=job.device)
+    runner = job.parallel.runner
     for micro in range(accum):
+        inputs, targets = job.sampler.batch(step, micro)
+        inputs, targets = local_batch(inputs.to(job.device), targets.to(job.device), job.meshes)
+        if runner is not None:  # the schedule syncs gradients on the last microbatch
+            local_loss += runner.step(inputs, targets)
+            continue
         # reduce gradients only after the last micro-batch (they accumulate unsharded)
         model.set_requires_gradient_sync(micro == accum - 1)  # type: ignore[operator]
-        inputs, targets = job.sampler.batch(step, micro)
-        loss = loss_fn(model(inputs.to(job.device)), targets.to(job.device)) / accum
+        loss = loss_fn(model(inputs), targets) / accum
         loss.backward()
         local_loss += loss.detach()
-    grad_norm = clip_gradients(model, cfg)
+    grad_norm = clip_gradients(job)
     job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
-    # the global batch's loss: mean over data-parallel ranks (every rank holds it)
+    # the global batch's loss: mean over all ranks; tp and pp ranks hold the same value
+    # and dp x cp ranks equal token counts, so that is the mean over the global batch
     dist.all_reduce(local_loss, op=dist.ReduceOp.AVG)
     return float(local_loss), grad_norm, lr
 
 
-def _comm_bytes(model: nn.Module) -> dict[str, int] | None:
+def _comm_bytes(parallel: Parallelized) -> dict[str, int] | None:
     """Bytes this rank sent per bucket since the last call (flexshard only)."""
-    if not isinstance(model, fs.FlexShardModule):
-        return None
-    stats = model.comm_stats(reset=True)
-    return {name: entry["bytes_sent"] for name, entry in stats.items()}
+    sent: dict[str, int] = {}
+    for module in parallel.modules:
+        if not isinstance(module, fs.FlexShardModule):
+            return None
+        stats = module.comm_stats(reset=True)
+        sent.update({name: entry["bytes_sent"] for name, entry in stats.items()})
+    return sent
 
 
 def run(cfg: Config) -> list[dict[str, Any]]:
@@ -164,7 +196,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     flops_token = flops_per_token(cfg.model, t.seq_len)
     peak = peak_flops_per_rank(job.device, cfg.job.peak_tflops)
     records = []
-    _comm_bytes(job.model)  # count from the first step on
+    _comm_bytes(job.parallel)  # count from the first step on
     for step in range(start_step, t.steps):
         begin = time.perf_counter()
         loss, grad_norm, lr = train_step(job, step)
@@ -182,7 +214,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             "mfu": flops_token * per_rank / peak if peak else 0.0,
             "step_time_s": seconds,
             "peak_memory_mb": peak_memory_mb(job.device),
-            "comm_bytes": _comm_bytes(job.model),
+            "comm_bytes": _comm_bytes(job.parallel),
         }
         records.append(record)
         if writer is not None and ((step + 1) % cfg.job.log_every == 0 or step + 1 == t.steps):
@@ -211,7 +243,11 @@ def _report(job: Job, note: str) -> None:
     header = {
         "run": cfg.job.description or str(job.folder),
         "backend": f"{cfg.parallelism.dp_backend} ({cfg.parallelism.placement})",
-        "mesh": f"dp_replicate={job.dims.dp_replicate} x dp_shard={job.dims.dp_shard}",
+        "mesh": " x ".join(
+            f"{name}={job.dims.degree(name)}"
+            for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+            if job.dims.degree(name) > 1 or name == "dp_shard"
+        ),
         "parameters": f"{total:,} ({active:,} active, no embedding)",
         "global batch": f"{job.sampler.global_batch} x {cfg.training.seq_len} tokens",
     }
