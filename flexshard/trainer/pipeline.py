@@ -151,6 +151,7 @@ class PipelineRunner:
         schedule: str,
         loss_fn: LossFn,
         activation_dtype: torch.dtype,
+        sequence_shards: int,
     ) -> None:
         self.modules = modules
         self.stage_ids = ids
@@ -160,6 +161,7 @@ class PipelineRunner:
         self.schedule_name = schedule
         self.loss_fn = loss_fn
         self.activation_dtype = activation_dtype
+        self.sequence_shards = sequence_shards
         self._schedule: Any = None
         self._batch_shape: tuple[int, ...] | None = None
 
@@ -178,7 +180,10 @@ class PipelineRunner:
         gradient back to the previous stage."""
         micro, seq = tokens.shape[0] // self.n_microbatches, tokens.shape[1]
         cfg, dtype, device = self.modules[0].cfg, self.activation_dtype, tokens.device
-        hidden = torch.empty(micro, seq, cfg.dim, dtype=dtype, device=device, requires_grad=True)
+        hidden_seq = seq // self.sequence_shards  # sequence-parallel TP splits it further
+        hidden = torch.empty(
+            micro, hidden_seq, cfg.dim, dtype=dtype, device=device, requires_grad=True
+        )
         logits = torch.empty(micro, seq, cfg.vocab_size, dtype=dtype, device=device)
         stages = []
         for module, stage in zip(self.modules, self.stage_ids):
@@ -313,11 +318,14 @@ def build_pipeline(
     shard_fn: Callable[[nn.Module], nn.Module] | None = None,
     virtual_stages: int = 1,
     activation_dtype: torch.dtype = torch.float32,
+    sequence_shards: int = 1,
 ) -> PipelineRunner:
     """Split ``model`` (consumed) into this rank's stages, shard each with
     ``shard_fn(stage_module)`` (e.g. flexshard over the data-parallel mesh) and return
     the runner. ``activation_dtype``: dtype of the hidden states and logits stages
-    exchange (the mixed-precision param dtype when one is set)."""
+    exchange (the mixed-precision param dtype when one is set); ``sequence_shards``: how
+    many pieces the hidden states' sequence is cut into between stages beyond the
+    tokens given to ``step`` (the tp degree under sequence parallelism, else 1)."""
     if pp_mesh.ndim != 1:
         raise ValueError(f"build_pipeline: pp_mesh must be 1-D, got {pp_mesh.ndim} dims")
     pp = pp_mesh.size()
@@ -328,5 +336,13 @@ def build_pipeline(
     if shard_fn is not None:
         modules = [shard_fn(module) for module in modules]
     return PipelineRunner(
-        modules, ids, n_stages, pp_mesh, n_microbatches, schedule, loss_fn, activation_dtype
+        modules,
+        ids,
+        n_stages,
+        pp_mesh,
+        n_microbatches,
+        schedule,
+        loss_fn,
+        activation_dtype,
+        sequence_shards,
     )
