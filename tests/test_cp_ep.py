@@ -16,8 +16,14 @@ import flexshard as fs
 from flexshard.testing import run_distributed
 from flexshard.trainer.config import ModelConfig, config_from_dict
 from flexshard.trainer.context_parallel import apply_cp, check_cp, split_sequence
-from flexshard.trainer.expert_parallel import apply_ep, check_ep, clip_grad_norm_
-from flexshard.trainer.model import GroupedExperts, Transformer, init_module, init_weights
+from flexshard.trainer.expert_parallel import (
+    apply_ep,
+    check_ep,
+    clip_grad_norm_,
+    gather_expert_weights,
+    slice_expert_weights,
+)
+from flexshard.trainer.model import Transformer, init_module, init_weights
 from flexshard.trainer.train import loss_fn
 
 SEED = 5
@@ -63,20 +69,29 @@ def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------ one step, no DP
-def cp_step(cp_group: dist.ProcessGroup) -> dict[str, float]:
-    """CP over ``cp_group`` (every rank has the whole batch): loss and gradients."""
-    cfg, batch = model_config(), tokens(2)
+def cp_step(cp_group: dist.ProcessGroup, num_experts: int = 0) -> dict[str, float]:
+    """CP over ``cp_group`` (every rank has the whole batch): loss and gradients. With
+    experts, EP runs over the same ranks (EP borrows the CP ranks, as torchtitan)."""
+    cfg, batch = model_config(num_experts), tokens(2)
     ref_loss, ref_grads = reference(cfg, batch)
     model = Transformer(cfg)
     init_weights(model, SEED)
     apply_cp(model, cp_group)
+    experts = slice(None)
+    if num_experts:
+        apply_ep(model, cp_group)
+        local = num_experts // dist.get_world_size(cp_group)
+        experts = slice(local * dist.get_rank(cp_group), local * (dist.get_rank(cp_group) + 1))
     inputs, targets = (split_sequence(t, cp_group) for t in (batch[:, :-1], batch[:, 1:]))
     loss = loss_fn(model(inputs), targets)
     loss.backward()
     # every CP rank holds the same number of tokens: the global mean is the ranks' mean
     loss_gap = abs(float(_average(loss, cp_group)) - ref_loss) / ref_loss
     grad_gap = max(
-        _gap(_average(p.grad, cp_group), ref_grads[n]) for n, p in model.named_parameters()
+        _gap(p.grad, ref_grads[n][experts])
+        if ".experts." in n  # EP: already the global mean's gradient
+        else _gap(_average(p.grad, cp_group), ref_grads[n])
+        for n, p in model.named_parameters()
     )
     assert loss_gap < LOSS_RTOL and grad_gap < GRAD_ATOL, (loss_gap, grad_gap)
     return {"loss_gap": loss_gap, "grad_gap": grad_gap}
@@ -150,6 +165,8 @@ def _small_cases(rank: int, world_size: int) -> dict[str, dict[str, float]]:
     experts = 2 * world_size  # two experts per rank (W = 3: six experts)
     results[f"ep{world_size}"] = ep_step(world, experts, meta=False)
     results[f"ep{world_size}_meta"] = ep_step(world, experts, meta=True)
+    if world_size == 2:
+        results["cp2+ep2"] = cp_step(world, num_experts=4)
     if world_size == 3:  # odd: flexshard over the 3 CP ranks (dp_shard_cp = 1 x 3)
         results["cp3xdp1"] = cp_dp_training(1, 3)
     return results
@@ -257,16 +274,17 @@ def ep_dp_training(rank: int) -> dict[str, float]:
     group = dp.get_group()
     losses, norms = _train(model, batch_of, STEPS, lambda m: clip_grad_norm_(m, MAX_NORM, group))
     # the full model: other layers from flexshard, the experts gathered across EP ranks
-    params = fs.full_state_dict(model)
-    for fqn in sliced:
-        experts = model.get_submodule(fqn)
-        assert isinstance(experts, GroupedExperts)
-        for name in ("w1", "w2", "w3"):
-            local = params[f"{fqn}.{name}"]
-            pieces = [torch.empty_like(local) for _ in range(2)]
-            dist.all_gather(pieces, local.contiguous(), group=ep_mesh["ep"].get_group())
-            params[f"{fqn}.{name}"] = torch.cat(pieces)
-    return _compare("dp4_ep2", losses, norms, params, expected)
+    params = gather_expert_weights(model, fs.full_state_dict(model))
+    result = _compare("dp4_ep2", losses, norms, params, expected)
+    # and back: the single-process state dict, sliced to this rank's experts, loads
+    # into the sharded EP model and gives the same (local) state dict
+    before = fs.full_state_dict(model)
+    fs.load_full_state_dict(model, slice_expert_weights(model, expected[2]))
+    after = fs.full_state_dict(model)
+    for key, value in slice_expert_weights(model, expected[2]).items():
+        assert torch.equal(after[key], value), key
+    assert any(not torch.equal(before[k], after[k]) for k in after)
+    return result
 
 
 def _training_cases(rank: int, world_size: int) -> dict[str, dict[str, float]]:

@@ -21,6 +21,7 @@ gradient norm ``clip_grad_norm_`` (``fs.clip_grad_norm_`` wants one shard group)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -179,6 +180,48 @@ def apply_ep(model: nn.Module, ep_mesh: Group) -> list[str]:
     if not sliced:
         raise ValueError(f"{type(model).__name__} has no MoE layer to split across EP ranks")
     return sliced
+
+
+def _split_experts(model: nn.Module) -> Iterator[tuple[str, ExpertParallel]]:
+    for fqn, module in model.named_modules():
+        parallel = getattr(module, "expert_parallel", None)
+        if parallel is not None:
+            yield fqn, parallel
+
+
+def gather_expert_weights(
+    model: nn.Module, state_dict: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """A full state dict (e.g. ``fs.full_state_dict``) of an EP model with every
+    expert weight all-gathered across its EP group: the single-process model's state
+    dict, as a checkpoint for any other layout wants it. Every EP rank must call it."""
+    out = dict(state_dict)
+    for fqn, parallel in _split_experts(model):
+        for name in ("w1", "w2", "w3"):
+            key = f"{fqn}.{name}"
+            local = state_dict[key].contiguous()
+            whole = local.new_empty(parallel.size * local.numel())
+            dist.all_gather_single(whole, local.view(-1), group=parallel.group)
+            out[key] = whole.view(parallel.num_experts, *local.shape[1:])
+    return out
+
+
+def slice_expert_weights(
+    model: nn.Module, state_dict: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The inverse: a single-process state dict cut to this EP rank's experts, ready
+    for ``fs.load_full_state_dict`` (or ``load_state_dict``). No collective."""
+    out = dict(state_dict)
+    for fqn, parallel in _split_experts(model):
+        for name in ("w1", "w2", "w3"):
+            key = f"{fqn}.{name}"
+            if state_dict[key].shape[0] != parallel.num_experts:
+                raise ValueError(
+                    f"{key}: {state_dict[key].shape[0]} experts in the state dict, the model "
+                    f"has {parallel.num_experts}"
+                )
+            out[key] = state_dict[key][parallel.first : parallel.first + parallel.local]
+    return out
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, dp_group: dist.ProcessGroup) -> torch.Tensor:
