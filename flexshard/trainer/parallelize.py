@@ -73,8 +73,8 @@ def apply_dp(module: nn.Module, cfg: Config, meshes: Meshes, expert_fqns: list[s
             fully_shard(layer, mesh=meshes.dp, mp_policy=policy, reshard_after_forward=reshard)
         return fully_shard(module, mesh=meshes.dp, mp_policy=policy, reshard_after_forward=reshard)
     placement = named_placement(cfg.parallelism.placement, cfg)
-    for fqn in present:
-        fs.fully_shard(module.get_submodule(fqn), mesh=meshes.experts_dp, mp_policy=policy)
+    if present:  # buckets on two meshes: fully_shard style, one call per module
+        return _flexshard_per_module(module, placement, meshes, present, policy, reshard)
     specs = [
         fs.BucketSpec(f"layers.{name}.*", placement, name=f"layers.{name}")
         for name in _layer_names(module)
@@ -84,6 +84,49 @@ def apply_dp(module: nn.Module, cfg: Config, meshes: Meshes, expert_fqns: list[s
         specs.append(fs.BucketSpec(outer, placement, name="outer"))
     return fs.flex_shard(
         module, meshes.dp, buckets=specs, mp_policy=policy, reshard_after_forward=reshard
+    )
+
+
+def _flexshard_per_module(
+    module: nn.Module,
+    placement: Any,
+    meshes: Meshes,
+    expert_fqns: list[str],
+    policy: Any,
+    reshard: bool,
+) -> Any:
+    """fs.fully_shard on the experts (their own mesh), then each block, then the root:
+    flex_shard's buckets share one mesh, EP's experts need another."""
+    fqn_of = {id(p): fqn for fqn, p in module.named_parameters()}
+
+    def place(param: nn.Parameter) -> Any:
+        return (
+            placement
+            if isinstance(placement, fs.Placement)
+            else placement(fqn_of[id(param)], param)
+        )
+
+    for fqn in expert_fqns:
+        fs.fully_shard(
+            module.get_submodule(fqn),
+            mesh=meshes.experts_dp,
+            mp_policy=policy,
+            shard_placement_fn=place,
+        )
+    for layer in module.layers:  # type: ignore[union-attr]
+        fs.fully_shard(
+            layer,
+            mesh=meshes.dp,
+            mp_policy=policy,
+            reshard_after_forward=reshard,
+            shard_placement_fn=place,
+        )
+    return fs.fully_shard(
+        module,
+        mesh=meshes.dp,
+        mp_policy=policy,
+        reshard_after_forward=reshard,
+        shard_placement_fn=place,
     )
 
 

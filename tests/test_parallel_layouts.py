@@ -1,0 +1,228 @@
+"""The trainer under TP, PP, CP, EP and HSDP layouts against the single-process run:
+the loss of the first 10 steps, the gradient norms and the final (gathered) parameters,
+same data and same initial weights; a checkpoint resumed under another layout; bad
+layouts rejected at start-up.
+
+Tolerances (fp32): the ranks' partial sums (sequence shards, tp pieces, microbatches,
+data-parallel means) round differently from one process's single batch. Measured worst
+gaps are printed (``-s``); the bounds below leave about 10x room.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexshard.testing import run_distributed
+from flexshard.trainer.config import Config, ConfigError, config_from_dict, load_config
+from flexshard.trainer.data import ByteTokenizer, DPSampler, load_tokens
+from flexshard.trainer.model import Transformer, init_weights
+from flexshard.trainer.optimizers import build_optimizer, set_lr
+from flexshard.trainer.parallel import ParallelDims
+from flexshard.trainer.parallelize import full_parameters
+from flexshard.trainer.train import loss_fn, run, setup, train_step
+
+STEPS = 10
+LOSS_RTOL = 2e-5
+NORM_RTOL = 2e-4
+PARAM_ATOL = 2e-5
+MOE = {"num_experts": 4, "top_k": 2, "expert_hidden": 24, "first_dense_layers": 1}
+
+# name: (world size, [parallelism], [model.moe] or None)
+LAYOUTS: dict[str, tuple[int, dict, dict | None]] = {
+    "dp2xtp2": (4, {"dp_shard": 2, "tp": 2}, None),
+    "tp2xpp2": (4, {"dp_shard": 1, "tp": 2, "pp": 2}, None),
+    "dp2xcp2": (4, {"dp_shard": 2, "cp": 2}, None),
+    "dp2xep2": (2, {"dp_shard": 2, "ep": 2}, MOE),
+    "hsdp2x2": (4, {"dp_replicate": 2, "dp_shard": 2}, None),
+    "dp2xpp2_gpipe": (4, {"dp_shard": 2, "pp": 2, "pp_schedule": "gpipe"}, None),
+    "dp2xtp2_fsdp2": (4, {"dp_shard": 2, "tp": 2, "dp_backend": "fsdp2"}, None),
+    # slow: 8 ranks
+    "dp2xtp2xpp2": (8, {"dp_shard": 2, "tp": 2, "pp": 2}, None),
+    "cp2xtp2xep2": (8, {"dp_shard": 2, "cp": 2, "tp": 2, "ep": 2}, MOE),
+    "pp2_interleaved_x_dp2xcp2": (
+        8,
+        {
+            "dp_shard": 2,
+            "cp": 2,
+            "pp": 2,
+            "pp_schedule": "interleaved_1f1b",
+            "pp_virtual_stages": 2,
+            "pp_microbatches": 2,
+        },
+        None,
+    ),
+}
+
+
+def layout_config(folder: str, parallelism: dict, moe: dict | None, **extra: dict) -> Config:
+    """dim 32 (4 heads, 2 kv heads), 4 layers (2 or 4 pipeline stages), seq 16."""
+    model = {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 34}
+    if moe is not None:
+        model["moe"] = moe
+    table: dict = {
+        "model": model,
+        "parallelism": parallelism,
+        "training": {"steps": STEPS, "seq_len": 16, "batch_size": 2, "lr": 3e-3, "seed": 3},
+        "job": {"dump_folder": folder, "progress": False, "plot": False, "tensorboard": False},
+    }
+    for name, values in extra.items():
+        table[name] = {**table.get(name, {}), **values}
+    return config_from_dict(table)
+
+
+def single_process(cfg: Config, dp_size: int) -> tuple[list, list, dict]:
+    """Losses, gradient norms and final parameters of one process on the global batch."""
+    t = cfg.training
+    model = Transformer(cfg.model)
+    init_weights(model, t.seed)
+    tokens = load_tokens(cfg.data, ByteTokenizer())
+    sampler = DPSampler(tokens, t.seq_len, dp_size * t.batch_size, 1, 0, 1, t.seed)
+    optimizer = build_optimizer(model, t, cfg.model)
+    losses, norms = [], []
+    for step in range(t.steps):
+        set_lr(optimizer, step, t)
+        inputs, targets = sampler.batch(step)
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm or float("inf"))
+        norms.append(float(norm))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def train_layout(folder: str, name: str) -> dict:
+    """The trainer's own setup and step on this layout; the gathered parameters."""
+    _, parallelism, moe = LAYOUTS[name]
+    job = setup(layout_config(f"{folder}/{name}", parallelism, moe))
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss, norm, _ = train_step(job, step)
+        losses.append(loss)
+        norms.append(norm)
+    params = full_parameters(job.parallel, job.meshes)
+    return {"losses": losses, "norms": norms, "params": {k: v.numpy() for k, v in params.items()}}
+
+
+def _cases(rank: int, world_size: int, folder: str, names: list[str]) -> dict:
+    return {name: train_layout(folder, name) for name in names}
+
+
+def _check(name: str, result: dict) -> dict[str, float]:
+    _, parallelism, moe = LAYOUTS[name]
+    cfg = layout_config("-", parallelism, moe)
+    dp = cfg.parallelism.dp_replicate * cfg.parallelism.dp_shard
+    losses, norms, params = single_process(cfg, dp)
+    loss_gap = max(abs(a - b) / b for a, b in zip(result["losses"], losses))
+    norm_gap = max(abs(a - b) / b for a, b in zip(result["norms"], norms))
+    assert set(result["params"]) == set(params), name
+    param_gap = max(
+        float((torch.from_numpy(result["params"][k]) - v).abs().max()) for k, v in params.items()
+    )
+    gaps = {"loss": loss_gap, "norm": norm_gap, "param": param_gap}
+    assert loss_gap < LOSS_RTOL and norm_gap < NORM_RTOL and param_gap < PARAM_ATOL, (name, gaps)
+    assert result["losses"][-1] < result["losses"][0], name  # it learns
+    return gaps
+
+
+def _run_layouts(world_size: int, names: list[str], tmp_path) -> None:
+    results = run_distributed(_cases, world_size, str(tmp_path), names, timeout=900)
+    for name in names:
+        gaps = _check(name, results[0][name])
+        print(f"{name}: {gaps}")
+        for rank, by_name in enumerate(results):  # every rank logs the same loss
+            assert by_name[name]["losses"] == results[0][name]["losses"], (name, rank)
+
+
+def test_layouts_on_4_ranks(tmp_path):
+    names = [n for n, (w, _, _) in LAYOUTS.items() if w == 4]
+    _run_layouts(4, names, tmp_path)
+
+
+def test_expert_parallel_on_2_ranks(tmp_path):
+    _run_layouts(2, ["dp2xep2"], tmp_path)
+
+
+@pytest.mark.slow
+def test_layouts_on_8_ranks(tmp_path):
+    names = [n for n, (w, _, _) in LAYOUTS.items() if w == 8]
+    _run_layouts(8, names, tmp_path)
+
+
+# ------------------------------------------------------------------ resume elsewhere
+def _save_then_resume(rank: int, world_size: int, folder: str) -> dict:
+    """dp2 x cp2 (a 1-D dp_shard_cp mesh) trains 5 steps and saves; HSDP dp_replicate 2
+    x cp2 (a 2-D mesh, each replica's dp_shard_cp = the cp pair) resumes for 5 more.
+    Both read the same global batch (two data-parallel ranks)."""
+    ckpt = {"enable": True, "interval": 5}
+    saved = {"dp_shard": 2, "cp": 2}
+    first = run(layout_config(folder, saved, None, checkpoint=ckpt, training={"steps": 5}))
+    resumed = {"dp_replicate": 2, "dp_shard": 1, "cp": 2}
+    second = run(layout_config(folder, resumed, None, checkpoint=ckpt))
+    return {"first": [r["loss"] for r in first], "second": [r["loss"] for r in second]}
+
+
+def test_checkpoint_resumes_under_another_layout(tmp_path):
+    result = run_distributed(_save_then_resume, 4, str(tmp_path), timeout=600)[0]
+    assert len(result["first"]) == 5 and len(result["second"]) == STEPS - 5  # resumed
+    expected, _, _ = single_process(layout_config("-", {"dp_shard": 2}, None), 2)
+    gaps = [abs(a - b) / b for a, b in zip(result["first"] + result["second"], expected)]
+    print(f"save dp2xcp2 -> resume hsdp2xcp2: loss gap {max(gaps):.2e}")
+    assert max(gaps) < LOSS_RTOL, gaps
+
+
+# ------------------------------------------------------------------ bad layouts
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (["--parallelism.tp", "3"], "parallelism.tp = 3 must divide model.n_heads"),
+        (["--parallelism.pp", "3"], "do not divide model.n_layers = 4"),
+        (["--parallelism.cp", "3"], "seq_len = 16 is not divisible by 2 \\* parallelism.cp"),
+        (["--parallelism.ep", "2"], "parallelism.ep = 2 needs a mixture-of-experts"),
+        (
+            ["--parallelism.ep", "3", "--model.moe.num_experts", "4"],
+            "num_experts = 4 is not divisible by parallelism.ep = 3",
+        ),
+        (
+            [
+                "--parallelism.ep",
+                "2",
+                "--parallelism.dp_shard",
+                "1",
+                "--model.moe.num_experts",
+                "4",
+            ],
+            "must divide dp_shard \\* cp = 1",
+        ),
+        (
+            ["--parallelism.pp", "2", "--parallelism.pp_virtual_stages", "2"],
+            "pp_virtual_stages = 2 needs",
+        ),
+        (["--parallelism.pp", "2", "--training.grad_accum", "2"], "grad_accum must be 1"),
+        (["--parallelism.pp", "2", "--parallelism.pp_microbatches", "3"], "batch_size = 2"),
+        (
+            ["--parallelism.tp", "4", "--model.n_kv_heads", "4", "--training.seq_len", "18"],
+            "divisible by parallelism.tp",
+        ),
+    ],
+)
+def test_bad_layouts_are_config_errors(override, message, tmp_path):
+    base = tmp_path / "base.toml"
+    base.write_text(
+        "[model]\ndim = 32\nn_layers = 4\nn_heads = 4\nn_kv_heads = 2\n"
+        "[training]\nseq_len = 16\nbatch_size = 2\n"
+    )
+    with pytest.raises(ConfigError, match=message):
+        load_config(base, override)
+
+
+def test_world_size_must_be_the_product_of_the_degrees():
+    cfg = layout_config("-", {"dp_shard": 2, "tp": 2, "pp": 2}, None)
+    with pytest.raises(ConfigError, match="multiply to 8 .* world size is 4"):
+        ParallelDims.from_config(cfg.parallelism, 4)
+    cfg = layout_config("-", {"cp": 2, "ep": 4}, {**MOE, "num_experts": 8})
+    with pytest.raises(ConfigError, match="parallelism.ep = 4 must divide dp_shard \\* cp = 2"):
+        ParallelDims.from_config(cfg.parallelism, 2)  # dp_shard inferred as 1
+    assert ParallelDims.from_config(cfg.parallelism, 4).dp_shard == 2
