@@ -21,6 +21,9 @@ Expert stacks ``[E, R, C]``: experts whole on a rank run one batched Newton–Sc
 there; a stack whose experts are cut is redistributed expert by expert (each expert
 a matrix with its own LPT owner), so E experts spread over the ranks.
 
+Tensor-parallel matrices (flexshard local shards of a TP DTensor's piece) are gathered
+whole on every rank (dp, then tp) and orthogonalised there: see ``tp_matrices``.
+
 Every rank of a shard group must hold gradients for the same parameters (flexshard's
 backward gives every rank a gradient, empty where it stores nothing): which matrices
 are exchanged is decided from the layout and the parameters that have a gradient.
@@ -47,6 +50,7 @@ from .redistribute import (
     send_inputs,
     send_updates,
 )
+from .tp_matrices import gather_matrix, own_part
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -243,6 +247,12 @@ class DistMuon(Optimizer):
         param = target.param
         if target.kind is Kind.WHOLE:
             self._apply(target, self._orthogonalize(target, update), target.shape)
+        elif target.kind is Kind.TENSOR_PARALLEL:
+            assert target.bucket is not None
+            bucket, index = target.bucket, target.index
+            matrix = gather_matrix(bucket, index, update)
+            whole = self._orthogonalize(target, matrix)
+            self._apply(target, own_part(bucket, index, whole), target.shape)
         elif target.kind is Kind.EXPERTS:
             rows, cols = target.shape[-2:]
             stack = self._orthogonalize(target, update.reshape(-1, rows, cols))

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from ..placements import ParamLayout, Region
 from ..runtime.bucket import Bucket, slot_of
 from .newton_schulz import ns_flops
+from .tp_matrices import is_tp_matrix
 
 Shape = tuple[int, ...]
 
@@ -23,6 +24,7 @@ class Kind(enum.Enum):
     ROW_BLOCKS = "row_blocks"  # full-width row blocks, each its own matrix
     NOTHING = "nothing"  # a whole-matrix placement that put nothing on this rank
     REMOTE = "remote"  # the matrix is split across ranks: redistribute to an owner
+    TENSOR_PARALLEL = "tp"  # split over tp (and dp): gathered whole on every rank
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,8 @@ def resolve(param: torch.Tensor, name: str, group: dict) -> Target:
     if isinstance(param, DTensor):  # its .shape is global, its data local: not a matrix here
         raise TypeError(
             f"DistMuon: {name} is a DTensor (tensor parallel?); DistMuon takes flexshard "
-            "local shards and plain tensors"
+            "local shards (tensor-parallel ones included: shard the model with flexshard "
+            "after apply_tp) and plain tensors"
         )
     slot = slot_of(param)
     rows = _block_rows(group["row_blocks"], name)
@@ -131,6 +134,17 @@ def resolve(param: torch.Tensor, name: str, group: dict) -> Target:
     layout: ParamLayout = bucket.layout.params[index]
     name = f"parameter '{layout.fqn}' in bucket '{bucket.name}'"
     shape = layout.shape
+    spec = bucket.params[index].tp_spec
+    if is_tp_matrix(bucket, index):  # the piece is part of a larger matrix
+        assert spec is not None
+        shape = tuple(spec.shape)
+        _check_ndim(name, shape)
+        if rows is not None or len(shape) != 2:
+            raise ValueError(
+                f"DistMuon: {name} is split by tensor parallelism; DistMuon takes whole "
+                "2-D tensor-parallel matrices (no row_blocks, no expert stacks)"
+            )
+        return Target(param, name, group, Kind.TENSOR_PARALLEL, shape, bucket, index)
     _check_ndim(name, shape)
     target = Target(param, name, group, Kind.REMOTE, shape, bucket, index)
     all_regions = [r for regions in layout.regions for r in regions]
@@ -161,7 +175,7 @@ def rank_work(target: Target, steps: int) -> list[float] | None:
     """Newton–Schulz FLOPs each rank of the shard group spends on a communication-free
     flexshard target (None for plain tensors and redistributed ones): known on every
     rank from the layout, so owners of redistributed matrices can avoid busy ranks."""
-    if target.bucket is None or target.kind is Kind.REMOTE:
+    if target.bucket is None or target.kind in (Kind.REMOTE, Kind.TENSOR_PARALLEL):
         return None
     layout = target.bucket.layout.params[target.index]
     work = []
