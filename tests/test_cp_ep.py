@@ -49,13 +49,14 @@ def tokens(batch: int, seq: int = SEQ + 1) -> torch.Tensor:
     return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(11))
 
 
-def reference(cfg: ModelConfig, batch: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
-    """The single process: loss of the whole batch and every parameter's gradient."""
+def reference(cfg: ModelConfig, batch: torch.Tensor) -> tuple[torch.Tensor, float, dict]:
+    """The single process: logits and loss of the whole batch, every parameter's gradient."""
     model = Transformer(cfg)
     init_weights(model, SEED)
-    loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
+    logits = model(batch[:, :-1])
+    loss = loss_fn(logits, batch[:, 1:])
     loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+    return logits.detach(), loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
 def _average(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -73,7 +74,7 @@ def cp_step(cp_group: dist.ProcessGroup, num_experts: int = 0) -> dict[str, floa
     """CP over ``cp_group`` (every rank has the whole batch): loss and gradients. With
     experts, EP runs over the same ranks (EP borrows the CP ranks, as torchtitan)."""
     cfg, batch = model_config(num_experts), tokens(2)
-    ref_loss, ref_grads = reference(cfg, batch)
+    ref_logits, ref_loss, ref_grads = reference(cfg, batch)
     model = Transformer(cfg)
     init_weights(model, SEED)
     apply_cp(model, cp_group)
@@ -83,7 +84,11 @@ def cp_step(cp_group: dist.ProcessGroup, num_experts: int = 0) -> dict[str, floa
         local = num_experts // dist.get_world_size(cp_group)
         experts = slice(local * dist.get_rank(cp_group), local * (dist.get_rank(cp_group) + 1))
     inputs, targets = (split_sequence(t, cp_group) for t in (batch[:, :-1], batch[:, 1:]))
-    loss = loss_fn(model(inputs), targets)
+    logits = model(inputs)
+    # bitwise: each query row sees the same keys, in the same (global) order, as in one
+    # process, and each expert computes a token's row alone; only reductions differ
+    assert torch.equal(logits, split_sequence(ref_logits, cp_group))
+    loss = loss_fn(logits, targets)
     loss.backward()
     # every CP rank holds the same number of tokens: the global mean is the ranks' mean
     loss_gap = abs(float(_average(loss, cp_group)) - ref_loss) / ref_loss
@@ -102,7 +107,7 @@ def ep_step(ep_group: dist.ProcessGroup, num_experts: int, meta: bool) -> dict[s
     cfg = model_config(num_experts)
     ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     batch = tokens(2 * ep)
-    ref_loss, ref_grads = reference(cfg, batch)
+    ref_logits, ref_loss, ref_grads = reference(cfg, batch)
     with torch.device("meta" if meta else "cpu"):
         model = Transformer(cfg)
     if not meta:
@@ -119,7 +124,9 @@ def ep_step(ep_group: dist.ProcessGroup, num_experts: int, meta: bool) -> dict[s
     for (name, p), q in zip(model.named_parameters(), single.parameters()):
         assert torch.equal(p, q[experts] if ".experts." in name else q), name
     mine = batch[2 * rank : 2 * rank + 2]
-    loss = loss_fn(model(mine[:, :-1]), mine[:, 1:])
+    logits = model(mine[:, :-1])
+    assert torch.equal(logits, ref_logits[2 * rank : 2 * rank + 2])  # bitwise, as for CP
+    loss = loss_fn(logits, mine[:, 1:])
     loss.backward()
     loss_gap = abs(float(_average(loss, ep_group)) - ref_loss) / ref_loss
     gaps = {}
