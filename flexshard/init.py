@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .runtime.tp_params import local_piece
 from .state_dict import param_index
 
 
@@ -36,7 +37,8 @@ def init_params(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
         temporaries = {}
         for name, local in own:
             bucket, i = index[id(local)]
-            shape = bucket.layout.params[i].shape
+            spec = bucket.params[i].tp_spec  # a TP piece: initialise the whole tensor
+            shape = bucket.layout.params[i].shape if spec is None else spec.shape
             full = torch.empty(shape, dtype=bucket.dtypes[i], device=bucket.storage.device)
             temporaries[name] = nn.Parameter(full, requires_grad=local.requires_grad)
             sub._parameters[name] = temporaries[name]
@@ -49,5 +51,7 @@ def init_params(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
         for name, local in own:
             bucket, i = index[id(local)]
             fulls: list[torch.Tensor | None] = [None] * len(bucket.params)
-            fulls[i] = temporaries[name].detach()
+            spec = bucket.params[i].tp_spec
+            full = temporaries[name].detach()
+            fulls[i] = full if spec is None else local_piece(full, spec)
             bucket.load_full(fulls)

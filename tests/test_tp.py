@@ -24,7 +24,7 @@ from flexshard.optim import DistMuon
 from flexshard.quant import MXFP8, dequantize, quantize
 from flexshard.testing import run_distributed
 from flexshard.trainer.config import ConfigError
-from flexshard.trainer.model import Transformer
+from flexshard.trainer.model import Transformer, init_module
 from flexshard.trainer.tensor_parallel import apply_tp, check_tp
 from tests import tp_cases as tc
 
@@ -95,7 +95,16 @@ def _tp_alone_case(rank: int, world: int, root: str) -> dict:
     reloaded = _full_params(fresh)
     resumed = tc.build(tc.model_config(), mesh, tc.block_or_shard)
     ckpt_load(f"{root}/ckpt", resumed)
+    # the trainer's path: built on meta, TP, flexshard, then initialised module by module
+    with torch.device("meta"):
+        meta = Transformer(tc.model_config())
+    apply_tp(meta, mesh["tp"])
+    meta = fs.flex_shard(meta, mesh["dp_shard"], buckets=[fs.BucketSpec("*", fs.Shard(0))])
+    meta.to_empty(device="cpu")
+    torch.manual_seed(tc.SEED)
+    fs.init_params(meta, init_module)
     return {
+        "meta-init": _portable(_full_params(meta)),
         "train": (losses, norms, _portable(trained)),
         "reloaded": _portable(reloaded),
         "resumed": _portable(_full_params(resumed)),
@@ -120,6 +129,10 @@ def test_tp2_alone_and_state_dicts(tmp_path) -> None:
             assert torch.equal(_tensors(result["reloaded"])[key], value), key
         for key, value in _tensors(result["resumed"]).items():
             assert torch.equal(value, saved[key]), key
+        initial = Transformer(cfg)
+        tc.init_weights(initial, tc.SEED)
+        for key, value in _tensors(result["meta-init"]).items():
+            assert torch.equal(value, initial.state_dict()[key]), key
 
 
 QUANT = MXFP8((32, 32))
