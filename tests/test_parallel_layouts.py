@@ -23,9 +23,12 @@ from flexshard.trainer.parallelize import full_parameters
 from flexshard.trainer.train import loss_fn, run, setup, train_step
 
 STEPS = 10
-LOSS_RTOL = 2e-5
-NORM_RTOL = 2e-4
-PARAM_ATOL = 2e-5
+# measured worst (4 and 2 ranks): loss 1.6e-7 (dp2xcp2), norm 3.6e-7 (dp2xtp2), final
+# parameters 7.9e-6 (tp2xpp2: AdamW's step divides by sqrt(v), magnifying the ulps of
+# small gradients; the weights move by ~3e-3 a step)
+LOSS_RTOL = 2e-6
+NORM_RTOL = 5e-6
+PARAM_ATOL = 1e-4
 MOE = {"num_experts": 4, "top_k": 2, "expert_hidden": 24, "first_dense_layers": 1}
 
 # name: (world size, [parallelism], [model.moe] or None)
@@ -51,6 +54,12 @@ LAYOUTS: dict[str, tuple[int, dict, dict | None]] = {
             "pp_microbatches": 2,
         },
         None,
+    ),
+    # slow: the 5-D layout of configs/5d_demo.toml, 16 ranks
+    "5d_pp2xdp2xcp2xtp2_ep2": (
+        16,
+        {"dp_shard": 2, "cp": 2, "tp": 2, "pp": 2, "ep": 2, "pp_microbatches": 2},
+        MOE,
     ),
 }
 
@@ -149,6 +158,11 @@ def test_expert_parallel_on_2_ranks(tmp_path):
 def test_layouts_on_8_ranks(tmp_path):
     names = [n for n, (w, _, _) in LAYOUTS.items() if w == 8]
     _run_layouts(8, names, tmp_path)
+
+
+@pytest.mark.slow
+def test_5d_layout_on_16_ranks(tmp_path):
+    _run_layouts(16, ["5d_pp2xdp2xcp2xtp2_ep2"], tmp_path)
 
 
 # ------------------------------------------------------------------ resume elsewhere
