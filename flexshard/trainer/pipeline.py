@@ -245,24 +245,28 @@ class PipelineRunner:
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """The whole model's gradient norm (all stages, all data-parallel shards), every
-        rank alike; gradients scaled down to ``max_norm`` when it is exceeded."""
+        rank alike; gradients scaled down to ``max_norm`` when it is exceeded. Stages
+        sharded by flexshard or by torch (FSDP2's DTensors) or not at all."""
         squares = torch.zeros((), dtype=torch.float32)
         for module in self.modules:
             if isinstance(module, fs.FlexShardModule):  # norm over the dp group, no clip
-                squares += fs.clip_grad_norm_(module, float("inf")).float().cpu() ** 2
+                norm = fs.clip_grad_norm_(module, float("inf"))
             else:
-                for param in module.parameters():
-                    if param.grad is not None:
-                        squares += param.grad.float().pow(2).sum().cpu()
+                norm = torch.nn.utils.get_total_norm(
+                    [p.grad for p in module.parameters() if p.grad is not None]
+                )
+                norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            squares += norm.detach().float().cpu() ** 2
         device = next(self.parameters()).device
         squares = squares.to(device)
         dist.all_reduce(squares, group=self.pp_group)  # stages on other pipeline ranks
-        total = squares.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for param in self.parameters():
-            if param.grad is not None:
-                param.grad.mul_(coef.to(param.grad.dtype))
-        return float(total)
+        total = float(squares.sqrt())
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for param in self.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(coef)
+        return total
 
 
 def init_stage_params(
