@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import flexshard as fs
 from flexshard.testing import run_distributed
 from flexshard.trainer.config import ModelConfig, config_from_dict
-from flexshard.trainer.context_parallel import apply_cp, check_cp, split_sequence
+from flexshard.trainer.context_parallel import apply_cp, check_cp, local_positions, split_sequence
 from flexshard.trainer.expert_parallel import (
     apply_ep,
     check_ep,
@@ -73,6 +73,17 @@ def _average(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> to
 
 def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_zigzag_positions_partition_the_sequence_with_equal_work(cp):
+    seq = 8 * cp
+    per_rank = [local_positions(seq // cp, rank, cp, torch.device("cpu")) for rank in range(cp)]
+    assert torch.equal(torch.cat(per_rank).sort().values, torch.arange(seq))
+    # causal attention costs (position + 1) key reads per query: the same on every rank
+    assert len({int((p + 1).sum()) for p in per_rank}) == 1
+    contiguous_cost = [sum(range(r * seq // cp + 1, (r + 1) * seq // cp + 1)) for r in range(cp)]
+    assert cp == 1 or len(set(contiguous_cost)) == cp  # what zig-zag avoids
 
 
 # ------------------------------------------------------------------ one step, no DP
