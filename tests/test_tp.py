@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 import flexshard as fs
 from flexshard.checkpoint import load as ckpt_load
@@ -61,11 +62,20 @@ def _layouts_case(rank: int, world: int, root: str) -> dict:
         out[name] = (losses, norms, _portable(_full_params(model)))
         if name == "shard0":
             ckpt_save(f"{root}/ckpt", model)
+    out["quant"] = _quant_case(mesh)
+    out["muon"] = _muon_case(mesh)
     return out
 
 
-def test_dp2_tp2_matches_single_process(tmp_path) -> None:
-    results = run_distributed(_layouts_case, 4, str(tmp_path), timeout=240)
+@pytest.fixture(scope="module")
+def dp2_tp2(tmp_path_factory) -> tuple[list[dict], str]:
+    """Every dp2 x tp2 sub-case in one spawn of 4 ranks (start-up is the cost)."""
+    root = str(tmp_path_factory.mktemp("dp2_tp2"))
+    return run_distributed(_layouts_case, 4, root, timeout=300), root
+
+
+def test_dp2_tp2_matches_single_process(dp2_tp2) -> None:
+    results, root = dp2_tp2
     for name, moe in [("shard0", False), ("block", False), ("owned-moe", True)]:
         ref_losses, ref_norms, ref_params = tc.reference(tc.model_config(moe=moe), 2, STEPS)
         for rank, result in enumerate(results):
@@ -78,7 +88,7 @@ def test_dp2_tp2_matches_single_process(tmp_path) -> None:
                 torch.testing.assert_close(value, ref_params[key], rtol=0, atol=2e-5, msg=where)
     # the DCP checkpoint saved under dp2 x tp2 loads into one unsharded process
     model = Transformer(tc.model_config())
-    ckpt_load(tmp_path / "ckpt", model)
+    ckpt_load(f"{root}/ckpt", model)
     for key, value in model.state_dict().items():
         assert torch.equal(value, _tensors(results[0]["shard0"][2])[key]), key
 
@@ -152,9 +162,8 @@ def _qdq_tp_pieces(full: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
     return torch.cat(pieces, dim)
 
 
-def _quant_case(rank: int, world: int) -> list[float]:
+def _quant_case(mesh: DeviceMesh) -> list[float]:
     """dp2 x tp2; the attention's wq (column) and wo (row) in one MXFP8 bucket."""
-    mesh = tc.tp_mesh(2, 2)
     cfg = tc.model_config(dim=64)
     model = Transformer(cfg)
     tc.init_weights(model, tc.SEED)
@@ -193,8 +202,8 @@ def _quant_reference(steps: int) -> list[float]:
     return losses
 
 
-def test_quantized_bucket_under_tp() -> None:
-    results = run_distributed(_quant_case, 4, timeout=120)
+def test_quantized_bucket_under_tp(dp2_tp2) -> None:
+    results = [r["quant"] for r in dp2_tp2[0]]
     expected = _quant_reference(2)
     unquantized = tc.reference(tc.model_config(dim=64), 2, 1)[0][0]
     assert expected[0] != unquantized  # the quantization shows in the loss
@@ -225,18 +234,16 @@ def _seeded_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
 
 
-def _muon_case(rank: int, world: int) -> dict:
+def _muon_case(mesh: DeviceMesh) -> dict:
     """dp2 x tp2 DistMuon with gradients set from seeded whole matrices: each rank
     slices its piece (torch.chunk over tp, as DTensor's Shard; then Shard(0) rows
     over dp), steps, and returns the gathered parameters."""
-    mesh = tc.tp_mesh(2, 2)
     cfg = tc.model_config()
     names = _muon_names(Transformer(cfg))
     model = tc.build(cfg, mesh, fs.Shard(0))
     params = dict(model.named_parameters())
     opt = DistMuon([params[n] for n in names], lr=0.02, weight_decay=0.1)
     tp_rank, dp_rank = mesh.get_local_rank("tp"), mesh.get_local_rank("dp_shard")
-    shapes = dict(zip(names, [None] * len(names)))
     for step in range(2):
         grads = _seeded_grads(Transformer(cfg).to("meta"), step)
         for name in names:
@@ -244,15 +251,14 @@ def _muon_case(rank: int, world: int) -> dict:
             piece = grads[name].chunk(2, dim)[tp_rank]
             shard = piece.chunk(2, 0)[dp_rank] if dp_rank < len(piece.chunk(2, 0)) else None
             local = params[name]
-            shapes[name] = tuple(local.shape)
             local.grad = shard.reshape(local.shape) if shard is not None else torch.zeros(0)
         opt.step()
     full = _full_params(model)
     return {"params": _portable({n: full[n] for n in names}), "comm": opt.comm_stats()}
 
 
-def test_dist_muon_under_tp_matches_torch_muon() -> None:
-    results = run_distributed(_muon_case, 4, timeout=120)
+def test_dist_muon_under_tp_matches_torch_muon(dp2_tp2) -> None:
+    results = [r["muon"] for r in dp2_tp2[0]]
     cfg = tc.model_config()
     model = Transformer(cfg)
     tc.init_weights(model, tc.SEED)
