@@ -179,10 +179,19 @@ def bad_inputs(world_group: dist.ProcessGroup) -> None:
     with torch.device("meta"):
         moe = Transformer(model_config(num_experts=5))
         dense = Transformer(model_config())
+        moe_split = Transformer(model_config(num_experts=6))
+    apply_ep(moe_split, world_group)
     with pytest.raises(ValueError, match="feed_forward.experts: 5 experts are not divisible"):
         apply_ep(moe, world_group)
     with pytest.raises(ValueError, match="no MoE layer"):
         apply_ep(dense, world_group)
+    with torch.device("meta"):
+        unsplit = Transformer(model_config(num_experts=4))
+    sharded = fs.flex_shard(unsplit, buckets=[fs.BucketSpec("*")])
+    with pytest.raises(ValueError, match="already sharded for data parallelism; apply_ep comes"):
+        apply_ep(sharded, world_group)
+    with pytest.raises(ValueError, match="experts already split by apply_ep"):
+        apply_ep(moe_split, world_group)
     with pytest.raises(ValueError, match="no attention that supports CP"):
         apply_cp(nn.Linear(2, 2), world_group)
 

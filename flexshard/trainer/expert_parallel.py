@@ -162,13 +162,18 @@ def apply_ep(model: nn.Module, ep_mesh: Group) -> list[str]:
         if not hasattr(experts, "expert_parallel"):
             continue
         total = experts.w1.shape[0]
+        if experts.ep_range is not None:
+            raise ValueError(f"{fqn}: experts already split by apply_ep")
+        if any(getattr(p, "_flexshard_slot", None) is not None for p in experts.parameters()):
+            raise ValueError(
+                f"{fqn}: the experts are already sharded for data parallelism; apply_ep "
+                "comes first (TP -> EP -> CP -> DP)"
+            )
         if total % ep:
             raise ValueError(
                 f"{fqn}: {total} experts are not divisible by the EP degree {ep}; every EP "
                 "rank keeps the same number of whole experts"
             )
-        if experts.ep_range is not None:
-            raise ValueError(f"{fqn}: experts already split by apply_ep")
         parallel = ExpertParallel(group, total)
         keep = slice(parallel.first, parallel.first + parallel.local)
         for name, param in list(experts.named_parameters(recurse=False)):
