@@ -234,43 +234,70 @@ def _seeded_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
 
 
+HEAD_ROWS = {"wq.weight", "wk.weight", "wv.weight"}  # per-head Muon: 8 rows per block
+
+
+def _muon_groups(params: dict[str, torch.Tensor], names: list[str], heads: bool) -> list[dict]:
+    if not heads:
+        return [{"params": [params[n] for n in names]}]
+    per_head = [n for n in names if n.rsplit(".", 2)[-2] + ".weight" in HEAD_ROWS]
+    rest = [n for n in names if n not in per_head]
+    return [
+        {"params": [params[n] for n in per_head], "row_blocks": 8},
+        {"params": [params[n] for n in rest]},
+    ]
+
+
 def _muon_case(mesh: DeviceMesh) -> dict:
     """dp2 x tp2 DistMuon with gradients set from seeded whole matrices: each rank
     slices its piece (torch.chunk over tp, as DTensor's Shard; then Shard(0) rows
-    over dp), steps, and returns the gathered parameters."""
-    cfg = tc.model_config()
-    names = _muon_names(Transformer(cfg))
-    model = tc.build(cfg, mesh, fs.Shard(0))
-    params = dict(model.named_parameters())
-    opt = DistMuon([params[n] for n in names], lr=0.02, weight_decay=0.1)
-    tp_rank, dp_rank = mesh.get_local_rank("tp"), mesh.get_local_rank("dp_shard")
-    for step in range(2):
-        grads = _seeded_grads(Transformer(cfg).to("meta"), step)
-        for name in names:
-            dim = 1 if name.endswith(("wo.weight", "w2.weight")) else 0
-            piece = grads[name].chunk(2, dim)[tp_rank]
-            shard = piece.chunk(2, 0)[dp_rank] if dp_rank < len(piece.chunk(2, 0)) else None
-            local = params[name]
-            local.grad = shard.reshape(local.shape) if shard is not None else torch.zeros(0)
-        opt.step()
-    full = _full_params(model)
-    return {"params": _portable({n: full[n] for n in names}), "comm": opt.comm_stats()}
+    over dp), steps, and returns the gathered parameters. With ``heads`` (4 kv heads:
+    every projection piece is whole heads, 8 rows each) q/k/v run per-head Muon on
+    the piece, the other matrices are gathered whole."""
+    out = {}
+    for heads in (False, True):
+        cfg = tc.model_config(n_kv_heads=4 if heads else 2)
+        names = _muon_names(Transformer(cfg))
+        model = tc.build(cfg, mesh, fs.Shard(0))
+        params = dict(model.named_parameters())
+        opt = DistMuon(_muon_groups(params, names, heads), lr=0.02, weight_decay=0.1)
+        tp_rank, dp_rank = mesh.get_local_rank("tp"), mesh.get_local_rank("dp_shard")
+        for step in range(2):
+            grads = _seeded_grads(Transformer(cfg).to("meta"), step)
+            for name in names:
+                dim = 1 if name.endswith(("wo.weight", "w2.weight")) else 0
+                rows = grads[name].chunk(2, dim)[tp_rank].chunk(2, 0)
+                local = params[name]
+                local.grad = rows[dp_rank].reshape(local.shape) if dp_rank < len(rows) else None
+                if local.grad is None:
+                    local.grad = torch.zeros(local.shape)
+            opt.step()
+        full = _full_params(model)
+        out[heads] = _portable({n: full[n] for n in names})
+    return out
 
 
 def test_dist_muon_under_tp_matches_torch_muon(dp2_tp2) -> None:
-    results = [r["muon"] for r in dp2_tp2[0]]
-    cfg = tc.model_config()
-    model = Transformer(cfg)
-    tc.init_weights(model, tc.SEED)
-    names = _muon_names(model)
-    params = dict(model.named_parameters())
-    opt = torch.optim.Muon([params[n] for n in names], lr=0.02, weight_decay=0.1)
-    for step in range(2):
-        grads = _seeded_grads(model, step)
-        for name in names:
-            params[name].grad = grads[name]
-        opt.step()
-    for rank, result in enumerate(results):
-        got = _tensors(result["params"])
-        for name in names:  # bit for bit: the same Newton–Schulz on the same whole matrix
-            assert torch.equal(got[name], params[name].detach()), (rank, name)
+    """Whole matrices: torch.optim.Muon; per-head blocks: DistMuon on plain tensors
+    (itself bit for bit torch Muon per block, tests/test_dist_muon.py)."""
+    for heads in (False, True):
+        cfg = tc.model_config(n_kv_heads=4 if heads else 2)
+        model = Transformer(cfg)
+        tc.init_weights(model, tc.SEED)
+        names = _muon_names(model)
+        params = dict(model.named_parameters())
+        groups = _muon_groups(params, names, heads)
+        opt = (
+            DistMuon(groups, lr=0.02, weight_decay=0.1)
+            if heads
+            else torch.optim.Muon(groups, lr=0.02, weight_decay=0.1)
+        )
+        for step in range(2):
+            grads = _seeded_grads(model, step)
+            for name in names:
+                params[name].grad = grads[name]
+            opt.step()
+        for rank, result in enumerate(dp2_tp2[0]):
+            got = _tensors(result["muon"][heads])
+            for name in names:  # bit for bit: the same Newton–Schulz on the same matrices
+                assert torch.equal(got[name], params[name].detach()), (heads, rank, name)

@@ -22,7 +22,9 @@ LR = 1e-2
 OUTER = ["tok_embeddings.*", "norm.*", "output.*"]
 
 
-def model_config(moe: bool = False, dim: int = 32, ffn_hidden: int = 34) -> ModelConfig:
+def model_config(
+    moe: bool = False, dim: int = 32, ffn_hidden: int = 34, n_kv_heads: int = 2
+) -> ModelConfig:
     """dim 32, 4 heads / 2 kv heads; ffn 34 rows split 17 / 17 over tp = 2, which
     dp = 2 then splits 9 / 8."""
     experts = MoEConfig(num_experts=4, top_k=2, first_dense_layers=1) if moe else MoEConfig()
@@ -31,7 +33,7 @@ def model_config(moe: bool = False, dim: int = 32, ffn_hidden: int = 34) -> Mode
         dim=dim,
         n_layers=2,
         n_heads=4,
-        n_kv_heads=2,
+        n_kv_heads=n_kv_heads,
         ffn_hidden=ffn_hidden,
         moe=experts,
     )

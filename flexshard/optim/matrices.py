@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from ..placements import ParamLayout, Region
 from ..runtime.bucket import Bucket, slot_of
 from .newton_schulz import ns_flops
-from .tp_matrices import is_tp_matrix
+from .tp_matrices import is_tp_matrix, whole_row_blocks
 
 Shape = tuple[int, ...]
 
@@ -135,14 +135,17 @@ def resolve(param: torch.Tensor, name: str, group: dict) -> Target:
     name = f"parameter '{layout.fqn}' in bucket '{bucket.name}'"
     shape = layout.shape
     spec = bucket.params[index].tp_spec
-    if is_tp_matrix(bucket, index):  # the piece is part of a larger matrix
+    if is_tp_matrix(bucket, index) and not (rows and whole_row_blocks(bucket, index, rows)):
+        # the piece is part of a larger matrix (per-head row blocks inside a
+        # column-parallel piece are whole here: they go the usual way, on the piece)
         assert spec is not None
         shape = tuple(spec.shape)
         _check_ndim(name, shape)
         if rows is not None or len(shape) != 2:
             raise ValueError(
-                f"DistMuon: {name} is split by tensor parallelism; DistMuon takes whole "
-                "2-D tensor-parallel matrices (no row_blocks, no expert stacks)"
+                f"DistMuon: {name} is split by tensor parallelism into pieces that are not "
+                f"whole row blocks; DistMuon takes whole 2-D tensor-parallel matrices, or "
+                f"row_blocks in column-parallel (Shard(0)) pieces cut at block boundaries"
             )
         return Target(param, name, group, Kind.TENSOR_PARALLEL, shape, bucket, index)
     _check_ndim(name, shape)

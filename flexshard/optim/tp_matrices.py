@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import Shard
 
 from ..checkpoint.chunks import local_boxes
 from ..runtime.bucket import Bucket
@@ -25,6 +26,19 @@ from ..runtime.tp_params import global_tensor, local_piece, tp_sharded
 def is_tp_matrix(bucket: Bucket, index: int) -> bool:
     """Whether parameter ``index`` of ``bucket`` is split over tp (not just replicated)."""
     return tp_sharded(bucket.params[index].tp_spec)
+
+
+def whole_row_blocks(bucket: Bucket, index: int, rows: int) -> bool:
+    """Whether every tp piece is whole blocks of ``rows`` full-width rows (a
+    column-parallel projection cut at head boundaries): then per-block Muon on the
+    piece is per-block Muon on the whole matrix, with no tp exchange. Decided from
+    the global shape alone, so every tp rank takes the same path."""
+    spec = bucket.params[index].tp_spec
+    assert spec is not None
+    if len(spec.shape) != 2 or spec.mesh.ndim != 1 or spec.placements[0] != Shard(0):
+        return False
+    per_piece = -(-spec.shape[0] // spec.mesh.size())  # torch.chunk's rows per piece
+    return per_piece % rows == 0
 
 
 def _slices(box: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[slice, ...]:
