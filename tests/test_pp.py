@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import flexshard as fs
 from flexshard.optim import DistMuon
@@ -71,24 +71,24 @@ def reference_run(cfg: ModelConfig, dp: int, batch: int, make_opt) -> tuple[list
     return losses, norms, {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def shard_stage(dp_mesh):
+def shard_stage(dp_mesh, mp=None):
     def shard(stage: nn.Module) -> nn.Module:
         specs = [fs.BucketSpec(f"layers.{i}.*", name=f"layers.{i}") for i in stage.layers.keys()]
         outer = [n for n in OUTER if next(getattr(stage, n).parameters(), None) is not None]
         if outer:
             specs.append(fs.BucketSpec([f"{n}.*" for n in outer], name="outer"))
-        return fs.flex_shard(stage, dp_mesh, buckets=specs)
+        return fs.flex_shard(stage, dp_mesh, buckets=specs, mp_policy=mp)
 
     return shard
 
 
-def fsdp2_stage(dp_mesh):
+def fsdp2_stage(dp_mesh, mp=None):
     """torch's own PP + FSDP2 recipe: fully_shard per block, then the stage root."""
 
     def shard(stage: nn.Module) -> nn.Module:
         for block in stage.layers:
-            fully_shard(block, mesh=dp_mesh)
-        return fully_shard(stage, mesh=dp_mesh)
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp or MixedPrecisionPolicy())
+        return fully_shard(stage, mesh=dp_mesh, mp_policy=mp or MixedPrecisionPolicy())
 
     return shard
 
@@ -98,10 +98,11 @@ def adamw(params_of):
 
 
 def pipeline_run(
-    mesh, cfg, batch, schedule, n_micro, virtual, meta, make_opt, backend="flexshard"
+    mesh, cfg, batch, schedule, n_micro, virtual, meta, make_opt, backend="flexshard", mp=None
 ) -> dict:
     dp_mesh, pp_mesh = mesh["dp_shard"], mesh["pp"]
-    shard_fn = shard_stage(dp_mesh) if backend == "flexshard" else fsdp2_stage(dp_mesh)
+    shard_fn = (shard_stage if backend == "flexshard" else fsdp2_stage)(dp_mesh, mp)
+    dtype = mp.param_dtype if mp is not None else torch.float32
     if meta:  # flexshard's way: no full copy anywhere, init stage by stage
         with torch.device("meta"):
             model = Transformer(cfg)
@@ -109,7 +110,14 @@ def pipeline_run(
         model = Transformer(cfg)
         init_weights(model, SEED)
     runner = build_pipeline(
-        model, pp_mesh, n_micro, schedule, loss_fn, shard_fn, virtual_stages=virtual
+        model,
+        pp_mesh,
+        n_micro,
+        schedule,
+        loss_fn,
+        shard_fn,
+        virtual_stages=virtual,
+        activation_dtype=dtype,
     )
     if meta:
         for module in runner.modules:
@@ -199,10 +207,41 @@ def _layouts(rank: int, world: int, pp: int, batch: int, cases: list) -> list[st
             want = (peer["losses"], peer["norms"], peer["params"])
             compare(got, want, f"{where} vs FSDP2", NORM_ULP, EXACT)
         done.append(schedule)
+    if pp == 3:
+        done.append(_output_check_case(rank, world))
     if pp == 2 and dp == 2:
+        done.append(_bf16_case(mesh, rank))
         done.append(_muon_case(mesh, rank))
         done.append(_error_cases(mesh))
     return done
+
+
+def _output_check_case(rank: int, world: int) -> str:
+    """A stage whose output differs from the static metadata (here: activation_dtype
+    bf16 for an fp32 model) raises, naming the stage, instead of sending bytes that the
+    receiver would misread. One-stage pipelines on one-rank groups: nobody waits."""
+    groups = [dist.new_group([r]) for r in range(world)]
+    pp_mesh = DeviceMesh.from_group(groups[rank], "cpu", mesh_dim_names=("pp",))
+    model = Transformer(tiny_model_config(1))
+    runner = build_pipeline(model, pp_mesh, 1, "gpipe", loss_fn, activation_dtype=torch.bfloat16)
+    tokens = torch.zeros(2, SEQ, dtype=torch.long)
+    with pytest.raises(ValueError, match="pipeline stage 0: output torch.float32"):
+        runner.step(tokens, tokens)
+    return "output check"
+
+
+def _bf16_case(mesh, rank: int) -> str:
+    """bf16 compute, fp32 gradient reduction (bf16 hidden states between stages): 1F1B
+    over flexshard stages bit for bit torch's PP + FSDP2 with the same policy."""
+    cfg = tiny_model_config(4)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    opt = adamw(lambda r: r.parameters())
+    got = pipeline_run(mesh, cfg, 4, "1f1b", 2, 1, False, opt, "flexshard", mp)
+    peer = pipeline_run(mesh, cfg, 4, "1f1b", 2, 1, False, opt, "fsdp2", mp)
+    where = f"bf16 1f1b pp2 x dp2 rank {rank} vs FSDP2"
+    assert got["losses"] == peer["losses"], where
+    compare(got, (peer["losses"], peer["norms"], peer["params"]), where, NORM_ULP, EXACT)
+    return "bf16"
 
 
 def _muon_case(mesh, rank: int) -> str:
@@ -346,7 +385,9 @@ def test_pipeline_layouts_match_single_process():
         ("interleaved_1f1b", 2, 2, 4, False),
     ]
     results = run_distributed(_layouts, 4, 2, 4, cases, timeout=240)
-    assert all(r == ["gpipe", "1f1b", "interleaved_1f1b", "muon", "errors"] for r in results)
+    assert all(
+        r == ["gpipe", "1f1b", "interleaved_1f1b", "bf16", "muon", "errors"] for r in results
+    )
 
 
 def test_pipeline_three_stages():
@@ -354,7 +395,7 @@ def test_pipeline_three_stages():
     (two per rank), three microbatches of two sequences; flexshard on one-rank dp."""
     cases = [("1f1b", 3, 1, 3, True), ("interleaved_1f1b", 3, 2, 6, False)]
     results = run_distributed(_layouts, 3, 3, 6, cases, timeout=240)
-    assert all(r == ["1f1b", "interleaved_1f1b"] for r in results)
+    assert all(r == ["1f1b", "interleaved_1f1b", "output check"] for r in results)
 
 
 def test_check_pipeline_interleaved_rounds():

@@ -120,7 +120,24 @@ def split_model(model: nn.Module, n_stages: int, ids: list[int]) -> list[nn.Modu
 
 class FlexShardStage(PipelineStage):
     """A PipelineStage that turns flexshard's gradient sync on only for the last
-    microbatch's backward (torch does this for FSDP2 modules only)."""
+    microbatch's backward (torch does this for FSDP2 modules only), and checks its
+    output against the static shape and dtype the next stage receives into."""
+
+    def __init__(self, *args: Any, expected_output: torch.Tensor, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.expected_output = expected_output
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        want = self.expected_output
+        if output.shape != want.shape or output.dtype != want.dtype:
+            # a mismatch would not fail in torch: the receiver would read garbage
+            raise ValueError(
+                f"pipeline stage {self.stage_index}: output {output.dtype} "
+                f"{tuple(output.shape)}, but the stages were built for {want.dtype} "
+                f"{tuple(want.shape)} (activation_dtype / sequence_shards)"
+            )
+        return output
 
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
@@ -198,6 +215,7 @@ class PipelineRunner:
                     input_args=inputs,
                     output_args=outputs,
                     group=self.pp_group,
+                    expected_output=outputs,
                 )
             )
         kind = SCHEDULES[self.schedule_name]
