@@ -373,6 +373,14 @@ def _error_cases(mesh) -> str:
         runner.step(tokens, tokens)
     with pytest.raises(ValueError, match="one shape"):
         runner.step(tokens[:2], tokens[:1])
+    with pytest.raises(ValueError, match="sequence_shards = 3"):
+        build_pipeline(
+            Transformer(tiny_model_config(2)), pp_mesh, 2, "gpipe", loss_fn, sequence_shards=3
+        ).step(tokens[:2], tokens[:2])
+    with pytest.raises(TypeError, match="activation_dtype"):
+        build_pipeline(
+            Transformer(tiny_model_config(2)), pp_mesh, 2, "gpipe", loss_fn, activation_dtype="bf16"
+        )
     return "errors"
 
 

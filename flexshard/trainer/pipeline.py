@@ -230,6 +230,11 @@ class PipelineRunner:
                 f"pipeline step: tokens and labels must be [batch, seq] of one shape, got "
                 f"{tuple(tokens.shape)} and {tuple(labels.shape)}"
             )
+        if tokens.shape[1] % self.sequence_shards:
+            raise ValueError(
+                f"pipeline step: sequence of {tokens.shape[1]} tokens is not divisible by "
+                f"sequence_shards = {self.sequence_shards}"
+            )
         if tokens.shape[0] % self.n_microbatches:
             raise ValueError(
                 f"pipeline step: batch of {tokens.shape[0]} sequences is not divisible by "
@@ -350,6 +355,15 @@ def build_pipeline(
     tokens given to ``step`` (the tp degree under sequence parallelism, else 1)."""
     if pp_mesh.ndim != 1:
         raise ValueError(f"build_pipeline: pp_mesh must be 1-D, got {pp_mesh.ndim} dims")
+    if isinstance(sequence_shards, bool) or not isinstance(sequence_shards, int):
+        raise TypeError(f"build_pipeline: sequence_shards must be an int, got {sequence_shards!r}")
+    if sequence_shards < 1:
+        raise ValueError(f"build_pipeline: sequence_shards must be >= 1, got {sequence_shards}")
+    if not isinstance(activation_dtype, torch.dtype) or not activation_dtype.is_floating_point:
+        raise TypeError(
+            f"build_pipeline: activation_dtype must be a floating torch.dtype, "
+            f"got {activation_dtype!r}"
+        )
     pp = pp_mesh.size()
     check_pipeline(len(model.layers), pp, virtual_stages, schedule, n_microbatches)
     n_stages = pp * virtual_stages
