@@ -166,29 +166,32 @@ def test_5d_layout_on_16_ranks(tmp_path):
 
 
 # ------------------------------------------------------------------ resume elsewhere
-CONSTANT_LR = {"decay": "none"}  # the 5-step and the 10-step runs share the lr schedule
+CONSTANT_LR = {"decay": "none"}  # runs of different lengths share the lr schedule
+# three layouts of one global batch (two data-parallel ranks), each resuming the last
+CHAIN = [
+    ({"dp_shard": 2, "cp": 2}, 3),  # a 1-D dp_shard_cp mesh of 4
+    ({"dp_replicate": 2, "dp_shard": 1, "cp": 2}, 6),  # HSDP: 2 replicas x the cp pair
+    ({"dp_shard": 2, "tp": 2}, STEPS),  # TP DTensors, sharded by flexshard over dp 2
+]
 
 
-def _save_then_resume(rank: int, world_size: int, folder: str) -> dict:
-    """dp2 x cp2 (a 1-D dp_shard_cp mesh) trains 5 steps and saves; HSDP dp_replicate 2
-    x cp2 (a 2-D mesh, each replica's dp_shard_cp = the cp pair) resumes for 5 more.
-    Both read the same global batch (two data-parallel ranks)."""
-    ckpt = {"enable": True, "interval": 5}
-    saved = {"dp_shard": 2, "cp": 2}
-    short = {**CONSTANT_LR, "steps": 5}
-    first = run(layout_config(folder, saved, None, checkpoint=ckpt, training=short))
-    resumed = {"dp_replicate": 2, "dp_shard": 1, "cp": 2}
-    second = run(layout_config(folder, resumed, None, checkpoint=ckpt, training=CONSTANT_LR))
-    return {"first": [r["loss"] for r in first], "second": [r["loss"] for r in second]}
+def _save_then_resume(rank: int, world_size: int, folder: str) -> list[list[float]]:
+    ckpt = {"enable": True, "interval": 3}
+    losses = []
+    for parallelism, steps in CHAIN:
+        training = {**CONSTANT_LR, "steps": steps}
+        records = run(layout_config(folder, parallelism, None, checkpoint=ckpt, training=training))
+        losses.append([r["loss"] for r in records])
+    return losses
 
 
-def test_checkpoint_resumes_under_another_layout(tmp_path):
-    result = run_distributed(_save_then_resume, 4, str(tmp_path), timeout=600)[0]
-    assert len(result["first"]) == 5 and len(result["second"]) == STEPS - 5  # resumed
+def test_checkpoint_resumes_under_other_layouts(tmp_path):
+    losses = run_distributed(_save_then_resume, 4, str(tmp_path), timeout=600)[0]
+    assert [len(x) for x in losses] == [3, 3, 4]  # each run resumed where the last stopped
     reference = layout_config("-", {"dp_shard": 2}, None, training=CONSTANT_LR)
     expected, _, _ = single_process(reference, 2)
-    gaps = [abs(a - b) / b for a, b in zip(result["first"] + result["second"], expected)]
-    print(f"save dp2xcp2 -> resume hsdp2xcp2: loss gap {max(gaps):.2e}")
+    gaps = [abs(a - b) / b for a, b in zip(sum(losses, []), expected)]
+    print(f"dp2xcp2 -> hsdp2xcp2 -> dp2xtp2 resumed: loss gap {max(gaps):.2e}")
     assert max(gaps) < LOSS_RTOL, gaps
 
 
@@ -220,6 +223,7 @@ def test_checkpoint_resumes_under_another_layout(tmp_path):
             "pp_virtual_stages = 2 needs",
         ),
         (["--parallelism.pp", "2", "--training.grad_accum", "2"], "grad_accum must be 1"),
+        (["--parallelism.pp", "2", "--checkpoint.enable", "true"], "not yet pp or ep > 1"),
         (["--parallelism.pp", "2", "--parallelism.pp_microbatches", "3"], "batch_size = 2"),
         (
             ["--parallelism.tp", "4", "--model.n_kv_heads", "4", "--training.seq_len", "18"],

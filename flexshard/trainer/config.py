@@ -362,10 +362,10 @@ def check_parallel_layout(cfg: Config) -> None:
         )
     if composed and cfg.training.optimizer == "muon":
         raise ConfigError('training.optimizer = "muon" is not wired with tp, pp or ep > 1')
-    if composed and cfg.checkpoint.enable:
+    if p.pp * p.ep > 1 and cfg.checkpoint.enable:
         raise ConfigError(
-            "checkpoint.enable: checkpoints cover data and context parallel layouts "
-            "(dp_replicate, dp_shard, cp); not yet tp, pp or ep > 1"
+            "checkpoint.enable: checkpoints cover the dp_replicate, dp_shard, cp and tp "
+            "layouts; not yet pp or ep > 1"
         )
 
 

@@ -1,0 +1,253 @@
+"""The trainer on each 5-D layout (TP, PP, CP, EP, HSDP and their mixes) with
+``dp_backend = "flexshard"`` and ``"fsdp2"`` side by side: tokens/s and peak memory
+per rank on CPU (gloo).
+
+    .venv/bin/python -m benchmarks.bench_parallel            # 4- and 8-rank layouts
+    .venv/bin/python -m benchmarks.bench_parallel --with-5d  # and the 16-rank 5-D layout
+
+Per world size, all layouts and both backends run inside the same processes,
+interleaved (flexshard, fsdp2, ...), same model, data and seed; only
+``parallelism.dp_backend`` differs. Results: benchmarks/results/parallel_bench.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flexshard.testing import run_distributed
+from flexshard.trainer.config import config_from_dict
+from flexshard.trainer.train import run
+
+from .measure import peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
+
+RESULTS = Path(__file__).parent / "results"
+BACKENDS = ("flexshard", "fsdp2")
+MB = 2**20
+MOE = {"num_experts": 4, "top_k": 2, "expert_hidden": 64, "first_dense_layers": 1}
+# name: (world size, [parallelism], MoE?)
+LAYOUTS: dict[str, tuple[int, dict, bool]] = {
+    "dp2 x tp2": (4, {"dp_shard": 2, "tp": 2}, False),
+    "tp2 x pp2": (4, {"dp_shard": 1, "tp": 2, "pp": 2}, False),
+    "dp2 x cp2": (4, {"dp_shard": 2, "cp": 2}, False),
+    "dp4, ep2 (MoE)": (4, {"dp_shard": 4, "ep": 2}, True),
+    "hsdp 2 x 2": (4, {"dp_replicate": 2, "dp_shard": 2}, False),
+    "dp2 x tp2 x pp2": (8, {"dp_shard": 2, "tp": 2, "pp": 2}, False),
+    "cp2 x tp2, dp2, ep2 (MoE)": (8, {"dp_shard": 2, "cp": 2, "tp": 2, "ep": 2}, True),
+    "5-D: pp2 x dp2 x cp2 x tp2, ep2 (MoE)": (
+        16,
+        {"dp_shard": 2, "cp": 2, "tp": 2, "pp": 2, "ep": 2, "pp_microbatches": 2},
+        True,
+    ),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included")
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
+    p.add_argument("--reps", type=int, default=1, help="interleaved runs per backend")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--batch", type=int, default=2, help="sequences per dp rank per step")
+    p.add_argument("--with-5d", action="store_true", help="also the 16-rank 5-D layout")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    return p.parse_args(argv)
+
+
+def layout_table(args: argparse.Namespace, name: str, backend: str, folder: str) -> dict:
+    _, parallelism, moe = LAYOUTS[name]
+    model: dict[str, Any] = {
+        "dim": args.dim,
+        "n_layers": args.layers,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+    }
+    if moe:
+        model["moe"] = MOE
+    return {
+        "model": model,
+        "parallelism": {**parallelism, "dp_backend": backend},
+        "training": {
+            "steps": args.steps,
+            "seq_len": args.seq_len,
+            "batch_size": args.batch,
+            "warmup_steps": 2,
+        },
+        "job": {
+            "dump_folder": folder,
+            "progress": False,
+            "plot": False,
+            "tensorboard": False,
+            "peak_tflops": 1.0,
+        },
+    }
+
+
+def _rank(rank: int, world_size: int, args: argparse.Namespace, names: list[str], folder: str):
+    """Every layout of this world size, both backends, ``reps`` times, interleaved."""
+    out = []
+    for name in names:
+        for rep in range(args.reps):
+            for backend in BACKENDS:
+                release_free_memory()
+                base = rss_bytes()
+                reset_peak_rss()
+                where = f"{folder}/{len(out)}"
+                records = run(config_from_dict(layout_table(args, name, backend, where)))
+                timed = records[args.warmup :]
+                out.append(
+                    {
+                        "layout": name,
+                        "backend": backend,
+                        "rep": rep,
+                        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+                        "peak_rss_mb": (peak_rss_bytes() - base) / MB,
+                        "losses": [r["loss"] for r in records],
+                    }
+                )
+    return out
+
+
+def summarise(world_size: int, per_rank: list[list[dict]]) -> list[dict]:
+    """Per layout and backend: the best rep's tokens/s (the slowest rank's), peak RSS
+    max over ranks (min over reps); the losses of both backends side by side."""
+    rows = []
+    for name in dict.fromkeys(r["layout"] for r in per_rank[0]):
+        for backend in BACKENDS:
+            runs = [
+                [r for r in rank_runs if r["layout"] == name and r["backend"] == backend]
+                for rank_runs in per_rank
+            ]
+            reps = len(runs[0])
+            tps = [min(rank[i]["tokens_per_s"] for rank in runs) for i in range(reps)]
+            rows.append(
+                {
+                    "layout": name,
+                    "world_size": world_size,
+                    "backend": backend,
+                    "tokens_per_s": max(tps),
+                    "tokens_per_s_per_rank": max(tps) / world_size,
+                    "peak_rss_mb_per_rank": min(
+                        max(rank[i]["peak_rss_mb"] for rank in runs) for i in range(reps)
+                    ),
+                    "losses": runs[0][0]["losses"],
+                }
+            )
+        flex, fsdp2 = rows[-2], rows[-1]
+        flex["vs_fsdp2"] = flex["tokens_per_s"] / fsdp2["tokens_per_s"]
+        fsdp2["vs_fsdp2"] = 1.0
+        gap = max(abs(a - b) / b for a, b in zip(flex["losses"], fsdp2["losses"]))
+        flex["loss_gap_vs_fsdp2"] = fsdp2["loss_gap_vs_fsdp2"] = gap
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict[str, Any]) -> str:
+    lines = [
+        "# 5-D layouts: flexshard vs torch FSDP2 as the data-parallel backend (CPU, gloo)",
+        "",
+        f"`{meta['command']}` on {meta['machine']}, torch {meta['torch']}, {meta['date']}, "
+        f"load average {meta['load']}.",
+        f"Model: dim {meta['dim']}, {meta['layers']} layers, 4 heads / 2 kv heads (MoE: 4 "
+        f"routed experts, top 2, + 1 shared); {meta['batch']} sequences x {meta['seq_len']} "
+        f"tokens per data-parallel rank per step; AdamW, fp32; {meta['steps']} steps per run, "
+        f"the first {meta['warmup']} left out; {meta['reps']} run(s) per backend, best kept.",
+        "",
+        "| layout | W | backend | tokens/s | tokens/s per rank | / FSDP2 | peak RSS MB per rank"
+        " | max loss gap flexshard vs FSDP2 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['layout']} | {r['world_size']} | {r['backend']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_s_per_rank']:,.1f} | {r['vs_fsdp2']:.2f} | "
+            f"{r['peak_rss_mb_per_rank']:.1f} | {r['loss_gap_vs_fsdp2']:.1e} |"
+        )
+    lines += [
+        "",
+        "- tokens/s: global batch tokens / wall time of one optimizer step, median over the "
+        "timed steps, the slowest rank's; per rank = / W.",
+        "- peak RSS per rank: VmHWM (reset before the run) minus the RSS before the model "
+        "was built; max over ranks. Composed layouts build the whole (tiny) model once per "
+        "rank before sharding, for both backends.",
+        "- Tiny models on an oversubscribed 2-core machine (W processes on 2 cores): the "
+        "numbers compare the two backends on one layout, not layouts with each other.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["layout"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, key, label in (
+        (axes[0], "tokens_per_s", "tokens/s (global)"),
+        (axes[1], "peak_rss_mb_per_rank", "peak RSS per rank, MB"),
+    ):
+        for i, backend in enumerate(BACKENDS):
+            values = [
+                next(r[key] for r in rows if r["layout"] == n and r["backend"] == backend)
+                for n in names
+            ]
+            ax.bar([x + 0.38 * i for x in range(len(names))], values, width=0.36, label=backend)
+        ax.set_xticks([x + 0.19 for x in range(len(names))], names, rotation=30, ha="right")
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("flexshard-train 5-D layouts: flexshard vs FSDP2 data parallelism (CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    sizes = sorted({w for w, _, _ in LAYOUTS.values() if w < 16 or args.with_5d})
+    rows = []
+    for world_size in sizes:
+        names = [n for n, (w, _, _) in LAYOUTS.items() if w == world_size]
+        folder = f"/tmp/bench_parallel_{os.getpid()}/w{world_size}"
+        per_rank = run_distributed(_rank, world_size, args, names, folder, timeout=3000)
+        rows += summarise(world_size, per_rank)
+        for r in rows[-2 * len(names) :]:
+            print(
+                f"{r['layout']:>40} {r['backend']:>9}: {r['tokens_per_s']:8.0f} tok/s", flush=True
+            )
+    meta = {
+        "command": "python -m benchmarks.bench_parallel" + (" --with-5d" if args.with_5d else ""),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "load": ", ".join(f"{x:.1f}" for x in os.getloadavg()),
+        **{k: getattr(args, k) for k in ("dim", "layers", "seq_len", "batch", "steps")},
+        **{k: getattr(args, k) for k in ("warmup", "reps")},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "parallel_bench.json").write_text(
+        json.dumps({"meta": meta, "rows": rows}, indent=1)
+    )
+    (args.out / "parallel_bench.md").write_text(markdown(rows, meta))
+    try:
+        plot(rows, args.out / "parallel_bench.png")
+    except ImportError:
+        print("matplotlib missing: no PNG")
+    print(markdown(rows, meta))
+
+
+if __name__ == "__main__":
+    main()
