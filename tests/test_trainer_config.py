@@ -52,7 +52,7 @@ def test_overrides_parse_like_toml_and_win_over_the_file():
         (["--training.steps", "0"], "training.steps = 0: must be at least 1"),
         (["--training.optimizer", "sgd"], "must be one of 'adamw', 'muon'"),
         (["--parallelism.dp_backend", "ddp"], "must be one of 'flexshard', 'fsdp2'"),
-        (["--parallelism.tp", "2"], "parallelism.tp = 2: tensor, pipeline"),
+        (["--parallelism.tp", "3"], "parallelism.tp = 3 must divide model.n_heads"),
         (["--parallelism.ep", "2"], "parallelism.ep = 2"),
         (["--model.n_kv_heads", "3"], "not a multiple of model.n_kv_heads = 3"),
         (["--model.moe.top_k", "9", "--model.moe.num_experts", "4"], "model.moe.top_k = 9"),
