@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import flexshard as fs
 from flexshard.checkpoint import load as ckpt_load
@@ -62,6 +63,10 @@ def _layouts_case(rank: int, world: int, root: str) -> dict:
         out[name] = (losses, norms, _portable(_full_params(model)))
         if name == "shard0":
             ckpt_save(f"{root}/ckpt", model)
+    # bf16 gathers: the DTensors the modules get carry the cast dtype
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = tc.build(tc.model_config(), mesh, fs.Shard(0), mp_policy=policy)
+    out["bf16"] = tc.train(model, mesh, 2)[0]
     out["quant"] = _quant_case(mesh)
     out["muon"] = _muon_case(mesh)
     return out
@@ -86,6 +91,11 @@ def test_dp2_tp2_matches_single_process(dp2_tp2) -> None:
             assert params.keys() == ref_params.keys()
             for key, value in params.items():
                 torch.testing.assert_close(value, ref_params[key], rtol=0, atol=2e-5, msg=where)
+    # bf16 compute: within bf16 rounding of the fp32 run
+    ref_bf16 = tc.reference(tc.model_config(), 2, 2)[0]
+    for result in results:
+        assert result["bf16"] == pytest.approx(ref_bf16, rel=2e-3)
+        assert result["bf16"] != ref_bf16
     # the DCP checkpoint saved under dp2 x tp2 loads into one unsharded process
     model = Transformer(tc.model_config())
     ckpt_load(f"{root}/ckpt", model)

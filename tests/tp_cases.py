@@ -70,7 +70,9 @@ def tp_mesh(dp: int, tp: int) -> DeviceMesh:
     return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
 
 
-def build(cfg: ModelConfig, mesh: DeviceMesh, placement: object) -> nn.Module:
+def build(
+    cfg: ModelConfig, mesh: DeviceMesh, placement: object, mp_policy: object = None
+) -> nn.Module:
     """The trainer's composition order: TP first, then flexshard over the dp dim."""
     model = Transformer(cfg)
     init_weights(model, SEED)
@@ -79,7 +81,7 @@ def build(cfg: ModelConfig, mesh: DeviceMesh, placement: object) -> nn.Module:
         fs.BucketSpec(f"layers.{i}.*", placement, name=f"layers.{i}") for i in range(cfg.n_layers)
     ]
     specs.append(fs.BucketSpec(OUTER, placement, name="outer"))
-    return fs.flex_shard(model, mesh["dp_shard"], buckets=specs)
+    return fs.flex_shard(model, mesh["dp_shard"], buckets=specs, mp_policy=mp_policy)
 
 
 def train(model: nn.Module, mesh: DeviceMesh, steps: int) -> tuple[list[float], list[float]]:
