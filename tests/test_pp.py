@@ -399,9 +399,10 @@ def test_pipeline_layouts_match_single_process():
 
 
 def test_pipeline_three_stages():
-    """pp3 (odd): 1F1B over three stages (meta init) and interleaved 1F1B over six
-    (two per rank), three microbatches of two sequences; flexshard on one-rank dp."""
-    cases = [("1f1b", 3, 1, 3, True), ("interleaved_1f1b", 3, 2, 6, False)]
+    """pp3 (odd): 1F1B over three stages and interleaved 1F1B over six (two per rank,
+    so each rank's init skips the other ranks' stages in between), both meta-built;
+    three microbatches of two sequences; flexshard on one-rank dp."""
+    cases = [("1f1b", 3, 1, 3, True), ("interleaved_1f1b", 3, 2, 6, True)]
     results = run_distributed(_layouts, 3, 3, 6, cases, timeout=240)
     assert all(r == ["1f1b", "interleaved_1f1b", "output check"] for r in results)
 
