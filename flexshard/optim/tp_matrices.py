@@ -16,10 +16,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 from ..checkpoint.chunks import local_boxes
 from ..runtime.bucket import Bucket
+from ..runtime.collectives import Pending
 from ..runtime.tp_params import global_tensor, local_piece, tp_sharded
 
 
@@ -55,7 +57,14 @@ def _gather_piece(bucket: Bucket, index: int, shard: torch.Tensor) -> torch.Tens
     send = torch.zeros(widest, dtype=shard.dtype, device=shard.device)
     send[: shard.numel()] = shard.reshape(-1)
     gathered = torch.empty(world, widest, dtype=shard.dtype, device=shard.device)
-    bucket.comm.all_gather(gathered.view(-1), send).wait()  # bounded by the bucket's timeout
+    group = bucket.comm.shard_group
+    Pending.launch(  # bounded by the bucket's timeout; not counted in the model's comm_stats
+        lambda: dist.all_gather_single(gathered.view(-1), send, group=group, async_op=True),
+        "DistMuon tensor-parallel all-gather",
+        bucket.name,
+        bucket.comm.timeout,
+        group,
+    ).wait()
     piece = torch.empty(layout.shape, dtype=shard.dtype, device=shard.device)
     for rank in range(world):
         cursor = 0
