@@ -107,8 +107,18 @@ def _tp_alone_case(rank: int, world: int, root: str) -> dict:
     """tp2 alone (a dp group of one), then the dp2 x tp2 checkpoint resumed on tp2."""
     mesh = tc.tp_mesh(1, 2)
     model = tc.build(tc.model_config(), mesh, fs.Shard(0))
-    losses, norms = tc.train(model, mesh, STEPS)
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.LR, weight_decay=0.1)
+    losses, norms = tc.train(model, mesh, STEPS, opt)
     trained = _full_params(model)
+    # model and AdamW state saved on Shard(0), resumed on Owned: the next step agrees
+    ckpt_save(f"{root}/with_optim", model, opt)
+    other = tc.build(tc.model_config(), mesh, tc.owned_or_flat)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=tc.LR, weight_decay=0.1)
+    ckpt_load(f"{root}/with_optim", other, other_opt)
+    tc.train(model, mesh, 1, opt)
+    tc.train(other, mesh, 1, other_opt)
+    next_step = [_full_params(m) for m in (model, other)]
+    assert all(torch.equal(v, next_step[1][k]) for k, v in next_step[0].items())
     # load_full_state_dict takes whole tensors: each tp rank keeps its piece
     fresh = tc.build(tc.model_config(), mesh, tc.owned_or_flat)
     fs.load_full_state_dict(fresh, trained)

@@ -84,11 +84,13 @@ def build(
     return fs.flex_shard(model, mesh["dp_shard"], buckets=specs, mp_policy=mp_policy)
 
 
-def train(model: nn.Module, mesh: DeviceMesh, steps: int) -> tuple[list[float], list[float]]:
+def train(
+    model: nn.Module, mesh: DeviceMesh, steps: int, opt: torch.optim.Optimizer | None = None
+) -> tuple[list[float], list[float]]:
     """Each dp rank trains on its slice of the global batch; every rank returns the
     global batch's loss (mean over dp) and the whole model's gradient norm."""
     dp_rank, dp = mesh.get_local_rank("dp_shard"), mesh.size(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     losses, norms = [], []
     for batch in batches(dp, steps):
         loss = loss_of(model, batch[dp_rank * PER_RANK : (dp_rank + 1) * PER_RANK])
