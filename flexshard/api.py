@@ -253,9 +253,12 @@ def flex_shard(
 ) -> FlexShardModule:
     """Shard ``module``'s parameters into ``buckets``; apply once, at the root.
 
-    Every parameter must match exactly one bucket. Every check runs before any bucket
-    collective; the ranks then agree in one small all-gather, so a bad or differing
-    spec on any rank raises on every rank instead of hanging the others.
+    Every parameter must match exactly one bucket. Tensor-parallel DTensor parameters
+    (from ``parallelize_module``, applied first) are sharded by their local tensor:
+    the optimizer sees plain local shards, the modules get DTensors on the tp mesh
+    back after unshard. Every check runs before any bucket collective; the ranks then
+    agree in one small all-gather, so a bad or differing spec on any rank raises on
+    every rank instead of hanging the others.
     """
     check_module("flex_shard", module)
     if isinstance(buckets, (str, BucketSpec)) or not all(
