@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Partial
 
 import flexshard as fs
 from flexshard.checkpoint import load as ckpt_load
@@ -133,6 +134,11 @@ def _tp_alone_case(rank: int, world: int, root: str) -> dict:
     meta.to_empty(device="cpu")
     torch.manual_seed(tc.SEED)
     fs.init_params(meta, init_module)
+    # a DTensor that is not TP's (a Partial sum) is refused before any collective
+    partial = nn.Linear(4, 4, bias=False)
+    partial.weight = nn.Parameter(DTensor.from_local(torch.ones(4, 4), mesh["tp"], [Partial()]))
+    with pytest.raises(ValueError, match="bucket 'p': parameter 'weight' is a DTensor with"):
+        fs.flex_shard(partial, mesh["dp_shard"], buckets=[fs.BucketSpec("*", name="p")])
     return {
         "meta-init": _portable(_full_params(meta)),
         "train": (losses, norms, _portable(trained)),
