@@ -139,7 +139,10 @@ def _tp_alone_case(rank: int, world: int, root: str) -> dict:
     partial.weight = nn.Parameter(DTensor.from_local(torch.ones(4, 4), mesh["tp"], [Partial()]))
     with pytest.raises(ValueError, match="bucket 'p': parameter 'weight' is a DTensor with"):
         fs.flex_shard(partial, mesh["dp_shard"], buckets=[fs.BucketSpec("*", name="p")])
+    # without sequence parallelism (norms replicated, activations whole between parts)
+    plain_tp = tc.build(tc.model_config(moe=True), mesh, fs.Shard(0), sequence_parallel=False)
     return {
+        "no-sp": tc.train(plain_tp, mesh, 2),
         "meta-init": _portable(_full_params(meta)),
         "train": (losses, norms, _portable(trained)),
         "reloaded": _portable(reloaded),
@@ -165,6 +168,9 @@ def test_tp2_alone_and_state_dicts(tmp_path) -> None:
             assert torch.equal(_tensors(result["reloaded"])[key], value), key
         for key, value in _tensors(result["resumed"]).items():
             assert torch.equal(value, saved[key]), key
+        no_sp_losses, no_sp_norms, _ = tc.reference(tc.model_config(moe=True), 1, 2)
+        assert result["no-sp"][0] == pytest.approx(no_sp_losses, rel=1e-5)
+        assert result["no-sp"][1] == pytest.approx(no_sp_norms, rel=1e-5)
         initial = Transformer(cfg)
         tc.init_weights(initial, tc.SEED)
         for key, value in _tensors(result["meta-init"]).items():

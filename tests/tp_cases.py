@@ -71,12 +71,16 @@ def tp_mesh(dp: int, tp: int) -> DeviceMesh:
 
 
 def build(
-    cfg: ModelConfig, mesh: DeviceMesh, placement: object, mp_policy: object = None
+    cfg: ModelConfig,
+    mesh: DeviceMesh,
+    placement: object,
+    mp_policy: object = None,
+    sequence_parallel: bool = True,
 ) -> nn.Module:
     """The trainer's composition order: TP first, then flexshard over the dp dim."""
     model = Transformer(cfg)
     init_weights(model, SEED)
-    apply_tp(model, mesh["tp"])
+    apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel)
     specs = [
         fs.BucketSpec(f"layers.{i}.*", placement, name=f"layers.{i}") for i in range(cfg.n_layers)
     ]
