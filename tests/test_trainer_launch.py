@@ -79,7 +79,7 @@ def test_cli_config_errors_are_one_clear_line():
     for args, message in [
         (["--training.stepz", "3"], "config error: unknown config key 'training.stepz'"),
         (["--nproc", "3", "--parallelism.dp_shard", "2"], "multiply to 2"),
-        (["--nproc", "2", "--parallelism.cp", "2"], "parallelism.cp = 2"),
+        (["--nproc", "6", "--parallelism.cp", "3"], "2 * parallelism.cp = 6"),
         (["--nproc", "0"], "--nproc 0: must be at least 1"),
     ]:
         with pytest.raises(SystemExit) as exit_info:

@@ -129,7 +129,9 @@ def setup(cfg: Config) -> Job:
     else:  # data parallelism alone: flexshard builds on meta, no full copy anywhere
         parallel = Parallelized([build_model(cfg, meshes.dp, device)])
     model = parallel.modules[0]
-    optimizer = build_optimizer(parallel, t, cfg.model)  # type: ignore[arg-type]
+    # one module: the optimizer sees it (Muon groups by module); pipeline stages: all
+    whole = model if len(parallel.modules) == 1 else parallel
+    optimizer = build_optimizer(whole, t, cfg.model)  # type: ignore[arg-type]
     folder = Path(cfg.job.dump_folder)
     return Job(
         cfg,
