@@ -43,6 +43,11 @@ LAYOUTS: dict[str, tuple[int, dict, dict | None]] = {
     # slow: 8 ranks
     "dp2xtp2xpp2": (8, {"dp_shard": 2, "tp": 2, "pp": 2}, None),
     "cp2xtp2xep2": (8, {"dp_shard": 2, "cp": 2, "tp": 2, "ep": 2}, MOE),
+    "cp2xtp2xep2_fsdp2": (
+        8,
+        {"dp_shard": 2, "cp": 2, "tp": 2, "ep": 2, "dp_backend": "fsdp2"},
+        MOE,
+    ),
     "pp2_interleaved_x_dp2xcp2": (
         8,
         {
@@ -224,6 +229,10 @@ def test_checkpoint_resumes_under_other_layouts(tmp_path):
         ),
         (["--parallelism.pp", "2", "--training.grad_accum", "2"], "grad_accum must be 1"),
         (["--parallelism.pp", "2", "--checkpoint.enable", "true"], "not yet pp or ep > 1"),
+        (
+            ["--parallelism.pp", "4", "--parallelism.pp_microbatches", "2"],
+            "1f1b needs at least pp = 4",
+        ),
         (["--parallelism.pp", "2", "--parallelism.pp_microbatches", "3"], "batch_size = 2"),
         (
             ["--parallelism.tp", "4", "--model.n_kv_heads", "4", "--training.seq_len", "18"],

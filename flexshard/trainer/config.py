@@ -323,6 +323,13 @@ def check_parallel_layout(cfg: Config) -> None:
             f"training.batch_size = {t.batch_size} is not divisible by "
             f"parallelism.pp_microbatches = {micro}"
         )
+    if p.pp > 1 and p.pp_schedule == "1f1b" and micro < p.pp:
+        raise ConfigError(f"parallelism.pp_microbatches = {micro}: 1f1b needs at least pp = {p.pp}")
+    if p.pp > 1 and p.pp_schedule == "interleaved_1f1b" and micro % max(1, micro // p.pp):
+        raise ConfigError(
+            f"parallelism.pp_microbatches = {micro}: interleaved_1f1b needs a multiple of "
+            f"max(1, pp_microbatches // pp) = {max(1, micro // p.pp)}"
+        )
     if p.pp > 1 and t.grad_accum != 1:
         raise ConfigError(
             "training.grad_accum must be 1 with parallelism.pp > 1: the pipeline's "
