@@ -25,9 +25,9 @@ from flexshard.runtime.tp_params import tp_sharded
 from .config import Config
 from .context_parallel import apply_cp, split_sequence
 from .expert_parallel import apply_ep
-from .model import Transformer, init_weights
+from .model import Transformer, init_module, init_weights
 from .parallel import Meshes, ParallelDims
-from .pipeline import PipelineRunner, build_pipeline
+from .pipeline import PipelineRunner, build_pipeline, init_stage_params
 from .sharding import OUTER_PATTERNS, mp_policy, named_placement
 from .tensor_parallel import apply_tp
 
@@ -141,15 +141,17 @@ def _has_submodule(module: nn.Module, fqn: str) -> bool:
 def parallelize(
     cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device
 ) -> Parallelized:
-    """The whole model built on ``device`` with the single process's seeded weights,
-    then TP -> EP -> PP split -> CP -> DP. (The composed layouts build the full model
-    once per rank: fine for the trainer's sizes; meta-init per piece is future work.)"""
+    """TP -> EP -> PP split -> CP -> DP, every rank ending with the single process's
+    seeded weights. flexshard: built on meta and initialised after sharding, module by
+    module (no rank ever holds the whole model); FSDP2: built whole on ``device`` first."""
     from .train import loss_fn
 
     par = cfg.parallelism
-    with torch.device(device):
+    on_meta = par.dp_backend == "flexshard"
+    with torch.device("meta" if on_meta else device):
         model = Transformer(cfg.model)
-    init_weights(model, cfg.training.seed)
+    if not on_meta:
+        init_weights(model, cfg.training.seed)
     if meshes.tp is not None:
         # stages exchange whole hidden states, so sequence parallelism stays inside pp = 1
         apply_tp(model, meshes.tp, sequence_parallel=par.sequence_parallel and dims.pp == 1)
@@ -161,7 +163,12 @@ def parallelize(
         return apply_dp(module, cfg, meshes, expert_fqns)
 
     if meshes.pp is None:
-        return Parallelized([finish(model)], None, expert_fqns)
+        parallel = Parallelized([finish(model)], None, expert_fqns)
+        if on_meta:
+            parallel.modules[0].to_empty(device=device)
+            torch.manual_seed(cfg.training.seed)
+            fs.init_params(parallel.modules[0], init_module)
+        return parallel
     param_dtype = mp_policy(cfg.training.mixed_precision).param_dtype
     runner = build_pipeline(
         model,
@@ -173,6 +180,10 @@ def parallelize(
         virtual_stages=par.pp_virtual_stages,
         activation_dtype=param_dtype or torch.float32,
     )
+    if on_meta:  # each stage continues the single process's random stream
+        for module in runner.modules:
+            module.to_empty(device=device)
+        init_stage_params(runner.modules, cfg.training.seed, init_module)
     return Parallelized(list(runner.modules), runner, expert_fqns)
 
 
