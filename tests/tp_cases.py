@@ -39,15 +39,15 @@ def model_config(
     )
 
 
-def batches(dp: int, steps: int) -> list[torch.Tensor]:
+def batches(dp: int, steps: int, vocab: int = VOCAB) -> list[torch.Tensor]:
     """One global batch per step: ``dp * PER_RANK`` sequences of SEQ + 1 tokens."""
     gen = torch.Generator().manual_seed(SEED)
-    return [torch.randint(0, VOCAB, (dp * PER_RANK, SEQ + 1), generator=gen) for _ in range(steps)]
+    return [torch.randint(0, vocab, (dp * PER_RANK, SEQ + 1), generator=gen) for _ in range(steps)]
 
 
 def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     logits = model(batch[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), batch[:, 1:].reshape(-1))
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].reshape(-1))
 
 
 def reference(cfg: ModelConfig, dp: int, steps: int) -> tuple[list[float], list[float], dict]:
@@ -106,6 +106,43 @@ def train(
         dist.all_reduce(total, group=mesh.get_group("dp_shard"))
         losses.append(total.item() / dp)
     return losses, norms
+
+
+def trainer_muon(mesh: DeviceMesh | None, steps: int) -> list[float]:
+    """The trainer's Muon recipe (``placement = "muon"`` buckets: per-head BlockShard
+    q/k/v, Owned matrices; DistMuon + AdamW with per-head row blocks) under dp x tp,
+    or in one process when ``mesh`` is None; returns the global batch's losses."""
+    from flexshard.trainer.config import config_from_dict
+    from flexshard.trainer.optimizers import build_optimizer
+    from flexshard.trainer.sharding import bucket_specs
+
+    cfg = config_from_dict(
+        {
+            "model": {"vocab_size": 256, "dim": 32, "n_heads": 4, "n_kv_heads": 2},
+            "training": {"optimizer": "muon", "lr": 0.01},
+            "parallelism": {"placement": "muon"},
+        }
+    )
+    model = Transformer(cfg.model)
+    init_weights(model, SEED)
+    dp, dp_rank = 1, 0
+    if mesh is not None:
+        dp, dp_rank = mesh.size(0), mesh.get_local_rank("dp_shard")
+        apply_tp(model, mesh["tp"])
+        model = fs.flex_shard(model, mesh["dp_shard"], buckets=bucket_specs(cfg, model, dp))
+    opt = build_optimizer(model, cfg.training, cfg.model)
+    losses = []
+    for batch in batches(2, steps, vocab=256):  # the trainer's byte vocabulary
+        part = batch if mesh is None else batch[dp_rank * PER_RANK : (dp_rank + 1) * PER_RANK]
+        loss = loss_of(model, part)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if mesh is not None:
+            dist.all_reduce(total, group=mesh.get_group("dp_shard"))
+        losses.append(total.item() / dp)
+    return losses
 
 
 def block_or_shard(fqn: str, param: nn.Parameter) -> fs.Placement:
