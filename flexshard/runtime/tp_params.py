@@ -72,10 +72,6 @@ def global_tensor(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     return dtensor.full_tensor()
 
 
-def global_shape(spec: DTensorSpec) -> tuple[int, ...]:
-    return tuple(spec.shape)
-
-
 def local_piece(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     """This tp rank's piece of a whole parameter (no collective)."""
     shape, offset = compute_local_shape_and_global_offset(full.shape, spec.mesh, spec.placements)
