@@ -179,8 +179,8 @@ def markdown(rows: list[dict], meta: dict[str, Any]) -> str:
         "- tokens/s: global batch tokens / wall time of one optimizer step, median over the "
         "timed steps, the slowest rank's; per rank = / W.",
         "- peak RSS per rank: VmHWM (reset before the run) minus the RSS before the model "
-        "was built; max over ranks. Composed layouts build the whole (tiny) model once per "
-        "rank before sharding, for both backends.",
+        "was built; max over ranks. flexshard builds on meta and initialises its shards; "
+        "the FSDP2 backend builds the whole (tiny) model on every rank first.",
         "- Tiny models on an oversubscribed 2-core machine (W processes on 2 cores): the "
         "numbers compare the two backends on one layout, not layouts with each other.",
     ]
