@@ -71,13 +71,15 @@ def reference_run(cfg: ModelConfig, dp: int, batch: int, make_opt) -> tuple[list
     return losses, norms, {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def shard_stage(dp_mesh, mp=None):
+def shard_stage(dp_mesh, mp=None, reshard_after_forward=None):
     def shard(stage: nn.Module) -> nn.Module:
         specs = [fs.BucketSpec(f"layers.{i}.*", name=f"layers.{i}") for i in stage.layers.keys()]
         outer = [n for n in OUTER if next(getattr(stage, n).parameters(), None) is not None]
         if outer:
             specs.append(fs.BucketSpec([f"{n}.*" for n in outer], name="outer"))
-        return fs.flex_shard(stage, dp_mesh, buckets=specs, mp_policy=mp)
+        return fs.flex_shard(
+            stage, dp_mesh, buckets=specs, mp_policy=mp, reshard_after_forward=reshard_after_forward
+        )
 
     return shard
 
@@ -98,10 +100,23 @@ def adamw(params_of):
 
 
 def pipeline_run(
-    mesh, cfg, batch, schedule, n_micro, virtual, meta, make_opt, backend="flexshard", mp=None
+    mesh,
+    cfg,
+    batch,
+    schedule,
+    n_micro,
+    virtual,
+    meta,
+    make_opt,
+    backend="flexshard",
+    mp=None,
+    reshard_after_forward=None,
 ) -> dict:
     dp_mesh, pp_mesh = mesh["dp_shard"], mesh["pp"]
-    shard_fn = (shard_stage if backend == "flexshard" else fsdp2_stage)(dp_mesh, mp)
+    if backend == "flexshard":
+        shard_fn = shard_stage(dp_mesh, mp, reshard_after_forward)
+    else:
+        shard_fn = fsdp2_stage(dp_mesh, mp)
     dtype = mp.param_dtype if mp is not None else torch.float32
     if meta:  # flexshard's way: no full copy anywhere, init stage by stage
         with torch.device("meta"):
@@ -125,7 +140,7 @@ def pipeline_run(
         init_stage_params(runner.modules, SEED, init_module)
     optimizer = make_opt(runner)
     dp_rank = dp_mesh.get_local_rank()
-    losses, norms, reduces = [], [], []
+    losses, norms, reduces, gathers = [], [], [], []
     for tokens, labels in global_batches(dp_mesh.size(), batch):
         rows = slice(dp_rank * batch, (dp_rank + 1) * batch)
         # the runner gives this dp rank's loss on every pp rank; the global batch's is
@@ -133,11 +148,13 @@ def pipeline_run(
         loss = torch.tensor(runner.step(tokens[rows], labels[rows]))
         dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_mesh.get_group())
         losses.append(float(loss))
-        counts = {}
+        counts, gathered = {}, {}
         for module in runner.modules if backend == "flexshard" else ():
             stats = module.comm_stats(reset=True)
             counts.update({k: v["reduce_scatter"] for k, v in stats.items() if k != "total"})
+            gathered.update({k: v["all_gather"] for k, v in stats.items() if k != "total"})
         reduces.append(counts)
+        gathers.append(gathered)
         norms.append(runner.clip_grad_norm_(float("inf")))
         optimizer.step()
         optimizer.zero_grad()
@@ -147,7 +164,13 @@ def pipeline_run(
             params.update(fs.full_state_dict(module))
         else:
             params.update({k: v.full_tensor() for k, v in module.state_dict().items()})
-    return {"losses": losses, "norms": norms, "reduces": reduces, "params": params}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "reduces": reduces,
+        "gathers": gathers,
+        "params": params,
+    }
 
 
 def compare(got: dict, want: tuple, where: str, tol: dict = TOL, param_tol=PARAM_TOL) -> None:
@@ -211,9 +234,26 @@ def _layouts(rank: int, world: int, pp: int, batch: int, cases: list) -> list[st
         done.append(_output_check_case(rank, world))
     if pp == 2 and dp == 2:
         done.append(_bf16_case(mesh, rank))
+        done.append(_gather_once_case(mesh))
         done.append(_muon_case(mesh, rank))
         done.append(_error_cases(mesh))
     return done
+
+
+def _gather_once_case(mesh) -> str:
+    """Parameters kept gathered across microbatches (no reshard after forward; the stage
+    reshards after backward only on the last): one all-gather per bucket per step, and
+    the same losses bit for bit as resharding after every forward."""
+    cfg = tiny_model_config(2)
+    make_opt = adamw(lambda r: r.parameters())
+    kept = pipeline_run(mesh, cfg, 4, "1f1b", 4, 1, False, make_opt, reshard_after_forward=False)
+    freed = pipeline_run(mesh, cfg, 4, "1f1b", 4, 1, False, make_opt)
+    assert kept["losses"] == freed["losses"]
+    for counts in kept["gathers"]:
+        assert counts and set(counts.values()) == {1}, counts
+    for counts in freed["gathers"]:
+        assert max(counts.values()) > 1, counts  # the blocks reshard after each forward
+    return "one all-gather per step"
 
 
 def _output_check_case(rank: int, world: int) -> str:
@@ -394,7 +434,17 @@ def test_pipeline_layouts_match_single_process():
     ]
     results = run_distributed(_layouts, 4, 2, 4, cases, timeout=240)
     assert all(
-        r == ["gpipe", "1f1b", "interleaved_1f1b", "bf16", "muon", "errors"] for r in results
+        r
+        == [
+            "gpipe",
+            "1f1b",
+            "interleaved_1f1b",
+            "bf16",
+            "one all-gather per step",
+            "muon",
+            "errors",
+        ]
+        for r in results
     )
 
 

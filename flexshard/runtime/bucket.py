@@ -90,6 +90,7 @@ class Bucket:
         self.rank = rank
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True  # False: stay gathered for the next microbatch
         self.requires_grad_sync = True
         # opt-in: each backward records which unsharded gradients hold a NaN or an inf
         self.check_finite = False

@@ -94,7 +94,8 @@ class StepState:
             while self._launched < len(queue) and queue[self._launched].ready:
                 self._launch(queue[self._launched])
                 self._launched += 1
-            bucket.reshard()
+            if bucket.reshard_after_backward:
+                bucket.reshard()
 
     def _launch(self, bucket: Bucket) -> None:
         if not bucket.requires_grad_sync:
@@ -114,7 +115,8 @@ class StepState:
             while self._in_flight:
                 self._in_flight.popleft().finish_reduce()
             for bucket in self.buckets:
-                bucket.reshard()
+                if bucket.reshard_after_backward:
+                    bucket.reshard()
             if any(bucket.check_finite for bucket in self.buckets):
                 check_finite_grads(self.buckets)  # every rank raises alike, or none
         finally:

@@ -72,6 +72,18 @@ class FlexShardModule(nn.Module):
         for bucket in buckets:
             bucket.reshard_after_forward = reshard_after_forward
 
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """False: keep the gathered parameters after backward, so the next microbatch's
+        forward and backward need no all-gather (pipeline schedules set it for every
+        microbatch but the last, as torch does for FSDP2)."""
+        _check_bool("set_reshard_after_backward", "reshard_after_backward", reshard_after_backward)
+        _check_bool("set_reshard_after_backward", "recurse", recurse)
+        buckets = subtree_buckets(self) if recurse else self._flexshard_buckets
+        for bucket in buckets:
+            bucket.reshard_after_backward = reshard_after_backward
+
     def set_check_finite_grads(self, check_finite_grads: bool, *, recurse: bool = True) -> None:
         """True: after every backward, raise FloatingPointError on every rank if a
         gradient holds a NaN or an inf on any rank, naming the parameter, bucket and

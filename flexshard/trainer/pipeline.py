@@ -119,8 +119,9 @@ def split_model(model: nn.Module, n_stages: int, ids: list[int]) -> list[nn.Modu
 
 
 class FlexShardStage(PipelineStage):
-    """A PipelineStage that turns flexshard's gradient sync on only for the last
-    microbatch's backward (torch does this for FSDP2 modules only), and checks its
+    """A PipelineStage that turns flexshard's gradient sync and reshard-after-backward
+    on only for the last microbatch's backward (torch does this for FSDP2 modules
+    only), and checks its
     output against the static shape and dtype the next stage receives into."""
 
     def __init__(self, *args: Any, expected_output: torch.Tensor, **kwargs: Any) -> None:
@@ -144,6 +145,8 @@ class FlexShardStage(PipelineStage):
     ) -> Any:
         if isinstance(self.submod, fs.FlexShardModule):
             self.submod.set_requires_gradient_sync(last_backward)
+            # gathered parameters serve the next microbatch; the last one frees them
+            self.submod.set_reshard_after_backward(last_backward)
         return super().backward_maybe_with_nosync(
             backward_type, bwd_kwargs, last_backward=last_backward
         )
