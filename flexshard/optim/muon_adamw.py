@@ -8,7 +8,7 @@ shard is judged by its full shape, not its (possibly flat) local one."""
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -114,19 +114,13 @@ class MuonAdamW(DistMuon):
             torch.optim.AdamW([torch.zeros(0)], **{k: param_group[k] for k in checked})
         super().add_param_group(param_group)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._muon_step()
+    def _muon_step(self) -> None:
+        super()._muon_step()
         groups = [g for g in self.param_groups if not self._is_muon(g)]
         if groups:
             self._adamw.param_groups = groups
             self._adamw.state = self.state
             self._adamw.step()
-        return loss
 
 
 def muon_and_adamw(
