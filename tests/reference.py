@@ -4,7 +4,36 @@ from __future__ import annotations
 
 import torch
 
-from flexshard.testing import TinyTransformer
+import flexshard as fs
+from flexshard.testing import TinyTransformer, TransformerConfig
+
+CFG = TransformerConfig()
+
+
+def mixed_placement(fqn: str, param: torch.Tensor) -> fs.Placement:
+    """Every placement in one bucket of the test transformer (default config)."""
+    if param.ndim < 2:
+        return fs.FlatShard()
+    if "qkv" in fqn:
+        return fs.BlockShard((CFG.dim // CFG.heads, 64))  # one head's rows per tile
+    if "up" in fqn or "embed" in fqn:
+        return fs.Owned()
+    if "down" in fqn:
+        return fs.BlockShard((4, 4))
+    return fs.Shard(1) if "proj" in fqn else fs.Shard(0)
+
+
+def train_steps(model, opt, batches, rank: int, world: int, start: int, steps: int) -> list[float]:
+    """Steps ``start .. start + steps`` of data-parallel training: this rank's losses."""
+    losses = []
+    for step in range(start, start + steps):
+        tokens, targets = batches[step * world + rank]
+        loss = model.loss(tokens, targets)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
 
 
 def reference_training(

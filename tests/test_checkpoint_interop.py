@@ -20,20 +20,14 @@ from flexshard import checkpoint as ckpt
 from flexshard.checkpoint import RegionTensor
 from flexshard.testing import TinyTransformer, make_batches, run_distributed
 
+from .reference import train_steps
+
 STEPS = 2
 
 
 def _train(model, opt, rank: int, world: int, start: int) -> list[float]:
     batches = make_batches(model.cfg, 2 * STEPS * world, batch=2, seed=8)
-    losses = []
-    for step in range(start, start + STEPS):
-        tokens, targets = batches[step * world + rank]
-        loss = model.loss(tokens, targets)
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return train_steps(model, opt, batches, rank, world, start, STEPS)
 
 
 def _adamw(model) -> torch.optim.Optimizer:

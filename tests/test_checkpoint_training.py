@@ -17,20 +17,10 @@ from flexshard.checkpoint import RegionTensor
 from flexshard.optim import muon_and_adamw
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
+from .reference import mixed_placement, train_steps
+
 CFG = TransformerConfig()
 FIRST, REST = 3, 3  # steps before and after the checkpoint
-
-
-def _mixed(fqn: str, param: torch.Tensor) -> fs.Placement:
-    if param.ndim < 2:
-        return fs.FlatShard()
-    if "qkv" in fqn:
-        return fs.BlockShard((CFG.dim // CFG.heads, 64))  # one head's rows per tile
-    if "up" in fqn or "embed" in fqn:
-        return fs.Owned()
-    if "down" in fqn:
-        return fs.BlockShard((4, 4))
-    return fs.Shard(1) if "proj" in fqn else fs.Shard(0)
 
 
 def _model(group, placement, seed: int) -> torch.nn.Module:
@@ -51,15 +41,7 @@ def _optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
 
 def _train(model, opt, rank: int, world: int, start: int, steps: int) -> list[float]:
     batches = make_batches(CFG, (FIRST + REST) * world, batch=2, seed=5)
-    losses = []
-    for step in range(start, start + steps):
-        tokens, targets = batches[step * world + rank]
-        loss = model.loss(tokens, targets)
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return train_steps(model, opt, batches, rank, world, start, steps)
 
 
 def _numpy(state: dict) -> dict:
@@ -71,9 +53,9 @@ def _first_run(rank: int, world: int, root: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     for kind in ("adamw", "muon"):
-        model = _model(mesh, _mixed, 0)
+        model = _model(mesh, mixed_placement, 0)
         out[f"{kind} uninterrupted"] = _train(model, _optimizer(model, kind), rank, world, 0, 6)
-        model = _model(mesh, _mixed, 0)
+        model = _model(mesh, mixed_placement, 0)
         opt = _optimizer(model, kind)
         out[f"{kind} first"] = _train(model, opt, rank, world, 0, FIRST)
         torch.manual_seed(100 + rank)  # a per-rank RNG state the resume must restore
@@ -136,7 +118,7 @@ def _resume(rank: int, world: int, root: str, full_model: dict, full_optim: dict
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     for kind in ("adamw", "muon"):
-        model = _model(mesh, _mixed, 99)  # other values: the load must replace them all
+        model = _model(mesh, mixed_placement, 99)  # other values: the load must replace them all
         opt = _optimizer(model, kind)
         extra = ckpt.load(f"{root}/{kind}", model, opt)
         torch.set_rng_state(extra["rng"])
@@ -152,7 +134,7 @@ def _resume(rank: int, world: int, root: str, full_model: dict, full_optim: dict
             ckpt.load(f"{root}/adamw", model, opt, process_group=pair)
             out[f"w2 {name}"] = _state_pieces_match(model, opt, full_model, full_optim)
     # a full (unsharded) state dict through module.load_state_dict
-    model = _model(mesh, _mixed, 99)
+    model = _model(mesh, mixed_placement, 99)
     model.load_state_dict(full_model)
     out["load_state_dict of full tensors"] = _pieces_differ(model, full_model)
     # a bucket of bf16 and fp32 parameters packed as bytes, resharded

@@ -9,22 +9,10 @@ from torch.distributed.device_mesh import init_device_mesh
 import flexshard as fs
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
-from .reference import reference_training, sharded_training
+from .reference import mixed_placement, reference_training, sharded_training
 
 STEPS = 4
 CFG = TransformerConfig()
-
-
-def _mixed(fqn: str, param: torch.Tensor) -> fs.Placement:
-    if param.ndim < 2:
-        return fs.FlatShard()
-    if "qkv" in fqn:
-        return fs.BlockShard((CFG.dim // CFG.heads, 64))  # one head's rows per tile
-    if "up" in fqn or "embed" in fqn:
-        return fs.Owned()
-    if "down" in fqn:
-        return fs.BlockShard((4, 4))
-    return fs.Shard(1) if "proj" in fqn else fs.Shard(0)
 
 
 PLACEMENTS = {
@@ -34,7 +22,7 @@ PLACEMENTS = {
     "block4x4": fs.BlockShard((4, 4)),
     "block_rows": fs.BlockShard((5, 64)),
     "replicate": fs.Replicate(),
-    "mixed": _mixed,
+    "mixed": mixed_placement,
 }
 
 
