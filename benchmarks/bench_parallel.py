@@ -24,14 +24,11 @@ from typing import Any
 import torch
 
 from flexshard.testing import run_distributed
-from flexshard.trainer.config import config_from_dict
-from flexshard.trainer.train import run
 
-from .measure import peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
+from .bench_trainer import measured_run, trainer_table
 
 RESULTS = Path(__file__).parent / "results"
 BACKENDS = ("flexshard", "fsdp2")
-MB = 2**20
 MOE = {"num_experts": 4, "top_k": 2, "expert_hidden": 64, "first_dense_layers": 1}
 # name: (world size, [parallelism], MoE?)
 LAYOUTS: dict[str, tuple[int, dict, bool]] = {
@@ -68,31 +65,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def layout_table(args: argparse.Namespace, name: str, backend: str, folder: str) -> dict:
     _, parallelism, moe = LAYOUTS[name]
-    model: dict[str, Any] = {
-        "dim": args.dim,
-        "n_layers": args.layers,
-        "n_heads": 4,
-        "n_kv_heads": 2,
-    }
+    model: dict[str, Any] = {"dim": args.dim, "n_layers": args.layers}
+    model.update(n_heads=4, n_kv_heads=2)
     if moe:
         model["moe"] = MOE
-    return {
-        "model": model,
-        "parallelism": {**parallelism, "dp_backend": backend},
-        "training": {
-            "steps": args.steps,
-            "seq_len": args.seq_len,
-            "batch_size": args.batch,
-            "warmup_steps": 2,
-        },
-        "job": {
-            "dump_folder": folder,
-            "progress": False,
-            "plot": False,
-            "tensorboard": False,
-            "peak_tflops": 1.0,
-        },
-    }
+    return trainer_table(args, model, {**parallelism, "dp_backend": backend}, folder)
 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace, names: list[str], folder: str):
@@ -101,11 +78,8 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, names: list[str]
     for name in names:
         for rep in range(args.reps):
             for backend in BACKENDS:
-                release_free_memory()
-                base = rss_bytes()
-                reset_peak_rss()
                 where = f"{folder}/{len(out)}"
-                records = run(config_from_dict(layout_table(args, name, backend, where)))
+                records, peak_rss_mb = measured_run(args, layout_table(args, name, backend, where))
                 timed = records[args.warmup :]
                 out.append(
                     {
@@ -113,7 +87,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, names: list[str]
                         "backend": backend,
                         "rep": rep,
                         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-                        "peak_rss_mb": (peak_rss_bytes() - base) / MB,
+                        "peak_rss_mb": peak_rss_mb,
                         "losses": [r["loss"] for r in records],
                     }
                 )

@@ -53,16 +53,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def trainer_table(args: argparse.Namespace, backend: str, folder: str) -> dict[str, Any]:
-    heads = max(1, args.dim // 32)
+def trainer_table(
+    args: argparse.Namespace, model: dict[str, Any], parallelism: dict[str, Any], folder: str
+) -> dict[str, Any]:
+    """A trainer config for one benchmark run: ``args``' steps and batch, no progress
+    bar, plot or TensorBoard."""
     return {
-        "model": {
-            "dim": args.dim,
-            "n_layers": args.layers,
-            "n_heads": heads,
-            "n_kv_heads": max(1, heads // 2),
-        },
-        "parallelism": {"dp_backend": backend},
+        "model": model,
+        "parallelism": parallelism,
         "training": {
             "steps": args.steps,
             "seq_len": args.seq_len,
@@ -79,17 +77,32 @@ def trainer_table(args: argparse.Namespace, backend: str, folder: str) -> dict[s
     }
 
 
+def measured_run(args: argparse.Namespace, table: dict[str, Any]) -> tuple[list[dict], float]:
+    """Train with ``table``: every step's metrics and this rank's peak RSS (MB) above
+    the RSS before the model was built."""
+    release_free_memory()
+    base = rss_bytes()
+    reset_peak_rss()
+    records = run(config_from_dict(table))
+    return records, (peak_rss_bytes() - base) / MB
+
+
 def _rank(rank: int, world_size: int, args: argparse.Namespace, folder: str) -> list[dict]:
     """Every backend, ``reps`` times, interleaved; per run this rank's median tokens/s
     and its peak RSS above the RSS before the model was built."""
     out = []
     for rep in range(args.reps):
         for backend in BACKENDS:
-            release_free_memory()
-            base = rss_bytes()
-            reset_peak_rss()
-            cfg = config_from_dict(trainer_table(args, backend, f"{folder}/{backend}{rep}"))
-            records = run(cfg)[args.warmup :]
+            heads = max(1, args.dim // 32)
+            model = {
+                "dim": args.dim,
+                "n_layers": args.layers,
+                "n_heads": heads,
+                "n_kv_heads": max(1, heads // 2),
+            }
+            table = trainer_table(args, model, {"dp_backend": backend}, f"{folder}/{backend}{rep}")
+            records, peak_rss_mb = measured_run(args, table)
+            records = records[args.warmup :]
             out.append(
                 {
                     "backend": backend,
@@ -99,7 +112,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, folder: str) -> 
                         r["tokens_per_s_per_rank"] for r in records
                     ),
                     "step_ms": 1000 * statistics.median(r["step_time_s"] for r in records),
-                    "peak_rss_mb": (peak_rss_bytes() - base) / MB,
+                    "peak_rss_mb": peak_rss_mb,
                     "loss_last": records[-1]["loss"],
                     "comm_mb_per_step": (records[-1]["comm_bytes"] or {}).get("total", 0) / MB,
                 }
