@@ -77,6 +77,16 @@ def trainer_table(
     }
 
 
+def model_table(args: argparse.Namespace) -> dict[str, Any]:
+    heads = max(1, args.dim // 32)
+    return {
+        "dim": args.dim,
+        "n_layers": args.layers,
+        "n_heads": heads,
+        "n_kv_heads": max(1, heads // 2),
+    }
+
+
 def measured_run(args: argparse.Namespace, table: dict[str, Any]) -> tuple[list[dict], float]:
     """Train with ``table``: every step's metrics and this rank's peak RSS (MB) above
     the RSS before the model was built."""
@@ -93,14 +103,8 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, folder: str) -> 
     out = []
     for rep in range(args.reps):
         for backend in BACKENDS:
-            heads = max(1, args.dim // 32)
-            model = {
-                "dim": args.dim,
-                "n_layers": args.layers,
-                "n_heads": heads,
-                "n_kv_heads": max(1, heads // 2),
-            }
-            table = trainer_table(args, model, {"dp_backend": backend}, f"{folder}/{backend}{rep}")
+            parallelism = {"dp_backend": backend}
+            table = trainer_table(args, model_table(args), parallelism, f"{folder}/{backend}{rep}")
             records, peak_rss_mb = measured_run(args, table)
             records = records[args.warmup :]
             out.append(
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                 " MB",
                 flush=True,
             )
-    model_cfg = config_from_dict(trainer_table(args, "flexshard", "-")).model
+    model_cfg = config_from_dict({"model": model_table(args)}).model
     total, _ = count_params(model_cfg)
     meta = {
         "command": "python -m benchmarks.bench_trainer" + (" --quick" if args.quick else ""),
