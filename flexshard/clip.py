@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .runtime.bucket import Bucket
 from .runtime.module import subtree_buckets
 from .runtime.tp_params import tp_group, tp_sharded
 
@@ -61,9 +64,15 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         dist.all_reduce(partial[0:1], op=op, group=tp_groups.pop())
     partial = partial.max() if norm_type == float("inf") else partial.sum()
     total = partial if norm_type == float("inf") else partial ** (1.0 / norm_type)
+    scale_grads(buckets, max_norm, total)
+    return total
+
+
+def scale_grads(buckets: Sequence[Bucket], max_norm: float, total: torch.Tensor) -> None:
+    """Scale every local gradient so that a total norm ``total`` becomes ``max_norm``
+    (never scaled up)."""
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for bucket in buckets:
         for local in bucket.local_params:
             if local.grad is not None:
                 local.grad.mul_(coef.to(local.grad.dtype))
-    return total

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from flexshard.clip import scale_grads
 from flexshard.runtime.module import subtree_buckets
 
 from .context_parallel import Group, as_group
@@ -247,9 +248,5 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, dp_group: dist.ProcessGro
                 partial += torch.linalg.vector_norm(local.grad.float()) ** 2
     dist.all_reduce(partial, group=dp_group)
     total = partial.sqrt()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for bucket in buckets:
-        for local in bucket.local_params:
-            if local.grad is not None:
-                local.grad.mul_(coef.to(local.grad.dtype))
+    scale_grads(buckets, max_norm, total)
     return total
