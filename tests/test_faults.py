@@ -22,14 +22,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.autograd import Variable
 
 import flexshard as fs
 from flexshard.runtime.bucket import slot_of as fs_slot_of
 from flexshard.runtime.collectives import DEFAULT_TIMEOUT
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
-from flexshard.testing.launch import _child, free_port
+from flexshard.testing.launch import start_ranks
 
 W = 3
 VICTIM = 2
@@ -45,15 +44,7 @@ BUCKETS = [
 def run_tolerant(fn: Callable, world_size: int, *args: Any, timeout: float) -> list[Any]:
     """``run_distributed`` that expects ranks to die: the result of each rank that
     reported within ``timeout`` (None for the others); a child's error is re-raised."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, port, args, results), daemon=True)
-        for r in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
+    procs, results = start_ranks(fn, world_size, args)
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:

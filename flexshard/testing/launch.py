@@ -35,12 +35,9 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, res
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes.
-
-    ``fn`` must be importable (a module-level function). Returns the per-rank results;
-    re-raises the first child's traceback; kills everything after ``timeout`` seconds.
-    """
+def start_ranks(fn: Callable, world_size: int, args: tuple) -> tuple[list[Any], Any]:
+    """Spawn ``world_size`` processes running ``fn`` on a fresh gloo group; each puts
+    ``(rank, "ok" | "error", value)`` on the returned queue."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -50,6 +47,16 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     ]
     for proc in procs:
         proc.start()
+    return procs, results
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes.
+
+    ``fn`` must be importable (a module-level function). Returns the per-rank results;
+    re-raises the first child's traceback; kills everything after ``timeout`` seconds.
+    """
+    procs, results = start_ranks(fn, world_size, args)
     out: dict[int, Any] = {}
     errors = []
     try:
