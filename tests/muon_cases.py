@@ -1,14 +1,9 @@
-"""Shared pieces of the DistMuon tests: a bag of matrices, their gradients, the
-single-process references and a guard that fails on any collective."""
+"""Shared pieces of the DistMuon tests: a bag of matrices, their gradients and the
+single-process references (the collective guard is flexshard.testing.collectives)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
 from flexshard.runtime.bucket import slot_of
@@ -24,14 +19,6 @@ SHAPES = {
     "e": (3, 17, 10),  # an expert stack [E, R, C]
 }
 HEAD_ROWS = 6
-
-COLLECTIVES = (
-    "all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor",
-    "all_gather_single", "all_reduce", "broadcast", "reduce", "reduce_scatter",
-    "reduce_scatter_tensor", "reduce_scatter_single", "scatter", "gather", "send", "recv",
-    "isend", "irecv", "barrier", "batch_isend_irecv", "all_gather_object",
-    "broadcast_object_list",
-)  # fmt: skip
 
 
 class Mats(nn.Module):
@@ -108,60 +95,3 @@ def reference_params(
         else:
             out[name] = params[0].detach()
     return out
-
-
-def _sequence_numbers() -> dict[object, int]:
-    """Per process group, how many collectives it has issued (the backend's own count,
-    which functional collectives and direct ProcessGroup calls advance too)."""
-    if not dist.is_initialized():
-        return {}
-    return {pg: pg._get_sequence_number_for_group() for pg in list(c10d._world.pg_map)}
-
-
-@contextlib.contextmanager
-def no_collectives() -> Iterator[None]:
-    """Every torch.distributed collective raises while inside, and on the way out no
-    process group may have issued one by any other route."""
-
-    def forbidden(name: str):
-        def fail(*args, **kwargs):
-            raise AssertionError(f"collective torch.distributed.{name} ran inside step()")
-
-        return fail
-
-    before = _sequence_numbers()
-    saved = []
-    for module in (dist, c10d):
-        for name in COLLECTIVES:
-            if hasattr(module, name):
-                saved.append((module, name, getattr(module, name)))
-                setattr(module, name, forbidden(name))
-    try:
-        yield
-    finally:
-        for module, name, fn in saved:
-            setattr(module, name, fn)
-    after = _sequence_numbers()
-    moved = [pg for pg, n in before.items() if after.get(pg) != n]
-    assert not moved, f"{len(moved)} process group(s) issued collectives inside the block"
-
-
-@contextlib.contextmanager
-def count_collectives(counts: dict[str, int]) -> Iterator[None]:
-    """Count the torch.distributed collectives that run inside (and let them run)."""
-    saved = []
-    for name in COLLECTIVES:
-        if hasattr(dist, name):
-            original = getattr(dist, name)
-
-            def counted(*args, _name=name, _fn=original, **kwargs):
-                counts[_name] = counts.get(_name, 0) + 1
-                return _fn(*args, **kwargs)
-
-            saved.append((name, original))
-            setattr(dist, name, counted)
-    try:
-        yield
-    finally:
-        for name, fn in saved:
-            setattr(dist, name, fn)

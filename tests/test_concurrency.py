@@ -4,12 +4,15 @@ each gives trained alone: their hooks, prefetches and collectives do not interfe
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import flexshard as fs
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
+from flexshard.testing.collectives import CollectiveLog, record_collectives
 
 W = 3
 STEPS = 3
@@ -86,16 +89,31 @@ def _run(rank: int, world_size: int) -> dict:
     group_a, group_b = dist.new_group(), dist.new_group()  # both over every rank
     batches_a = make_batches(CFG, STEPS * W, batch=2, seed=5)
     batches_b = make_batches(CFG, STEPS * W, batch=2, seed=6)
+    groups = {"a": group_a, "b": group_b}
     first_a, first_b = _model_a(group_a), _model_b(group_b)
-    alone_a = _alone(first_a, batches_a, rank)
-    alone_b = _alone(first_b, batches_b, rank)
+    with record_collectives() as log_a:
+        alone_a = _alone(first_a, batches_a, rank)
+    with record_collectives() as log_b:
+        alone_b = _alone(first_b, batches_b, rank)
     a, b = _model_a(group_a), _model_b(group_b)
-    together_a, together_b = _side_by_side(a, b, batches_a, batches_b, rank)
+    with record_collectives() as log:
+        together_a, together_b = _side_by_side(a, b, batches_a, batches_b, rank)
     return {
         "alone": (alone_a, alone_b),
         "together": (together_a, together_b),
         "stats": [m.comm_stats() for m in (first_a, first_b, a, b)],
+        "logged": {k: _per_group(v, groups) for k, v in (("a", log_a), ("b", log_b), ("ab", log))},
     }
+
+
+def _per_group(log: CollectiveLog, groups: dict[str, dist.ProcessGroup]) -> dict:
+    """Per group ("a", "b", or "other"), what the shared logger saw issued on it."""
+    keys = {group.group_name: key for key, group in groups.items()}
+    out: dict[str, Counter] = {}
+    for record in log.records:
+        for group, count in record.groups.items():
+            out.setdefault(keys.get(group, "other"), Counter())[record.name] += count
+    return {key: dict(counts) for key, counts in out.items()}
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +142,17 @@ def test_each_model_issues_the_collectives_it_issues_alone(results):
         alone_a, alone_b, together_a, together_b = per_rank["stats"]
         assert together_a == alone_a and together_b == alone_b
         assert alone_a["total"]["collectives"] > 0
+
+
+def test_each_model_communicates_on_its_own_group_only(results):
+    """What the shared logger saw the process groups issue (not what the models report):
+    alone, each model's collectives all go to its own group; side by side, each group
+    carries exactly what it carried alone."""
+    for per_rank in results:
+        logged = per_rank["logged"]
+        assert set(logged["a"]) == {"a"} and set(logged["b"]) == {"b"}, logged
+        for key in ("a", "b"):  # positive control: the logger sees the models' traffic
+            seen = logged[key][key]
+            assert seen.get("all_gather_single", 0) > 0, logged
+            assert seen.get("reduce_scatter_single", 0) > 0, logged
+        assert logged["ab"] == {"a": logged["a"]["a"], "b": logged["b"]["b"]}, logged

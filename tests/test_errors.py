@@ -14,6 +14,7 @@ import copy
 import datetime
 import functools
 import re
+from collections import Counter
 
 import pytest
 import torch
@@ -23,34 +24,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import flexshard as fs
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
+from flexshard.testing.collectives import CollectiveLog, record_collectives
 
 from .reference import reference_training, sharded_training
 
 W = 3
 STEPS = 2
-COLLECTIVES = (
-    "all_gather_into_tensor",
-    "all_gather",
-    "reduce_scatter_tensor",
-    "all_reduce",
-    "broadcast",
-    "barrier",
-    "new_group",
-)
 OUTER = ("embed.*", "norm.*", "head.*")
-
-
-def _count_collectives() -> list[str]:
-    """Log torch.distributed's collectives (the library calls them as ``dist.X``)."""
-    calls: list[str] = []
-    for name in COLLECTIVES:
-
-        def counted(*args, _real=getattr(dist, name), _name=name, **kwargs):
-            calls.append(_name)
-            return _real(*args, **kwargs)
-
-        setattr(dist, name, counted)
-    return calls
 
 
 def _buckets(layer1=None, layer0=("layers.0.*",), outer=OUTER) -> list[fs.BucketSpec]:
@@ -81,7 +61,11 @@ def _tied() -> TinyTransformer:
 
 
 def _run_cases(rank: int, world_size: int) -> dict:
-    calls = _count_collectives()
+    with record_collectives() as calls:  # every collective, by any route
+        return _cases(rank, world_size, calls)
+
+
+def _cases(rank: int, world_size: int, calls: CollectiveLog) -> dict:
     mesh = init_device_mesh("cpu", (world_size,))
     out: dict = {}
 
@@ -108,6 +92,13 @@ def _run_cases(rank: int, world_size: int) -> dict:
         return lambda model: fs.flex_shard(model, on, buckets=buckets)
 
     new = TinyTransformer
+    # positive control: the log sees flexshard's own collectives, the set-up agreement
+    # exchange and a step's gathers and reduce-scatters
+    start = len(calls)
+    control = fs.flex_shard(new(), mesh, buckets=_buckets())
+    setup = calls[start:]
+    control.loss(*make_batches(TransformerConfig(), 1, batch=2)[0]).backward()
+    out["control"] = {"setup": setup, "step": calls[start + len(setup) :]}
     attempt("no_bucket", new(), shard(_buckets(outer=("embed.*", "norm.*"))))
     attempt("two_buckets", new(), shard(_buckets(outer=(*OUTER, "layers.1.up.weight"))))
     attempt("no_match", new(), shard([*_buckets(), fs.BucketSpec("layers.9.*", name="ghost")]))
@@ -403,3 +394,17 @@ def test_groups_registered_on_some_ranks_do_not_hang_a_later_flex_shard(results)
     """A mesh or group leaving rank 2 out registers groups on ranks 0 and 1 only; a later
     flex_shard over ranks 1 and 2 must still find its reduce group."""
     assert [results[r]["later_subgroup"]["error"] for r in (1, 2)] == [None, None]
+
+
+def test_the_log_sees_the_collectives_flexshard_issues(results):
+    """Positive control for the checks above: the same log records a valid flex_shard's
+    agreement exchange, a forward and backward's all-gathers and reduce-scatters (one
+    per bucket), and the one exchange that finds a disagreement across ranks."""
+    for per_rank in results:
+        control = per_rank["control"]
+        assert control["setup"] == ["all_gather_single"], control
+        step = Counter(control["step"])
+        assert set(step) == {"all_gather_single", "reduce_scatter_single"}, control
+        assert step["reduce_scatter_single"] == 3 and step["all_gather_single"] >= 3, control
+        for case in NEEDS_COLLECTIVE:
+            assert per_rank[case]["collectives"] == ["all_gather_single"], case

@@ -16,6 +16,7 @@ import os
 import queue
 import signal
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ import flexshard as fs
 from flexshard.runtime.bucket import slot_of as fs_slot_of
 from flexshard.runtime.collectives import DEFAULT_TIMEOUT
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
+from flexshard.testing.collectives import record_collectives
 from flexshard.testing.launch import start_ranks
 
 W = 3
@@ -261,40 +263,28 @@ def _poison(model, fqn: str, value: float) -> Any:
     return bucket.full_params[index].register_hook(hook)
 
 
-def _count_all_gathers() -> list[int]:
-    calls = [0]
-    real = dist.all_gather_single
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    dist.all_gather_single = counted
-    return calls
-
-
 def _finite_check_cases(rank: int, world_size: int) -> dict:
     cfg = TransformerConfig()
     batches = make_batches(cfg, 4 * W, batch=2, seed=4)
-    calls = _count_all_gathers()
-    models, gathers, losses = {}, {}, {}
+    models, logs, losses = {}, {}, {}
     for check in (False, True):
         torch.manual_seed(0)
         model = fs.flex_shard(TinyTransformer(cfg), None, buckets=BUCKETS, timeout=TIMEOUT)
         model.set_check_finite_grads(check)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        start, losses[check] = calls[0], []
-        for step in range(2):  # clean steps: the check changes nothing but one all-gather
-            tokens, targets = batches[step * W + rank]
-            loss = model.loss(tokens, targets)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses[check].append(loss.item())
-        gathers[check] = calls[0] - start
+        losses[check] = []
+        with record_collectives() as log:  # every collective of the two steps
+            for step in range(2):  # clean steps: the check changes nothing but one all-gather
+                tokens, targets = batches[step * W + rank]
+                loss = model.loss(tokens, targets)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses[check].append(loss.item())
+        logs[check] = dict(log.counts())
         models[check] = (model, opt)
     model, opt = models[True]
-    out: dict[str, Any] = {"losses": losses, "gathers": gathers}
+    out: dict[str, Any] = {"losses": losses, "collectives": logs}
     # rank 1 alone gets a NaN in one weight's gradient, rank 2 an inf in another's
     hooks = []
     if rank == 1:
@@ -337,8 +327,10 @@ def finite_checks() -> list[dict]:
 
 def test_finite_check_off_adds_no_collective_and_on_adds_one_per_backward(finite_checks):
     for per_rank in finite_checks:
-        off, on = per_rank["gathers"][False], per_rank["gathers"][True]
-        assert off > 0 and on == off + 2  # two backward passes
+        off, on = (Counter(per_rank["collectives"][c]) for c in (False, True))
+        # positive control: the log sees the steps' gathers and reduce-scatters
+        assert off["all_gather_single"] > 0 and off["reduce_scatter_single"] > 0, off
+        assert on - off == Counter(all_gather_single=2) and off - on == Counter(), (on, off)
         assert per_rank["losses"][True] == per_rank["losses"][False]
 
 

@@ -1,4 +1,5 @@
-"""Bitwise parity with torch FSDP2 for Shard(0) in fp32, and collective counts."""
+"""Bitwise parity with torch FSDP2 for Shard(0) in fp32, and collective counts (as
+flexshard reports them, as the shared logger sees them, and as FSDP2 issues them)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import flexshard as fs
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
+from flexshard.testing.collectives import record_collectives
 
 from .reference import sharded_training
 
@@ -33,10 +35,13 @@ def _shard_both_ways(rank, world_size):
         fs.fully_shard(layer, mesh=mesh)
     fs.fully_shard(ours, mesh=mesh)
 
-    ref_losses = _train(reference, rank, world_size)
+    with record_collectives() as ref_log:
+        ref_losses = _train(reference, rank, world_size)
     stats = ours.comm_stats(reset=True)
-    our_losses = _train(ours, rank, world_size)
+    with record_collectives() as our_log:
+        our_losses = _train(ours, rank, world_size)
     stats = ours.comm_stats()
+    stats["logged"] = {"fsdp2": dict(ref_log.counts()), "flexshard": dict(our_log.counts())}
 
     ref_state = {k: v.full_tensor() for k, v in reference.state_dict().items()}
     our_state = fs.full_state_dict(ours)
@@ -56,3 +61,11 @@ def test_shard0_bitwise_equal_to_fsdp2(world_size):
         assert total["all_gather"] == STEPS * (3 + 2)
         assert total["reduce_scatter"] == STEPS * 3
         assert total["all_reduce"] == 0
+        # the shared logger (every torch.distributed route) sees just these, and torch
+        # FSDP2 issues the same collectives for the same model
+        logged = stats["logged"]
+        assert logged["flexshard"] == {
+            "all_gather_single": STEPS * (3 + 2),
+            "reduce_scatter_single": STEPS * 3,
+        }, logged
+        assert logged["fsdp2"] == logged["flexshard"], logged

@@ -3,14 +3,15 @@ run, on the planner's communication-free buckets and on redistributed Shard(0)."
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import flexshard as fs
 from flexshard.optim import muon_and_adamw, muon_balance, muon_buckets
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
-
-from .muon_cases import no_collectives
+from flexshard.testing.collectives import forbid_collectives, record_collectives
 
 CFG = TransformerConfig()
 HEADS = {"*.qkv.weight": CFG.dim // CFG.heads}  # Muon per attention head
@@ -47,20 +48,19 @@ def _reference(world_size: int, row_blocks: dict) -> list[list[float]]:
     return losses
 
 
-def _train(model, opt, rank: int, world_size: int, comm_free: bool) -> list[float]:
+def _train(model, opt, rank: int, world_size: int, comm_free: bool) -> tuple[list, Counter]:
+    """This rank's losses, and the collectives its optimizer steps issued."""
     batches = make_batches(CFG, CYCLE * world_size, batch=2)
-    losses = []
+    losses, collectives = [], Counter()
     for step in range(STEPS):
         loss = model.loss(*batches[(step % CYCLE) * world_size + rank])
         loss.backward()
         losses.append(loss.item())
-        if comm_free:
-            with no_collectives():
-                opt.step()
-        else:
+        with forbid_collectives() if comm_free else record_collectives() as log:
             opt.step()
+        collectives.update(log.counts())
         opt.zero_grad()
-    return losses
+    return losses, collectives
 
 
 def _both(rank: int, world_size: int) -> dict:
@@ -69,12 +69,13 @@ def _both(rank: int, world_size: int) -> dict:
     buckets = muon_buckets(_model(), world_size, row_blocks=HEADS)
     planned = fs.flex_shard(_model(), mesh, buckets=buckets)
     opt = muon_and_adamw(planned, row_blocks=HEADS, **OPT)
-    out["planned"] = _train(planned, opt, rank, world_size, comm_free=True)
+    out["planned"], _ = _train(planned, opt, rank, world_size, comm_free=True)
     out["planned_bytes"] = opt.comm_stats()["bytes_sent"]
     shard0 = fs.flex_shard(_model(), mesh, buckets=[fs.BucketSpec("*", placement=fs.Shard(0))])
     opt = muon_and_adamw(shard0, **OPT)
-    out["shard0"] = _train(shard0, opt, rank, world_size, comm_free=False)
+    out["shard0"], logged = _train(shard0, opt, rank, world_size, comm_free=False)
     out["shard0_all_to_all"] = opt.comm_stats()["all_to_all"]
+    out["shard0_logged"] = dict(logged)  # positive control: the log sees the exchanges
     return out
 
 
@@ -100,6 +101,8 @@ def test_mixed_muon_adamw_training_matches_single_process() -> None:
         assert last < 0.9 * first, (name, ref)  # it learns
     assert all(r["planned_bytes"] == 0 for r in results)
     assert all(r["shard0_all_to_all"] == 2 * STEPS for r in results)  # one bucket: 2 a step
+    # the same log that found no collective in the planned steps sees every exchange here
+    assert all(r["shard0_logged"] == {"all_to_all_single": 2 * STEPS} for r in results)
 
 
 def _same_batch_everywhere(rank: int, world_size: int) -> dict:

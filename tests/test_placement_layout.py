@@ -76,6 +76,9 @@ def test_owned_balance_numel(bucket):
         if rank not in pinned_ranks or rank in free_holders:
             # LPT: max load <= mean + largest item (only free items can be moved)
             assert load * world_size <= total + world_size * largest_free
+        else:  # a rank LPT gave nothing holds exactly what was pinned to it
+            pinned_here = [n for n, (_, _, p) in zip(numels, entries) if p.rank == rank]
+            assert load == sum(pinned_here)
     assert layout.shard_numel == max(layout.rank_numel(r) for r in range(world_size))
 
 
@@ -269,11 +272,16 @@ def test_layout_sanity(bucket):
     for rank in range(world_size):
         offsets = [p.offsets[rank] for p in layout.params]
         assert offsets == sorted(offsets)
-    # no needless padding: the largest rank fills its storage
-    assert S == max(
-        (p.offsets[r] + p.local_numel(r) for p in layout.params for r in range(world_size)),
-        default=0,
-    ) or any(isinstance(p, Shard) for _, _, p in entries)
+    # no needless padding, Shard in the bucket or not: each parameter starts where the
+    # previous one's slot ends (a Shard slot is its largest chunk on every rank, FSDP2's
+    # padding; any other slot is exactly the rank's regions), and the storage is the
+    # largest rank's slots, so the largest rank fills it
+    slots = _slots(layout, entries)
+    for rank in range(world_size):
+        assert [p.offsets[rank] for p in layout.params] == list(
+            itertools.accumulate((row[rank] for row in slots[:-1]), initial=0)
+        )[: len(layout.params)]
+    assert S == max((sum(row[r] for row in slots) for r in range(world_size)), default=0)
     # the plan is deterministic
     assert plan_bucket(entries, world_size, bucket="b", first_rank=first_rank) == layout
 
@@ -324,37 +332,75 @@ def test_tile_grid_partitions(shape, block):
     assert tiles == sorted(tiles, key=lambda t: t.offsets)  # row-major tile order
 
 
+def _slots(layout, entries) -> list[list[int]]:
+    """Per parameter, per rank, the storage it reserves: a Shard slot is padded to the
+    largest chunk on every rank (as FSDP2), any other slot is the rank's regions."""
+    world_size = layout.world_size
+    return [
+        [max(p.local_numel(q) for q in range(world_size))] * world_size
+        if isinstance(placement, Shard)
+        else [p.local_numel(r) for r in range(world_size)]
+        for p, (_, _, placement) in zip(layout.params, entries)
+    ]
+
+
 @PROPERTY
 @given(buckets(SHARDED_KINDS, max_params=6))
 def test_mixed_bucket_is_levelled_by_owned_and_blocks(bucket):
-    """Owned, then BlockShard, plan after the fixed splits and fill the light ranks:
-    the fullest rank holds at most the mean plus the largest Owned item or tile."""
+    """Owned, then BlockShard, plan after the fixed splits and fill the light ranks.
+
+    The bound, derived for any mix: the fixed parts of a rank (its Shard slots, its
+    FlatShard range, the Owned parameters pinned to it) are the user's to choose, and
+    LPT (Owned) and the water-filling cuts (BlockShard) never raise a rank above the
+    others' level by more than one movable item. So the fullest rank holds at most
+    ``max(mean + largest movable item, largest fixed part)``, where the movable items
+    are free Owned parameters and tiles. Without fixed parts this is the plain
+    ``mean + largest item`` bound of LPT and of the cuts."""
     entries, world_size, first_rank = bucket
     layout = plan_bucket(entries, world_size, bucket="b", first_rank=first_rank)
     loads = [layout.rank_numel(r) for r in range(world_size)]
-    # storage each rank reserves (Shard pads its slot on every rank)
-    reserved = [
-        sum(
-            max(p.local_numel(q) for q in range(world_size))
-            if isinstance(e[2], Shard)
-            else p.local_numel(r)
-            for p, e in zip(layout.params, entries)
-        )
-        for r in range(world_size)
-    ]
+    slots = _slots(layout, entries)
+    reserved = [sum(row[r] for row in slots) for r in range(world_size)]
     assert max(reserved, default=0) == layout.shard_numel
     assert all(n <= s for n, s in zip(loads, reserved))
-    if any(isinstance(p, Owned) and p.rank is not None for _, _, p in entries):
-        return  # a pinned owner may unbalance the ranks at will
-    items = [0]
-    for _, shape, placement in entries:
-        if isinstance(placement, Owned):
-            items.append(math.prod(shape))
-        elif isinstance(placement, BlockShard):
-            items.extend(t.numel for t in tile_grid(shape, placement.block))
-    uneven_fixed = any(isinstance(p, (Shard, FlatShard)) for _, _, p in entries)
-    if not uneven_fixed:
-        assert max(reserved) * world_size <= sum(reserved) + world_size * max(items)
+    assert max(reserved) * world_size <= _level_bound(layout, entries), reserved
+
+
+def _level_bound(layout, entries) -> int:
+    """W times the most a rank may hold: max(sum + W * largest movable item, W * the
+    largest fixed part), in integers."""
+    world_size = layout.world_size
+    slots = _slots(layout, entries)
+    fixed = [0] * world_size
+    movable = [0]
+    for row, (_, shape, placement) in zip(slots, entries):
+        if isinstance(placement, (Shard, FlatShard)):
+            fixed = [f + n for f, n in zip(fixed, row)]
+        elif isinstance(placement, Owned) and placement.rank is not None:
+            fixed[placement.rank] += math.prod(shape)
+        elif isinstance(placement, Owned):
+            movable.append(math.prod(shape))
+        else:
+            movable.extend(t.numel for t in tile_grid(shape, placement.block))
+    total = sum(sum(row) for row in slots)
+    return max(total + world_size * max(movable), world_size * max(fixed))
+
+
+def test_mixed_bound_is_not_vacuous():
+    """FlatShard [2, 1] and 8 elements pinned to rank 0 leave rank 0 heavy: both free
+    Owned items must go to rank 1. A planner that ignored the fixed loads (one item per
+    rank) would break the bound."""
+    entries = [
+        ("flat", (3,), FlatShard()),
+        ("pinned", (8,), Owned(rank=0)),
+        ("a", (4,), Owned()),
+        ("b", (4,), Owned()),
+    ]
+    layout = plan_bucket(entries, 2)
+    assert [next(r for r in range(2) if p.regions[r]) for p in layout.params[2:]] == [1, 1]
+    assert [layout.rank_numel(r) for r in range(2)] == [10, 9]
+    bound = _level_bound(layout, entries)
+    assert 2 * 10 <= bound < 2 * (10 + 4)  # [14, 5], one item each, is out of bounds
 
 
 def test_owned_custom_cost_balances_by_cost():

@@ -1,4 +1,5 @@
-"""Block-quantization codecs: MXFP8 bit-exact vs an OCP-spec reference, FP8 blockwise vs a loop."""
+"""Block-quantization codecs: MXFP8 bit-exact vs an OCP-spec reference, FP8 blockwise vs
+DeepSeek-V3's formula in NumPy (and vs a per-tile loop)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import struct
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -299,6 +301,110 @@ def test_fp8_blockwise_matches_loop_reference(x, block, pow2):
     data, scale = ref_fp8_blockwise(x, fmt)
     assert q.scale.dtype == torch.float32 and q.scale.shape == scale.shape
     assert torch.equal(q.scale, scale) and torch.equal(q.data.view(u8), data)
+
+
+# ---- FP8 blockwise against DeepSeek-V3's formula, in NumPy (no torch float8 code) ------------
+#
+# DeepSeek-V3 (technical report, section 3.3.1; ``act_quant_kernel`` in its inference/kernel.py:
+# ``s = max(|x|) / 448.; y = x / s``): 128 x 128 weight blocks, per block ``amax = max|x|`` in
+# fp32, ``scale = amax / 448`` in fp32, data ``x / scale`` cast to float8_e4m3fn (round to
+# nearest even, bias 7, 3 mantissa bits, saturating at 448); dequantization ``data * scale`` in
+# fp32. The 1e-4 floor on amax is DeepGEMM's ``per_block_cast_to_fp8`` (``clamp(1e-4)``), so an
+# all-zero block has a finite scale. Finite inputs only: the recipe does not define NaN/inf
+# (test_fp8_blockwise_special_tiles covers them).
+
+
+def np_e4m3(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 -> (float8_e4m3fn byte, its value as float32), from the format's definition."""
+    a = np.minimum(np.abs(y.astype(np.float64)), 448.0)
+    _, exp = np.frexp(a)  # a = f * 2^exp, f in [0.5, 1): the binade is 2^(exp - 1)
+    quantum = np.ldexp(1.0, np.maximum(exp - 1, -6) - 3)  # 3 mantissa bits; subnormals 2^-9
+    value = np.minimum(np.rint(a / quantum) * quantum, 448.0)  # rint: ties to even
+    f, exp = np.frexp(value)
+    normal = value >= 2.0**-6
+    field = np.where(normal, exp - 1 + 7, 0)
+    mantissa = np.where(normal, (f * 2 - 1) * 8, value / 2.0**-9).astype(np.int64)
+    code = (field << 3 | mantissa) | np.where(np.signbit(y), 0x80, 0)
+    return code.astype(np.uint8), np.copysign(value, y).astype(np.float32)
+
+
+def deepseek_v3_fp8(x: np.ndarray, block: int = 128) -> tuple[np.ndarray, ...]:
+    """A 2-D float32 array -> (fp8 bytes, fp32 scale per block, fp32 dequantized)."""
+    rows, cols = x.shape
+    gr, gc = -(-rows // block), -(-cols // block)
+    codes = np.zeros(x.shape, dtype=np.uint8)
+    deq = np.zeros(x.shape, dtype=np.float32)
+    scale = np.zeros((gr, gc), dtype=np.float32)
+    for i in range(gr):
+        for j in range(gc):
+            index = (slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block))
+            tile = x[index]
+            amax = np.maximum(np.abs(tile).max(), np.float32(1e-4))
+            scale[i, j] = amax / np.float32(448.0)  # float32 / float32: one fp32 rounding
+            codes[index], values = np_e4m3(tile / scale[i, j])  # fp32 division, then the cast
+            deq[index] = values * scale[i, j]
+    return codes, scale, deq
+
+
+def _deepseek_cases() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    cases = []
+    for shape in [(128, 128), (256, 384), (200, 300), (1, 129), (130, 1), (3, 5)]:
+        # per-element magnitudes over many binades, so tiles have very different scales
+        x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-6, 6, size=shape)
+        cases.append(x.astype(np.float32))
+    tiles = np.zeros((128, 640), dtype=np.float32)  # columns 0-127: an all-zero block
+    tiles[:, 128:256] = 1e-6 * rng.standard_normal((128, 128))  # amax below the 1e-4 floor
+    # amax = 448: scale 1, so every e4m3 tie (midpoint of two codes) reaches the cast exactly
+    grid = np.array([float(v) for v in E4M3])  # the exact e4m3 values, increasing
+    ties = ((grid[:-1] + grid[1:]) / 2).astype(np.float32)
+    block = np.resize(np.concatenate([ties, -ties, grid.astype(np.float32)]), 128 * 128)
+    block[0] = 448.0
+    tiles[:, 256:384] = block.reshape(128, 128)
+    tiles[:, 384:512] = 448.0 * rng.uniform(-1, 1, (128, 128))  # near saturation
+    # an inexact scale (amax 3.3), values within 8 fp32 ulps of tie * scale: here the
+    # order of operations decides the code (x / scale and x * (448 / amax) differ)
+    amax = np.float32(3.3)
+    centre = ties[1:, None] * (amax / np.float32(448.0))
+    near = centre + np.arange(-8, 9, dtype=np.float32) * np.spacing(centre)
+    block = np.resize(np.concatenate([near.ravel(), -near.ravel()]), 128 * 128)
+    block[0] = amax
+    tiles[:, 512:640] = block.reshape(128, 128)
+    cases.append(tiles)
+    return cases
+
+
+@pytest.mark.parametrize("index", range(7))
+def test_fp8_blockwise_matches_deepseek_v3_numpy(index):
+    """The codec equals DeepSeek-V3's formula computed in NumPy: bytes, scales (bit for
+    bit) and the dequantized values, over partial edge tiles, the amax floor, every
+    round-to-even tie and values near saturation."""
+    x = _deepseek_cases()[index]
+    codes, scale, deq = deepseek_v3_fp8(x)
+    q = quantize(torch.from_numpy(x), FP8Blockwise((128, 128)))
+    assert q.scale.dtype == torch.float32
+    np.testing.assert_array_equal(q.scale.numpy().view(np.uint32), scale.view(np.uint32))
+    np.testing.assert_array_equal(q.data.view(u8).numpy(), codes)
+    np.testing.assert_array_equal(dequantize(q).numpy().view(np.uint32), deq.view(np.uint32))
+
+
+def test_numpy_e4m3_reference_decodes_its_codes():
+    """The NumPy cast is self-consistent: every code it returns decodes (by the format's
+    bit layout, the table above) to the value it returned, that value is a nearest e4m3
+    value, and each of the 254 finite values casts to itself."""
+    table32 = np.array([float(v) for v in E4M3], dtype=np.float32)
+    exact, _ = np_e4m3(np.concatenate([table32, -table32]))
+    assert exact.tolist() == list(range(127)) + list(range(0x80, 0x80 + 127))
+    y = np.concatenate(
+        [np.linspace(-460, 460, 20001), np.linspace(-0.03, 0.03, 4001)]  # normals, subnormals
+    ).astype(np.float32)
+    codes, values = np_e4m3(y)
+    magnitude = np.array([float(E4M3[c & 0x7F]) for c in codes])
+    np.testing.assert_array_equal(np.where(codes & 0x80, -magnitude, magnitude), values)
+    table = np.array([float(v) for v in E4M3])
+    nearest = np.abs(np.abs(y.astype(np.float64))[:, None] - table[None, :]).min(axis=1)
+    clipped = np.abs(np.abs(values) - np.minimum(np.abs(y), 448.0))
+    assert (clipped <= nearest + 1e-12).all()
 
 
 def scale_per_element(q: QuantizedTensor) -> torch.Tensor:

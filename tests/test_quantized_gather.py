@@ -137,8 +137,10 @@ def _bytes_per_element(rank, world_size):
 def test_gathered_bytes_per_element(world_size):
     ratios = run_distributed(_bytes_per_element, world_size)[0]
     assert ratios["bf16"] == pytest.approx(2.0)
-    assert ratios["fp8_128"] <= 1.002
-    assert ratios["mxfp8_32"] <= 1.03
+    # the README's figures: one fp32 scale per 128 x 128 tile (1.0002 bytes per element),
+    # one E8M0 scale per 32 x 32 tile (1.0010); nothing else travels when tiles divide W
+    assert ratios["fp8_128"] == pytest.approx(1 + 4 / 128**2, rel=1e-6)
+    assert ratios["mxfp8_32"] == pytest.approx(1 + 1 / 32**2, rel=1e-6)
 
 
 def _bad_specs(rank, world_size):
@@ -217,6 +219,7 @@ def test_mxfp8_gather_trains_like_bf16_gather():
     mx_losses, mx_dtypes = runs["mxfp8"]
     first, last = sum(mx_losses[:5]) / 5, sum(mx_losses[-10:]) / 10
     assert last < 0.8 * first  # it trains
-    assert last == pytest.approx(sum(bf16_losses[-10:]) / 10, rel=0.02)
+    # the README's claim, "ends within 0.1% of the bf16 all-gather run" (measured 1.8e-4)
+    assert last == pytest.approx(sum(bf16_losses[-10:]) / 10, rel=1e-3)
     assert set(mx_dtypes.values()) == {torch.float32} and mx_dtypes == bf16_dtypes
     assert not master_is_quantized

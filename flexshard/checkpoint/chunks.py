@@ -206,3 +206,22 @@ def region_tensor(
         pieces.append(((offsets, sizes), flat[cursor : cursor + numel].view(sizes)))
         cursor += numel
     return RegionTensor(shape, pieces, writer, local.dtype, local.device, slot)
+
+
+def chunks_of(value: torch.Tensor) -> RegionTensor:
+    """A sharded parameter's (or optimizer state's) local data as chunks of the whole
+    tensor: a RegionShard DTensor's regions, a torch-placed DTensor's one box."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if isinstance(value, RegionTensor):
+        return value
+    if hasattr(value, "_chunks"):  # a RegionDTensor
+        return value._chunks()
+    assert isinstance(value, DTensor), type(value)
+    shape, offset = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, value.placements
+    )
+    local = value.to_local().view(shape)
+    pieces = [((tuple(offset), tuple(shape)), local)] if local.numel() else []
+    return RegionTensor(value.shape, pieces, True, value.dtype, local.device)
