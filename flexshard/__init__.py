@@ -1,6 +1,14 @@
 """flexshard: data-parallel sharding with a placement per bucket of parameters."""
 
-from torch.distributed.fsdp import MixedPrecisionPolicy
+# the names FSDP2 users import beside fully_shard, so the one-line import swap covers them
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+    register_fsdp_forward_method,
+)
 
 from . import checkpoint, optim  # noqa: F401  (fs.checkpoint.save, fs.optim.DistMuon, ...)
 from .api import BucketSpec, flex_shard, fully_shard
@@ -14,18 +22,23 @@ from .state_dict import full_state_dict, load_full_state_dict
 __all__ = [
     "BlockShard",
     "BucketSpec",
+    "CPUOffloadPolicy",
     "CollectiveError",
+    "FSDPModule",
     "FlatShard",
     "FlexShardModule",
     "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "Owned",
     "Placement",
     "Replicate",
     "Shard",
+    "UnshardHandle",
     "clip_grad_norm_",
     "flex_shard",
     "full_state_dict",
     "fully_shard",
     "init_params",
     "load_full_state_dict",
+    "register_fsdp_forward_method",
 ]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from .checkpoint.model_state import install_state_dict_hooks
 from .placements import BlockShard, BucketLayout, Placement, Shard, plan_bucket
@@ -186,10 +186,7 @@ def _plan(
             f"{mp_policy.param_dtype} would cast them all: give the bucket one or the other"
         )
     return plan_bucket(
-        [
-            (fqns[0], tuple(local_of(p).shape), pl)
-            for (p, fqns), pl in zip(members, placements)
-        ],
+        [(fqns[0], tuple(local_of(p).shape), pl) for (p, fqns), pl in zip(members, placements)],
         world_size,
         bucket=name,
         first_rank=first_rank,
@@ -214,9 +211,13 @@ def _agree_and_build(
     for plan in plans:
         params = [
             BucketParam(
-                fqns[0], param.requires_grad, [_owner(root, f) for f in fqns], spec_of(param)
+                fqns[0],
+                param.requires_grad,
+                [_owner(root, f) for f in fqns],
+                spec_of(param),
+                placement,
             )
-            for param, fqns in plan.members
+            for (param, fqns), placement in zip(plan.members, plan.placements)
         ]
         initial = [_on_device(param, groups.device) for param, _ in plan.members]
         comm = BucketComm(plan.name, groups.shard, groups.replicate, timeout)
@@ -230,6 +231,7 @@ def _agree_and_build(
             plan.mp_policy,
             plan.reshard_after_forward,
             plan.quant,
+            groups.mesh,
         )
         built.append((bucket, plan.hook_modules))
     return built
@@ -354,60 +356,112 @@ def _plan_flex(
     return plans
 
 
+def _reshard_option(value: object, shard_size: int) -> bool | None:
+    """FSDP2's int ``reshard_after_forward`` (reshard to a smaller group) keeps the
+    parameters gathered here: the same numerics, no backward all-gather, more memory."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if not isinstance(value, int):
+        raise TypeError(
+            f"fully_shard: reshard_after_forward must be a bool, an int or None, got {value!r}"
+        )
+    if 1 <= value <= shard_size and shard_size % value == 0:
+        return value == 1
+    raise ValueError(
+        f"fully_shard: reshard_after_forward={value!r} must be a bool, None or a divisor "
+        f"of the shard group size {shard_size}"
+    )
+
+
+def _offload_option(policy: object, device: torch.device) -> None:
+    """FSDP2's OffloadPolicy (none) and CPUOffloadPolicy: on a CPU mesh the sharded
+    state already lives on the CPU; offloading from a GPU is not built yet."""
+    if policy is None or type(policy) is OffloadPolicy:
+        return
+    if not isinstance(policy, CPUOffloadPolicy):
+        raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got {policy!r}")
+    if device.type != "cpu":
+        raise NotImplementedError(
+            f"fully_shard: CPUOffloadPolicy on a {device.type} mesh is not supported by "
+            "flexshard yet (the sharded state stays on the device)"
+        )
+
+
 def fully_shard(
     module: nn.Module | Sequence[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    offload_policy: object = None,
+    offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> FlexShardModule:
-    """torch FSDP2's ``fully_shard``: one bucket of the module's parameters that no
-    earlier call took. ``shard_placement_fn`` may return torch's ``Shard(dim)`` or
-    any flexshard placement."""
-    if not isinstance(module, nn.Module):
-        raise TypeError("fully_shard of a list of modules is not supported; wrap a common parent")
-    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
-        raise ValueError("flexshard does not offload parameters to the CPU")
-    check_module("fully_shard", module)
-    check_options("fully_shard", mp_policy, reshard_after_forward, allow_none_policy=False)
+    """torch FSDP2's ``fully_shard``: one bucket of the parameters of ``module`` (or of
+    a list of modules, gathered together by whichever runs first) that no earlier call
+    took. ``shard_placement_fn`` may return torch's ``Shard(dim)`` or any flexshard
+    placement."""
+    modules = list(module) if isinstance(module, (list, tuple, nn.ModuleList)) else [module]
+    if not modules:
+        raise ValueError("fully_shard needs at least one module")
+    for m in modules:
+        check_module("fully_shard", m)
+    check_options("fully_shard", mp_policy, None, allow_none_policy=False)
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(
             f"fully_shard: shard_placement_fn must be callable or None, got {shard_placement_fn!r}"
         )
     check_timeout(timeout)
     groups = resolve_mesh(mesh)
+    _offload_option(offload_policy, groups.device)
+    reshard = _reshard_option(reshard_after_forward, groups.shard_size)
     ignored = {id(p) for p in ignored_params or ()}
 
     def plan() -> list[_Plan]:
-        if isinstance(module, FlexShardModule):
-            raise ValueError(
-                f"{type(module).__name__} is already sharded by flexshard; wrap it once"
-            )
-        locations = {
-            pid: f for pid, f in _parameter_locations(module).items() if pid not in ignored
-        }
+        locations: dict[int, list[str]] = {}
+        param_of: dict[int, nn.Parameter] = {}
+        for m in modules:
+            if isinstance(m, FlexShardModule):
+                raise ValueError(
+                    f"{type(m).__name__} is already sharded by flexshard; wrap it once"
+                )
+            prefix = _common_prefix(modules, m)
+            for pid, fqns in _parameter_locations(m).items():
+                if pid not in ignored and pid not in locations:
+                    locations[pid] = [prefix + f for f in fqns]
+            param_of.update({id(p): p for p in m.parameters()})
         if not locations:
             return []
-        param_of = {id(p): p for p in module.parameters()}
-        name = type(module).__name__
+        name = type(modules[0]).__name__
         members = [(param_of[pid], fqns) for pid, fqns in locations.items()]
         placement = (lambda f, p: shard_placement_fn(p)) if shard_placement_fn else Shard(0)
         placements = [_resolve_placement(placement, fqns[0], p, name) for p, fqns in members]
         layout = _plan(name, members, placements, groups.shard_size, 0, mp_policy)
-        return [
-            _Plan(name, members, placements, layout, [module], mp_policy, reshard_after_forward)
-        ]
+        return [_Plan(name, members, placements, layout, modules, mp_policy, reshard)]
 
-    built = _agree_and_build(module, plan, groups, timeout)
-    make_flexshard_class(module)
-    install_state_dict_hooks(module)
-    module._flexshard_buckets = [b for b, _ in built]
-    module._flexshard_state = None
-    install_root_hooks(module)
+    built = _agree_and_build(_root_of(modules), plan, groups, timeout)
+    for m in modules:
+        make_flexshard_class(m)
+        install_state_dict_hooks(m)
+        m._flexshard_buckets = [b for b, _ in built]
+        m._flexshard_state = None
+        install_root_hooks(m)
     for bucket, hook_modules in built:
         install_bucket_hooks(bucket, hook_modules)
     return module  # type: ignore[return-value]
+
+
+def _common_prefix(modules: list[nn.Module], module: nn.Module) -> str:
+    """Several modules share one bucket: name their parameters ``<i>.<fqn>``."""
+    return "" if len(modules) == 1 else f"{modules.index(module)}."
+
+
+def _root_of(modules: list[nn.Module]) -> nn.Module:
+    """The modules of one ``fully_shard`` call as children ``0``, ``1``, ... of one
+    container, so their parameters' FQNs resolve; a single module is its own root."""
+    return (
+        modules[0]
+        if len(modules) == 1
+        else nn.ModuleDict({str(i): m for i, m in enumerate(modules)})
+    )

@@ -44,12 +44,13 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     for bucket in buckets:
         if bucket.layout.replicated and bucket.rank != 0:
             continue  # every rank holds the same Replicate gradients: count them once
-        for local, param in zip(bucket.local_params, bucket.params):
+        for i, param in enumerate(bucket.params):
             if param.tp_spec is not None:
                 tp_groups.add(tp_group(param.tp_spec))
-            if local.grad is None or local.grad.numel() == 0:
+            grad = bucket.local_grad(i)
+            if grad is None or grad.numel() == 0:
                 continue
-            norm = torch.linalg.vector_norm(local.grad.float(), norm_type)
+            norm = torch.linalg.vector_norm(grad.float(), norm_type)
             slot = 0 if tp_sharded(param.tp_spec) else 1
             partial[slot] = (
                 torch.maximum(partial[slot], norm)
@@ -73,6 +74,7 @@ def scale_grads(buckets: Sequence[Bucket], max_norm: float, total: torch.Tensor)
     (never scaled up)."""
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for bucket in buckets:
-        for local in bucket.local_params:
-            if local.grad is not None:
-                local.grad.mul_(coef.to(local.grad.dtype))
+        for i in range(len(bucket.params)):
+            grad = bucket.local_grad(i)
+            if grad is not None:
+                grad.mul_(coef.to(grad.dtype))

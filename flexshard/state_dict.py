@@ -7,7 +7,6 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .checkpoint.chunks import RegionTensor
 from .runtime.bucket import Bucket
 from .runtime.module import subtree_buckets
 from .runtime.tp_params import global_tensor, local_piece
@@ -22,14 +21,6 @@ def param_index(module: nn.Module) -> dict[int, tuple[Bucket, int]]:
     return index
 
 
-def _slot(index: dict[int, tuple[Bucket, int]], value: object) -> tuple[Bucket, int] | None:
-    """The bucket slot behind a ``state_dict(keep_vars=True)`` value: sharded
-    parameters appear there as the RegionTensors DCP saves."""
-    if isinstance(value, RegionTensor):
-        return value.slot
-    return index.get(id(value))
-
-
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` as the unsharded model would give it. Every rank of the
     shard groups must call it (one all-gather per bucket); every rank gets it all."""
@@ -37,7 +28,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     gathered: dict[int, list[torch.Tensor]] = {}
     out = {}
     for key, value in module.state_dict(keep_vars=True).items():
-        entry = _slot(index, value)
+        entry = index.get(id(value))
         if entry is None:
             out[key] = value.detach()
             continue
@@ -82,7 +73,7 @@ def load_full_state_dict(
         if key not in state_dict:
             continue
         source = state_dict[key]
-        entry = _slot(index, value)
+        entry = index.get(id(value))
         spec = entry[0].params[entry[1]].tp_spec if entry else None
         shape = tuple(value.shape)
         if entry is not None:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from flexshard.runtime.bucket import slot_of
+from flexshard.runtime.region_dtensor import wrap
 
 LR = 0.02
 STEPS = 3
@@ -46,7 +47,8 @@ def local_part(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     regions = bucket.layout.params[index].regions[bucket.rank]
     pieces = [region.view_of(full).reshape(-1) for region in regions]
     flat = torch.cat(pieces) if pieces else full.new_empty(0)
-    return flat.view(param.shape).clone()
+    # a gradient placed like the parameter: a DTensor over this rank's local elements
+    return wrap(flat.view(bucket.local_tensor(index).shape).clone(), bucket.specs[index])
 
 
 def set_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:

@@ -14,10 +14,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
 
 import flexshard as fs
 from flexshard import checkpoint as ckpt
-from flexshard.checkpoint import RegionTensor
+from flexshard.checkpoint.chunks import RegionTensor, chunks_of
 from flexshard.testing import TinyTransformer, make_batches, run_distributed
 
 from .reference import train_steps
@@ -64,7 +65,8 @@ def _mismatches(ours, our_opt, theirs, their_opt) -> list[str]:
             checks.append((f"{fqn}.{name}", value, other))
     bad = []
     for key, value, other in checks:
-        pieces = value.pieces if isinstance(value, RegionTensor) else [(None, value)]
+        sharded = isinstance(value, (DTensor, RegionTensor))
+        pieces = chunks_of(value).pieces if sharded else [(None, value)]
         for box, piece in pieces:
             index = () if box is None else tuple(slice(o, o + s) for o, s in zip(*box))
             if not torch.equal(piece, other[index]):

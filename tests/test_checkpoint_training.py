@@ -112,7 +112,7 @@ def _packed(group, placement, seed: int) -> torch.nn.Module:
 def _pieces_differ(model, full: dict) -> list[str]:
     bad = []
     for key, value in model.state_dict().items():
-        for (offsets, sizes), piece in value.pieces:
+        for (offsets, sizes), piece in chunks_of(value).pieces:
             index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
             if not torch.equal(piece, torch.as_tensor(full[key])[index]):
                 bad.append(key)

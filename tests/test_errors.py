@@ -147,7 +147,8 @@ def _cases(rank: int, world_size: int, calls: CollectiveLog) -> dict:
     attempt("timeout_not_positive", new(), lambda m: on_time(m, timeout=datetime.timedelta(0)))
     attempt("fully_shard_timeout", new(), lambda m: fs.fully_shard(m, timeout=-1.0))
     attempt("mesh_not_a_mesh", new(), shard(_buckets(), on="cpu"))
-    attempt("fully_shard_list", new(), lambda m: fs.fully_shard([m.layers[0], m.layers[1]]))
+    attempt("fully_shard_list", new(), lambda m: fs.fully_shard([m.layers[0], "layers.1"]))
+    attempt("fully_shard_raf_int", new(), lambda m: fs.fully_shard(m, reshard_after_forward=5))
     attempt("clip_unsharded", new(), lambda m: fs.clip_grad_norm_(m, 1.0))
     attempt("clip_max_norm_str", wrapped, lambda m: fs.clip_grad_norm_(m, "1"))
     attempt("clip_max_norm_negative", wrapped, lambda m: fs.clip_grad_norm_(m, -1.0))
@@ -293,7 +294,8 @@ CASES = {  # case: (exception, needles in the message, ranks that raise: None fo
     "timeout_not_positive": (ValueError, ("timeout must be positive", "0:00:00"), None),
     "fully_shard_timeout": (TypeError, ("timeout", "timedelta", "-1.0"), None),
     "mesh_not_a_mesh": (TypeError, ("mesh", "DeviceMesh", "str"), None),
-    "fully_shard_list": (TypeError, ("fully_shard", "list of modules"), None),
+    "fully_shard_list": (TypeError, ("fully_shard", "torch.nn.Module", "str"), None),
+    "fully_shard_raf_int": (ValueError, ("reshard_after_forward=5", "divisor"), None),
     "clip_unsharded": (ValueError, ("clip_grad_norm_", "sharded by flexshard"), None),
     "clip_max_norm_str": (TypeError, ("clip_grad_norm_", "max_norm", "'1'"), None),
     "clip_max_norm_negative": (ValueError, ("clip_grad_norm_", "max_norm", "-1.0"), None),

@@ -103,8 +103,9 @@ def _arm(model: TinyTransformer, where: str, fault: Callable[[], None]) -> None:
 
 
 def _snapshot(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The local shards (what the optimizer holds) and a copy of their values."""
-    return [(p, p.detach().clone()) for p in model.parameters()]
+    """The local shards (what the optimizer holds) and a copy of their values; compared
+    locally, since a peer may be dead (DTensor's torch.equal would all-reduce)."""
+    return [(p.to_local(), p.to_local().detach().clone()) for p in model.parameters()]
 
 
 def _outcome(model, before, started: float, err: BaseException | None) -> dict:

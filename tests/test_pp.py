@@ -324,7 +324,8 @@ def _full_grad(local: torch.Tensor, group) -> torch.Tensor:
     bucket, index = slot_of(local)
     layout = bucket.layout.params[index]
     pieces: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(pieces, (layout.regions[bucket.rank], local.grad), group=group)
+    grad = local.grad.to_local().clone()  # a DTensor: its local piece travels
+    dist.all_gather_object(pieces, (layout.regions[bucket.rank], grad), group=group)
     full = torch.zeros(layout.shape, dtype=local.dtype)
     for regions, grad in pieces:
         flat, start = grad.reshape(-1), 0

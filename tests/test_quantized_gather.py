@@ -77,7 +77,7 @@ def _check_format(rank, world_size, fmt, mesh):
     model(x).backward()
     encodes = [b.quant.encodes - e for b, e in zip(model._flexshard_buckets, encodes)]
     step_stats = model.comm_stats()["total"]
-    grads = [[local.grad.clone() for local in b.local_params] for b in model._flexshard_buckets]
+    grads = [[p.grad.to_local().clone() for p in b.local_params] for b in model._flexshard_buckets]
     # after an optimizer step the storage changed: exactly one new quantization per bucket
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     before = [b.quant.encodes for b in model._flexshard_buckets]

@@ -84,7 +84,7 @@ def _accounting(rank, world_size):
     model.unshard()
     shapes_unsharded = {n: tuple(p.shape) for n, p in model.named_parameters()}
     model.reshard()
-    shapes_sharded = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    shapes_sharded = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
     after = model.comm_stats()["total"]
     return stats, layouts, shapes_unsharded, shapes_sharded, after
 
@@ -164,7 +164,7 @@ def _unused_on_some_ranks(rank, world_size):
     model(inputs[rank], use_b=rank % 2 == 0).backward()
     for r in range(world_size):
         (reference(inputs[r], use_b=r % 2 == 0) / world_size).backward()
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: p.grad.to_local() for n, p in model.named_parameters()}
     regions = {
         b.params[i].fqn: (b, i) for b in model._flexshard_buckets for i in range(len(b.params))
     }

@@ -57,9 +57,9 @@ def _layouts_case(rank: int, world: int, root: str) -> dict:
         ("owned-moe", tc.owned_or_flat, True),
     ]:
         model = tc.build(tc.model_config(moe=moe), mesh, placement)
-        # the optimizer sees plain local shards; the modules' parameters are DTensors
+        # sharded parameters are DTensors on the (dp, tp) mesh, as FSDP2 + TP makes them
         local = model.layers[0].attention.wq.weight
-        assert type(local) is nn.Parameter, type(local)
+        assert isinstance(local, DTensor) and local.device_mesh.ndim == 2, type(local)
         losses, norms = tc.train(model, mesh, STEPS)
         out[name] = (losses, norms, _portable(_full_params(model)))
         if name == "shard0":
@@ -308,10 +308,13 @@ def _muon_case(mesh: DeviceMesh) -> dict:
             for name in names:
                 dim = 1 if name.endswith(("wo.weight", "w2.weight")) else 0
                 rows = grads[name].chunk(2, dim)[tp_rank].chunk(2, 0)
-                local = params[name]
-                local.grad = rows[dp_rank].reshape(local.shape) if dp_rank < len(rows) else None
-                if local.grad is None:
-                    local.grad = torch.zeros(local.shape)
+                local = params[name]  # a DTensor: the gradient is one of its local pieces
+                shape = local.to_local().shape
+                piece = rows[dp_rank].reshape(shape) if dp_rank < len(rows) else torch.zeros(shape)
+                local.grad = DTensor.from_local(
+                    piece, local.device_mesh, local.placements, shape=local.shape,
+                    stride=local.stride(), run_check=False,
+                )
             opt.step()
         full = _full_params(model)
         out[heads] = _portable({n: full[n] for n in names})

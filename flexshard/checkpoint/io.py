@@ -22,7 +22,6 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from .chunks import RegionTensor
 from .manifest import (
     Entry,
     check_entries,
@@ -154,9 +153,7 @@ def _model_target(model: nn.Module) -> dict[str, Any]:
     """Fresh buffers shaped like ``model.state_dict()``: dcp.load fills these, not the model."""
     target = {}
     for key, value in model.state_dict().items():
-        if isinstance(value, RegionTensor):
-            target[key] = value.fresh()
-        elif isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor):  # DTensors too: a clone has fresh local data
             target[key] = value.detach().clone()
         else:
             target[key] = value
@@ -180,7 +177,7 @@ def _optim_target(model: nn.Module, metadata: Metadata) -> dict[str, Any]:
         size = tuple(md.size)
         if slot is not None and size and size == slot_shape(*slot):
             bucket, i = slot
-            local = bucket.local_params[i]
+            local = bucket.local_tensor(i)
             buffer = torch.zeros(local.shape, dtype=md.properties.dtype, device=local.device)
             target[key] = slot_tensor(bucket, i, buffer)
         else:

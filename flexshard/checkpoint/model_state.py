@@ -1,9 +1,10 @@
-"""``module.state_dict()`` / ``load_state_dict`` of a sharded module, as DCP wants them.
+"""``module.state_dict()`` / ``load_state_dict`` of a sharded module.
 
-``state_dict()`` gives every sharded parameter as a ``RegionTensor`` over the bucket
-storage: ``dcp.save`` writes this rank's boxes straight from it, ``dcp.load`` reads
-into it in place (FSDP2 does the same with DTensors). ``load_state_dict`` accepts
-those, or full tensors, and copies this rank's regions into the storage.
+``state_dict()`` gives the sharded parameters as the DTensors they are (FSDP2 does
+the same): ``dcp.save`` writes this rank's chunks straight from them, ``dcp.load``
+reads into them in place. ``load_state_dict`` accepts those, RegionTensors, or full
+tensors, and copies this rank's regions into the storage; parameters assigned by
+``load_state_dict(assign=True)`` are re-adopted into the storage afterwards.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..runtime.bucket import Bucket
 from ..runtime.module import subtree_buckets
-from ..runtime.tp_params import tp_frame
+from ..runtime.region_dtensor import wrap
+from ..runtime.tp_params import local_of, tp_frame
 from .chunks import RegionTensor, local_boxes, region_tensor, shifted
 
 Slot = tuple[Bucket, int]
@@ -39,7 +42,7 @@ def slot_shape(bucket: Bucket, index: int) -> tuple[int, ...]:
 
 def slot_tensor(bucket: Bucket, index: int, local: torch.Tensor | None = None) -> RegionTensor:
     """Parameter ``index`` of ``bucket`` (or ``local``, a tensor shaped like it) as chunks."""
-    data = bucket.local_params[index] if local is None else local
+    data = bucket.local_tensor(index) if local is None else local_of(local)
     param = bucket.layout.params[index]
     spec = bucket.params[index].tp_spec
     if spec is None:
@@ -72,7 +75,12 @@ def fqn_slots(module: nn.Module) -> dict[str, Slot]:
 
 
 def to_local(value: torch.Tensor, bucket: Bucket, index: int, key: str) -> torch.Tensor:
-    """This rank's local tensor of parameter ``index`` from a RegionTensor or a full tensor."""
+    """This rank's local tensor of parameter ``index`` from a DTensor, a RegionTensor or
+    a full tensor."""
+    if isinstance(value, DTensor):
+        if value.placements == bucket.specs[index].placements:
+            return value.to_local()
+        value = value.full_tensor()  # placed otherwise: every rank gathers, then cuts
     param = bucket.layout.params[index]
     shape = param.local_shape(bucket.rank)
     boxes = local_boxes(param, bucket.rank)
@@ -103,13 +111,6 @@ def _own_buckets(module: nn.Module) -> list[Bucket]:
     return list(getattr(module, "_flexshard_buckets", ()))
 
 
-def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, _meta: Any) -> None:
-    for keys, (bucket, i) in sharded_keys(module, _own_buckets(module)):
-        for key in keys:
-            if prefix + key in state_dict:
-                state_dict[prefix + key] = slot_tensor(bucket, i)
-
-
 def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *_args: Any) -> None:
     buckets = _own_buckets(module)
     for bucket in buckets:
@@ -118,10 +119,26 @@ def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *_args: Any
         for key in keys:
             value = state_dict.get(prefix + key)
             if isinstance(value, torch.Tensor):
-                state_dict[prefix + key] = to_local(value, bucket, i, prefix + key)
+                local = to_local(value, bucket, i, prefix + key)
+                state_dict[prefix + key] = wrap(local, bucket.specs[i])
+
+
+def _load_post_hook(module: nn.Module, _incompatible: Any) -> None:
+    """``load_state_dict(assign=True)`` put new parameter objects on the modules:
+    move their values into the bucket storage and make them its views again."""
+    for bucket in _own_buckets(module):
+        assigned = {}
+        for i, param in enumerate(bucket.params):
+            owner, attr = param.locations[0]
+            current = owner._parameters.get(attr)
+            if current is not None and current is not bucket.local_params[i]:
+                assigned[i] = current
+        if assigned:
+            bucket.adopt(assigned)
 
 
 def install_state_dict_hooks(module: nn.Module) -> None:
-    """Make ``module.state_dict()`` DCP-ready and ``load_state_dict`` accept it."""
-    module.register_state_dict_post_hook(_state_dict_hook)
+    """Make ``load_state_dict`` accept DTensors, RegionTensors and full tensors, and
+    re-adopt assigned parameters."""
     module.register_load_state_dict_pre_hook(_load_pre_hook)
+    module.register_load_state_dict_post_hook(_load_post_hook)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
+from ..runtime.region_dtensor import wrap
 from .model_state import Slot, fqn_slots, slot_tensor, to_local
 
 OptimizerState = dict[str, Any]
@@ -114,7 +115,8 @@ def prepare_optimizer_state(
         for name, value in entries.items():
             key = f"state.{fqn}.{name}"
             if fqn in slots and isinstance(value, torch.Tensor) and value.dim() > 0:
-                value = to_local(value, *slots[fqn], key)
+                bucket, i = slots[fqn]  # placed like the parameter, as the optimizer made it
+                value = wrap(to_local(value, bucket, i, key), bucket.specs[i])
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != local.shape:
                 raise ValueError(
                     f"optimizer state '{key}' has shape {tuple(value.shape)}, the parameter "

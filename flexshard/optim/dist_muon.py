@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from ..runtime.tp_params import local_of
 from .matrices import Kind, Target, rank_work, resolve
 from .newton_schulz import NS_COEFFICIENTS, adjust_lr, ns_flops, zeropower, zeropower_batched
 from .redistribute import (
@@ -202,14 +203,15 @@ class DistMuon(Optimizer):
         """Momentum (and Nesterov's look-ahead) on the shard: elementwise, bit for bit
         what torch.optim.Muon computes on the same elements of the full matrix."""
         state = self.state[param]
-        if "momentum_buffer" not in state:
+        if "momentum_buffer" not in state:  # placed like the gradient (a DTensor for
+            # flexshard's parameters, so torch's state-dict tools see the whole state)
             state["momentum_buffer"] = torch.zeros_like(
                 param.grad, memory_format=torch.preserve_format
             )
-        buf = state["momentum_buffer"]
+        buf, grad = local_of(state["momentum_buffer"]), local_of(param.grad)
         momentum = group["momentum"]
-        buf.lerp_(param.grad, 1 - momentum)
-        return param.grad.lerp(buf, momentum) if group["nesterov"] else buf
+        buf.lerp_(grad, 1 - momentum)
+        return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
     def _exchanges(self, targets: list[Target]) -> list[Exchange]:
         """The redistribution plan for the parameters that have gradients this step

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from ..placements import ParamLayout, Region
 from ..runtime.bucket import Bucket, slot_of
+from ..runtime.tp_params import local_of
 from .newton_schulz import ns_flops
 from .tp_matrices import is_tp_matrix, whole_row_blocks
 
@@ -112,13 +113,14 @@ def _split_rows(region: Region, offset: int, rows: int) -> list[Block]:
 def resolve(param: torch.Tensor, name: str, group: dict) -> Target:
     """Classify ``param`` for DistMuon; raise ValueError naming it when Muon cannot
     take it. No collective: every rank sees every rank's layout."""
-    if isinstance(param, DTensor):  # its .shape is global, its data local: not a matrix here
-        raise TypeError(
-            f"DistMuon: {name} is a DTensor (tensor parallel?); DistMuon takes flexshard "
-            "local shards (tensor-parallel ones included: shard the model with flexshard "
-            "after apply_tp) and plain tensors"
-        )
     slot = slot_of(param)
+    if isinstance(param, DTensor) and slot is None:  # its data is local: not a matrix here
+        raise TypeError(
+            f"DistMuon: {name} is a DTensor that flexshard did not shard (tensor parallel?); "
+            "DistMuon takes flexshard's parameters (tensor-parallel ones included: shard "
+            "the model with flexshard after apply_tp) and plain tensors"
+        )
+    param = local_of(param)  # the step works on this rank's local tensor
     rows = _block_rows(group["row_blocks"], name)
     if slot is None:  # a plain tensor is a whole matrix (or a whole stack) on this rank
         shape = tuple(param.shape)

@@ -178,3 +178,26 @@ def plan_bucket(
         shard_numel=max(cursors, default=0),
         replicated=kinds == {True},
     )
+
+
+def trainable_layout(
+    layout: BucketLayout, trainable: Sequence[bool], uniform: Sequence[bool]
+) -> BucketLayout:
+    """The gradient layout of a bucket with frozen parameters: each trainable parameter
+    keeps its regions, a frozen one holds nothing, so the reduce-scatter carries only
+    trainable gradients (as FSDP2's does). ``uniform``: the parameter's placement pads
+    every rank to the largest slice (Shard)."""
+    cursors = [0] * layout.world_size
+    params = []
+    for param, keep, pad in zip(layout.params, trainable, uniform):
+        regions = param.regions if keep else tuple(() for _ in param.regions)
+        numels = [sum(r.numel for r in rank) for rank in regions]
+        slots = [max(numels)] * len(numels) if pad else numels
+        params.append(ParamLayout(param.fqn, param.shape, regions, tuple(cursors)))
+        cursors = [c + s for c, s in zip(cursors, slots)]
+    return BucketLayout(
+        params=tuple(params),
+        world_size=layout.world_size,
+        shard_numel=max(cursors, default=0),
+        replicated=layout.replicated,
+    )

@@ -8,16 +8,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from ..placements import BucketLayout, gathered_alias, pack_all, pack_rank, unpack
+from ..placements import BucketLayout, Placement, Shard, gathered_alias, pack_all, pack_rank, unpack
 from ..placements.bytes import as_bytes, byte_view
+from ..placements.layout import trainable_layout
 from ..quant import QuantFormat
 from .collectives import BucketComm, Pending
 from .grad_check import nonfinite_codes
-from .quantized import QuantizedGather
+from .quantized import QuantizedGather, optimizer_steps
+from .region_dtensor import wrap
+from .sharded_param import sharded_spec
 from .tp_params import full_parameter, local_grad, local_of
 
 
@@ -31,6 +36,7 @@ class BucketParam:
     #: a tensor-parallel DTensor parameter's spec (mesh, placements, global shape): the
     #: bucket shards its local tensor and hands the modules DTensors with this spec
     tp_spec: DTensorSpec | None = None
+    placement: Placement = Shard(0)
 
 
 def _free(tensor: torch.Tensor) -> None:
@@ -82,8 +88,10 @@ class Bucket:
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool | None,
         quant: QuantFormat | None = None,
+        mesh: DeviceMesh | None = None,
     ) -> None:
         self.name = name
+        self.mesh = mesh
         self.layout = layout
         self.params = params
         self.comm = comm
@@ -92,6 +100,15 @@ class Bucket:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True  # False: stay gathered for the next microbatch
         self.requires_grad_sync = True
+        # FSDPModule's setters (runtime/module.py) tune these
+        self.forward_prefetch: list[Bucket] | None = None  # None: the recorded order
+        self.backward_prefetch: list[Bucket] | None = None
+        self.unshard_in_backward = True
+        self.requires_all_reduce = True  # HSDP: False skips the all-reduce over replicas
+        self._skipped_all_reduce = False  # the gradients hold unreduced replica sums
+        self.divide_factor: float | None = None  # None: average over the dp ranks
+        self.force_sum = False
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         # opt-in: each backward records which unsharded gradients hold a NaN or an inf
         self.check_finite = False
         self.nonfinite = [0] * len(params)
@@ -104,6 +121,14 @@ class Bucket:
         if self.packed:
             self.storage_layout = as_bytes(layout, [t.element_size() for t in initial])
         self.dtype = torch.uint8 if self.packed else first.dtype  # the storage's
+        # frozen parameters are left out of the reduce-scatter, as FSDP2 leaves them
+        self.grad_layout = layout
+        if not all(p.requires_grad for p in params):
+            self.grad_layout = trainable_layout(
+                layout,
+                [p.requires_grad for p in params],
+                [p.placement.uniform_slots for p in params],
+            )
         self.param_dtype = mp_policy.param_dtype or self.dtype
         self.full_dtypes = [mp_policy.param_dtype or d for d in self.dtypes]
         widest = functools.reduce(torch.promote_types, self.dtypes)
@@ -145,7 +170,7 @@ class Bucket:
 
     def _grad_view(self, reduced: torch.Tensor, index: int) -> torch.Tensor:
         """This rank's part of parameter ``index`` in a reduced gradient (elements)."""
-        param = self.layout.params[index]
+        param = self.grad_layout.params[index]
         offset = param.offsets[self.rank]
         return reduced[offset : offset + param.local_numel(self.rank)].view(
             param.local_shape(self.rank)
@@ -185,13 +210,50 @@ class Bucket:
     def _build_params(self) -> None:
         """Local parameters (views of the storage, what the optimizer sees) and the full
         ones; both are (re)made whenever the storage is."""
+        self.specs = [
+            sharded_spec(self.mesh, p.placement, layout, dtype, p.tp_spec)
+            for p, layout, dtype in zip(self.params, self.layout.params, self.dtypes)
+        ]
         self.local_params = [
-            nn.Parameter(self._storage_view(self.storage, i), requires_grad=p.requires_grad)
-            for i, p in enumerate(self.params)
+            nn.Parameter(wrap(self._storage_view(self.storage, i), spec), p.requires_grad)
+            for i, (p, spec) in enumerate(zip(self.params, self.specs))
         ]
         for i, local in enumerate(self.local_params):
             local._flexshard_slot = (self, i)  # type: ignore[attr-defined]
         self._build_full_params()
+        self._set_on_modules(self.local_params)
+
+    def local_tensor(self, index: int) -> torch.Tensor:
+        """This rank's part of parameter ``index``: a view of the storage."""
+        return self._storage_view(self.storage, index)
+
+    def local_grad(self, index: int) -> torch.Tensor | None:
+        """The local tensor of the sharded parameter's gradient, if it has one."""
+        grad = self.local_params[index].grad
+        return None if grad is None else local_of(grad)
+
+    def adopt(self, assigned: dict[int, nn.Parameter]) -> None:
+        """Make the parameters ``load_state_dict(assign=True)`` put on the modules (by
+        index) the sharded ones: their values go into the storage and their local
+        tensors become views of it again, as FSDP2 re-adopts assigned parameters."""
+        locals_ = {i: local_of(param) for i, param in assigned.items()}
+        if self.storage.is_meta and any(not t.is_meta for t in locals_.values()):
+            device = next(t.device for t in locals_.values() if not t.is_meta)
+            self.storage = torch.zeros_like(self.storage, device=device)  # meta-built: now real
+            self._build_params()
+        for i, param in assigned.items():
+            view, local = self._storage_view(self.storage, i), locals_[i]
+            if tuple(local.shape) != tuple(view.shape):
+                raise ValueError(
+                    f"bucket '{self.name}': parameter '{self.params[i].fqn}' was assigned a local "
+                    f"tensor of shape {tuple(local.shape)}; this rank stores {tuple(view.shape)}"
+                )
+            if not local.is_meta:
+                with torch.no_grad():
+                    view.copy_(local)
+            param._local_tensor = view  # type: ignore[attr-defined]
+            param._flexshard_slot = (self, i)  # type: ignore[attr-defined]
+            self.local_params[i] = param
         self._set_on_modules(self.local_params)
 
     def _build_full_params(self) -> None:
@@ -237,13 +299,21 @@ class Bucket:
         self._free_full()
 
     def rebind_storage(self, convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Move the storage (``module.to_empty``/``.to``) and re-point the local params."""
+        """Move or cast the storage (``module.to_empty``, ``.to(device)``,
+        ``.to(dtype)``) and re-point the local params, as FSDP2 allows after sharding."""
         storage = convert(self.storage)
         if storage.dtype != self.dtype:
-            raise TypeError(
-                f"bucket '{self.name}': flexshard keeps parameters in {self.dtype}; cast with "
-                "mp_policy instead of changing the module's dtype after sharding"
-            )
+            if self.packed or self.quant is not None:
+                raise TypeError(
+                    f"bucket '{self.name}' packs several dtypes or gathers quantized; it keeps "
+                    f"its parameters in {self.dtype} (cast with mp_policy instead)"
+                )
+            self.dtypes = [storage.dtype] * len(self.dtypes)
+            self.dtype = storage.dtype
+            policy = self.mp_policy
+            self.param_dtype = policy.param_dtype or self.dtype
+            self.full_dtypes = [policy.param_dtype or self.dtype] * len(self.dtypes)
+            self.reduce_dtype = policy.reduce_dtype or policy.param_dtype or self.dtype
         self.storage = storage
         self._build_params()
 
@@ -278,7 +348,7 @@ class Bucket:
             return
         _alloc(self.gathered)
         if self.quant is not None:
-            send = self.quant.encode(self.storage)
+            send = self.quant.encode(self.storage, self._data_version())
         elif self.param_dtype == self.dtype:
             send = self.storage
         else:
@@ -315,6 +385,13 @@ class Bucket:
                         full.copy_(self._storage_view(self.storage, i).view(full.shape))
         self._set_on_modules(self.full_params)
         self.unsharded = True
+
+    def _data_version(self) -> tuple[int, int, int]:
+        """Changes whenever the storage may have: a direct write bumps its version
+        counter, an op on a DTensor parameter bumps the parameter's (not the storage's),
+        and a foreach op neither, so every optimizer step counts too."""
+        params = sum(p._version for p in self.local_params)
+        return (self.storage._version, params, optimizer_steps())
 
     def quantized_params(self) -> dict[str, Any]:
         """While unsharded, a quantized bucket's parameters as QuantizedTensors (fp8
@@ -357,22 +434,36 @@ class Bucket:
             self._accumulated[i] = grad
 
     def launch_reduce(self) -> None:
-        layout = self.layout
+        layout = self.grad_layout
         grads = self._take_grads()
         if self.check_finite:
             self.nonfinite = nonfinite_codes(grads)
+        if layout.shard_numel == 0:  # every parameter frozen: nothing to reduce
+            return
         device = self.storage.device
         if layout.replicated:
             out = torch.zeros(layout.shard_numel, dtype=self.reduce_dtype, device=device)
             pack_rank(layout, self.rank, grads, out)
-            self._reduce = (self.comm.all_reduce(out), out, out)
+            self._reduce = (self.comm.all_reduce(out, op=self._op), out, out)
             return
         full = torch.empty(
             layout.world_size, layout.shard_numel, dtype=self.reduce_dtype, device=device
         )
         pack_all(layout, grads, full)
         out = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=device)
-        self._reduce = (self.comm.reduce_scatter(out, full.view(-1)), full, out)
+        self._reduce = (self.comm.reduce_scatter(out, full.view(-1), self._op), full, out)
+
+    @property
+    def _op(self) -> dist.ReduceOp:
+        """SUM when the division is done afterwards (a divide factor, forced sums)."""
+        summed = self.divide_factor is not None or self.force_sum
+        return dist.ReduceOp.SUM if summed else dist.ReduceOp.AVG
+
+    def _divide(self, out: torch.Tensor) -> None:
+        if self._op == dist.ReduceOp.SUM:
+            replicas = self.comm.replicate_group
+            size = self.layout.world_size * (dist.get_world_size(replicas) if replicas else 1)
+            out.div_(self.divide_factor or size)
 
     def finish_reduce(self) -> None:
         if self._reduce is None:
@@ -380,8 +471,12 @@ class Bucket:
         pending, _, out = self._reduce
         self._reduce = None
         pending.wait()
-        if self.comm.replicate_group is not None:
-            self.comm.all_reduce(out, replicas=True).wait()
+        replicas = self.comm.replicate_group is not None
+        if replicas and self.requires_all_reduce and not self._skipped_all_reduce:
+            self.comm.all_reduce(out, replicas=True, op=self._op).wait()
+        self._divide(out)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(out)
         if not self.packed and out.dtype != self.dtype:
             out = out.to(self.dtype)  # one cast; the gradients stay views of one buffer
         for i, local in enumerate(self.local_params):
@@ -391,6 +486,18 @@ class Bucket:
             if grad.dtype != local.dtype:
                 grad = grad.to(local.dtype)
             if local.grad is None:
-                local.grad = grad
+                local.grad = wrap(grad, self.specs[i])
             else:
-                local.grad += grad
+                local_of(local.grad).add_(grad)
+        if replicas and self.requires_all_reduce and self._skipped_all_reduce:
+            self._all_reduce_accumulated()
+        self._skipped_all_reduce = replicas and not self.requires_all_reduce
+
+    def _all_reduce_accumulated(self) -> None:
+        """HSDP after steps without the replica all-reduce: average the whole
+        accumulated gradient over the replicas (one all-reduce per parameter)."""
+        op = dist.ReduceOp.SUM if self._op == dist.ReduceOp.SUM else dist.ReduceOp.AVG
+        for i in range(len(self.params)):
+            grad = self.local_grad(i)
+            if grad is not None and grad.numel():
+                self.comm.all_reduce(grad, replicas=True, op=op).wait()

@@ -231,12 +231,12 @@ class BucketComm:
         self._count("all_gather", (self.world_size - 1) * local.numel() * local.element_size())
         return pending
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Pending:
+    def reduce_scatter(
+        self, out: torch.Tensor, full: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.AVG
+    ) -> Pending:
         group = self.shard_group
         pending = self._launch(
-            lambda: dist.reduce_scatter_single(
-                out, full, op=dist.ReduceOp.AVG, group=group, async_op=True
-            ),
+            lambda: dist.reduce_scatter_single(out, full, op=op, group=group, async_op=True),
             "reduce-scatter",
             group,
             wait_ignores_timeout=dist.get_backend(group) == "gloo",
@@ -244,12 +244,14 @@ class BucketComm:
         self._count("reduce_scatter", (self.world_size - 1) * out.numel() * out.element_size())
         return pending
 
-    def all_reduce(self, tensor: torch.Tensor, replicas: bool = False) -> Pending:
-        """Average ``tensor`` over the shard group, or over the replicas (HSDP)."""
+    def all_reduce(
+        self, tensor: torch.Tensor, replicas: bool = False, op: dist.ReduceOp = dist.ReduceOp.AVG
+    ) -> Pending:
+        """Average (or ``op``) ``tensor`` over the shard group, or the replicas (HSDP)."""
         group = self.replicate_group if replicas else self.shard_group
         size = dist.get_world_size(group)
         pending = self._launch(
-            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=True),
+            lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
             "all-reduce across replicas" if replicas else "all-reduce",
             group,
         )

@@ -15,6 +15,8 @@ class MeshGroups:
     replicate: dist.ProcessGroup | None  # HSDP: gradients are all-reduced across it
     rank: int  # this rank's index in ``shard``
     device: torch.device
+    #: the sharded parameters' DTensor mesh: (shard) or (replicate, shard)
+    mesh: DeviceMesh
 
     @property
     def shard_size(self) -> int:
@@ -55,4 +57,6 @@ def resolve_mesh(mesh: DeviceMesh | dist.ProcessGroup | None) -> MeshGroups:
     device = torch.device(device_type)
     if device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    return MeshGroups(shard, replicate, dist.get_rank(shard), device)
+    if not isinstance(mesh, DeviceMesh):  # a group, or the world: its 1-D mesh
+        mesh = DeviceMesh.from_group(shard, device_type)
+    return MeshGroups(shard, replicate, dist.get_rank(shard), device, mesh)

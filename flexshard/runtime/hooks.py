@@ -46,12 +46,21 @@ class StepState:
         self._prefetch(bucket, +1)
 
     def _prefetch(self, bucket: Bucket, step: int) -> None:
-        """Start gathering the bucket that runs next, so it lands while this one computes."""
+        """Start gathering the bucket that runs next, so it lands while this one computes
+        (or those ``set_modules_to_forward/backward_prefetch`` named)."""
+        explicit = bucket.forward_prefetch if step > 0 else bucket.backward_prefetch
+        if explicit is not None:
+            for other in explicit:
+                if step > 0 or other.unshard_in_backward:
+                    other.unshard(async_op=True)
+            return
         if not self.order_known or bucket not in self.forward_order:
             return
         index = self.forward_order.index(bucket) + step
         if 0 <= index < len(self.forward_order):
-            self.forward_order[index].unshard(async_op=True)
+            following = self.forward_order[index]
+            if step > 0 or following.unshard_in_backward:
+                following.unshard(async_op=True)
 
     # ---------------------------------------------------------------- backward
     def _backward_begins(self) -> None:
@@ -66,7 +75,8 @@ class StepState:
     def before_backward(self, bucket: Bucket) -> None:
         self._backward_begins()
         with self._abort_step_on_error():
-            bucket.unshard()
+            if bucket.unshard_in_backward:
+                bucket.unshard()
             self._prefetch(bucket, -1)
 
     @contextlib.contextmanager
@@ -190,6 +200,15 @@ def install_root_hooks(module: nn.Module) -> None:
 
     module.register_forward_pre_hook(pre_forward)
     module.register_forward_hook(post_forward)
+    _remember(module, pre_forward, post_forward)
+
+
+def _remember(module: nn.Module, *hooks: Any, kwargs: bool = False) -> None:
+    """Keep the hooks findable for ``register_fsdp_forward_method``, which runs them
+    around a method other than ``forward``."""
+    for hook in hooks:
+        hook._flexshard_kwargs = kwargs
+    module.__dict__.setdefault("_flexshard_hooks", []).extend(hooks)
 
 
 def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
@@ -245,3 +264,4 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
     for module in modules:
         module.register_forward_pre_hook(pre_forward, with_kwargs=True)
         module.register_forward_hook(post_forward, with_kwargs=True)
+        _remember(module, pre_forward, post_forward, kwargs=True)

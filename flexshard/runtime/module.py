@@ -7,13 +7,21 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._composable.contract import STATE_KEY
+from torch.distributed.fsdp import FSDPModule, UnshardHandle
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from .bucket import Bucket
 
 
 def subtree_buckets(module: nn.Module) -> Iterator[Bucket]:
+    """Every bucket below ``module`` once (``fully_shard([a, b])`` lists one on both)."""
+    seen: set[int] = set()
     for m in module.modules():
-        yield from getattr(m, "_flexshard_buckets", ())
+        for bucket in getattr(m, "_flexshard_buckets", ()):
+            if id(bucket) not in seen:
+                seen.add(id(bucket))
+                yield bucket
 
 
 def _check_bool(method: str, name: str, value: object) -> None:
@@ -22,7 +30,9 @@ def _check_bool(method: str, name: str, value: object) -> None:
         raise TypeError(f"{method}: {name} must be a bool, got {value!r}")
 
 
-class UnshardHandle:
+class FlexUnshardHandle(UnshardHandle):
+    """What ``unshard(async_op=True)`` returns: ``wait()`` lands the all-gathers."""
+
     def __init__(self, buckets: list[Bucket]) -> None:
         self._buckets = buckets
 
@@ -31,10 +41,67 @@ class UnshardHandle:
             bucket.unshard()
 
 
-class FlexShardModule(nn.Module):
-    """Mixed into the class of every module that ``flex_shard``/``fully_shard`` wrapped."""
+class _ForwardHooks:
+    """What ``register_fsdp_forward_method`` calls around a custom forward method
+    (torch's reaches it through ``_get_fsdp_state()``): the module's own forward hooks."""
 
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        for hook in module._forward_pre_hooks.values():
+            if hook in getattr(module, "_flexshard_hooks", ()):
+                result = hook(module, args, kwargs) if _takes_kwargs(hook) else hook(module, args)
+                if isinstance(result, tuple) and len(result) == 2 and _takes_kwargs(hook):
+                    args, kwargs = result
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        for hook in module._forward_hooks.values():
+            if hook in getattr(module, "_flexshard_hooks", ()):
+                result = hook(module, args, {}, output) if _takes_kwargs(hook) else hook(
+                    module, args, output
+                )
+                output = output if result is None else result
+        return output
+
+
+def _takes_kwargs(hook: Any) -> bool:
+    return getattr(hook, "_flexshard_kwargs", False)
+
+
+#: FSDP2 methods that tune its own buffers and streams; flexshard has no counterpart
+_NOT_APPLICABLE = {
+    "set_custom_all_gather": "a placement chooses its bucket's all-gather",
+    "set_custom_reduce_scatter": "a placement chooses its bucket's reduce-scatter",
+    "set_reduce_scatter_unused_params": "flexshard reduces every trainable parameter",
+    "set_reduce_scatter_max_input_buffers": "flexshard bounds reductions in flight itself",
+    "set_separate_reduce_scatter_group": "a bucket reduces on its own shard group",
+    "set_allocate_memory_from_process_group_for_comm": "no NCCL memory pools on this runtime",
+    "set_symm_mem_for_comm": "no symmetric-memory collectives on this runtime",
+    "_set_unshard_async_op": "flexshard's forward all-gathers are already asynchronous",
+}
+
+
+def _not_applicable(name: str, why: str) -> Callable[..., None]:
+    def method(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(f"{name}: not supported by flexshard ({why})")
+
+    method.__name__ = name
+    return method
+
+
+class FlexShardModule(FSDPModule, nn.Module):
+    """Mixed into the class of every module that ``flex_shard``/``fully_shard`` wrapped;
+    an ``FSDPModule`` to torch, with FSDP2's methods."""
+
+    # FlexShard<Orig> -> FlexShardModule -> FSDPModule -> Orig: FSDPModule.__new__
+    # (indexing a container builds a plain Orig) finds the original class here
+    _orig_cls_mro_index = 3
     _flexshard_buckets: list[Bucket]
+
+    def _get_fsdp_state(self) -> Any:  # type: ignore[override]
+        return _ForwardHooks(self)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's buckets; with ``async_op`` return a handle to wait on."""
@@ -42,7 +109,7 @@ class FlexShardModule(nn.Module):
         buckets = list(self._flexshard_buckets)
         for bucket in buckets:
             bucket.unshard(async_op=True)
-        handle = UnshardHandle(buckets)
+        handle = FlexUnshardHandle(buckets)
         if async_op:
             return handle
         handle.wait()
@@ -120,10 +187,117 @@ class FlexShardModule(nn.Module):
         # move the bucket storage the same way and make the parameters views again
         for bucket in self._flexshard_buckets:
             bucket.reshard()
-        super()._apply(fn, recurse)
+        nn.Module._apply(self, fn, recurse)  # FSDPModule._apply expects FSDP2 state
         for bucket in self._flexshard_buckets:
             bucket.rebind_storage(fn)
         return self
+
+
+    # ------------------------------------------------------------ FSDP2's setters
+    def _set_on_buckets(self, attr: str, value: object, recurse: bool) -> None:
+        buckets = subtree_buckets(self) if recurse else self._flexshard_buckets
+        for bucket in buckets:
+            setattr(bucket, attr, value)
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """Gather these modules' buckets (asynchronously) when this module's forward
+        starts, instead of the next bucket of the recorded forward order."""
+        self._set_on_buckets("forward_prefetch", _buckets_of(modules), recurse=False)
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """Gather these modules' buckets when this module's backward starts."""
+        self._set_on_buckets("backward_prefetch", _buckets_of(modules), recurse=False)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 code: flexshard completes every reduction it launched at
+        the end of each backward, so there is nothing left to defer."""
+        _check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters but skips the all-reduce across replicas (the
+        gradient accumulates per replica); the next True all-reduces the sum."""
+        _check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
+        self._set_on_buckets("requires_all_reduce", requires_all_reduce, recurse)
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Accepted for FSDP2 code: flexshard's all-gathers are issued on the stream
+        that runs the optimizer, after it, so they need no event to wait on."""
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the data-parallel size."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor!r}")
+        self._set_on_buckets("divide_factor", float(factor), recurse=True)
+
+    set_reduce_scatter_divide_factor = set_gradient_divide_factor
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with SUM and divide afterwards (instead of AVG in the collective)."""
+        _check_bool("set_force_sum_reduction_for_comms", "enable", enable)
+        self._set_on_buckets("force_sum", enable, recurse=True)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: do not all-gather this module's buckets in backward (for parameters
+        its backward does not use)."""
+        _check_bool("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
+        self._set_on_buckets("unshard_in_backward", unshard_in_backward, recurse=False)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
+        """Call ``hook(reduced)`` on each bucket's reduced gradient buffer (after the
+        HSDP all-reduce), before it becomes the parameters' ``.grad``."""
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook: hook must be callable, got {hook!r}")
+        self._set_on_buckets("all_reduce_hook", hook, recurse=False)
+
+    def reset_iter_state(self) -> None:
+        """Forget the step in progress (after an exception in forward or backward)."""
+        state = getattr(self, "_flexshard_state", None)
+        if state is not None:
+            state._reset_step()
+        for bucket in subtree_buckets(self):
+            bucket.reshard()
+
+
+for _name, _why in _NOT_APPLICABLE.items():
+    setattr(FlexShardModule, _name, _not_applicable(_name, _why))
+
+
+def _buckets_of(modules: list[nn.Module]) -> list[Bucket]:
+    out = []
+    for module in modules:
+        if not isinstance(module, FlexShardModule):
+            raise TypeError(f"expected modules sharded by flexshard, got {type(module).__name__}")
+        out.extend(module._flexshard_buckets)
+    return out
+
+
+class _PipelineState:
+    """What torch's pipeline stages use through ``fully_shard.state(module)``: they run
+    every microbatch's backward with gradient sync off, then, after the last, call
+    ``_root_post_backward_final_callback``: reduce the held gradients here."""
+
+    class _Context:
+        all_states: list = []  # no FSDP2 parameter groups to post-process
+
+    _state_ctx = _Context()
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def _root_post_backward_final_callback(self) -> None:
+        for bucket in subtree_buckets(self.module):  # the same order on every rank
+            if bucket.requires_grad_sync:
+                bucket.launch_reduce()
+                bucket.finish_reduce()
+            if bucket.reshard_after_backward:
+                bucket.reshard()
+
+
+def _register_pipeline_state(module: nn.Module) -> None:
+    # torch.distributed.pipelining treats every FSDPModule as FSDP2's and asks
+    # fully_shard.state(module) for its state: give it flexshard's
+    key = torch_fully_shard.state.__closure__[0].cell_contents  # type: ignore[union-attr]
+    module.__dict__.setdefault(STATE_KEY, {})[key] = _PipelineState(module)
 
 
 def make_flexshard_class(module: nn.Module) -> None:
@@ -132,3 +306,4 @@ def make_flexshard_class(module: nn.Module) -> None:
     if isinstance(module, FlexShardModule):
         return
     module.__class__ = type(f"FlexShard{cls.__name__}", (FlexShardModule, cls), {})
+    _register_pipeline_state(module)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..placements import BucketLayout, CopyBlock, Region
 from ..placements.packing import full_view, storage_shape, storage_view
@@ -29,11 +30,28 @@ def _scale_block(block: CopyBlock, fmt: QuantFormat) -> CopyBlock:
     return CopyBlock(0, scaled, block.grid)
 
 
+_optimizer_steps = [0]
+_step_hook: list[object] = []
+
+
+def optimizer_steps() -> int:
+    """How many ``torch.optim`` steps this process has taken (counted by a global
+    post-step hook, registered on first use)."""
+    if not _step_hook:
+        hook = register_optimizer_step_post_hook(_count_step)
+        _step_hook.append(hook)
+    return _optimizer_steps[0]
+
+
+def _count_step(*_args: object) -> None:
+    _optimizer_steps[0] += 1
+
+
 class QuantizedGather:
     """Encodes this rank's storage into its payload and decodes every rank's payload
-    into full parameters. The payload is cached until the storage changes (its
-    version counter moves when the optimizer steps), so the backward re-gather sends
-    exactly the bytes the forward sent: one quantization per step, no drift."""
+    into full parameters. The payload is cached until the storage may have changed
+    (``version``, from the bucket), so the backward re-gather sends exactly the bytes
+    the forward sent: one quantization per step, no drift."""
 
     def __init__(self, layout: BucketLayout, fmt: QuantFormat, rank: int) -> None:
         self.layout = layout
@@ -55,7 +73,7 @@ class QuantizedGather:
         scale_size = torch.empty(0, dtype=fmt.scale_dtype).element_size()
         self.data_nbytes = _align(layout.shard_numel)
         self.nbytes = _align(self.data_nbytes + max(counts, default=0) * scale_size)
-        self._cached: tuple[int, torch.Tensor] | None = None
+        self._cached: tuple[object, torch.Tensor] | None = None
         self.encodes = 0  # quantizations done (a test counts one per step)
 
     def _sections(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,9 +81,9 @@ class QuantizedGather:
         scales = payload[self.data_nbytes :].view(self.fmt.scale_dtype)
         return data, scales
 
-    def encode(self, storage: torch.Tensor) -> torch.Tensor:
+    def encode(self, storage: torch.Tensor, version: object) -> torch.Tensor:
         """This rank's payload: its tiles quantized in place of the full tensor."""
-        if self._cached is not None and self._cached[0] == storage._version:
+        if self._cached is not None and self._cached[0] == version:
             return self._cached[1]
         payload = torch.zeros(self.nbytes, dtype=torch.uint8, device=storage.device)
         data, scales = self._sections(payload)
@@ -75,7 +93,7 @@ class QuantizedGather:
                 storage_view(block, data).copy_(q.data)
                 offset = self._scale_offsets[self.rank][i][k]
                 scales[offset : offset + q.scale.numel()].copy_(q.scale.reshape(-1))
-        self._cached = (storage._version, payload)
+        self._cached = (version, payload)
         self.encodes += 1
         return payload
 

@@ -243,9 +243,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, dp_group: dist.ProcessGro
     for bucket in buckets:
         if bucket.layout.replicated and bucket.rank != 0:
             continue  # a Replicate bucket's ranks hold the same gradient: count it once
-        for local in bucket.local_params:
-            if local.grad is not None and local.grad.numel():
-                partial += torch.linalg.vector_norm(local.grad.float()) ** 2
+        for i in range(len(bucket.params)):
+            grad = bucket.local_grad(i)
+            if grad is not None and grad.numel():
+                partial += torch.linalg.vector_norm(grad.float()) ** 2
     dist.all_reduce(partial, group=dp_group)
     total = partial.sqrt()
     scale_grads(buckets, max_norm, total)

@@ -212,11 +212,12 @@ def _flexshard_squares(module: nn.Module, dims: ParallelDims, meshes: Meshes) ->
     for bucket in subtree_buckets(module):
         if bucket.layout.replicated and bucket.rank != 0:
             continue  # a Replicate bucket: every shard rank holds the same gradient
-        for local, param in zip(bucket.local_params, bucket.params):
-            if local.grad is None or not local.grad.numel():
+        for i, param in enumerate(bucket.params):
+            grad = bucket.local_grad(i)
+            if grad is None or not grad.numel():
                 continue
             if _counted_here(dims, meshes, tp_sharded(param.tp_spec)):
-                squares += local.grad.float().pow(2).sum().cpu()
+                squares += grad.float().pow(2).sum().cpu()
     return squares
 
 
