@@ -16,12 +16,10 @@ import flexshard as fs
 from flexshard.testing import run_distributed
 from flexshard.trainer import checkpointing
 from flexshard.trainer.checkpointing import latest_step
-from flexshard.trainer.data import ByteTokenizer, DPSampler, load_tokens
 from flexshard.trainer.model import Transformer, init_weights
-from flexshard.trainer.optimizers import build_optimizer, set_lr
-from flexshard.trainer.train import loss_fn, run
+from flexshard.trainer.train import run
 
-from .trainer_cases import tiny_config
+from .trainer_cases import single_process_run, tiny_config
 
 STEPS = 6
 CKPT = {"enable": True, "interval": 3}
@@ -112,7 +110,7 @@ def test_resume_is_exact_and_reshardable(tmp_path):
     initial = Transformer(cfg.model)
     init_weights(initial, cfg.training.seed)
     initial = initial.state_dict()
-    reference = _single_process_trained(cfg, dp_size=2)
+    reference = single_process_run(cfg, dp_size=2)[1]
     for backend in ("flexshard", "fsdp2"):
         exported = load_file(str(tmp_path / backend / "model.safetensors"))
         trained = torch.load(tmp_path / backend / "trained.pt")
@@ -130,22 +128,3 @@ def test_resume_is_exact_and_reshardable(tmp_path):
     flex = load_file(str(tmp_path / "flexshard" / "model.safetensors"))
     fsdp2 = load_file(str(tmp_path / "fsdp2" / "model.safetensors"))
     assert all(torch.allclose(flex[k], fsdp2[k], atol=1e-5) for k in flex)
-
-
-def _single_process_trained(cfg, dp_size: int) -> dict[str, torch.Tensor]:
-    """The parameters ``dp_size`` data-parallel ranks must reach, trained in one process
-    on the union of their batches (as tests/trainer_cases.single_process_losses)."""
-    t = cfg.training
-    model = Transformer(cfg.model)
-    init_weights(model, t.seed)
-    tokens = load_tokens(cfg.data, ByteTokenizer())
-    sampler = DPSampler(tokens, t.seq_len, dp_size * t.grad_accum * t.batch_size, 1, 0, 1, t.seed)
-    optimizer = build_optimizer(model, t, cfg.model)
-    for step in range(t.steps):
-        set_lr(optimizer, step, t)
-        inputs, targets = sampler.batch(step)
-        loss_fn(model(inputs), targets).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm or float("inf"))
-        optimizer.step()
-        optimizer.zero_grad()
-    return {k: v.detach() for k, v in model.state_dict().items()}

@@ -30,6 +30,11 @@ def single_process_losses(cfg: Config, dp_size: int) -> list[float]:
     """What ``dp_size`` data-parallel ranks must compute together, in one process: each
     step trains on the union of the ranks' batches (``dp_size * grad_accum * batch``
     sequences) in one batch, so the mean loss and its gradient are those of DP."""
+    return single_process_run(cfg, dp_size)[0]
+
+
+def single_process_run(cfg: Config, dp_size: int) -> tuple[list[float], dict]:
+    """``single_process_losses`` and the trained parameters (a state dict)."""
     t = cfg.training
     model = Transformer(cfg.model)
     init_weights(model, t.seed)
@@ -46,4 +51,4 @@ def single_process_losses(cfg: Config, dp_size: int) -> list[float]:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
