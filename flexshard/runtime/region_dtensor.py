@@ -18,7 +18,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .region_placement import RegionShard
 
@@ -43,11 +42,40 @@ _NOT_ELEMENTWISE_FOREACH = {"_foreach_norm", "_foreach_max"}
 _NORMS = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar}
 
 
-def _is_elementwise(func: Any) -> bool:
-    name = func.overloadpacket.__name__
-    if name.startswith("_foreach_"):
-        return name not in _NOT_ELEMENTWISE_FOREACH
-    return func in _ELEMENTWISE or torch.Tag.pointwise in func.tags
+#: op -> "foreach", "elementwise" or None (neither); optimizers call the same few ops
+#: thousands of times per step, so each is classified once
+_KINDS: dict[Any, str | None] = {}
+
+
+def _kind(func: Any) -> str | None:
+    if func not in _KINDS:
+        name = func.overloadpacket.__name__
+        if name.startswith("_foreach_"):
+            kind = "foreach" if name not in _NOT_ELEMENTWISE_FOREACH else None
+        else:
+            elementwise = func in _ELEMENTWISE or torch.Tag.pointwise in func.tags
+            kind = "elementwise" if elementwise else None
+        _KINDS[func] = kind
+    return _KINDS[func]
+
+
+def _first_region(values: Any) -> RegionDTensor | None:
+    """The first RegionDTensor among ``values`` (one level of lists, as ops take)."""
+    for value in values:
+        if isinstance(value, RegionDTensor):
+            return value
+        if isinstance(value, (list, tuple)):
+            found = _first_region(value)
+            if found is not None:
+                return found
+    return None
+
+
+def _map(value: Any, fn: Any) -> Any:
+    """``fn`` over the leaves of ``value``; cheaper than pytree for op arguments."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(v, fn) for v in value)
+    return fn(value)
 
 
 def _region_of(spec: DTensorSpec) -> RegionShard | None:
@@ -81,11 +109,14 @@ class RegionDTensor(DTensor):
         kwargs = kwargs or {}
         if func in _NORMS:
             return _norm(func, args, kwargs)
-        first = next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, RegionDTensor))
-        if not _is_elementwise(func):
-            raise _unsupported(func, first._spec, "not an elementwise op")
-        if func.overloadpacket.__name__.startswith("_foreach_"):
+        kind = _kind(func)
+        if kind == "foreach":
             return _foreach(func, args, kwargs)
+        first = _first_region(args)
+        if first is None:
+            first = _first_region(kwargs.values())
+        if kind is None:
+            raise _unsupported(func, first._spec, "not an elementwise op")
         return _elementwise(func, args, kwargs, first._spec)
 
     # ---------------------------------------------------------------- redistribution
@@ -166,7 +197,8 @@ class _ToReplicate(torch.autograd.Function):
 def _local(value: Any, spec: DTensorSpec, func: Any) -> Any:
     """An operand's local tensor, when it is placed like ``spec`` or is a scalar."""
     if isinstance(value, DTensor):
-        if value._spec.placements == spec.placements and value.shape == spec.shape:
+        other = value._spec
+        if other is spec or (other.placements == spec.placements and other.shape == spec.shape):
             return value._local_tensor
         if value.numel() == 1 and all(p.is_replicate() for p in value.placements):
             return value._local_tensor  # a replicated scalar, e.g. a clipping coefficient
@@ -187,15 +219,16 @@ def _rewrap(result: Any, spec: DTensorSpec, inputs: dict[int, DTensor]) -> Any:
 
 
 def _elementwise(func: Any, args: tuple, kwargs: dict, spec: DTensorSpec) -> Any:
-    flat, tree = tree_flatten((args, kwargs))
     inputs: dict[int, DTensor] = {}
-    local_flat = []
-    for value in flat:
+
+    def local_of(value: Any) -> Any:
         local = _local(value, spec, func)
         if isinstance(value, DTensor) and local is value._local_tensor:
             inputs[id(local)] = value
-        local_flat.append(local)
-    local_args, local_kwargs = tree_unflatten(local_flat, tree)
+        return local
+
+    local_args = _map(args, local_of)
+    local_kwargs = {k: _map(v, local_of) for k, v in kwargs.items()}
     out = func(*local_args, **local_kwargs)
     if isinstance(out, (tuple, list)):
         return type(out)(_rewrap(o, spec, inputs) for o in out)

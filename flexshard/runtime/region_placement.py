@@ -25,7 +25,9 @@ class RegionShard(TorchPlacement):
         self.layout = layout
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, RegionShard) and other.layout == self.layout
+        if not isinstance(other, RegionShard):
+            return False
+        return other.layout is self.layout or other.layout == self.layout
 
     def __hash__(self) -> int:
         return hash((self.layout.fqn, self.layout.shape, self.layout.regions))
