@@ -73,7 +73,7 @@ def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> l
 def verdict(
     s: Spread, target: float | None, *, lower_is_better: bool = True, basis: str = "iqr"
 ) -> str:
-    """"met" if the whole spread is within the target, "not met" if it is wholly
+    """Verdict "met" if the whole spread is within the target, "not met" if it is wholly
     outside, otherwise "not established"; "–" without a target."""
     if target is None:
         return NO_TARGET

@@ -33,22 +33,23 @@ def test_spread_interpolates_between_order_statistics() -> None:
     assert (s.median, s.q1, s.q3) == (2.5, 1.75, 3.25)
 
 
+def _quantile(data: list[float], p: float) -> float:
+    """Linear interpolation between order statistics at position p (n - 1)."""
+    ordered = sorted(data)
+    pos = p * (len(ordered) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (pos - low) * (ordered[high] - ordered[low])
+
+
 def test_spread_matches_a_brute_force_quantile() -> None:
     rng = random.Random(7)
     for n in (2, 3, 5, 6, 9, 17):
         data = [rng.uniform(0.5, 1.5) for _ in range(n)]
         s = spread(data)
-        ordered = sorted(data)
-
-        def quantile(p: float) -> float:
-            pos = p * (n - 1)
-            low = math.floor(pos)
-            high = min(low + 1, n - 1)
-            return ordered[low] + (pos - low) * (ordered[high] - ordered[low])
-
-        assert s.q1 == pytest.approx(quantile(0.25), abs=1e-12)
-        assert s.median == pytest.approx(quantile(0.5), abs=1e-12)
-        assert s.q3 == pytest.approx(quantile(0.75), abs=1e-12)
+        assert s.q1 == pytest.approx(_quantile(data, 0.25), abs=1e-12)
+        assert s.median == pytest.approx(_quantile(data, 0.5), abs=1e-12)
+        assert s.q3 == pytest.approx(_quantile(data, 0.75), abs=1e-12)
         assert s.lo <= s.q1 <= s.median <= s.q3 <= s.hi
 
 
