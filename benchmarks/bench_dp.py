@@ -3,6 +3,11 @@ side on one model, one data stream and one world size per process group.
 
     .venv/bin/python -m benchmarks.bench_dp                # W = 2 and 4
     .venv/bin/python -m benchmarks.bench_dp --quick        # W = 2, fewer steps
+
+Every configuration runs ``--reps`` times (5 by default), the order of the
+configurations reversed on every other repetition; each row's ratio to FSDP2 is the
+median over repetitions of that repetition's ratio, with its spread and a verdict
+against issue 11's targets (benchmarks/stats.py).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from flexshard.testing import TransformerConfig, run_distributed
 
 from .dp_rank import BenchOptions, config_names, run_rank
 from .report import markdown
+from .stats import paired_ratios, summary
 
 RESULTS = Path(__file__).parent / "results"
 MB = 2**20
@@ -37,11 +43,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument(
-        "--quick", action="store_true", help="smoke run: W=2, 1 warm-up, 3 timed steps, 1 rep"
+        "--quick", action="store_true", help="smoke run: W=2, 1 warm-up, 2 timed steps, 2 reps"
     )
-    p.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--reps", type=int, default=2, help="interleaved repetitions; best median wins")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per repetition")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--reps", type=int, default=5, help="repetitions, order reversed every other one"
+    )
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)
@@ -51,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600, help="seconds per world size")
     args = p.parse_args(argv)
     if args.quick:
-        args.world_sizes, args.warmup, args.steps, args.reps = [2], 1, 3, 1
+        args.world_sizes, args.warmup, args.steps, args.reps = [2], 1, 2, 2
     return args
 
 
@@ -71,6 +79,10 @@ def options(args: argparse.Namespace) -> BenchOptions:
 
 
 # ---------------------------------------------------------------- aggregation
+STEP_TARGET = 0.95  # issue 11: flexshard's step <= 0.95x FSDP2's
+MEMORY_TARGET = 1.00  # and its peak memory <= FSDP2's
+
+
 def _slowest_rank(per_rank: list[list[list[float]]]) -> list[list[float]]:
     """Per step and phase, the slowest rank (the step ends when the last rank does)."""
     return [[max(ph) for ph in zip(*steps)] for steps in zip(*per_rank)]
@@ -82,12 +94,13 @@ def _median_ms(steps: list[list[float]], phase: int | None = None) -> float:
 
 
 def summarize(name: str, reps_by_rank: list[list[dict[str, Any]]], world: int) -> dict[str, Any]:
-    """One configuration at one world size: the best repetition's medians, the peaks."""
+    """One configuration at one world size: per repetition the median step (slowest
+    rank) and the peak RSS (max over ranks); their medians; phases over all steps."""
     reps = list(zip(*reps_by_rank))  # per rep, per rank
     steps_per_rep = [_slowest_rank([r["phases_s"] for r in ranks]) for ranks in reps]
     medians = [_median_ms(steps) for steps in steps_per_rep]
-    best = min(range(len(medians)), key=medians.__getitem__)
-    steps = steps_per_rep[best]
+    steps = [s for rep in steps_per_rep for s in rep]
+    peaks = [max(r["memory"]["peak_mb"] for r in ranks) for ranks in reps]
     first = reps[0][0]
     comms = [r["comm"] for ranks in reps for r in ranks]
     worst_comm = max(comms, key=lambda c: c["bytes_sent"])
@@ -96,14 +109,14 @@ def summarize(name: str, reps_by_rank: list[list[dict[str, Any]]], world: int) -
     return {
         "world_size": world,
         "config": name,
-        "median_ms": medians[best],
+        "median_ms": statistics.median(medians),
         "median_ms_per_rep": medians,
         "forward_ms": _median_ms(steps, 0),
         "backward_ms": _median_ms(steps, 1),
         "optimizer_ms": _median_ms(steps, 2),
-        "step_ms_slowest_rank": [1e3 * sum(s) for s in steps],
-        # per rank: the max over ranks of the min over repetitions (least allocator noise)
-        "peak_rss_mb": _peak_over_ranks(reps_by_rank, "peak_mb"),
+        "step_ms_slowest_rank": [[1e3 * sum(s) for s in rep] for rep in steps_per_rep],
+        "peak_rss_mb": statistics.median(peaks),
+        "peak_rss_mb_per_rep": peaks,
         "sampled_rss_mb": _peak_over_ranks(reps_by_rank, "sampled_peak_mb"),
         "live_tensor_mb": _peak_over_ranks(reps_by_rank, "live_tensor_mb"),
         "peak_source": memory[0]["peak_source"],
@@ -120,15 +133,27 @@ def summarize(name: str, reps_by_rank: list[list[dict[str, Any]]], world: int) -
 
 
 def _peak_over_ranks(reps_by_rank: list[list[dict[str, Any]]], key: str) -> float:
+    """Per rank the min over repetitions (least allocator noise), then the max over ranks."""
     return max(min(rep["memory"][key] for rep in reps) for reps in reps_by_rank)
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Per row, against FSDP2's run of the same repetition: the step-time and peak-RSS
+    ratios, their spread over repetitions and the verdict against issue 11's targets."""
+    base = next(r for r in rows if r["config"] == "fsdp2")
+    for row in rows:
+        own = row is base  # FSDP2 against itself: 1.0, no verdict
+        step = paired_ratios(row["median_ms_per_rep"], base["median_ms_per_rep"])
+        rss = paired_ratios(row["peak_rss_mb_per_rep"], base["peak_rss_mb_per_rep"])
+        row["step_vs_fsdp2"] = summary(step, None if own else STEP_TARGET)
+        row["rss_vs_fsdp2"] = summary(rss, None if own else MEMORY_TARGET)
+        row["ratio_vs_fsdp2"] = row["step_vs_fsdp2"]["median"]
 
 
 def run_world(opts: BenchOptions, world: int, timeout: float) -> list[dict[str, Any]]:
     per_rank = run_distributed(run_rank, world, opts, timeout=timeout)
     rows = [summarize(name, [r[name] for r in per_rank], world) for name in opts.configs]
-    base = next(r["median_ms"] for r in rows if r["config"] == "fsdp2")
-    for row in rows:
-        row["ratio_vs_fsdp2"] = row["median_ms"] / base
+    add_ratios(rows)
     return rows
 
 

@@ -29,6 +29,7 @@ from .measure import (
     fsdp2_buckets,
     minimum_bytes,
 )
+from .stats import alternating
 
 
 @dataclass(frozen=True)
@@ -202,8 +203,9 @@ def _bucket_dict(bucket: BucketInfo) -> dict[str, Any]:
 
 
 def run_rank(rank: int, world_size: int, opts: BenchOptions) -> dict[str, list[dict[str, Any]]]:
-    """All configurations, ``opts.reps`` times, alternating the order between repetitions
-    so that drift in machine load does not favour whichever runs first."""
+    """All configurations, ``opts.reps`` times, the order reversed on every other
+    repetition, so that each configuration runs after FSDP2 in one repetition and
+    before it in the next: drift in machine load favours neither side."""
     warnings.filterwarnings("ignore", category=FutureWarning)  # deprecated c10d spellings
     mesh = init_device_mesh("cpu", (world_size,))
     batches = make_batches(opts.cfg, (opts.warmup + opts.steps) * world_size, opts.batch, opts.seed)
@@ -213,8 +215,7 @@ def run_rank(rank: int, world_size: int, opts: BenchOptions) -> dict[str, list[d
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in opts.configs}
     try:
         for rep in range(opts.reps):
-            order = opts.configs if rep % 2 == 0 else tuple(reversed(opts.configs))
-            for name in order:
+            for name in alternating(opts.configs, rep):
                 results[name].append(
                     run_config(name, table[name], rank, world_size, mesh, opts, batches, counter)
                 )

@@ -4,17 +4,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from .stats import RULE, cell, range_cell, verdict_cell
+
 MB = 2**20
 
 NOTES = """\
 How to read it:
 - **median ms**: per timed step the slowest rank's forward+backward+`optimizer.step()`
-  (a `dist.barrier()` before each step), then the median over steps; best of the
-  interleaved repetitions. fwd / bwd / opt are the same medians per phase.
+  (a `dist.barrier()` before each step), the median over the steps of a repetition,
+  then the median over repetitions. fwd / bwd / opt are medians per phase over all
+  timed steps.
+- **step / FSDP2**: per repetition this configuration's median step over FSDP2's median
+  step in the same repetition (the order of the configurations is reversed on every
+  other repetition, so each runs after FSDP2 in one and before it in the next); the
+  median over repetitions [interquartile range], and min–max. **step verdict**: against
+  issue 11's target flexshard step <= 0.95x FSDP2.
 - **peak RSS MB**: per rank, VmHWM (reset through `/proc/self/clear_refs` once the model is
   sharded and glibc's free pages are trimmed) minus the RSS before the model was built;
-  max over ranks, min over repetitions. It includes glibc's cached free memory and gloo
-  buffers, so it over-states live memory. **live MB**: distinct CPU tensor storages
+  max over ranks, median over repetitions. It includes glibc's cached free memory and
+  gloo buffers, so it over-states live memory. **RSS / FSDP2** and its verdict: the
+  same per-repetition pairing, target <= 1.00. **live MB**: distinct CPU tensor storages
   reachable from Python after the last step (parameters, gradients, optimizer state and
   whatever the library keeps), minus the same count before the model was built.
 - **coll/step**, **MB sent/step**: collectives one rank issues per step and the bytes it
@@ -33,7 +42,31 @@ How to read it:
 """
 
 
-def _row(r: dict[str, Any]) -> str:
+def time_row(r: dict[str, Any]) -> str:
+    step, rss = r["step_vs_fsdp2"], r["rss_vs_fsdp2"]
+    cells = [
+        r["world_size"],
+        r["config"],
+        f"{r['median_ms']:.1f}",
+        cell(step),
+        range_cell(step),
+        verdict_cell(step),
+        f"{r['forward_ms']:.1f} / {r['backward_ms']:.1f} / {r['optimizer_ms']:.1f}",
+        f"{r['peak_rss_mb']:.1f}",
+        cell(rss),
+        verdict_cell(rss),
+    ]
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+TIME_HEADER = (
+    "| W | config | median ms | step / FSDP2 [IQR] | min–max | step verdict "
+    "| fwd / bwd / opt ms | peak RSS MB | RSS / FSDP2 [IQR] | RSS verdict |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def comm_row(r: dict[str, Any]) -> str:
     comm = r["comm"]
     pad = f"{100 * r['max_padding']:.1f}"
     if "owned" in r["config"]:
@@ -42,10 +75,6 @@ def _row(r: dict[str, Any]) -> str:
     cells = [
         r["world_size"],
         r["config"],
-        f"{r['median_ms']:.1f}",
-        f"{r['ratio_vs_fsdp2']:.2f}",
-        f"{r['forward_ms']:.1f} / {r['backward_ms']:.1f} / {r['optimizer_ms']:.1f}",
-        f"{r['peak_rss_mb']:.1f}",
         f"{r['live_tensor_mb']:.1f}",
         f"{comm['collectives']} ({comm['all_gather']} AG, {comm['reduce_scatter']} RS)",
         f"{comm['bytes_sent'] / MB:.2f}",
@@ -56,11 +85,24 @@ def _row(r: dict[str, Any]) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-HEADER = (
-    "| W | config | median ms | / FSDP2 | fwd / bwd / opt ms | peak RSS MB | live MB "
-    "| coll/step | MB sent/step | vs min | x params | max pad % |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+COMM_HEADER = (
+    "| W | config | live MB | coll/step | MB sent/step | vs min | x params | max pad % |\n"
+    "|---|---|---|---|---|---|---|---|"
 )
+
+
+def verdict_counts(rows: list[dict[str, Any]]) -> list[str]:
+    """Per W, which flexshard rows meet the step and the memory targets."""
+    lines = []
+    for world in sorted({r["world_size"] for r in rows}):
+        mine = [r for r in rows if r["world_size"] == world and r["config"] != "fsdp2"]
+        for key, label in (("step_vs_fsdp2", "step <= 0.95x"), ("rss_vs_fsdp2", "RSS <= 1.00x")):
+            groups: dict[str, list[str]] = {}
+            for r in mine:
+                groups.setdefault(r[key]["verdict"], []).append(r["config"])
+            text = "; ".join(f"{v}: {', '.join(n)}" for v, n in sorted(groups.items()))
+            lines.append(f"- W={world}, {label}: {text}")
+    return lines
 
 
 def _bucket_padding(r: dict[str, Any]) -> str:
@@ -124,14 +166,22 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"machine: {meta['machine']}  ",
         f"Model: TinyTransformer {model}, batch {opts['batch_per_rank']} per rank, "
         f"{opts['optimizer']}; {opts['warmup']} warm-up + {opts['steps']} timed steps x "
-        f"{opts['reps']} interleaved repetitions; "
+        f"{opts['reps']} repetitions, the order reversed on every other one; "
         f"one bucket (FSDP2 group) per block plus the root/outer one. Total runtime "
         f"{meta['runtime_s']:.0f} s. Load average (1/5/15 min) at start "
         f"{_load(meta['load_average_at_start'])}, at end {_load(meta['load_average_at_end'])} "
         "(other processes share the machine: compare rows of one W, not runs).",
         "",
-        HEADER,
-        *(_row(r) for r in rows),
+        RULE,
+        "",
+        TIME_HEADER,
+        *(time_row(r) for r in rows),
+        "",
+        "Verdicts:",
+        *verdict_counts(rows),
+        "",
+        COMM_HEADER,
+        *(comm_row(r) for r in rows),
         "",
         *_padding_table(rows),
         "",
