@@ -36,6 +36,8 @@ class ModelConfig:
     ffn_multiple: int = 16
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
+    # "bytes", or a Hugging Face tokenizer.json (vocab_size then at least the tokenizer's)
+    tokenizer: str = "bytes"
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 
@@ -106,6 +108,18 @@ class CheckpointConfig:
     folder: str = "checkpoint"  # under dump_folder
     resume: bool = True  # continue from the latest checkpoint in folder, if any
     export_safetensors: bool = False  # final model as model.safetensors in dump_folder
+    initial_load_path: str = ""  # start (when not resuming) from this DCP or HF folder
+    initial_load_in_hf: bool = False  # initial_load_path is a Hugging Face model folder
+    last_save_in_hf: bool = False  # final model as a Hugging Face folder, dump_folder/hf
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+@dataclass
+class ValidationConfig:
+    enable: bool = False
+    freq: int = 10  # steps between validations (and after the last step)
+    steps: int = 4  # batches per validation
+    fraction: float = 0.1  # the end of the text held out for validation
 
 
 @dataclass
@@ -116,6 +130,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     job: JobConfig = field(default_factory=JobConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -258,8 +273,13 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key} = {value}: must be at least 1")
-    if m.vocab_size < 256:
+    if m.vocab_size < 256 and m.tokenizer == "bytes":
         raise ConfigError(f"model.vocab_size = {m.vocab_size}: the byte tokenizer needs 256")
+    v = cfg.validation
+    if v.enable and (v.freq < 1 or v.steps < 1 or not 0 < v.fraction < 1):
+        raise ConfigError("validation.freq and steps must be >= 1, validation.fraction in (0, 1)")
+    if cfg.checkpoint.initial_load_in_hf and not cfg.checkpoint.initial_load_path:
+        raise ConfigError("checkpoint.initial_load_in_hf needs checkpoint.initial_load_path")
     if p.dp_shard < 1 and p.dp_shard != -1:
         raise ConfigError(f"parallelism.dp_shard = {p.dp_shard}: must be -1 (auto) or >= 1")
     if m.dim % m.n_heads:
@@ -369,10 +389,11 @@ def check_parallel_layout(cfg: Config) -> None:
         )
     if composed and cfg.training.optimizer == "muon":
         raise ConfigError('training.optimizer = "muon" is not wired with tp, pp or ep > 1')
-    if p.pp * p.ep > 1 and cfg.checkpoint.enable:
+    c = cfg.checkpoint
+    if p.pp * p.ep > 1 and (c.enable or c.initial_load_path or c.last_save_in_hf):
         raise ConfigError(
-            "checkpoint.enable: checkpoints cover the dp_replicate, dp_shard, cp and tp "
-            "layouts; not yet pp or ep > 1"
+            "checkpoint.enable / initial_load_path / last_save_in_hf: checkpoints cover the "
+            "dp_replicate, dp_shard, cp and tp layouts; not yet pp or ep > 1"
         )
 
 

@@ -1,0 +1,323 @@
+"""Sharded models to and from Hugging Face safetensors folders through
+``torch.distributed.checkpoint``'s ``HuggingFaceStorageWriter`` / ``HuggingFaceStorageReader``.
+
+Neither direction gathers the model: on save every rank writes the chunks it stores
+(``save_distributed``), then the ranks consolidate the output files between them, one
+file each in turn and one tensor at a time (torch's ``consolidate_safetensors_files_on_every_rank``);
+on load every rank reads only the slices it stores (``safe_open(...).get_slice``).
+
+Keys are renamed on the way (an adapter's ``HFKey`` per state-dict key), and RoPE
+projections change row order per head: Meta/torchtitan checkpoints keep each
+rotated pair on adjacent rows (interleaved), Hugging Face's ``rotate_half`` wants the
+pair's halves ``head_dim / 2`` rows apart. A rank's rows need not be whole heads
+(``Shard(0)`` over W = 3, FlatShard, BlockShard), so the permutation is applied where
+whole heads are at hand: on save to each consolidated tensor, on load to a per-rank
+read of the head-aligned rows around the rank's own rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+    consolidate_safetensors_files,
+    consolidate_safetensors_files_on_every_rank,
+)
+from torch.distributed.checkpoint._hf_utils import _gen_file_name
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
+
+from .chunks import Box, RegionTensor, chunks_of
+
+SHARDED_DIR = "sharded"  # per-rank chunk files, removed once consolidated
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class HFKey:
+    """Where one state-dict entry lives in a Hugging Face checkpoint."""
+
+    name: str
+    rope_heads: int = 0  # > 0: a RoPE projection of this many heads (rows permuted per head)
+
+
+# ---------------------------------------------------------------------- RoPE row order
+def interleaved_to_half(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Meta's interleaved RoPE rows (pairs adjacent) -> Hugging Face's (halves apart)."""
+    head_dim = rows.shape[0] // heads
+    out = rows.reshape(heads, head_dim // 2, 2, *rows.shape[1:]).transpose(1, 2)
+    return out.reshape(rows.shape)
+
+
+def half_to_interleaved(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Hugging Face's RoPE row order -> Meta's (inverse of ``interleaved_to_half``)."""
+    head_dim = rows.shape[0] // heads
+    out = rows.reshape(heads, 2, head_dim // 2, *rows.shape[1:]).transpose(1, 2)
+    return out.reshape(rows.shape)
+
+
+# ---------------------------------------------------------------------- the chunks
+def _ranks(group: dist.ProcessGroup | None) -> tuple[int, int, bool]:
+    if not dist.is_initialized():
+        return 0, 1, True
+    return dist.get_rank(group), dist.get_world_size(group), False
+
+
+def _chunks(value: torch.Tensor) -> RegionTensor:
+    """This rank's chunks of ``value`` as views of its local data: a DTensor's (any
+    placement; a copy replicated over a mesh dim is written by its first holder only)
+    or a plain tensor's one box."""
+    if not isinstance(value, DTensor) and not isinstance(value, RegionTensor):
+        box: Box = (tuple(0 for _ in value.shape), tuple(value.shape))
+        pieces = [(box, value.detach())] if value.numel() else []
+        return RegionTensor(value.shape, pieces, True, value.dtype, value.device)
+    chunks = chunks_of(value)
+    if isinstance(value, DTensor) and not hasattr(value, "_chunks"):
+        coordinate = value.device_mesh.get_coordinate() or []
+        chunks.writer = all(
+            c == 0 for c, p in zip(coordinate, value.placements) if p.is_replicate()
+        )
+    return chunks
+
+
+def _shard_files(
+    state: Mapping[str, torch.Tensor],
+    keys: Mapping[str, HFKey],
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+) -> dict[str, int]:
+    """HF key -> output file index (1..N): keys in state-dict order, a new file when the
+    next tensor would pass ``max_shard_bytes`` (the same answer on every rank)."""
+    mapping, index, used = {}, 1, 0
+    size = torch.empty((), dtype=dtype).element_size()
+    for fqn, value in state.items():
+        nbytes = math.prod(value.shape) * size
+        if used and used + nbytes > max_shard_bytes:
+            index, used = index + 1, 0
+        mapping[keys[fqn].name] = index
+        used += nbytes
+    return mapping
+
+
+class _ChunkFileWriter(HuggingFaceStorageWriter):
+    """``HuggingFaceStorageWriter(save_distributed=True)`` keys each rank's safetensors
+    file by FQN, so a rank holding several chunks of one tensor (FlatShard's partial
+    rows, BlockShard's tile runs) would keep only the last. Here chunk k of a key goes
+    to part file k: every file holds at most one chunk per key."""
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        if not plan.items:
+            fut: Future = Future()
+            fut.set_result([])
+            return fut
+        mapping = plan.storage_data["fqn_to_index_mapping"]
+        shard = plan.storage_data["shard_index"]
+        last = max(mapping.values())
+        files: dict[tuple[int, int], list[Any]] = {}
+        seen: dict[str, int] = {}
+        for item in plan.items:
+            part = seen.get(item.index.fqn, 0)
+            seen[item.index.fqn] = part + 1
+            files.setdefault((mapping[item.index.fqn], part), []).append(item)
+        import queue
+
+        file_queue: queue.Queue = queue.Queue()
+        for (index, part), items in files.items():
+            name = f"part-{part}-" + _gen_file_name(index, last, shard)
+            file_queue.put((self.fs.concat_path(self.path, name), name, items))
+        return self._write_data(planner, file_queue)
+
+
+def _export_chunks(value: torch.Tensor, dtype: torch.dtype) -> RegionTensor:
+    """This rank's chunks in the export dtype, on the CPU (the writer's requirement)."""
+    chunks = _chunks(value)
+    pieces = [(box, t.detach().to("cpu", dtype)) for box, t in chunks.pieces]
+    return RegionTensor(chunks.shape, pieces, chunks.writer, dtype, torch.device("cpu"))
+
+
+def _tensor_spans(path: str) -> dict[str, tuple[int, list[int], str]]:
+    """name -> (absolute byte offset, shape, dtype string) of every tensor in a
+    safetensors file, from its header."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return {
+        name: (8 + length + entry["data_offsets"][0], entry["shape"], entry["dtype"])
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
+
+
+def _permute_in_file(path: str, rope: Mapping[str, int], dtype: torch.dtype) -> None:
+    """Rewrite the RoPE projections of one consolidated file in Hugging Face row
+    order, in place, one tensor at a time (same bytes, rows moved)."""
+    spans = _tensor_spans(path)
+    with open(path, "r+b") as f:
+        for name, (offset, shape, _) in spans.items():
+            if name not in rope:
+                continue
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            f.seek(offset)
+            raw = bytearray(f.read(nbytes))
+            rows = torch.frombuffer(raw, dtype=dtype).view(shape)
+            f.seek(offset)
+            f.write(interleaved_to_half(rows, rope[name]).contiguous().view(torch.uint8).numpy())
+
+
+def save_hf_safetensors(
+    path: str | os.PathLike,
+    state: Mapping[str, torch.Tensor],
+    keys: Mapping[str, HFKey],
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 2**31,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict[str, int]:
+    """Write ``state`` (a sharded ``model.state_dict()``: DTensors of any placement,
+    or plain tensors in one process) as ``model-0000i-of-0000N.safetensors`` plus
+    ``model.safetensors.index.json`` under ``path``, keys renamed by ``keys``. Every
+    rank calls it; returns the key -> file index map."""
+    missing = [fqn for fqn in state if fqn not in keys]
+    if missing:
+        raise KeyError(f"no Hugging Face name for state-dict key(s) {missing[:5]}")
+    rank, world, no_dist = _ranks(process_group)
+    root = os.path.abspath(os.fspath(path))
+    sharded = os.path.join(root, SHARDED_DIR)
+    mapping = _shard_files(state, keys, dtype, max_shard_bytes)
+    if rank == 0:
+        shutil.rmtree(sharded, ignore_errors=True)
+        os.makedirs(sharded)
+    if not no_dist:
+        dist.barrier(process_group)
+    export = {keys[fqn].name: _export_chunks(value, dtype) for fqn, value in state.items()}
+    writer = _ChunkFileWriter(sharded, fqn_to_index_mapping=mapping, save_distributed=True)
+    with warnings.catch_warnings():  # one process: DCP warns that it assumes so
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(export, storage_writer=writer, process_group=process_group, no_dist=no_dist)
+    del export
+    # each rank builds the output files with index % world == rank, one tensor at a time
+    if no_dist:
+        consolidate_safetensors_files(sharded, root, mapping)
+    else:
+        consolidate_safetensors_files_on_every_rank(sharded, root, mapping, 1, process_group)
+    rope = {k.name: k.rope_heads for k in keys.values() if k.rope_heads}
+    last = max(mapping.values())
+    for index in sorted(set(mapping.values())):
+        if index % world == rank:
+            _permute_in_file(os.path.join(root, _gen_file_name(index, last)), rope, dtype)
+    if not no_dist:
+        dist.barrier(process_group)
+    if rank == 0:
+        shutil.rmtree(sharded)
+    return mapping
+
+
+# ---------------------------------------------------------------------- load
+def _rope_target(chunks: RegionTensor, heads: int) -> RegionTensor | None:
+    """One box around this rank's chunks, widened to whole heads: the rows the RoPE
+    permutation needs (at most one extra head above and below)."""
+    if not chunks.pieces:
+        return None
+    head_dim = chunks.shape[0] // heads
+    starts = [o for (o, _), _ in chunks.pieces]
+    ends = [[a + b for a, b in zip(o, s)] for (o, s), _ in chunks.pieces]
+    lo = [min(s[d] for s in starts) for d in range(len(chunks.shape))]
+    hi = [max(e[d] for e in ends) for d in range(len(chunks.shape))]
+    lo[0] = lo[0] // head_dim * head_dim
+    hi[0] = -(-hi[0] // head_dim) * head_dim
+    sizes = tuple(b - a for a, b in zip(lo, hi))
+    buffer = torch.empty(sizes, dtype=chunks.dtype, device=chunks.device)
+    return RegionTensor(
+        chunks.shape, [((tuple(lo), sizes), buffer)], False, chunks.dtype, chunks.device
+    )
+
+
+def _fill_from_rope(chunks: RegionTensor, target: RegionTensor, heads: int) -> None:
+    """Copy the loaded head-aligned rows, back in interleaved order, into the chunks."""
+    ((lo, sizes), rows) = target.pieces[0]
+    head_dim = chunks.shape[0] // heads
+    rows = half_to_interleaved(rows, sizes[0] // head_dim)
+    for (offsets, box), view in chunks.pieces:
+        index = tuple(slice(o - a, o - a + s) for o, a, s in zip(offsets, lo, box))
+        view.copy_(rows[index])
+
+
+def _check_against(
+    reader: HuggingFaceStorageReader, wanted: dict[str, torch.Tensor], root: str
+) -> None:
+    """Every wanted key is in the folder with its shape, or a ValueError naming it."""
+    saved = reader.read_metadata().state_dict_metadata
+    problems = []
+    for name, value in wanted.items():
+        md = saved.get(name)
+        if not isinstance(md, TensorStorageMetadata):
+            problems.append(f"'{name}' is missing")
+        elif tuple(md.size) != tuple(value.shape):
+            problems.append(
+                f"'{name}' has shape {tuple(md.size)}, the model expects {tuple(value.shape)}"
+            )
+    if problems:
+        raise ValueError(f"cannot load Hugging Face checkpoint '{root}': " + "; ".join(problems))
+
+
+def load_hf_safetensors(
+    path: str | os.PathLike,
+    state: Mapping[str, torch.Tensor],
+    keys: Mapping[str, HFKey],
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Read a Hugging Face safetensors folder into ``state`` (a sharded
+    ``model.state_dict()``, or plain tensors) in place: every rank reads the slices it
+    stores (RoPE projections: the whole heads around them). Several state-dict keys
+    may read the same HF key (tied embeddings). Every rank calls it."""
+    _, _, no_dist = _ranks(process_group)
+    root = os.path.abspath(os.fspath(path))
+    # one dcp.load per round: a key read twice (tied weights) goes in a second round
+    rounds: list[dict[str, tuple[RegionTensor, RegionTensor | None, int]]] = []
+    for fqn, value in state.items():
+        key = keys[fqn]
+        chunks = _chunks(value)
+        target = _rope_target(chunks, key.rope_heads) if key.rope_heads else chunks
+        entry = (chunks, target, key.rope_heads)
+        for round_ in rounds:
+            if key.name not in round_:
+                round_[key.name] = entry
+                break
+        else:
+            rounds.append({key.name: entry})
+    reader = HuggingFaceStorageReader(root)
+    _check_against(reader, {name: e[0] for r in rounds for name, e in r.items()}, root)
+    for round_ in rounds:
+        # a rank with nothing of a key still names it, with no chunks to read
+        load = {
+            name: (
+                target
+                if target is not None
+                else RegionTensor(chunks.shape, [], False, chunks.dtype, chunks.device)
+            )
+            for name, (chunks, target, _) in round_.items()
+        }
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(
+                load,
+                storage_reader=HuggingFaceStorageReader(root),
+                process_group=process_group,
+                no_dist=no_dist,
+            )
+        for chunks, target, heads in round_.values():
+            if heads and target is not None:
+                with torch.no_grad():
+                    _fill_from_rope(chunks, target, heads)
