@@ -84,8 +84,10 @@ def fill_levels(base: Sequence[float], total: float) -> list[float]:
     (water-filling over what they already carry in ``base``)."""
     order = sorted(range(len(base)), key=lambda r: base[r])
     level = 0.0
+    below = 0.0  # running sum of the j lightest ranks' base: O(W log W), not O(W^2)
     for j in range(1, len(base) + 1):
-        level = (total + sum(base[r] for r in order[:j])) / j
+        below += base[order[j - 1]]
+        level = (total + below) / j
         if j == len(base) or level <= base[order[j]]:
             break
     return [max(0.0, level - b) for b in base]
