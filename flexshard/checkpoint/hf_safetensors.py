@@ -3,8 +3,9 @@
 
 Neither direction gathers the model: on save every rank writes the chunks it stores
 (``save_distributed``), then the ranks consolidate the output files between them, one
-file each in turn and one tensor at a time (torch's ``consolidate_safetensors_files_on_every_rank``);
-on load every rank reads only the slices it stores (``safe_open(...).get_slice``).
+file each in turn and one tensor at a time (torch's
+``consolidate_safetensors_files_on_every_rank``); on load every rank reads only the
+slices it stores (``safe_open(...).get_slice``).
 
 Keys are renamed on the way (an adapter's ``HFKey`` per state-dict key), and RoPE
 projections change row order per head: Meta/torchtitan checkpoints keep each
@@ -272,6 +273,16 @@ def _check_against(
         raise ValueError(f"cannot load Hugging Face checkpoint '{root}': " + "; ".join(problems))
 
 
+def _check_writes_through(fqn: str, value: torch.Tensor, chunks: RegionTensor) -> None:
+    """Loading copies into the chunks in place: they must be views of the parameter's
+    own storage, not copies (else the load would change nothing, silently)."""
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    base = local.untyped_storage().data_ptr()
+    for _, piece in chunks.pieces:
+        if piece.untyped_storage().data_ptr() != base:
+            raise RuntimeError(f"'{fqn}': this rank's chunks are not views of its storage")
+
+
 def load_hf_safetensors(
     path: str | os.PathLike,
     state: Mapping[str, torch.Tensor],
@@ -297,6 +308,8 @@ def load_hf_safetensors(
                 break
         else:
             rounds.append({key.name: entry})
+    for fqn, value in state.items():
+        _check_writes_through(fqn, value, _chunks(value))
     reader = HuggingFaceStorageReader(root)
     _check_against(reader, {name: e[0] for r in rounds for name, e in r.items()}, root)
     for round_ in rounds:

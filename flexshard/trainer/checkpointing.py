@@ -1,6 +1,7 @@
 """Periodic, resumable checkpoints: flexshard's DCP support (``flexshard.checkpoint``)
 for the flexshard backend, torch's DCP state-dict helpers for the FSDP2 backend; a
-safetensors export of the final model."""
+safetensors export of the final model; Hugging Face folders in and out
+(``hf_checkpoint``)."""
 
 from __future__ import annotations
 
@@ -101,6 +102,26 @@ def maybe_resume(job: Job) -> int:
     if job.rank == 0:
         print(f"resumed from {path} at step {step}", flush=True)
     return step
+
+
+def initial_load(job: Job) -> None:
+    """A fresh run (nothing resumed) starts from ``checkpoint.initial_load_path``: the
+    model weights of a Hugging Face folder or of a DCP checkpoint (no optimizer state)."""
+    c = job.cfg.checkpoint
+    if c.initial_load_in_hf:
+        from .hf_checkpoint import load_hf
+
+        load_hf(job, c.initial_load_path)
+    elif _is_fsdp2(job):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = {"model": get_model_state_dict(job.model)}
+        dcp.load(state, checkpoint_id=c.initial_load_path)
+    else:
+        _flexshard_checkpoint().load(c.initial_load_path, job.model)
+    if job.rank == 0:
+        print(f"initial weights from {c.initial_load_path}", flush=True)
 
 
 def export(job: Job) -> Path:

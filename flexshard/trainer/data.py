@@ -1,4 +1,4 @@
-"""Byte-level tokenizer, text sources (shipped corpus, own files, a Hugging Face data
+"""Text sources (shipped corpus, own files, a Hugging Face data
 set saved to disk) and deterministic per-data-parallel-rank sampling."""
 
 from __future__ import annotations
@@ -10,20 +10,18 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, DataConfig
+from .tokenizer import ByteTokenizer, Tokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "DPSampler",
+    "ValidationBatches",
+    "builtin_corpus",
+    "load_tokens",
+    "split_tokens",
+]
 
 CORPUS_FILE = "corpus.txt"  # public-domain text shipped as package data
-
-
-class ByteTokenizer:
-    """UTF-8 bytes are the tokens: vocabulary 256, no download, lossless."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
-
-    def decode(self, tokens: torch.Tensor) -> str:
-        return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
 
 
 def builtin_corpus() -> str:
@@ -57,7 +55,7 @@ def _read_hf_disk(cfg: DataConfig) -> str:
     return "\n".join(loaded[cfg.hf_text_field])
 
 
-def load_tokens(cfg: DataConfig, tokenizer: ByteTokenizer) -> torch.Tensor:
+def load_tokens(cfg: DataConfig, tokenizer: Tokenizer) -> torch.Tensor:
     """The whole training text as one 1-D token tensor (every rank loads the same)."""
     if cfg.source == "builtin":
         text = builtin_corpus()
@@ -122,6 +120,39 @@ class DPSampler:
         rows = []
         for sample in self.sample_ids(step, micro):
             start = self.window_of(sample) * self.seq_len
+            rows.append(self.tokens[start : start + self.seq_len + 1])
+        seqs = torch.stack(rows)
+        return seqs[:, :-1], seqs[:, 1:]
+
+
+def split_tokens(tokens: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training, validation): the last ``fraction`` of the text is held out."""
+    cut = tokens.numel() - int(tokens.numel() * fraction)
+    return tokens[:cut], tokens[cut:]
+
+
+class ValidationBatches:
+    """The held-out text in consecutive windows; validation batch ``i`` of data-parallel
+    rank ``r`` is a fixed set of windows, the same at every validation (so the losses
+    of two validations compare), the ranks' windows disjoint."""
+
+    def __init__(
+        self, tokens: torch.Tensor, seq_len: int, batch_size: int, dp_rank: int, dp_size: int
+    ) -> None:
+        self.windows = (tokens.numel() - 1) // seq_len
+        if self.windows < 1:
+            raise ConfigError(
+                f"the validation text has {tokens.numel()} tokens, fewer than one sequence "
+                f"of training.seq_len + 1 = {seq_len + 1}; raise validation.fraction"
+            )
+        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first = (index * self.dp_size + self.dp_rank) * self.batch_size
+        rows = []
+        for sample in range(first, first + self.batch_size):
+            start = sample % self.windows * self.seq_len
             rows.append(self.tokens[start : start + self.seq_len + 1])
         seqs = torch.stack(rows)
         return seqs[:, :-1], seqs[:, 1:]

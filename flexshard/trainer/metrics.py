@@ -141,6 +141,13 @@ def summary_table(records: list[dict[str, Any]], header: dict[str, Any]) -> str:
         f"{'peak memory MB':<22} {max(r['peak_memory_mb'] for r in records):.1f}",
         f"{'grad norm last':<22} {records[-1]['grad_norm']:.4f}",
     ]
+    validated = [r for r in records if "val_loss" in r]
+    if validated:
+        last = validated[-1]
+        lines.append(
+            f"{'validation loss':<22} {last['val_loss']:.4f} at step {last['step']}"
+            f"  (perplexity {last['val_perplexity']:.2f})"
+        )
     comm = records[-1].get("comm_bytes")
     if comm:
         lines.append(
@@ -163,8 +170,12 @@ def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> str:
     steps = [r["step"] for r in records]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["loss"] for r in records], label="loss", color="tab:blue")
+    validated = [r for r in records if "val_loss" in r]
+    if validated:
+        val_steps, val_losses = [r["step"] for r in validated], [r["val_loss"] for r in validated]
+        ax.plot(val_steps, val_losses, "o-", label="validation loss", color="tab:green")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/byte)")
+    ax.set_ylabel("loss (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     lr_axis = ax.twinx()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import flexshard as fs
 
 from . import checkpointing
 from .config import Config, ConfigError
-from .data import ByteTokenizer, DPSampler, load_tokens
+from .data import DPSampler, ValidationBatches, load_tokens, split_tokens
 from .metrics import (
     MetricsWriter,
     ProgressBar,
@@ -34,6 +35,7 @@ from .parallel import Meshes, ParallelDims, init_distributed, pick_device
 from .parallelize import Parallelized, local_batch, parallelize
 from .parallelize import clip_grad_norm_ as clip_parallel
 from .sharding import apply_flexshard, apply_fsdp2
+from .tokenizer import Tokenizer, load_tokenizer
 
 
 def check_backend_options(cfg: Config) -> None:
@@ -103,6 +105,8 @@ class Job:
     folder: Path
     meshes: Meshes
     parallel: Parallelized  # every stage module this rank runs, and the pipeline runner
+    tokenizer: Tokenizer | None = None
+    validation: ValidationBatches | None = None  # the held-out batches, when enabled
 
 
 def setup(cfg: Config) -> Job:
@@ -115,8 +119,15 @@ def setup(cfg: Config) -> Job:
     mesh = dims.build_mesh(device.type)
     meshes, dp_rank = dims.meshes(mesh), dims.dp_rank(mesh)
     t = cfg.training
+    tokenizer = load_tokenizer(cfg.model)
+    tokens, validation = load_tokens(cfg.data, tokenizer), None
+    if cfg.validation.enable:
+        if dims.pp > 1:
+            raise ConfigError("validation.enable: not wired with parallelism.pp > 1 yet")
+        tokens, held_out = split_tokens(tokens, cfg.validation.fraction)
+        validation = ValidationBatches(held_out, t.seq_len, t.batch_size, dp_rank, dims.dp_size)
     sampler = DPSampler(
-        load_tokens(cfg.data, ByteTokenizer()),
+        tokens,
         t.seq_len,
         t.batch_size,
         t.grad_accum,
@@ -145,6 +156,8 @@ def setup(cfg: Config) -> Job:
         folder,
         meshes,
         parallel,
+        tokenizer,
+        validation,
     )
 
 
@@ -176,6 +189,21 @@ def train_step(job: Job, step: int) -> tuple[float, float, float]:
     return float(local_loss), grad_norm, lr
 
 
+@torch.no_grad()
+def validate(job: Job) -> float:
+    """Mean loss over ``validation.steps`` held-out batches, averaged over the ranks
+    (equal token counts per rank, as in training)."""
+    assert job.validation is not None
+    total = torch.zeros((), device=job.device)
+    steps = job.cfg.validation.steps
+    for index in range(steps):
+        inputs, targets = job.validation.batch(index)
+        inputs, targets = local_batch(inputs.to(job.device), targets.to(job.device), job.meshes)
+        total += loss_fn(job.model(inputs), targets) / steps
+    dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    return float(total)
+
+
 def _comm_bytes(parallel: Parallelized) -> dict[str, int] | None:
     """Bytes this rank sent per bucket since the last call (flexshard only)."""
     sent: dict[str, int] = {}
@@ -192,6 +220,8 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     job = setup(cfg)
     t, leader = cfg.training, job.rank == 0
     start_step = checkpointing.maybe_resume(job)
+    if start_step == 0 and cfg.checkpoint.initial_load_path:
+        checkpointing.initial_load(job)
     writer = MetricsWriter(job.folder, cfg.job.tensorboard, start_step > 0) if leader else None
     progress = ProgressBar(t.steps) if leader and cfg.job.progress else None
     tokens_per_step = job.sampler.global_batch * t.seq_len
@@ -218,8 +248,13 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             "peak_memory_mb": peak_memory_mb(job.device),
             "comm_bytes": _comm_bytes(job.parallel),
         }
+        v = cfg.validation
+        if v.enable and ((step + 1) % v.freq == 0 or step + 1 == t.steps):
+            record["val_loss"] = validate(job)
+            record["val_perplexity"] = math.exp(min(record["val_loss"], 80.0))
         records.append(record)
-        if writer is not None and ((step + 1) % cfg.job.log_every == 0 or step + 1 == t.steps):
+        logged = (step + 1) % cfg.job.log_every == 0 or step + 1 == t.steps
+        if writer is not None and (logged or "val_loss" in record):
             writer.log(record)
         if progress is not None:
             progress.update(step + 1, loss, record["tokens_per_s"])
@@ -229,6 +264,12 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             checkpointing.save(job, step + 1)
     if cfg.checkpoint.export_safetensors:
         checkpointing.export(job)
+    if cfg.checkpoint.last_save_in_hf:
+        from .hf_checkpoint import export_hf
+
+        path = export_hf(job)
+        if leader:
+            print(f"Hugging Face model: {path}", flush=True)
     if writer is not None:
         writer.close()
         _report(job, writer.note)
