@@ -1,0 +1,108 @@
+"""Activation memory from a forward/backward under ``FakeTensorMode`` (shapes only, no
+compute), measured by torch's ``MemTracker``: a model of 1 and of 2 blocks, so the
+difference is one block's saved activations and the rest the embedding/LM-head part.
+
+Approximations (said in the report): a MoE block is measured as a dense block whose
+feed-forward is as wide as the experts a token visits (top_k * expert_hidden plus the
+shared experts), since routing has data-dependent shapes; tensor parallelism divides
+a block's activations by tp with sequence parallelism, else only the ~24/34 of them
+inside attention and the MLP (Megatron's 34 s b h accounting); context parallelism
+measures a sequence of seq_len / cp tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+
+from flexshard.trainer.config import Config, ModelConfig
+from flexshard.trainer.model import Transformer, ffn_hidden_size
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    per_block: int  # bytes one block saves for backward, per microbatch
+    head: int  # embedding, final norm, LM head and loss: saved bytes per microbatch
+    transient: int  # backward's largest temporary (workspace) on top of the saved ones
+    microbatch: tuple[int, int]  # (sequences, tokens per sequence) measured
+
+
+def _dense_equivalent(model: ModelConfig) -> ModelConfig:
+    moe = model.moe
+    if not moe.num_experts:
+        return model
+    hidden = moe.expert_hidden or ffn_hidden_size(model)
+    out = copy.deepcopy(model)
+    out.ffn_hidden = hidden * (moe.top_k + moe.num_shared_experts)
+    out.moe.num_experts = 0
+    return out
+
+
+def _measure(model: ModelConfig, layers: int, batch: int, seq: int, dtype: torch.dtype) -> dict:
+    cfg = copy.deepcopy(model)
+    cfg.n_layers = layers
+    previous = torch.get_default_dtype()
+    with FakeTensorMode():
+        torch.set_default_dtype(dtype)
+        try:
+            net = Transformer(cfg)
+        finally:
+            torch.set_default_dtype(previous)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
+        tracker = MemTracker()
+        tracker.track_external(net)
+        with tracker:
+            logits = net(tokens)
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.size(-1)).float(), tokens.reshape(-1)
+            )
+            loss.backward()
+    stats = tracker.memory_tracking[net].snapshots
+    (device,) = stats[_ModState.POST_FW][-1].keys()
+    saved = stats[_ModState.POST_FW][-1][device][_MemRefType.ACT]
+    peak = stats[_ModState.PEAK_BW][-1][device]
+    transient = peak[_MemRefType.TEMP] + max(0, peak[_MemRefType.ACT] - saved)
+    return {"saved": saved, "transient": transient}
+
+
+@lru_cache(maxsize=32)
+def _cached(model_key: str, batch: int, seq: int, dtype: torch.dtype) -> ActivationEstimate:
+    model = _MODELS[model_key]
+    one = _measure(model, 1, batch, seq, dtype)
+    two = _measure(model, 2, batch, seq, dtype)
+    per_block = two["saved"] - one["saved"]
+    return ActivationEstimate(
+        per_block=per_block,
+        head=one["saved"] - per_block,
+        transient=max(one["transient"], two["transient"]),
+        microbatch=(batch, seq),
+    )
+
+
+_MODELS: dict[str, ModelConfig] = {}
+
+
+def estimate_activations(cfg: Config, microbatch: int) -> ActivationEstimate:
+    """One data-parallel rank's activations for a microbatch of ``microbatch`` sequences,
+    before tensor parallelism divides them (see :func:`per_rank_activation`)."""
+    model = _dense_equivalent(cfg.model)
+    key = repr(model)
+    _MODELS[key] = model
+    dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
+    seq = cfg.training.seq_len // cfg.parallelism.cp
+    return _cached(key, microbatch, seq, dtype)
+
+
+def tp_share(cfg: Config) -> float:
+    """The share of a block's activations one tp rank keeps."""
+    tp = cfg.parallelism.tp
+    if tp == 1:
+        return 1.0
+    if cfg.parallelism.sequence_parallel and cfg.parallelism.pp == 1:
+        return 1.0 / tp
+    return (10 + 24 / tp) / 34

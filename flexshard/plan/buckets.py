@@ -1,0 +1,123 @@
+"""Per-bucket facts of one rank's sharded model, read from the runtime's own buckets
+(flexshard), or re-planned with ``Shard(0)`` on the same groups (torch FSDP2's layout:
+the torch.chunk rule, each parameter padded to the largest rank's slice)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from flexshard.placements import BlockShard, Owned, Placement, Shard, plan_bucket
+from flexshard.placements.layout import BucketLayout
+from flexshard.runtime.module import subtree_buckets
+
+#: the trainer's bucket of the root's own parameters (flex_shard's "outer";
+#: fully_shard's buckets are named by module, the root's "root")
+ROOT_NAMES = ("outer", "root")
+
+
+@dataclass(frozen=True)
+class BucketInfo:
+    """One bucket (FSDP2: one ``fully_shard`` group) as every rank of its group sees it."""
+
+    name: str
+    layout: BucketLayout  # elements; per rank regions, so all W ranks are known
+    placements: tuple[Placement, ...]  # per parameter
+    storage_itemsize: int  # sharded parameters (and their gradients), fp32 master
+    gather_itemsize: int  # on the wire and in the gathered buffer (bf16 under mixed precision)
+    reduce_itemsize: int  # gradient reduce-scatter dtype
+    replicas: int  # HSDP replicate degree (gradients all-reduced over them)
+    reshard_after_forward: bool
+    is_root: bool  # the root's bucket stays gathered from forward into backward
+
+    @property
+    def world(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    @property
+    def gathered_bytes(self) -> int:
+        """The all-gather output: W padded shards."""
+        if self.layout.replicated:
+            return 0
+        return self.world * self.shard_numel * self.gather_itemsize
+
+    @property
+    def unsharded_grad_bytes(self) -> int:
+        """The reduce-scatter input (W padded shards in the reduce dtype)."""
+        return self.world * self.shard_numel * self.reduce_itemsize
+
+    @property
+    def padding(self) -> float:
+        """Share of the communicated elements that are padding."""
+        total = self.world * self.shard_numel
+        return 0.0 if self.layout.replicated or not total else 1 - self.numel / total
+
+    def rank_numels(self) -> list[int]:
+        """Elements each rank of the group really stores (its share before padding)."""
+        per_rank = [0] * self.world
+        for param in self.layout.params:
+            for rank, regions in enumerate(param.regions):
+                per_rank[rank] += sum(r.numel for r in regions)
+        return per_rank
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def flexshard_buckets(modules: list[nn.Module]) -> list[BucketInfo]:
+    """The runtime's buckets, in creation order (the forward order for the trainer's
+    per-block buckets)."""
+    found = []
+    for module in modules:
+        buckets = list(subtree_buckets(module))
+        for bucket in buckets:
+            mesh = bucket.mesh
+            replicas = mesh.size(0) if mesh is not None and mesh.ndim == 2 else 1
+            found.append(
+                BucketInfo(
+                    name=bucket.name,
+                    layout=bucket.layout,
+                    placements=tuple(p.placement for p in bucket.params),
+                    storage_itemsize=_itemsize(bucket.dtypes[0]),
+                    gather_itemsize=_itemsize(bucket.param_dtype),
+                    reduce_itemsize=_itemsize(bucket.reduce_dtype),
+                    replicas=replicas,
+                    reshard_after_forward=bool(bucket.reshard_after_forward),
+                    is_root=bucket.name in ROOT_NAMES,
+                )
+            )
+    return found
+
+
+def fsdp2_equivalent(buckets: list[BucketInfo]) -> list[BucketInfo]:
+    """The same groups as torch FSDP2 lays them out: ``Shard(0)`` for every parameter."""
+    out = []
+    for info in buckets:
+        entries = [(p.fqn, p.shape, Shard(0)) for p in info.layout.params]
+        layout = plan_bucket(entries, info.world, bucket=info.name)
+        # FSDP2's root keeps its parameters gathered from forward into backward
+        keep = info.reshard_after_forward and not info.is_root
+        shard0 = tuple(Shard(0) for _ in entries)
+        out.append(replace(info, layout=layout, placements=shard0, reshard_after_forward=keep))
+    return out
+
+
+def whole_on_rank(placement: Placement, shape: tuple[int, ...]) -> bool:
+    """Whether this placement keeps each matrix (or row block of whole rows, or expert)
+    on one rank, so an optimizer step on it needs no collective."""
+    if isinstance(placement, Owned):
+        return True
+    if isinstance(placement, BlockShard):
+        return placement.block[-1] >= shape[-1]
+    return False

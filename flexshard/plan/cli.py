@@ -1,0 +1,78 @@
+"""``flexshard-plan CONFIG --world W [--section.key value ...]``: a run of W ranks
+planned from one CPU (torch's fake process group, meta tensors). Unrecognised
+``--section.key value`` arguments are trainer config overrides."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from flexshard.trainer.config import ConfigError, load_config
+
+from .hardware import load_hardware
+from .report import BACKENDS, make_plan
+from .table import render
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="flexshard-plan", description=__doc__)
+    p.add_argument("config", help="trainer TOML config, e.g. configs/llama3_70b.toml")
+    p.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="plan this rank only (default: the first rank of every pipeline stage)",
+    )
+    p.add_argument("--dp-backend", choices=(*BACKENDS, "both"), default="both")
+    p.add_argument("--hardware", default="h100", help="h100, h200 or a JSON profile")
+    p.add_argument("--json", type=Path, help="write the plan as JSON here")
+    p.add_argument(
+        "--sweep",
+        type=str,
+        default="",
+        help="comma-separated world sizes: plot memory and bytes per rank against W",
+    )
+    p.add_argument("--plot", type=Path, default=Path("plan.png"), help="the sweep's PNG")
+    p.add_argument(
+        "--suggest",
+        action="store_true",
+        help="propose placements and bucket options under --memory-limit",
+    )
+    p.add_argument("--memory-limit", type=float, default=80.0, help="GiB per device")
+    return p.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.dp_backend != "both":
+            overrides = [*overrides, "--parallelism.dp_backend", args.dp_backend]
+        cfg = load_config(args.config, overrides)
+        hw = load_hardware(args.hardware)
+    except (ConfigError, ValueError) as err:
+        print(f"flexshard-plan: {err}", file=sys.stderr)
+        return 2
+    backends = BACKENDS if args.dp_backend == "both" else (args.dp_backend,)
+    if args.suggest:
+        from .suggest import suggest
+
+        print(suggest(cfg, args.world, hw, args.memory_limit))
+        return 0
+    try:
+        plan = make_plan(cfg, args.world, hw, args.rank, backends)
+    except (ConfigError, ValueError) as err:
+        print(f"flexshard-plan: {err}", file=sys.stderr)
+        return 2
+    print(render(plan))
+    if args.json:
+        args.json.write_text(json.dumps(plan, indent=1))
+        print(f"plan: {args.json}")
+    if args.sweep:
+        from .sweep import sweep_plot
+
+        worlds = [int(w) for w in args.sweep.split(",")]
+        print(sweep_plot(cfg, worlds, hw, backends, args.plot))
+    return 0

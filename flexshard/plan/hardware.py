@@ -1,0 +1,62 @@
+"""Hardware profiles for the step-time model: compute, memory bandwidth and the two
+link classes a collective can run on. Built-ins come from vendor data sheets (not
+fitted to any figure the model is compared against); ``--hardware file.json`` takes
+the same fields, e.g. the CPU/gloo profile ``benchmarks/plan_validation.py`` fits."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_tflops: float  # per device, dense, in the compute dtype (bf16 on GPUs)
+    gemm_efficiency: float  # share of peak a large GEMM reaches (cuBLAS ~0.7 on H100)
+    hbm_gbps: float  # memory bandwidth per device, GB/s (the optimizer step is bound by it)
+    devices_per_node: int
+    intra_gbps: float  # per device, inside a node (NVLink bus bandwidth), GB/s
+    intra_latency_us: float  # per ring step
+    inter_gbps: float  # per device, between nodes (one NIC per GPU), GB/s
+    inter_latency_us: float
+    cores: int = 0  # CPU profiles: ranks on one host share these (0: one device per rank)
+
+    def compute_slowdown(self, ranks_per_node: int) -> float:
+        """Ranks that share the host's cores run that much slower (CPU profiles)."""
+        if not self.cores:
+            return 1.0
+        return max(1.0, ranks_per_node / self.cores)
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return dataclasses.asdict(self)
+
+
+# H100 SXM5 80GB: 989 dense bf16 TFLOPs, 3.35 TB/s HBM3, NVLink 4 (900 GB/s total,
+# ~450 GB/s each way; NCCL's all-gather bus bandwidth ~370 GB/s), one 400 Gb/s NIC
+# (50 GB/s) per GPU. H200: the same compute and links, 4.8 TB/s HBM3e.
+H100 = Hardware("h100", 989.0, 0.7, 3350.0, 8, 370.0, 3.0, 45.0, 8.0)
+H200 = dataclasses.replace(H100, name="h200", hbm_gbps=4800.0)
+BUILTIN = {"h100": H100, "h200": H200}
+
+
+def load_hardware(spec: str) -> Hardware:
+    """``h100``, ``h200`` or a JSON file with the fields of :class:`Hardware`."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    path = Path(spec)
+    if not path.exists():
+        raise ValueError(
+            f"--hardware {spec!r}: not a built-in profile ({', '.join(BUILTIN)}) nor a JSON file"
+        )
+    table = json.loads(path.read_text())
+    names = {f.name for f in dataclasses.fields(Hardware)}
+    unknown = set(table) - names
+    missing = {f.name for f in dataclasses.fields(Hardware) if f.name != "cores"} - set(table)
+    if unknown or missing:
+        raise ValueError(
+            f"hardware file {spec}: unknown fields {sorted(unknown)}, missing {sorted(missing)}"
+        )
+    return Hardware(**table)

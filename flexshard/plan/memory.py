@@ -1,0 +1,104 @@
+"""Per-rank memory of one step: sharded parameters, gradients and optimizer state from
+the bucket layouts (every rank of the group), the gathered buffers the runtime's
+prefetch policy keeps in flight, and the activations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flexshard.runtime.hooks import MAX_PENDING_REDUCTIONS
+
+from .buckets import BucketInfo
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes on one rank (``rank`` of the shard group: the busiest one by default)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    gathered_peak: int  # all-gather outputs + unsharded gradients in flight at the worst moment
+    gathered_detail: str  # which buffers make that peak
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.gathered_peak + self.activations
+
+    def as_dict(self) -> dict[str, int | str]:
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "gathered_peak": self.gathered_peak,
+            "gathered_detail": self.gathered_detail,
+            "activations": self.activations,
+            "total": self.total,
+        }
+
+
+def optimizer_slots(optimizer: str, muon_share: float) -> float:
+    """fp32 state elements per stored parameter element: AdamW keeps two moments;
+    Muon one momentum buffer on its matrices (``muon_share`` of the elements) and
+    AdamW's two on the rest."""
+    if optimizer == "muon":
+        return muon_share * 1 + (1 - muon_share) * 2
+    return 2.0
+
+
+def gathered_in_flight(buckets: list[BucketInfo]) -> tuple[int, str]:
+    """The worst moment of the runtime's schedule (forward order = ``buckets`` order,
+    root bucket aside): in forward, the root bucket plus the running bucket plus the
+    one prefetched (depth 1), plus every earlier bucket left gathered when it does not
+    reshard after forward; in backward, the running bucket and the prefetched one
+    gathered, the running one's unsharded gradients, and up to
+    ``MAX_PENDING_REDUCTIONS`` reduce-scatter inputs still in flight."""
+    root = [b for b in buckets if b.is_root]
+    blocks = [b for b in buckets if not b.is_root]
+    root_bytes = sum(b.gathered_bytes for b in root)
+    best, detail = root_bytes, "root bucket"
+    kept = 0  # buckets that stay gathered after their forward
+    for i, bucket in enumerate(blocks):
+        following = blocks[i + 1].gathered_bytes if i + 1 < len(blocks) else 0
+        moment = root_bytes + kept + bucket.gathered_bytes + following
+        if moment > best:
+            best, detail = moment, f"forward of {bucket.name}: root + current + prefetched"
+            if kept:
+                detail += " + kept (no reshard)"
+        if not bucket.reshard_after_forward:
+            kept += bucket.gathered_bytes
+    backward = list(reversed(blocks))
+    root_back = sum(b.gathered_bytes for b in root if not b.reshard_after_forward)
+    for i, bucket in enumerate(backward):
+        following = backward[i + 1].gathered_bytes if i + 1 < len(backward) else 0
+        grads = bucket.world * bucket.shard_numel * bucket.gather_itemsize
+        pending = sum(
+            b.unsharded_grad_bytes for b in backward[max(0, i - MAX_PENDING_REDUCTIONS) : i]
+        )
+        still = sum(b.gathered_bytes for b in backward[i + 1 :] if not b.reshard_after_forward)
+        moment = root_back + still + bucket.gathered_bytes + following + grads + pending
+        if moment > best:
+            best = moment
+            detail = (
+                f"backward of {bucket.name}: current + prefetched + its gradients + "
+                f"{min(i, MAX_PENDING_REDUCTIONS)} reductions in flight"
+            )
+    return best, detail
+
+
+def rank_memory(
+    buckets: list[BucketInfo],
+    optimizer: str,
+    muon_share: float,
+    activations: int,
+) -> RankMemory:
+    # the runtime allocates the padded shard on every rank of the group
+    params = sum(b.shard_numel * b.storage_itemsize for b in buckets)
+    grads = params  # sharded gradients live in the storage dtype, shaped like the shard
+    elements = sum(b.shard_numel for b in buckets)
+    state = int(elements * FP32 * optimizer_slots(optimizer, muon_share))
+    peak, detail = gathered_in_flight(buckets)
+    return RankMemory(params, grads, state, peak, detail, activations)

@@ -1,0 +1,155 @@
+"""A plan: the trainer's config built for one rank per pipeline stage under the fake
+backend, turned into per-rank memory, bytes per bucket, Muon balance and step time,
+for flexshard and for torch FSDP2 on the same groups."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+from flexshard.trainer.config import Config
+from flexshard.trainer.model import count_params
+from flexshard.trainer.parallel import ParallelDims
+
+from .activations import estimate_activations, tp_share
+from .buckets import BucketInfo, flexshard_buckets, fsdp2_equivalent
+from .comm import bucket_comm, muon_work
+from .hardware import Hardware
+from .memory import rank_memory
+from .steptime import step_time
+from .world import build_rank, fake_world, stage_ranks
+
+GiB = 2**30
+BACKENDS = ("flexshard", "fsdp2")
+
+
+def planning_config(cfg: Config) -> Config:
+    """The config as the plan builds it: no checkpointing (its pp/ep guard is about
+    saving, not layout); torch FSDP2 is planned from flexshard's Shard(0) groups."""
+    cfg = copy.deepcopy(cfg)
+    cfg.checkpoint.enable = False
+    if cfg.parallelism.dp_backend == "fsdp2":
+        cfg.parallelism.dp_backend = "flexshard"
+        cfg.parallelism.placement = "shard0"
+    return cfg
+
+
+def build_stages(cfg: Config, world: int, rank: int | None) -> tuple[ParallelDims, list[list]]:
+    """Buckets of ``rank`` (or of the first rank of every pipeline stage)."""
+    dims = ParallelDims.from_config(cfg.parallelism, world)
+    ranks = [rank] if rank is not None else stage_ranks(dims)
+    stages = []
+    for r in ranks:
+        with fake_world(world, r):
+            built = build_rank(cfg, world, r)
+            stages.append(flexshard_buckets(built.modules))
+    return built.dims, stages
+
+
+def _muon_share(buckets: list[BucketInfo]) -> float:
+    total = sum(b.numel for b in buckets)
+    matrices = sum(
+        p.numel
+        for b in buckets
+        for p in b.layout.params
+        if len(p.shape) >= 2 and not p.fqn.startswith(("tok_embeddings", "output"))
+    )
+    return matrices / total if total else 0.0
+
+
+def storage_balance(buckets: list[BucketInfo]) -> list[dict[str, Any]]:
+    """Per group size: each rank's real (unpadded) bytes, summed over the buckets:
+    min / mean / max over all the group's ranks (the layout math, every rank)."""
+    groups: dict[int, list[int]] = {}
+    for b in buckets:
+        per_rank = groups.setdefault(b.world, [0] * b.world)
+        for r, n in enumerate(b.rank_numels()):
+            per_rank[r] += n * b.storage_itemsize
+    return [
+        {
+            "group_size": w,
+            "min_bytes": min(v),
+            "mean_bytes": sum(v) / w,
+            "max_bytes": max(v),
+            "max_over_mean": max(v) / (sum(v) / w) if sum(v) else 1.0,
+        }
+        for w, v in groups.items()
+    ]
+
+
+def _backend_plan(
+    cfg: Config, dims: ParallelDims, stages: list[list[BucketInfo]], hw: Hardware, backend: str
+) -> dict[str, Any]:
+    if backend == "fsdp2":
+        stages = [fsdp2_equivalent(s) for s in stages]
+    par, t = cfg.parallelism, cfg.training
+    micro = (par.pp_microbatches or dims.pp) if dims.pp > 1 else t.grad_accum
+    seqs = t.batch_size // micro if dims.pp > 1 else t.batch_size
+    act = estimate_activations(cfg, seqs)
+    in_flight = 1 if dims.pp == 1 else (micro if par.pp_schedule == "gpipe" else dims.pp)
+    worst: dict[str, Any] | None = None
+    for index, buckets in enumerate(stages):
+        layers = cfg.model.n_layers // dims.pp
+        activations = int(
+            act.per_block * layers * in_flight * tp_share(cfg) + act.head + act.transient
+        )
+        muon = None
+        notes = []
+        if len({b.world for b in buckets}) == 1 and dims.tp == 1:
+            muon = muon_work(buckets)
+        else:
+            notes.append("Muon balance: data parallelism alone (no tp / ep groups)")
+        memory = rank_memory(buckets, t.optimizer, _muon_share(buckets), activations)
+        comms = [
+            bucket_comm(b, micro, dims.pp > 1 and not par.reshard_after_forward) for b in buckets
+        ]
+        step = step_time(cfg, dims, buckets, hw, muon, backend)
+        stage = {
+            "stage": index,
+            "memory": memory.as_dict(),
+            "buckets": [c.as_dict() for c in comms],
+            "bytes_per_step": sum(c.all_gather + c.reduce_scatter + c.all_reduce for c in comms)
+            + (muon.all_to_all_bytes if muon and t.optimizer == "muon" else 0),
+            "storage_balance": storage_balance(buckets),
+            "muon": None
+            if muon is None
+            else {
+                "busiest_tflop": muon.busiest / 1e12,
+                "imbalance": muon.imbalance,
+                "all_to_all_bytes": muon.all_to_all_bytes,
+            },
+            "step": step.as_dict(),
+            "notes": notes,
+        }
+        if worst is None or memory.total > worst["memory"]["total"]:
+            worst = stage
+    assert worst is not None
+    worst["stages"] = len(stages)
+    return worst
+
+
+def make_plan(
+    cfg: Config,
+    world: int,
+    hw: Hardware,
+    rank: int | None = None,
+    backends: tuple[str, ...] = BACKENDS,
+) -> dict[str, Any]:
+    """Everything ``flexshard-plan`` prints, as a JSON-able dict."""
+    begin = time.perf_counter()
+    cfg = planning_config(cfg)
+    dims, stages = build_stages(cfg, world, rank)
+    total, active = count_params(cfg.model)
+    plan: dict[str, Any] = {
+        "world": world,
+        "mesh": {n: dims.degree(n) for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")},
+        "placement": cfg.parallelism.placement,
+        "optimizer": cfg.training.optimizer,
+        "parameters": total,
+        "active_parameters": active,
+        "hardware": hw.as_dict(),
+        "backends": {b: _backend_plan(cfg, dims, stages, hw, b) for b in backends},
+    }
+    plan["planning_seconds"] = time.perf_counter() - begin
+    return plan

@@ -1,0 +1,73 @@
+"""The plan as text: per-rank memory and step time side by side per backend, then the
+busiest buckets' bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GiB = 2**30
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:,.2f}"
+
+
+ROWS = (
+    ("parameters (sharded)", lambda p: _gib(p["memory"]["params"])),
+    ("gradients (sharded)", lambda p: _gib(p["memory"]["grads"])),
+    ("optimizer state", lambda p: _gib(p["memory"]["optimizer"])),
+    ("gathered buffers in flight", lambda p: _gib(p["memory"]["gathered_peak"])),
+    ("activations", lambda p: _gib(p["memory"]["activations"])),
+    ("total per rank (GiB)", lambda p: _gib(p["memory"]["total"])),
+    ("bytes sent per step (GiB)", lambda p: _gib(p["bytes_per_step"])),
+    ("max padding of a bucket", lambda p: f"{max(b['padding'] for b in p['buckets']):.1%}"),
+    (
+        "storage max / mean over ranks",
+        lambda p: " ".join(f"{s['max_over_mean']:.3f}" for s in p["storage_balance"]),
+    ),
+    (
+        "Muon busiest rank (TFLOP)",
+        lambda p: f"{p['muon']['busiest_tflop']:.2f}" if p["muon"] else "-",
+    ),
+    ("Muon max / mean", lambda p: f"{p['muon']['imbalance']:.3f}" if p["muon"] else "-"),
+    (
+        "Muon all-to-all per step (GiB)",
+        lambda p: _gib(p["muon"]["all_to_all_bytes"]) if p["muon"] else "-",
+    ),
+    ("step time (ms)", lambda p: f"{p['step']['step_s'] * 1e3:,.1f}"),
+    ("compute (ms)", lambda p: f"{p['step']['compute_s'] * 1e3:,.1f}"),
+    ("exposed DP comm (ms)", lambda p: f"{p['step']['exposed_dp_s'] * 1e3:,.1f}"),
+    ("  of it waiting on all-gathers", lambda p: f"{p['step']['exposed_all_gather_s'] * 1e3:,.1f}"),
+    ("exposed TP/EP/CP/PP comm (ms)", lambda p: f"{p['step']['exposed_other_s'] * 1e3:,.1f}"),
+    ("optimizer step (ms)", lambda p: f"{p['step']['optimizer_s'] * 1e3:,.1f}"),
+    ("tokens/s per device", lambda p: f"{p['step']['tokens_per_s_per_device']:,.0f}"),
+)
+
+
+def render(plan: dict[str, Any], top: int = 3) -> str:
+    mesh = " x ".join(f"{k}={v}" for k, v in plan["mesh"].items() if v > 1 or k == "dp_shard")
+    backends = list(plan["backends"])
+    lines = [
+        f"world {plan['world']:,} ({mesh}), placement {plan['placement']}, "
+        f"optimizer {plan['optimizer']}, {plan['parameters'] / 1e9:.1f}B parameters, "
+        f"hardware {plan['hardware']['name']}; planned in {plan['planning_seconds']:.1f} s",
+        "",
+        "| per rank (busiest stage) | " + " | ".join(backends) + " |",
+        "|---|" + "---|" * len(backends),
+    ]
+    for label, cell in ROWS:
+        lines.append(
+            f"| {label} | " + " | ".join(cell(plan["backends"][b]) for b in backends) + " |"
+        )
+    for backend in backends:
+        p = plan["backends"][backend]
+        lines += ["", f"{backend}: peak of gathered buffers: {p['memory']['gathered_detail']}"]
+        biggest = sorted(p["buckets"], key=lambda b: -b["all_gather_bytes"])[:top]
+        for b in biggest:
+            lines.append(
+                f"  {b['bucket']}: all-gather {_gib(b['all_gather_bytes'])} GiB "
+                f"({b['all_gathers']}x), reduce-scatter {_gib(b['reduce_scatter_bytes'])} GiB, "
+                f"padding {b['padding']:.1%}"
+            )
+        lines += [f"  note: {n}" for n in p["notes"]]
+    return "\n".join(lines)
