@@ -1,5 +1,8 @@
-"""Moving split matrices to their Newton–Schulz owner and the updates back: one packed
-all_to_all_single per bucket and direction, planned from the layout alone."""
+"""Moving split matrices to the rank that computes them (their owner) and the results
+back: one packed all_to_all_single per bucket and direction, planned from the layout
+alone. DistMuon sends its momentum-updated gradients (one channel, bf16) and gets
+orthogonalised updates back; MatrixOptimizer sends gradient and parameter (two
+channels, the storage dtype) and gets the stepped parameter back."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ class Unit:
     owner: int
     inputs: tuple[tuple[Piece, ...], ...]  # per rank: what it sends the owner
     outputs: tuple[tuple[Piece, ...], ...]  # per rank: what the owner sends it back
+    expert: int | None = None  # which expert of a [E, R, C] stack (None: the whole)
 
     def input_numel(self, rank: int) -> int:
         return sum(p.region.numel for p in self.inputs[rank])
@@ -38,7 +42,7 @@ class Unit:
 
 @dataclass
 class CommCounter:
-    """What DistMuon's steps sent: all-to-alls and bytes (this rank's, without the
+    """What an optimizer's steps sent: all-to-alls and bytes (this rank's, without the
     part a rank 'sends' itself)."""
 
     all_to_all: int = 0
@@ -67,6 +71,7 @@ class Exchange:
     # splits[s][d]: elements rank s sends rank d, forward (to owners) and back
     forward: list[list[int]] = field(default_factory=list)
     back: list[list[int]] = field(default_factory=list)
+    who: str = "DistMuon"  # for error messages
 
     def __post_init__(self) -> None:
         w = self.world_size
@@ -85,6 +90,7 @@ def plan_exchanges(
     targets: Sequence[Target],
     cost: Callable[[Target, tuple[int, ...]], float],
     loads: dict[int, list[float]] | None = None,
+    who: str = "DistMuon",
 ) -> list[Exchange]:
     """Group redistributed targets by bucket (in first-seen order), split each into its
     matrices (each expert of a stack apart) and pick owners by LPT on ``cost(target,
@@ -112,7 +118,7 @@ def plan_exchanges(
             inputs = held
             if bucket.layout.replicated:  # the owner holds it all, everyone gets it all
                 inputs = tuple(held[r] if r == owner else () for r in range(w))
-            units.append(Unit(target, shape, owner, inputs, held))
+            units.append(Unit(target, shape, owner, inputs, held, expert))
         exchanges.append(
             Exchange(
                 bucket.name,
@@ -122,6 +128,7 @@ def plan_exchanges(
                 bucket.comm.timeout,
                 bucket.storage.device,
                 units,
+                who=who,
             )
         )
     return exchanges
@@ -168,7 +175,7 @@ class Transfer:
         counter.bytes_sent += (sum(send_sizes) - send_sizes[rank]) * size
         counter.bytes_received += (sum(recv_sizes) - recv_sizes[rank]) * size
         self.work = work
-        self.what = f"DistMuon {what} all-to-all of bucket '{exchange.name}'"
+        self.what = f"{exchange.who} {what} all-to-all of bucket '{exchange.name}'"
         self.timeout = exchange.timeout
 
     def wait(self) -> list[torch.Tensor]:
@@ -181,42 +188,59 @@ class Transfer:
 
 
 def send_inputs(
-    exchange: Exchange, inputs: dict[int, torch.Tensor], counter: CommCounter
+    exchange: Exchange,
+    inputs: dict[int, torch.Tensor],
+    counter: CommCounter,
+    channels: int = 1,
+    dtype: torch.dtype = WIRE_DTYPE,
 ) -> Transfer:
     """Launch the forward all-to-all: ``inputs[id(param)]`` is this rank's local update
-    (shaped like its shard); the pieces go to each matrix's owner, owner by owner."""
+    (shaped like its shard), or ``channels`` of them stacked (``[channels, *shard]``);
+    the pieces go to each matrix's owner, owner by owner, a piece's channels together."""
     rank = exchange.rank
     per_owner: list[list[torch.Tensor]] = [[] for _ in range(exchange.world_size)]
     for unit in exchange.units:
-        local = inputs[id(unit.target.param)].reshape(-1)
+        local = inputs[id(unit.target.param)].reshape(channels, -1)
         per_owner[unit.owner].extend(
-            local[p.local : p.local + p.region.numel] for p in unit.inputs[rank]
+            local[:, p.local : p.local + p.region.numel].reshape(-1) for p in unit.inputs[rank]
         )
     flat = [p for dest in per_owner for p in dest]
-    empty = torch.empty(0, dtype=WIRE_DTYPE, device=exchange.device)
-    send = torch.cat(flat).to(WIRE_DTYPE) if flat else empty
-    return Transfer(exchange, exchange.forward, send, counter, "forward")
+    empty = torch.empty(0, dtype=dtype, device=exchange.device)
+    send = torch.cat(flat).to(dtype) if flat else empty
+    splits = [[n * channels for n in row] for row in exchange.forward]
+    return Transfer(exchange, splits, send, counter, "forward")
 
 
-def assemble(exchange: Exchange, received: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The owner's full matrices, in ``exchange.owned()`` order, from every rank's pieces."""
+def assemble(
+    exchange: Exchange,
+    received: list[torch.Tensor],
+    channels: int = 1,
+    dtype: torch.dtype = WIRE_DTYPE,
+) -> list[torch.Tensor]:
+    """The owner's full matrices, in ``exchange.owned()`` order, from every rank's pieces
+    (``[channels, *matrix]`` when more than one channel was sent)."""
     cursors = [0] * exchange.world_size
     fulls = []
     for unit in exchange.owned():
-        full = torch.empty(unit.shape, dtype=WIRE_DTYPE, device=exchange.device)
+        full = torch.empty((channels, *unit.shape), dtype=dtype, device=exchange.device)
         for source, held in enumerate(unit.inputs):
             for piece in held:
                 numel = piece.region.numel
-                chunk = received[source][cursors[source] : cursors[source] + numel]
-                cursors[source] += numel
-                view = piece.region.view_of(full)
-                view.copy_(chunk.view(view.shape))
-        fulls.append(full)
+                start = cursors[source]
+                chunk = received[source][start : start + channels * numel].view(channels, numel)
+                cursors[source] += channels * numel
+                for channel in range(channels):
+                    view = piece.region.view_of(full[channel])
+                    view.copy_(chunk[channel].view(view.shape))
+        fulls.append(full if channels > 1 else full[0])
     return fulls
 
 
 def send_updates(
-    exchange: Exchange, updates: list[torch.Tensor], counter: CommCounter
+    exchange: Exchange,
+    updates: list[torch.Tensor],
+    counter: CommCounter,
+    dtype: torch.dtype = WIRE_DTYPE,
 ) -> Transfer:
     """Launch the back all-to-all: each rank receives its regions of every update."""
     per_rank: list[list[torch.Tensor]] = [[] for _ in range(exchange.world_size)]
@@ -224,7 +248,7 @@ def send_updates(
         for rank, held in enumerate(unit.outputs):
             per_rank[rank].extend(p.region.view_of(update).reshape(-1) for p in held)
     flat = [p for dest in per_rank for p in dest]
-    send = torch.cat(flat) if flat else torch.empty(0, dtype=WIRE_DTYPE, device=exchange.device)
+    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=exchange.device)
     return Transfer(exchange, exchange.back, send, counter, "back")
 
 

@@ -23,8 +23,9 @@ class Piece:
 
 
 def matrices(shape: Shape) -> list[tuple[int | None, Shape]]:
-    """(expert index or None, matrix shape): the units Newton–Schulz runs on."""
-    if len(shape) == 2:
+    """(expert index or None, matrix shape): the units an optimizer runs on (each expert
+    of a 3-D stack apart; any other tensor whole)."""
+    if len(shape) != 3:
         return [(None, shape)]
     experts, rows, cols = shape
     return [(e, (rows, cols)) for e in range(experts)]
@@ -48,9 +49,7 @@ def _expert_piece(region: Region, start: int, shape: Shape, expert: int) -> Piec
     return Piece(start + (expert - first) * slab, Region(region.offsets[1:], region.sizes[1:]))
 
 
-def pieces(
-    regions: Sequence[Region], shape: Shape, expert: int | None
-) -> tuple[Piece, ...]:
+def pieces(regions: Sequence[Region], shape: Shape, expert: int | None) -> tuple[Piece, ...]:
     """A rank's pieces of one matrix, in local storage order, from its ``regions``
     of the parameter (of shape ``shape``)."""
     out, start = [], 0

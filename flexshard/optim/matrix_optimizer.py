@@ -1,0 +1,298 @@
+"""MatrixOptimizer: any per-matrix ``torch.optim.Optimizer`` (Shampoo, SOAP, PSGD, ...)
+on flexshard's sharded parameters, unchanged.
+
+The inner optimizer, built from the class or factory it is given, never sees a DTensor
+or a shard: its parameters are *proxies*, plain tensors each holding one whole matrix.
+
+* Storage that holds whole matrices (Owned, whole experts of a ``[E, R, C]`` stack,
+  plain tensors): the proxies view the local storage and the inner step updates it in
+  place. No collective.
+* Storage that splits matrices (Shard, FlatShard, tiles, Replicate): each matrix has
+  an owner rank (LPT on the optimizer's per-matrix ``cost``, on top of the work ranks
+  do on their whole matrices). DistMuon's redistribution moves them: one packed
+  all-to-all per bucket brings the owner every piece of gradient and parameter, the
+  owner steps its proxy (a full copy), one packed all-to-all per bucket sends each rank
+  its part of the new parameter. Bucket i+1's forward is in flight while bucket i
+  steps. The arithmetic on a matrix is the inner optimizer's on the full matrix, so
+  results equal one process's bit for bit.
+
+Param groups are the adapter's (``lr`` schedulers edit them); before each inner step
+the inner optimizer's groups are refreshed from them, and what the inner step writes
+back into a group (a ``step`` counter) is kept. The inner state of each matrix is one
+:class:`MatrixState` in ``state[param][state_key]``, so ``fs.checkpoint`` saves it once
+and loads it on whichever rank computes the matrix under a new world size or placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from ..runtime.tp_params import local_of
+from .matrix_units import (
+    Cost,
+    MatrixState,
+    Resolved,
+    grad_view,
+    preconditioner_flops,
+    resolve_param,
+    state_key,
+)
+from .redistribute import (
+    CommCounter,
+    Exchange,
+    Transfer,
+    assemble,
+    local_updates,
+    plan_exchanges,
+    send_inputs,
+    send_updates,
+)
+
+WHO = "MatrixOptimizer"
+#: group entries that belong to the adapter, not to the inner optimizer
+OWN_KEYS = ("params", "param_names")
+
+
+class MatrixOptimizer(Optimizer):
+    """Run ``optimizer(params, **defaults)`` (a ``torch.optim.Optimizer`` class or
+    factory written for full tensors) on flexshard parameters, one whole matrix at a
+    time. ``cost(shape)`` is the inner optimizer's work on one matrix (default:
+    :func:`preconditioner_flops`); owners of split matrices are balanced on it.
+    ``comm_stats()`` counts the step's all-to-alls and bytes. Build it after sharding."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer: Callable[..., Optimizer],
+        *,
+        cost: Cost | None = None,
+        **defaults: Any,
+    ) -> None:
+        # the inner optimizer's own defaults and checks, on a placeholder parameter
+        self._inner = optimizer([torch.zeros(0, requires_grad=True)], **defaults)
+        inner_type = type(self._inner)
+        self._tag = f"{inner_type.__module__}.{inner_type.__qualname__}"
+        self._cost = cost or preconditioner_flops
+        self._resolved: dict[int, Resolved] = {}  # by id(param)
+        self._group_of: dict[int, int] = {}
+        self._owned: dict[tuple[int, int | None], torch.Tensor] = {}  # remote proxies here
+        self._plan: list[Exchange] | None = None
+        self._step_plan: tuple[tuple[int, ...], list[Exchange]] | None = None
+        self.comm = CommCounter()
+        super().__init__(params, dict(self._inner.defaults))
+
+    # ------------------------------------------------------------------ groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        group = self.param_groups[index]
+        names = group.get("param_names")
+        for i, param in enumerate(group["params"]):
+            name = f"'{names[i]}'" if names else f"parameter {i} of param group {index}"
+            self._resolved[id(param)] = resolve_param(param, name, self._cost)
+            self._group_of[id(param)] = index
+        self._plan = None
+
+    def comm_stats(self, reset: bool = False) -> dict[str, int]:
+        """All-to-alls issued by ``step()`` and the bytes this rank sent and received."""
+        stats = self.comm.as_dict()
+        if reset:
+            self.comm = CommCounter()
+        return stats
+
+    @property
+    def inner(self) -> Optimizer:
+        """The wrapped optimizer (its param groups hold this rank's proxies during a step)."""
+        return self._inner
+
+    # ------------------------------------------------------------------ plan
+    def _exchanges(self) -> list[Exchange]:
+        """Owners of every split matrix, fixed for the optimizer's life (the state lives
+        there); a rank that owns one keeps a full proxy of it."""
+        if self._plan is None:
+            resolved = [self._resolved[id(p)] for g in self.param_groups for p in g["params"]]
+            loads: dict[int, list[float]] = {}
+            for r in resolved:
+                if r.work is not None:
+                    load = loads.setdefault(len(r.work), [0.0] * len(r.work))
+                    loads[len(r.work)] = [a + b for a, b in zip(load, r.work)]
+            remote = [r.remote for r in resolved if r.remote is not None]
+            cost = self._cost
+            self._plan = plan_exchanges(remote, lambda _t, shape: cost(shape), loads, who=WHO)
+            self._owned = {}
+            for exchange in self._plan:
+                for unit in exchange.owned():
+                    local = unit.target.param
+                    proxy = torch.zeros(unit.shape, dtype=local.dtype, device=local.device)
+                    self._owned[(id(local), unit.expert)] = proxy
+            self._outer = {id(r.remote.param): r.param for r in resolved if r.remote}
+        return self._plan
+
+    def _step_exchanges(self) -> list[Exchange]:
+        """The exchanges of the parameters that have gradients this step (flexshard gives
+        every rank of a shard group a gradient for the same parameters)."""
+        plan = self._exchanges()
+        key = tuple(id(u.target.param) for ex in plan for u in ex.units if self._has_grad(u))
+        if self._step_plan is None or self._step_plan[0] != key:
+            kept = [replace(ex, units=[u for u in ex.units if self._has_grad(u)]) for ex in plan]
+            self._step_plan = (key, [ex for ex in kept if ex.units])
+        return self._step_plan[1]
+
+    def _has_grad(self, unit: Any) -> bool:
+        return self._outer[id(unit.target.param)].grad is not None
+
+    def _computed_here(self, param: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """(state key, proxy) of every matrix of ``param`` this rank steps."""
+        self._exchanges()
+        resolved = self._resolved[id(param)]
+        out = [(m.key, m.proxy) for m in resolved.local]
+        if resolved.remote is not None:
+            local = resolved.remote.param
+            out += [(state_key(e), p) for (i, e), p in self._owned.items() if i == id(local)]
+        return out
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        exchanges = self._step_exchanges()
+        forward = self._send_forward(exchanges[0]) if exchanges else None
+        members: list[tuple[int, torch.Tensor]] = []
+        for group_index, group in enumerate(self.param_groups):
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                for matrix in self._resolved[id(param)].local:
+                    if matrix.proxy is not param:
+                        matrix.proxy.grad = grad_view(param, matrix)
+                    members.append((group_index, matrix.proxy))
+        groups = self._inner_step(members)  # overlaps the first forward all-to-all
+        self._release(members)
+        backs: list[tuple[Exchange, Transfer]] = []
+        for k, exchange in enumerate(exchanges):
+            assert forward is not None
+            received = forward.wait()
+            if k + 1 < len(exchanges):  # in flight while this bucket's matrices step
+                forward = self._send_forward(exchanges[k + 1])
+            dtype = exchange.units[0].target.param.dtype
+            owned = exchange.owned()
+            stepped: list[tuple[int, torch.Tensor]] = []
+            for unit, full in zip(owned, assemble(exchange, received, 2, dtype)):
+                proxy = self._owned[(id(unit.target.param), unit.expert)]
+                proxy.copy_(full[1])
+                proxy.grad = full[0]
+                stepped.append((self._group_of[id(self._outer[id(unit.target.param)])], proxy))
+            if stepped:
+                self._inner_step(stepped)
+                self._release(stepped)
+            updates = [self._owned[(id(u.target.param), u.expert)] for u in owned]
+            backs.append((exchange, send_updates(exchange, updates, self.comm, dtype)))
+            if len(backs) > 1:
+                self._apply_remote(*backs.pop(0))
+        for exchange, back in backs:
+            self._apply_remote(exchange, back)
+        for group, inner_group in zip(self.param_groups, groups):  # e.g. a step counter
+            group.update({k: v for k, v in inner_group.items() if k not in OWN_KEYS})
+        self._record_state()
+        return loss
+
+    def _send_forward(self, exchange: Exchange) -> Transfer:
+        """Gradient and parameter of every piece, as two channels in one all-to-all."""
+        inputs = {}
+        for unit in exchange.units:
+            local = unit.target.param
+            grad = local_of(self._outer[id(local)].grad)
+            inputs[id(local)] = torch.stack([grad.reshape(-1).to(local.dtype), local.reshape(-1)])
+        dtype = exchange.units[0].target.param.dtype
+        return send_inputs(exchange, inputs, self.comm, 2, dtype)
+
+    def _inner_step(self, members: list[tuple[int, torch.Tensor]]) -> list[dict[str, Any]]:
+        """One inner step over ``members`` (group index, proxy with its gradient). Every
+        call starts from the adapter's groups, so group counters advance once a step."""
+        groups = []
+        for index, group in enumerate(self.param_groups):
+            inner_group = {k: v for k, v in group.items() if k not in OWN_KEYS}
+            inner_group["params"] = [p for i, p in members if i == index]
+            groups.append(inner_group)
+        self._inner.param_groups = groups
+        self._inner.step()
+        self._check_state()
+        return groups
+
+    def _release(self, members: list[tuple[int, torch.Tensor]]) -> None:
+        for index, proxy in members:
+            if not any(proxy is p for p in self.param_groups[index]["params"]):
+                proxy.grad = None
+
+    def _apply_remote(self, exchange: Exchange, back: Transfer) -> None:
+        for _unit, piece, value in local_updates(exchange, back.wait()):
+            piece.copy_(value)
+
+    def _check_state(self) -> None:
+        """The inner state must be keyed by proxies: state kept on anything else is not
+        per-matrix and would be silently wrong on shards."""
+        proxies = {id(p) for r in self._resolved.values() for m in r.local for p in [m.proxy]}
+        proxies |= {id(p) for p in self._owned.values()}
+        for key in self._inner.state:
+            if id(key) not in proxies:
+                raise ValueError(
+                    f"MatrixOptimizer: {self._tag} keeps state under {type(key).__name__} "
+                    f"{getattr(key, 'shape', key)!r}, not under one of its parameters; only "
+                    "optimizers whose state is per matrix can run on sharded storage"
+                )
+
+    def _record_state(self) -> None:
+        """Expose each matrix's inner state in ``self.state`` (what checkpoints read)."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                entry = self.state[param]
+                entry["inner"] = self._tag  # on every rank, so no rank's state is empty
+                for key, proxy in self._computed_here(param):
+                    inner = self._inner.state.get(proxy)
+                    if inner and not (key in entry and entry[key].state is inner):
+                        entry[key] = MatrixState(inner)
+
+    # ------------------------------------------------------------------ state
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved at any world size and placement: each rank keeps the
+        matrices it computes now. Raises naming the parameter for state of another
+        inner optimizer or a missing matrix, before anything changes."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        restored: dict[int, dict[str, Any]] = {}
+        inner: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
+        for index, entries in state_dict["state"].items():
+            param = params[index]
+            name = self._resolved[id(param)].name
+            if entries.get("inner") != self._tag:
+                raise ValueError(
+                    f"MatrixOptimizer: the state of {name} was made by "
+                    f"{entries.get('inner')!r}; this optimizer runs {self._tag}"
+                )
+            kept: dict[str, Any] = {"inner": self._tag}
+            for key, proxy in self._computed_here(param):
+                saved = entries.get(key)
+                if not isinstance(saved, MatrixState):
+                    raise ValueError(f"MatrixOptimizer: no state '{key}' for {name}")
+                moved = {
+                    k: v.to(proxy.device) if isinstance(v, torch.Tensor) else v
+                    for k, v in saved.state.items()
+                }
+                kept[key] = MatrixState(moved)
+                inner[id(proxy)] = (proxy, moved)
+            restored[index] = kept
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        self._inner.state.clear()
+        for proxy, moved in inner.values():
+            self._inner.state[proxy] = moved
+        for index, kept in restored.items():
+            self.state[params[index]] = kept

@@ -1,0 +1,141 @@
+"""Which matrices of a parameter an adapted optimizer steps on this rank without
+communication, and which must travel to an owner first. Decided from the bucket layout
+of every rank, so all ranks of a shard group agree.
+
+A *matrix* is what a per-matrix optimizer (Shampoo, SOAP, PSGD, Muon) preconditions on
+its own: a 2-D parameter, one expert of a ``[E, R, C]`` stack, or any other tensor
+whole. Storage that holds whole matrices (Owned, whole experts, a plain tensor) is
+stepped in place through *proxies*: plain tensors viewing the local storage, which the
+inner optimizer sees as its parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..placements import Region
+from ..runtime.bucket import slot_of
+from ..runtime.tp_params import local_of
+from .matrices import Kind, Target
+from .tp_matrices import is_tp_matrix
+from .units import matrices, pieces
+
+Shape = tuple[int, ...]
+Cost = Callable[[Shape], float]
+
+
+def preconditioner_flops(shape: Shape) -> float:
+    """Rough per-step work of a Kronecker-factored preconditioner (Shampoo, SOAP, PSGD)
+    on one matrix: a cubic root or eigendecomposition per dimension plus the projections
+    of the gradient. Only its proportions matter: owners are balanced on it."""
+    numel = math.prod(shape)
+    return float(sum(d**3 for d in shape) + 2 * numel * sum(shape))
+
+
+def state_key(expert: int | None) -> str:
+    """The key of one matrix's state in the adapter's per-parameter state."""
+    return "matrix" if expert is None else f"expert{expert}"
+
+
+@dataclass
+class MatrixState:
+    """The inner optimizer's state of one matrix, whole. One opaque value per matrix:
+    torch.distributed.checkpoint pickles it, so it is written once (by the rank that
+    computes the matrix) and read by whichever rank computes it after a change of world
+    size or placement."""
+
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LocalMatrix:
+    """A matrix this rank holds whole: ``numel`` elements of the local storage from
+    ``offset`` on, stepped through ``proxy`` (a plain tensor viewing them)."""
+
+    key: str
+    shape: Shape
+    offset: int
+    proxy: torch.Tensor
+
+
+@dataclass
+class Resolved:
+    """One parameter of the adapter: its local matrices and, if its storage splits
+    matrices, the target the redistribution plans for."""
+
+    param: torch.Tensor  # as in the param group (a DTensor for flexshard parameters)
+    name: str
+    local: list[LocalMatrix]
+    remote: Target | None = None
+    work: list[float] | None = None  # per rank of the shard group: cost of local matrices
+
+
+def _view(local: torch.Tensor, offset: int, shape: Shape) -> torch.Tensor:
+    return local.detach().view(-1)[offset : offset + math.prod(shape)].view(shape)
+
+
+def grad_view(param: torch.Tensor, matrix: LocalMatrix) -> torch.Tensor:
+    """The gradient of ``matrix`` in ``param.grad`` (a view, as the storage's)."""
+    assert param.grad is not None
+    return _view(local_of(param.grad), matrix.offset, matrix.shape)
+
+
+def _whole_experts(regions: list[Region], shape: Shape) -> bool:
+    return all(not r.flat and r.sizes[-2:] == shape[-2:] for r in regions)
+
+
+def resolve_param(param: torch.Tensor, name: str, cost: Cost) -> Resolved:
+    """Classify ``param``; raise naming it where the adapter cannot step it."""
+    slot = slot_of(param)
+    if isinstance(param, DTensor) and slot is None:
+        raise TypeError(
+            f"MatrixOptimizer: {name} is a DTensor that flexshard did not shard; the adapter "
+            "takes flexshard's parameters and plain tensors"
+        )
+    if slot is None:  # a plain tensor: every matrix whole on this rank
+        shape = tuple(param.shape)
+        if len(shape) != 3:  # the parameter is its own proxy
+            return Resolved(param, name, [LocalMatrix("matrix", shape, 0, param)])
+        local = [
+            LocalMatrix(state_key(e), s, e * math.prod(s), _view(param, e * math.prod(s), s))
+            for e, s in matrices(shape)
+        ]
+        return Resolved(param, name, local)
+    bucket, index = slot
+    layout = bucket.layout.params[index]
+    name = f"parameter '{layout.fqn}' in bucket '{bucket.name}'"
+    if is_tp_matrix(bucket, index):
+        raise ValueError(
+            f"MatrixOptimizer: {name} is split by tensor parallelism; the adapter steps "
+            "data-parallel storage only (use DistMuon for tensor-parallel Muon)"
+        )
+    shape = tuple(layout.shape)
+    local = local_of(param)
+    mine = list(layout.regions[bucket.rank])
+    all_regions = [r for regions in layout.regions for r in regions]
+    remote = Target(local, name, {}, Kind.REMOTE, shape, bucket, index)
+    if bucket.layout.replicated:  # one owner computes, the back exchange shares it
+        return Resolved(param, name, [], remote)
+    if len(shape) == 3 and _whole_experts(all_regions, shape):
+        experts = []
+        for e, matrix in matrices(shape):
+            for piece in pieces(mine, shape, e):
+                experts.append(
+                    LocalMatrix(
+                        state_key(e), matrix, piece.local, _view(local, piece.local, matrix)
+                    )
+                )
+        work = [sum(r.sizes[0] * cost(shape[1:]) for r in regions) for regions in layout.regions]
+        return Resolved(param, name, experts, None, work)
+    whole = (Region(tuple(0 for _ in shape), shape),)
+    if len(shape) != 3 and all(not r or tuple(r) == whole for r in layout.regions):
+        matrix = [LocalMatrix("matrix", shape, 0, _view(local, 0, shape))] if mine else []
+        work = [cost(shape) if regions else 0.0 for regions in layout.regions]
+        return Resolved(param, name, matrix, None, work)
+    return Resolved(param, name, [], remote)
