@@ -18,6 +18,10 @@ from flexshard.runtime.module import subtree_buckets
 ROOT_NAMES = ("outer", "root")
 
 
+#: rank_numels by (group size, shapes, placements): a model's Shard blocks share one
+_RANK_NUMELS: dict[tuple, list[int]] = {}
+
+
 @dataclass(frozen=True)
 class BucketInfo:
     """One bucket (FSDP2: one ``fully_shard`` group) as every rank of its group sees it."""
@@ -64,11 +68,19 @@ class BucketInfo:
 
     def rank_numels(self) -> list[int]:
         """Elements each rank of the group really stores (its share before padding)."""
-        per_rank = [0] * self.world
-        for param in self.layout.params:
-            for rank, regions in enumerate(param.regions):
-                per_rank[rank] += sum(r.numel for r in regions)
-        return per_rank
+        # Shard's split depends on shapes alone (Owned's and BlockShard's also on the
+        # bucket's place in the plan), so only all-Shard buckets share a cache entry
+        shard_only = all(isinstance(p, Shard) for p in self.placements)
+        key = (self.world, tuple(p.shape for p in self.layout.params), self.placements)
+        if not shard_only:
+            key = (id(self.layout), key)
+        if key not in _RANK_NUMELS:
+            per_rank = [0] * self.world
+            for param in self.layout.params:
+                for rank, regions in enumerate(param.regions):
+                    per_rank[rank] += sum(r.numel for r in regions)
+            _RANK_NUMELS[key] = per_rank
+        return _RANK_NUMELS[key]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -100,15 +112,32 @@ def flexshard_buckets(modules: list[nn.Module]) -> list[BucketInfo]:
     return found
 
 
+def _signature(info: BucketInfo) -> tuple:
+    """Buckets with the same shapes and placements have the same layout up to names
+    (every block of a transformer): plan one, rename the others."""
+    return (info.world, tuple(p.shape for p in info.layout.params), info.placements)
+
+
 def fsdp2_equivalent(buckets: list[BucketInfo]) -> list[BucketInfo]:
     """The same groups as torch FSDP2 lays them out: ``Shard(0)`` for every parameter."""
     out = []
+    planned: dict[tuple, BucketLayout] = {}
     for info in buckets:
-        entries = [(p.fqn, p.shape, Shard(0)) for p in info.layout.params]
-        layout = plan_bucket(entries, info.world, bucket=info.name)
+        shard0 = tuple(Shard(0) for _ in info.layout.params)
+        if info.placements == shard0:
+            layout = info.layout  # already FSDP2's layout
+        else:
+            key = _signature(info)
+            if key not in planned:
+                entries = [(p.fqn, p.shape, Shard(0)) for p in info.layout.params]
+                planned[key] = plan_bucket(entries, info.world, bucket=info.name)
+            template = planned[key]
+            params = tuple(
+                replace(t, fqn=p.fqn) for t, p in zip(template.params, info.layout.params)
+            )
+            layout = replace(template, params=params)
         # FSDP2's root keeps its parameters gathered from forward into backward
         keep = info.reshard_after_forward and not info.is_root
-        shard0 = tuple(Shard(0) for _ in entries)
         out.append(replace(info, layout=layout, placements=shard0, reshard_after_forward=keep))
     return out
 

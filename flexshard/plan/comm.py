@@ -39,14 +39,18 @@ class BucketComm:
 
 def bucket_comm(info: BucketInfo, microbatches: int, keep_between_micro: bool) -> BucketComm:
     """``microbatches`` forward/backward passes per step; gradients are reduced once, after
-    the last (``set_requires_gradient_sync``); pipeline stages keep parameters gathered
-    between microbatches (``keep_between_micro``)."""
+    the last (``set_requires_gradient_sync``); pipeline stages (``keep_between_micro``)
+    do not reshard after backward until the last microbatch."""
     w = info.world
     if info.layout.replicated:
         size = info.numel * info.reduce_itemsize
         return BucketComm(info.name, 0, 0, 0, 2 * (w - 1) * size // w, 0.0)
     per_pass = 2 if info.reshard_after_forward else 1
-    gathers = per_pass if keep_between_micro else per_pass * microbatches
+    # pipeline stages keep parameters gathered after each backward but the last: only
+    # the first forward gathers, each backward re-gathers if forward resharded
+    gathers = 1 + (microbatches if info.reshard_after_forward else 0)
+    if not keep_between_micro:
+        gathers = per_pass * microbatches
     ag = gathers * (w - 1) * info.shard_numel * info.gather_itemsize
     rs = (w - 1) * info.shard_numel * info.reduce_itemsize
     r = info.replicas

@@ -101,9 +101,7 @@ def _backend_plan(
         else:
             notes.append("Muon balance: data parallelism alone (no tp / ep groups)")
         memory = rank_memory(buckets, t.optimizer, _muon_share(buckets), activations)
-        comms = [
-            bucket_comm(b, micro, dims.pp > 1 and not par.reshard_after_forward) for b in buckets
-        ]
+        comms = [bucket_comm(b, micro, dims.pp > 1) for b in buckets]
         step = step_time(cfg, dims, buckets, hw, muon, backend)
         stage = {
             "stage": index,

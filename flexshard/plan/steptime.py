@@ -82,8 +82,8 @@ def _simulate(
     reduce: bool,
     root_prefetches: bool,
 ) -> tuple[float, float]:
-    """One microbatch's forward and backward; returns (time, time spent waiting on
-    all-gathers)."""
+    """One microbatch's forward (all-gathers when ``gather``) and backward (re-gathers
+    what forward resharded); returns (time, time spent waiting on all-gathers)."""
     root = [b for b in order if b.is_root]
     blocks = [b for b in order if not b.is_root]
     t = comm = waited = 0.0
@@ -114,17 +114,17 @@ def _simulate(
     # backward: the root (LM head) first, then the blocks in reverse
     done = {}
     for b in root:
-        if gather and b.reshard_after_forward:
+        if b.reshard_after_forward:
             wait(issue(b, t, ag[b.name]))
         t += 2 * fwd[b.name]
     back = list(reversed(blocks))
-    if back and root_prefetches and gather and back[0].reshard_after_forward:
+    if back and root_prefetches and back[0].reshard_after_forward:
         done[back[0].name] = issue(back[0], t, ag[back[0].name])
     pending: list[float] = []
     for i, b in enumerate(back):
-        if gather and b.reshard_after_forward:
+        if b.reshard_after_forward:
             wait(done.get(b.name) or issue(b, t, ag[b.name]))
-        if i + 1 < len(back) and gather and back[i + 1].reshard_after_forward:
+        if i + 1 < len(back) and back[i + 1].reshard_after_forward:
             done[back[i + 1].name] = issue(back[i + 1], t, ag[back[i + 1].name])
         t += 2 * fwd[b.name]
         if reduce:
@@ -170,7 +170,7 @@ def step_time(
             )
     root_prefetches = backend == "fsdp2"
     compute_micro = 3 * sum(fwd.values())
-    keep = dims.pp > 1 and not par.reshard_after_forward
+    keep = dims.pp > 1  # stages stay gathered after backward until the last microbatch
     total, waited = 0.0, 0.0
     for i in range(micro):
         gather = not keep or i == 0
