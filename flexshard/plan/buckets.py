@@ -11,7 +11,7 @@ from torch import nn
 
 from flexshard.placements import BlockShard, Owned, Placement, Shard, plan_bucket
 from flexshard.placements.layout import BucketLayout
-from flexshard.runtime.module import subtree_buckets
+from flexshard.runtime.bucket import Bucket
 
 #: the trainer's bucket of the root's own parameters (flex_shard's "outer";
 #: fully_shard's buckets are named by module, the root's "root")
@@ -87,26 +87,43 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
+def _named_buckets(module: nn.Module) -> list[tuple[str, Bucket]]:
+    """Every bucket once, in module pre-order (root, then each block and what is inside
+    it: the forward order), named as the runtime names them at the first forward:
+    fully_shard's buckets by their module's FQN ("root" for the root)."""
+    seen: set[int] = set()
+    found = []
+    for fqn, m in module.named_modules():
+        for bucket in getattr(m, "_flexshard_buckets", ()):
+            if id(bucket) in seen:
+                continue
+            seen.add(id(bucket))
+            named_by_type = bucket.name in {c.__name__ for c in type(m).__mro__}
+            found.append(((fqn or "root") if named_by_type else bucket.name, bucket))
+    return found
+
+
 def flexshard_buckets(modules: list[nn.Module]) -> list[BucketInfo]:
-    """The runtime's buckets, in creation order (the forward order for the trainer's
-    per-block buckets)."""
+    """The runtime's buckets of this rank's (stage) modules, in forward order."""
     found = []
     for module in modules:
-        buckets = list(subtree_buckets(module))
-        for bucket in buckets:
+        for name, bucket in _named_buckets(module):
             mesh = bucket.mesh
             replicas = mesh.size(0) if mesh is not None and mesh.ndim == 2 else 1
+            is_root = name in ROOT_NAMES
+            reshard = bucket.reshard_after_forward
             found.append(
                 BucketInfo(
-                    name=bucket.name,
+                    name=name,
                     layout=bucket.layout,
                     placements=tuple(p.placement for p in bucket.params),
                     storage_itemsize=_itemsize(bucket.dtypes[0]),
                     gather_itemsize=_itemsize(bucket.param_dtype),
                     reduce_itemsize=_itemsize(bucket.reduce_dtype),
                     replicas=replicas,
-                    reshard_after_forward=bool(bucket.reshard_after_forward),
-                    is_root=bucket.name in ROOT_NAMES,
+                    # None: FSDP2's default, every module but the root reshards
+                    reshard_after_forward=(not is_root) if reshard is None else bool(reshard),
+                    is_root=is_root,
                 )
             )
     return found

@@ -75,9 +75,9 @@ def bucket_flops(info: BucketInfo, cfg: Config, tokens: int) -> float:
 
 def _simulate(
     order: list[BucketInfo],
-    fwd: dict[str, float],
-    ag: dict[str, float],
-    rs: dict[str, float],
+    fwd: dict[int, float],
+    ag: dict[int, float],
+    rs: dict[int, float],
     gather: bool,
     reduce: bool,
     root_prefetches: bool,
@@ -87,7 +87,7 @@ def _simulate(
     root = [b for b in order if b.is_root]
     blocks = [b for b in order if not b.is_root]
     t = comm = waited = 0.0
-    done: dict[str, float] = {}
+    done: dict[int, float] = {}
 
     def issue(b: BucketInfo, at: float, cost: float) -> float:
         nonlocal comm
@@ -102,38 +102,38 @@ def _simulate(
 
     for b in root:
         if gather:
-            wait(issue(b, t, ag[b.name]))
+            wait(issue(b, t, ag[id(b)]))
     if blocks and gather:
-        done[blocks[0].name] = issue(blocks[0], t, ag[blocks[0].name])
+        done[id(blocks[0])] = issue(blocks[0], t, ag[id(blocks[0])])
     for i, b in enumerate(blocks):
-        wait(done.get(b.name, t))
+        wait(done.get(id(b), t))
         if i + 1 < len(blocks) and gather:
-            done[blocks[i + 1].name] = issue(blocks[i + 1], t, ag[blocks[i + 1].name])
-        t += fwd[b.name]
-    t += sum(fwd[b.name] for b in root)
+            done[id(blocks[i + 1])] = issue(blocks[i + 1], t, ag[id(blocks[i + 1])])
+        t += fwd[id(b)]
+    t += sum(fwd[id(b)] for b in root)
     # backward: the root (LM head) first, then the blocks in reverse
     done = {}
     for b in root:
         if b.reshard_after_forward:
-            wait(issue(b, t, ag[b.name]))
-        t += 2 * fwd[b.name]
+            wait(issue(b, t, ag[id(b)]))
+        t += 2 * fwd[id(b)]
     back = list(reversed(blocks))
     if back and root_prefetches and back[0].reshard_after_forward:
-        done[back[0].name] = issue(back[0], t, ag[back[0].name])
+        done[id(back[0])] = issue(back[0], t, ag[id(back[0])])
     pending: list[float] = []
     for i, b in enumerate(back):
         if b.reshard_after_forward:
-            wait(done.get(b.name) or issue(b, t, ag[b.name]))
+            wait(done.get(id(b)) or issue(b, t, ag[id(b)]))
         if i + 1 < len(back) and back[i + 1].reshard_after_forward:
-            done[back[i + 1].name] = issue(back[i + 1], t, ag[back[i + 1].name])
-        t += 2 * fwd[b.name]
+            done[id(back[i + 1])] = issue(back[i + 1], t, ag[id(back[i + 1])])
+        t += 2 * fwd[id(b)]
         if reduce:
-            pending.append(issue(b, t, rs[b.name]))
+            pending.append(issue(b, t, rs[id(b)]))
             if len(pending) > MAX_PENDING_REDUCTIONS:
                 t = max(t, pending.pop(0))
     if reduce:
         for b in root:
-            pending.append(issue(b, t, rs[b.name]))
+            pending.append(issue(b, t, rs[id(b)]))
         t = max([t, *pending])
     return t, waited
 
@@ -152,20 +152,20 @@ def step_time(
     tokens = seqs * t.seq_len // dims.cp  # per rank per microbatch
     per_node = min(dims.world_size, hw.devices_per_node)
     rate = hw.peak_tflops * 1e12 * hw.gemm_efficiency / hw.compute_slowdown(per_node)
-    fwd = {b.name: bucket_flops(b, cfg, tokens) / rate for b in buckets}
+    fwd = {id(b): bucket_flops(b, cfg, tokens) / rate for b in buckets}
     dp_link = link(hw, dims.tp, max((b.world for b in buckets), default=1))
     ag, rs = {}, {}
     for b in buckets:
-        ag[b.name] = ring_time((b.world - 1) * b.shard_numel * b.gather_itemsize, b.world, dp_link)
+        ag[id(b)] = ring_time((b.world - 1) * b.shard_numel * b.gather_itemsize, b.world, dp_link)
         rs_bytes = (b.world - 1) * b.shard_numel * b.reduce_itemsize
-        rs[b.name] = ring_time(rs_bytes, b.world, dp_link)
+        rs[id(b)] = ring_time(rs_bytes, b.world, dp_link)
         if b.replicas > 1:  # HSDP: the all-reduce over replicas follows on the same queue
             rep = link(hw, dims.tp * dims.dp_shard * dims.cp, b.replicas)
             ar = 2 * (b.replicas - 1) * b.shard_numel * b.reduce_itemsize / b.replicas
-            rs[b.name] += ring_time(ar, b.replicas, rep)
+            rs[id(b)] += ring_time(ar, b.replicas, rep)
         if b.layout.replicated:
-            ag[b.name] = 0.0
-            rs[b.name] = ring_time(
+            ag[id(b)] = 0.0
+            rs[id(b)] = ring_time(
                 2 * (b.world - 1) * b.numel * b.reduce_itemsize / b.world, b.world, dp_link
             )
     root_prefetches = backend == "fsdp2"
