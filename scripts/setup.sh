@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sourced by demo.sh and test.sh: create .venv and install flexshard with its test and
 # trainer extras, unless that is done already.
-if ! { [ -x .venv/bin/flexshard-train ] && [ -x .venv/bin/ruff ] &&
-       .venv/bin/python -c 'import flexshard, pytest, hypothesis, matplotlib, safetensors' \
+if ! { [ -x .venv/bin/flexshard-train ] && [ -x .venv/bin/flexshard-generate ] &&
+       [ -x .venv/bin/ruff ] && .venv/bin/python -c \
+         'import flexshard, pytest, hypothesis, matplotlib, safetensors, transformers, tokenizers' \
          2>/dev/null; }; then
   [ -x .venv/bin/python ] || python3 -m venv .venv
   # the CPU torch first, pinned, so that installing flexshard never pulls another build

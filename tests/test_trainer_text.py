@@ -1,0 +1,92 @@
+"""Text in and out: a tokenizer.json (``tokenizers``) as the trainer's tokenizer, saved
+with the export so ``transformers``' AutoTokenizer reads it; generation with a KV cache
+equals a full forward per token and ``transformers``' own greedy ``generate``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexshard.trainer.config import ConfigError, config_from_dict
+from flexshard.trainer.data import builtin_corpus
+from flexshard.trainer.generate import forward_cached, generate, load_model
+from flexshard.trainer.model import Transformer, init_weights
+from flexshard.trainer.tokenizer import HFTokenizer, load_tokenizer
+
+from .test_trainer_hf import hf_llama
+
+tokenizers = pytest.importorskip("tokenizers")
+
+
+def tiny_bpe(path, vocab: int = 300) -> None:
+    """A BPE tokenizer trained here on the shipped corpus (no download), BOS first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(builtin_corpus()[:20000].splitlines(keepends=True), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    tok.save(str(path))
+
+
+def test_tokenizer_json(tmp_path):
+    tiny_bpe(tmp_path / "tokenizer.json")
+    model = config_from_dict(
+        {"model": {"tokenizer": str(tmp_path / "tokenizer.json"), "vocab_size": 320}}
+    ).model
+    tok = load_tokenizer(model)
+    text = "MENENIUS: What work's, my countrymen, in hand? ünïcode"
+    ids = tok.encode(text)
+    assert ids[0].item() == tok.special_ids()["bos_token_id"] == 0
+    assert ids.numel() < len(text.encode())  # merges happened
+    assert tok.decode(ids[1:]) == text
+    tok.save(tmp_path / "export")
+    auto = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(tmp_path / "export")
+    assert auto(text)["input_ids"] == ids.tolist()
+    model.vocab_size = 256
+    with pytest.raises(ConfigError, match="model.vocab_size 320"):
+        load_tokenizer(model)
+
+
+def test_shipped_tokenizer_round_trips_the_corpus():
+    tok = HFTokenizer("configs/tokenizer/tokenizer.json")
+    text = builtin_corpus()
+    ids = tok.encode(text)
+    assert tok.vocab_size == 512 and ids.numel() < len(text.encode()) / 1.5
+    assert tok.decode(ids[1:]) == text
+
+
+def test_kv_cache_equals_full_forward():
+    cfg = config_from_dict({"model": {"dim": 40, "n_heads": 4, "n_kv_heads": 2}}).model
+    model = Transformer(cfg).eval()
+    init_weights(model, 0)
+    tokens = torch.randint(0, 256, (1, 13), generator=torch.Generator().manual_seed(0))
+    cache: list = []
+    with torch.no_grad():
+        full = model(tokens)
+        stepped = [forward_cached(model, tokens[:, :5], cache)]
+        stepped += [forward_cached(model, tokens[:, i : i + 1], cache) for i in range(5, 13)]
+    assert (torch.cat(stepped, dim=1) - full).abs().max().item() < 1e-5
+
+
+def test_greedy_generation_matches_transformers(tmp_path):
+    reference = hf_llama(tmp_path / "hf")
+    model, tok = load_model(tmp_path / "hf")
+    prompt = torch.tensor([5, 17, 99, 3])
+    ours = generate(model, prompt, max_new_tokens=12)
+    theirs = reference.generate(prompt[None], max_new_tokens=12, do_sample=False)[0]
+    assert ours.tolist() == theirs.tolist()
+    sampled = generate(model, prompt, 12, temperature=1.0, top_k=5, seed=1)
+    assert (
+        sampled.tolist() == generate(model, prompt, 12, temperature=1.0, top_k=5, seed=1).tolist()
+    )
+    assert sampled.numel() == 16
