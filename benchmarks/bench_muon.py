@@ -1,8 +1,15 @@
-"""Distributed Muon: the gather-everything baseline, DistMuon on Shard(0) storage
-(redistribution), DistMuon on Owned storage (no communication) and AdamW, side by side
-in one launch per world size, on the same matrices and gradients.
+"""Distributed Muon: this project's gather-everything baseline (GatherMuon, a DistMuon
+subclass that all-gathers every matrix as Moonlight's ZeRO-1 recipe does), DistMuon on
+Shard(0) storage (redistribution), DistMuon on Owned storage (no communication in the
+optimizer) and AdamW, side by side in one launch per world size, on the same matrices.
 
-    .venv/bin/python -m benchmarks.bench_muon [--world-sizes 2 4] [--steps 5]
+Two rows per variant: ``opt`` times ``optimizer.step()`` alone on gradients drawn alike
+for every variant; ``whole`` times forward + backward + ``optimizer.step()``, so that
+the all-gathers and reduce-scatters of each storage layout count too. Each variant
+runs ``--reps`` times (5 by default), the order reversed on every other repetition;
+ratios to (a) are per repetition, then the median with its spread (benchmarks/stats.py).
+
+    .venv/bin/python -m benchmarks.bench_muon [--world-sizes 2 4] [--steps 5] [--reps 5]
 
 Writes benchmarks/results/muon_bench.{json,md}.
 """
@@ -22,117 +29,172 @@ import torch
 from flexshard.optim import muon_balance
 from flexshard.testing import run_distributed
 
-from .muon_rank import BUCKETS, SHAPES, VARIANTS, MatrixBank, rank_main
+from .muon_rank import BATCH, BUCKETS, DIM, MODES, VARIANTS, MatrixBank, rank_main, shapes
+from .stats import RULE, cell, paired_ratios, range_cell, summary, verdict_cell
 
 RESULTS = Path(__file__).parent / "results"
 MB = 2**20
+OWNED_TARGET = 0.30  # (c)'s optimizer step <= 0.30x (a)'s at W = 4
 
 
-def summarise(per_rank: list[dict]) -> dict[str, dict]:
-    rows = {}
-    for variant in VARIANTS:
-        medians: dict[str, list[float]] = {"ms": [], "cpu_ms": []}
-        for key, values in medians.items():
-            for repeat in range(2):
-                runs = [r[variant][repeat][key] for r in per_rank]
-                slowest = [max(run[i] for run in runs) for i in range(len(runs[0]))]
-                values.append(statistics.median(slowest))
-        first = [r[variant][0] for r in per_rank]
-        rows[variant] = {
-            "median_ms": min(medians["ms"]),
-            "median_cpu_ms": min(medians["cpu_ms"]),
-            "collectives_per_step": first[0]["collectives"],
-            "MB_sent_per_step_all_ranks": sum(run["bytes_sent"] for run in first) / MB,
-            "MB_sent_per_step_max_rank": max(run["bytes_sent"] for run in first) / MB,
-            "digest": first[0]["digest"],
-        }
-    base = rows[VARIANTS[0]]
-    for row in rows.values():
-        row["time_vs_a"] = row["median_ms"] / base["median_ms"]
-        row["cpu_vs_a"] = row["median_cpu_ms"] / base["median_cpu_ms"]
-        row["bytes_vs_a"] = row["MB_sent_per_step_all_ranks"] / base["MB_sent_per_step_all_ranks"]
+def _per_rep(per_rank: list[dict], mode: str, variant: str, key: str) -> list[float]:
+    """Per repetition: the median over steps of the slowest rank's time."""
+    reps = len(per_rank[0][mode][variant])
+    out = []
+    for rep in range(reps):
+        runs = [r[mode][variant][rep][key] for r in per_rank]
+        out.append(statistics.median(max(run[i] for run in runs) for i in range(len(runs[0]))))
+    return out
+
+
+def summarise(per_rank: list[dict], world: int) -> dict[str, dict[str, dict]]:
+    """``rows[mode][variant]``: medians over repetitions and paired ratios to (a)."""
+    rows: dict[str, dict[str, dict]] = {}
+    for mode in MODES:
+        rows[mode] = {}
+        for variant in VARIANTS:
+            first = [r[mode][variant][0] for r in per_rank]
+            ms, cpu = (_per_rep(per_rank, mode, variant, k) for k in ("ms", "cpu_ms"))
+            rows[mode][variant] = {
+                "median_ms": statistics.median(ms),
+                "median_cpu_ms": statistics.median(cpu),
+                "ms_per_rep": ms,
+                "cpu_ms_per_rep": cpu,
+                "collectives_per_step": first[0]["collectives"],
+                "MB_sent_per_step_all_ranks": sum(run["bytes_sent"] for run in first) / MB,
+                "MB_sent_per_step_max_rank": max(run["bytes_sent"] for run in first) / MB,
+                "digest": first[0]["digest"],
+            }
+        base = rows[mode][VARIANTS[0]]
+        for variant, row in rows[mode].items():
+            target = OWNED_TARGET if (mode, variant[0], world) == ("opt", "c", 4) else None
+            row["time_vs_a"] = summary(paired_ratios(row["ms_per_rep"], base["ms_per_rep"]), target)
+            row["cpu_vs_a"] = summary(paired_ratios(row["cpu_ms_per_rep"], base["cpu_ms_per_rep"]))
+            sent = base["MB_sent_per_step_all_ranks"]
+            row["bytes_vs_a"] = row["MB_sent_per_step_all_ranks"] / sent if sent else None
     return rows
 
 
-def _checks(w: int, rows: dict[str, dict]) -> list[str]:
-    a, b, c = (rows[v] for v in VARIANTS[:3])
+def _checks(w: int, rows: dict[str, dict[str, dict]]) -> list[str]:
+    a, b, c = (rows["opt"][v] for v in VARIANTS[:3])
+    wa, wb, wc = (rows["whole"][v] for v in VARIANTS[:3])
     same = a["digest"] == b["digest"] == c["digest"]
     return [
-        f"- W = {w}: (c) moves {c['MB_sent_per_step_all_ranks']:.3f} MB in the step "
-        f"(target 0) and takes {c['time_vs_a']:.2f}x (a)'s step time "
-        f"({c['cpu_vs_a']:.2f}x its CPU time)"
-        + (" (target <= 0.30x at W = 4)" if w == 4 else "")
+        f"- W = {w}, optimizer step: (c) moves {c['MB_sent_per_step_all_ranks']:.3f} MB "
+        f"(target 0) and takes {cell(c['time_vs_a'])} x (a)'s time "
+        f"({cell(c['cpu_vs_a'])} x its CPU time)"
+        + (f", verdict {verdict_cell(c['time_vs_a'])}" if w == 4 else "")
         + f"; (b) moves {b['bytes_vs_a']:.3f}x (a)'s bytes (target <= 2/W = {2 / w:.3f}); "
         f"(a), (b), (c) end with {'bit-identical' if same else 'DIFFERENT'} parameters.",
+        f"- W = {w}, whole step: (a) {wa['median_ms']:.1f} ms, (b) {cell(wb['time_vs_a'])} x, "
+        f"(c) {cell(wc['time_vs_a'])} x (a); (c)'s layout moves "
+        f"{wc['MB_sent_per_step_all_ranks']:.3f} MB a step against (b)'s "
+        f"{wb['MB_sent_per_step_all_ranks']:.3f} MB.",
     ]
+
+
+def _table(results: dict[int, dict]) -> list[str]:
+    lines = [
+        "| W | step | variant | median ms | / (a) [IQR] | min–max | verdict | CPU ms "
+        "| CPU / (a) [IQR] | collectives/step | MB sent/step (all ranks) | max rank MB "
+        "| bytes / (a) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for w, rows in results.items():
+        for mode in MODES:
+            for variant in VARIANTS:
+                row = rows[mode][variant]
+                ratio = row["bytes_vs_a"]
+                lines.append(
+                    f"| {w} | {mode} | {variant} | {row['median_ms']:.1f} | "
+                    f"{cell(row['time_vs_a'])} | {range_cell(row['time_vs_a'])} | "
+                    f"{verdict_cell(row['time_vs_a'])} | {row['median_cpu_ms']:.1f} | "
+                    f"{cell(row['cpu_vs_a'])} | {row['collectives_per_step']} | "
+                    f"{row['MB_sent_per_step_all_ranks']:.3f} | "
+                    f"{row['MB_sent_per_step_max_rank']:.3f} | "
+                    + (f"{ratio:.3f} |" if ratio is not None else "– |")
+                )
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
+    parser.add_argument("--reps", type=int, default=5, help="runs per variant and step kind")
+    parser.add_argument("--dim", type=int, default=DIM, help="side of the square matrices")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     started = time.time()
     load_before = os.getloadavg()[0]
-    results = {}
+    results: dict[int, dict] = {}
+    balance = {}
     for w in args.world_sizes:
-        results[w] = summarise(run_distributed(rank_main, w, args.steps, timeout=600))
-        results[w]["balance"] = {"ns_flops_per_rank": muon_balance(MatrixBank(), w).flops}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "muon_bench.json").write_text(json.dumps(results, indent=2))
-    shapes = ", ".join(f"{n} x {s[0]}x{s[1]}" for s, n in _counts().items())
+        per_rank = run_distributed(rank_main, w, args.steps, args.reps, args.dim, timeout=3000)
+        results[w] = summarise(per_rank, w)
+        balance[w] = muon_balance(MatrixBank(args.dim), w).flops
+    args.out.mkdir(exist_ok=True)
+    (args.out / "muon_bench.json").write_text(
+        json.dumps({"rows": results, "ns_flops_per_rank": balance}, indent=2)
+    )
+    bank = shapes(args.dim)
+    listed = ", ".join(f"{n} x {s[0]}x{s[1]}" for s, n in _counts(bank).items())
     lines = [
-        "# Distributed Muon: optimizer step time and bytes",
+        "# Distributed Muon: optimizer step and whole step, time and bytes",
         "",
-        "Command: `.venv/bin/python -m benchmarks.bench_muon`  ",
+        f"Command: `.venv/bin/python -m benchmarks.bench_muon --world-sizes "
+        f"{' '.join(map(str, args.world_sizes))} --steps {args.steps} --reps {args.reps} "
+        f"--dim {args.dim}`  ",
         f"Date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}; "
         f"torch {torch.__version__}; CPU (2 cores), gloo, one thread per rank; "
         f"{time.time() - started:.0f} s; 1-min load average {load_before:.1f} before, "
         f"{os.getloadavg()[0]:.1f} after (other jobs share the machine: wall times vary)",
-        f"Matrices: {shapes} fp32 ({sum(a * b for a, b in SHAPES) / 1e6:.2f} M elements); "
-        f"Muon lr 0.02, 5 Newton–Schulz steps; {args.steps} timed steps after 2 warm-up, "
-        "median over steps of the slowest rank, best of 2 interleaved repeats.",
+        f"Matrices: {listed} fp32 ({sum(a * b for a, b in bank) / 1e6:.2f} M elements); "
+        f"Muon lr 0.02, 5 Newton–Schulz steps; {args.steps} timed steps after 2 warm-up "
+        f"per run, median over steps of the slowest rank; {args.reps} runs per variant "
+        "and step kind, the order reversed on every other repetition.",
         "",
-        "| W | variant | median step ms | / (a) | CPU ms | / (a) | collectives/step "
-        "| MB sent/step (all ranks) | max rank MB | bytes / (a) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        RULE,
+        "",
+        *_table(results),
+        "",
+        "Checks:",
     ]
-    for w, rows in results.items():
-        for variant in VARIANTS:
-            row = rows[variant]
-            lines.append(
-                f"| {w} | {variant} | {row['median_ms']:.1f} | {row['time_vs_a']:.2f} | "
-                f"{row['median_cpu_ms']:.1f} | {row['cpu_vs_a']:.2f} | "
-                f"{row['collectives_per_step']} | {row['MB_sent_per_step_all_ranks']:.3f} | "
-                f"{row['MB_sent_per_step_max_rank']:.3f} | {row['bytes_vs_a']:.3f} |"
-            )
-    lines += ["", "Checks:"]
     for w, rows in results.items():
         lines += _checks(w, rows)
     lines += [
         "",
-        f"- (a) and (b) store the matrices in {BUCKETS} Shard(0) buckets; (c) uses the",
+        "- (a) is this project's own gather-everything baseline "
+        "(`benchmarks/muon_gather.py`: a `DistMuon` subclass with the same update rule that",
+        "  all-gathers every full matrix in bf16 and runs every Newton–Schulz on every rank,",
+        "  as Moonlight's ZeRO-1 recipe does), not a third-party implementation.",
+        f"- (a), (b) and (d) store the matrices in {BUCKETS} Shard(0) buckets; (c) uses the",
         "  `muon_buckets` plan (one Owned bucket, owners pinned by LPT on Newton–Schulz",
-        "  FLOPs: per rank " + "; ".join(
-            f"W = {w}: " + ", ".join(f"{f / 1e9:.2f}" for f in rows["balance"]["ns_flops_per_rank"])
-            for w, rows in results.items()
-        ) + " GFLOP).",
-        "- Bytes: what each rank puts on the wire, summed over ranks (a rank's piece for",
-        "  itself excluded; an all-gather counted as the ring algorithm sends it). (a) and",
-        "  (b) both send bf16 (Newton–Schulz casts to bf16 first, so no bit changes).",
-        "- Step ms: wall time of `optimizer.step()` on the slowest rank; CPU ms: the CPU time",
-        "  of the busiest rank's process in the step (gloo's threads included), which other",
-        "  load on the machine does not inflate. With W ranks on 2 cores the ranks compete",
-        "  for the CPU: (a) runs W copies of every Newton–Schulz, (c) one, spread over the",
-        "  ranks; compare rows of one W.",
+        "  FLOPs: per rank "
+        + "; ".join(
+            f"W = {w}: " + ", ".join(f"{f / 1e9:.2f}" for f in flops)
+            for w, flops in balance.items()
+        )
+        + " GFLOP).",
+        "- `opt`: `optimizer.step()` alone, on gradients drawn alike for every variant.",
+        f"  `whole`: forward ({BATCH} input rows per rank through every matrix) + backward +",
+        "  `optimizer.step()`: the all-gathers of the storage layout (an Owned bucket is",
+        "  gathered whole, padding included) and the gradient reduce-scatter count here.",
+        "- Bytes: what each rank puts on the wire (optimizer and parameter collectives),",
+        "  summed over ranks (a rank's piece for itself excluded; an all-gather counted as",
+        "  the ring algorithm sends it). (a) and (b) both send bf16 in the optimizer.",
+        "- ms: wall time on the slowest rank; CPU ms: the CPU time of the busiest rank's",
+        "  process (gloo's threads included), which other load on the machine inflates",
+        "  less. With W ranks on 2 cores the ranks compete for the CPU: (a) runs W copies",
+        "  of every Newton–Schulz, (c) one, spread over the ranks; compare rows of one W.",
     ]
-    (RESULTS / "muon_bench.md").write_text("\n".join(lines) + "\n")
+    (args.out / "muon_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
-def _counts() -> dict[tuple[int, int], int]:
+def _counts(bank: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
     counts: dict[tuple[int, int], int] = {}
-    for shape in SHAPES:
+    for shape in bank:
         counts[shape] = counts.get(shape, 0) + 1
     return counts
 

@@ -4,10 +4,14 @@ per rank on CPU (gloo).
 
     .venv/bin/python -m benchmarks.bench_parallel            # 4- and 8-rank layouts
     .venv/bin/python -m benchmarks.bench_parallel --with-5d  # and the 16-rank 5-D layout
+    .venv/bin/python -m benchmarks.bench_parallel --quick    # two 4-rank layouts, 2 reps
 
-Per world size, all layouts and both backends run inside the same processes,
-interleaved (flexshard, fsdp2, ...), same model, data and seed; only
-``parallelism.dp_backend`` differs. Results: benchmarks/results/parallel_bench.{json,md,png}.
+Per world size, all layouts and both backends run inside the same processes, same
+model, data and seed; only ``parallelism.dp_backend`` differs. Per layout the two
+backends run ``--reps`` times (5 by default), their order flipped every repetition;
+the ratio is flexshard's step time over FSDP2's per repetition, then the median with
+its spread and a verdict (benchmarks/stats.py).
+Results: benchmarks/results/parallel_bench.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +30,8 @@ import torch
 
 from flexshard.testing import run_distributed
 
-from .bench_trainer import measured_run, trainer_table
+from .bench_trainer import compare, measured_run, per_rep, trainer_table
+from .stats import RULE, alternating, cell, range_cell, verdict_cell
 
 RESULTS = Path(__file__).parent / "results"
 BACKENDS = ("flexshard", "fsdp2")
@@ -53,14 +59,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
-    p.add_argument("--reps", type=int, default=1, help="interleaved runs per backend")
+    p.add_argument("--reps", type=int, default=5, help="runs per backend, order flipped each")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--batch", type=int, default=2, help="sequences per dp rank per step")
     p.add_argument("--with-5d", action="store_true", help="also the 16-rank 5-D layout")
+    p.add_argument("--quick", action="store_true", help="smoke run: two 4-rank layouts, 2 reps")
     p.add_argument("--out", type=Path, default=RESULTS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.reps = 5, 2, 2
+    return args
+
+
+def chosen_layouts(args: argparse.Namespace) -> list[str]:
+    if args.quick:
+        return ["dp2 x tp2", "hsdp 2 x 2"]
+    return [n for n, (w, _, _) in LAYOUTS.items() if w < 16 or args.with_5d]
 
 
 def layout_table(args: argparse.Namespace, name: str, backend: str, folder: str) -> dict:
@@ -73,11 +89,12 @@ def layout_table(args: argparse.Namespace, name: str, backend: str, folder: str)
 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace, names: list[str], folder: str):
-    """Every layout of this world size, both backends, ``reps`` times, interleaved."""
+    """Every layout of this world size, both backends, ``reps`` times, their order
+    flipped every repetition."""
     out = []
     for name in names:
         for rep in range(args.reps):
-            for backend in BACKENDS:
+            for backend in alternating(BACKENDS, rep):
                 where = f"{folder}/{len(out)}"
                 records, peak_rss_mb = measured_run(args, layout_table(args, name, backend, where))
                 timed = records[args.warmup :]
@@ -87,6 +104,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, names: list[str]
                         "backend": backend,
                         "rep": rep,
                         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+                        "step_ms": 1000 * statistics.median(r["step_time_s"] for r in timed),
                         "peak_rss_mb": peak_rss_mb,
                         "losses": [r["loss"] for r in records],
                     }
@@ -94,35 +112,42 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, names: list[str]
     return out
 
 
+STEP_TARGET = 1.00  # flexshard's step no slower than FSDP2's on every layout
+
+
 def summarise(world_size: int, per_rank: list[list[dict]]) -> list[dict]:
-    """Per layout and backend: the best rep's tokens/s (the slowest rank's), peak RSS
-    max over ranks (min over reps); the losses of both backends side by side."""
+    """Per layout and backend the medians over repetitions (tokens/s the slowest
+    rank's, peak RSS the max over ranks); on flexshard's row its paired ratios to FSDP2
+    and the largest loss gap between the backends' first runs."""
     rows = []
     for name in dict.fromkeys(r["layout"] for r in per_rank[0]):
+        reps, losses = {}, {}
         for backend in BACKENDS:
             runs = [
-                [r for r in rank_runs if r["layout"] == name and r["backend"] == backend]
+                sorted(
+                    (r for r in rank_runs if r["layout"] == name and r["backend"] == backend),
+                    key=lambda r: r["rep"],
+                )
                 for rank_runs in per_rank
             ]
-            reps = len(runs[0])
-            tps = [min(rank[i]["tokens_per_s"] for rank in runs) for i in range(reps)]
+            reps[backend], losses[backend] = per_rep(runs), runs[0][0]["losses"]
+            tps = statistics.median(reps[backend]["tokens_per_s"])
             rows.append(
                 {
                     "layout": name,
                     "world_size": world_size,
                     "backend": backend,
-                    "tokens_per_s": max(tps),
-                    "tokens_per_s_per_rank": max(tps) / world_size,
-                    "peak_rss_mb_per_rank": min(
-                        max(rank[i]["peak_rss_mb"] for rank in runs) for i in range(reps)
-                    ),
-                    "losses": runs[0][0]["losses"],
+                    "tokens_per_s": tps,
+                    "tokens_per_s_per_rank": tps / world_size,
+                    "peak_rss_mb_per_rank": statistics.median(reps[backend]["peak_rss_mb"]),
+                    "losses": losses[backend],
+                    "per_rep": reps[backend],
                 }
             )
         flex, fsdp2 = rows[-2], rows[-1]
-        flex["vs_fsdp2"] = flex["tokens_per_s"] / fsdp2["tokens_per_s"]
-        fsdp2["vs_fsdp2"] = 1.0
-        gap = max(abs(a - b) / b for a, b in zip(flex["losses"], fsdp2["losses"]))
+        flex.update(compare(reps["flexshard"], reps["fsdp2"], STEP_TARGET))
+        pairs = zip(losses["flexshard"], losses["fsdp2"])
+        gap = max(abs(a - b) / b for a, b in pairs)
         flex["loss_gap_vs_fsdp2"] = fsdp2["loss_gap_vs_fsdp2"] = gap
     return rows
 
@@ -136,25 +161,41 @@ def markdown(rows: list[dict], meta: dict[str, Any]) -> str:
         f"Model: dim {meta['dim']}, {meta['layers']} layers, 4 heads / 2 kv heads (MoE: 4 "
         f"routed experts, top 2, + 1 shared); {meta['batch']} sequences x {meta['seq_len']} "
         f"tokens per data-parallel rank per step; AdamW, fp32; {meta['steps']} steps per run, "
-        f"the first {meta['warmup']} left out; {meta['reps']} run(s) per backend, best kept.",
+        f"the first {meta['warmup']} left out; {meta['reps']} runs per backend, their order "
+        "flipped every repetition.",
         "",
-        "| layout | W | backend | tokens/s | tokens/s per rank | / FSDP2 | peak RSS MB per rank"
-        " | max loss gap flexshard vs FSDP2 |",
-        "|---|---|---|---|---|---|---|---|",
+        RULE,
+        "",
+        "| layout | W | flexshard tokens/s | FSDP2 tokens/s | step / FSDP2 [IQR] | min–max "
+        "| verdict | peak RSS MB/rank (flexshard, FSDP2) | RSS / FSDP2 [IQR] "
+        "| max loss gap |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['layout']} | {r['world_size']} | {r['backend']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_s_per_rank']:,.1f} | {r['vs_fsdp2']:.2f} | "
-            f"{r['peak_rss_mb_per_rank']:.1f} | {r['loss_gap_vs_fsdp2']:.1e} |"
-        )
+    for flex, fsdp2 in zip(rows[::2], rows[1::2]):
+        step, rss = flex["step_vs_fsdp2"], flex["rss_vs_fsdp2"]
+        cells = [
+            flex["layout"],
+            flex["world_size"],
+            f"{flex['tokens_per_s']:,.0f}",
+            f"{fsdp2['tokens_per_s']:,.0f}",
+            cell(step),
+            range_cell(step),
+            verdict_cell(step),
+            f"{flex['peak_rss_mb_per_rank']:.1f}, {fsdp2['peak_rss_mb_per_rank']:.1f}",
+            cell(rss),
+            f"{flex['loss_gap_vs_fsdp2']:.1e}",
+        ]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += [
         "",
         "- tokens/s: global batch tokens / wall time of one optimizer step, median over the "
-        "timed steps, the slowest rank's; per rank = / W.",
+        "timed steps, the slowest rank's, then the median over repetitions. step / FSDP2: "
+        "per repetition FSDP2's tokens/s over flexshard's (= flexshard's step time over "
+        "FSDP2's).",
         "- peak RSS per rank: VmHWM (reset before the run) minus the RSS before the model "
-        "was built; max over ranks. flexshard builds on meta and initialises its shards; "
-        "the FSDP2 backend builds the whole (tiny) model on every rank first.",
+        "was built; max over ranks, median over repetitions. flexshard builds on meta and "
+        "initialises its shards; the FSDP2 backend builds the whole (tiny) model on every "
+        "rank first.",
         "- Tiny models on an oversubscribed 2-core machine (W processes on 2 cores): the "
         "numbers compare the two backends on one layout, not layouts with each other.",
     ]
@@ -191,10 +232,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    sizes = sorted({w for w, _, _ in LAYOUTS.values() if w < 16 or args.with_5d})
+    chosen = chosen_layouts(args)
+    sizes = sorted({LAYOUTS[n][0] for n in chosen})
     rows = []
     for world_size in sizes:
-        names = [n for n, (w, _, _) in LAYOUTS.items() if w == world_size]
+        names = [n for n in chosen if LAYOUTS[n][0] == world_size]
         folder = f"/tmp/bench_parallel_{os.getpid()}/w{world_size}"
         per_rank = run_distributed(_rank, world_size, args, names, folder, timeout=3000)
         rows += summarise(world_size, per_rank)
@@ -203,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['layout']:>40} {r['backend']:>9}: {r['tokens_per_s']:8.0f} tok/s", flush=True
             )
     meta = {
-        "command": "python -m benchmarks.bench_parallel" + (" --with-5d" if args.with_5d else ""),
+        "command": " ".join(["python -m benchmarks.bench_parallel", *(argv or sys.argv[1:])]),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -212,12 +254,11 @@ def main(argv: list[str] | None = None) -> None:
         **{k: getattr(args, k) for k in ("warmup", "reps")},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "parallel_bench.json").write_text(
-        json.dumps({"meta": meta, "rows": rows}, indent=1)
-    )
-    (args.out / "parallel_bench.md").write_text(markdown(rows, meta))
+    stem = "parallel_bench_quick" if args.quick else "parallel_bench"  # keep the real results
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / f"{stem}.md").write_text(markdown(rows, meta))
     try:
-        plot(rows, args.out / "parallel_bench.png")
+        plot(rows, args.out / f"{stem}.png")
     except ImportError:
         print("matplotlib missing: no PNG")
     print(markdown(rows, meta))

@@ -1,7 +1,11 @@
 """Block-quantized all-gather: fp32, bf16, FP8 128x128 and MXFP8 32x32 flexshard buckets
 side by side with torch FSDP2 in bf16, same model and data, in one launch.
 
-    .venv/bin/python -m benchmarks.bench_quant [--world-sizes 2 4] [--steps 8]
+    .venv/bin/python -m benchmarks.bench_quant [--world-sizes 2 4] [--steps 6] [--reps 5]
+
+Every configuration runs ``--reps`` times (5 by default), the order reversed on every
+other repetition; the time ratio to FSDP2 bf16 is per repetition, then the median
+with its spread (benchmarks/stats.py).
 
 Writes benchmarks/results/quant_bench.{json,md}.
 """
@@ -28,6 +32,7 @@ from flexshard.quant import MXFP8, FP8Blockwise
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
 from .measure import CollectiveCounter
+from .stats import RULE, alternating, cell, paired_ratios, range_cell, summary
 
 RESULTS = Path(__file__).parent / "results"
 CFG = TransformerConfig(vocab=1024, dim=256, heads=8, hidden=1024, layers=4, seq=64)
@@ -113,11 +118,11 @@ def _run(name: str, rank: int, world_size: int, mesh: DeviceMesh, steps: int) ->
     }
 
 
-def _rank(rank: int, world_size: int, steps: int) -> dict:
+def _rank(rank: int, world_size: int, steps: int, reps: int) -> dict:
     mesh = init_device_mesh("cpu", (world_size,))
     out: dict[str, list] = {name: [] for name in CONFIGS}
-    for repeat in range(2):  # interleave, the second time in reverse, to spread the noise
-        for name in CONFIGS if repeat == 0 else reversed(CONFIGS):
+    for rep in range(reps):  # the order reversed on every other repetition
+        for name in alternating(tuple(CONFIGS), rep):
             out[name].append(_run(name, rank, world_size, mesh, steps))
     return out
 
@@ -126,7 +131,7 @@ def _summarise(per_rank: list[dict]) -> dict[str, dict]:
     rows = {}
     for name in CONFIGS:
         medians = []
-        for repeat in range(2):
+        for repeat in range(len(per_rank[0][name])):
             slowest = [
                 max(r[name][repeat]["ms"][i] for r in per_rank)
                 for i in range(len(per_rank[0][name][repeat]["ms"]))
@@ -134,27 +139,33 @@ def _summarise(per_rank: list[dict]) -> dict[str, dict]:
             medians.append(statistics.median(slowest))
         run = per_rank[0][name][0]
         rows[name] = {
-            "median_ms": min(medians),
+            "median_ms": statistics.median(medians),
+            "ms_per_rep": medians,
             "all_gather_MB": run["all_gather_bytes"] / 2**20,
             "bytes_per_element": run["per_element"],
         }
     bf16 = rows["flex bf16"]["all_gather_MB"]
-    fsdp2 = rows["fsdp2 bf16"]["median_ms"]
+    fsdp2 = rows["fsdp2 bf16"]["ms_per_rep"]
     for row in rows.values():
         row["bytes_vs_bf16"] = row["all_gather_MB"] / bf16
-        row["time_vs_fsdp2"] = row["median_ms"] / fsdp2
+        row["time_vs_fsdp2"] = summary(paired_ratios(row["ms_per_rep"], fsdp2))
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per run")
+    parser.add_argument("--reps", type=int, default=5, help="runs per configuration")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     started = time.time()
-    results = {w: _summarise(run_distributed(_rank, w, args.steps)) for w in args.world_sizes}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "quant_bench.json").write_text(json.dumps(results, indent=2))
+    results = {
+        w: _summarise(run_distributed(_rank, w, args.steps, args.reps, timeout=1200))
+        for w in args.world_sizes
+    }
+    args.out.mkdir(exist_ok=True)
+    (args.out / "quant_bench.json").write_text(json.dumps(results, indent=2))
     notes = [
         "",
         "- B/elem: all-gather bytes per parameter element received in the tiled buckets (block",
@@ -167,25 +178,32 @@ def main() -> None:
     lines = [
         "# Quantized all-gather: bytes and step time",
         "",
-        "Command: `.venv/bin/python -m benchmarks.bench_quant`  ",
+        f"Command: `.venv/bin/python -m benchmarks.bench_quant --world-sizes "
+        f"{' '.join(map(str, args.world_sizes))} --steps {args.steps} --reps {args.reps}`  ",
         f"Date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}; "
         f"torch {torch.__version__}; CPU, gloo; {time.time() - started:.0f} s",
         f"Model: TinyTransformer {CFG}, batch 4, AdamW; block matrices, embedding and head in "
-        "128 x 128 BlockShard tiles; compute in bf16 (fp32 row: fp32).",
+        f"128 x 128 BlockShard tiles; compute in bf16 (fp32 row: fp32); {args.steps} timed "
+        f"steps after 2 warm-up per run, median over steps of the slowest rank; {args.reps} "
+        "runs per configuration, the order reversed on every other repetition.",
         "",
-        "| W | config | median ms | / FSDP2 bf16 | all-gather MB/step | / bf16 bytes | B/elem |",
-        "|---|---|---|---|---|---|---|",
+        RULE,
+        "",
+        "| W | config | median ms | / FSDP2 bf16 [IQR] | min–max | all-gather MB/step "
+        "| / bf16 bytes | B/elem |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for w, rows in results.items():
         for name, row in rows.items():
             per_element = row["bytes_per_element"]
             lines.append(
-                f"| {w} | {name} | {row['median_ms']:.1f} | {row['time_vs_fsdp2']:.2f} | "
+                f"| {w} | {name} | {row['median_ms']:.1f} | {cell(row['time_vs_fsdp2'])} | "
+                f"{range_cell(row['time_vs_fsdp2'])} | "
                 f"{row['all_gather_MB']:.3f} | {row['bytes_vs_bf16']:.3f} | "
                 + (f"{per_element:.4f} |" if per_element else "– |")
             )
     lines += notes
-    (RESULTS / "quant_bench.md").write_text("\n".join(lines) + "\n")
+    (args.out / "quant_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

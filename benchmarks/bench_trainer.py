@@ -4,9 +4,12 @@ tokens/s and peak memory per rank on CPU (gloo), W = 2 and 4, side by side.
     .venv/bin/python -m benchmarks.bench_trainer              # W = 2 and 4
     .venv/bin/python -m benchmarks.bench_trainer --quick      # W = 2, fewer steps
 
-Both backends run inside the same W processes, interleaved (flexshard, fsdp2,
-flexshard, fsdp2, ...), on the same model, data, seed and config; only
-``parallelism.dp_backend`` differs. Results: benchmarks/results/trainer_bench.{json,md,png}.
+Both backends run inside the same W processes, ``--reps`` times (5 by default), their
+order flipped every repetition (flexshard, fsdp2, fsdp2, flexshard, ...), on the same
+model, data, seed and config; only ``parallelism.dp_backend`` differs. Per repetition
+flexshard's step time over FSDP2's, then the median over repetitions with its spread
+and a verdict against issue 11's target (benchmarks/stats.py).
+Results: benchmarks/results/trainer_bench.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,7 @@ from flexshard.trainer.model import count_params
 from flexshard.trainer.train import run
 
 from .measure import peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
+from .stats import RULE, alternating, cell, paired_ratios, range_cell, summary, verdict_cell
 
 RESULTS = Path(__file__).parent / "results"
 BACKENDS = ("flexshard", "fsdp2")
@@ -38,18 +44,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--steps", type=int, default=12, help="steps per run, warm-up included")
+    p.add_argument("--steps", type=int, default=10, help="steps per run, warm-up included")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
-    p.add_argument("--reps", type=int, default=2, help="interleaved runs per backend")
+    p.add_argument("--reps", type=int, default=5, help="runs per backend, order flipped each")
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    p.add_argument("--quick", action="store_true", help="W = 2, 6 steps, 1 rep")
+    p.add_argument("--quick", action="store_true", help="W = 2, 5 steps, 2 reps")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if args.quick:
-        args.world_sizes, args.steps, args.warmup, args.reps = [2], 6, 2, 1
+        args.world_sizes, args.steps, args.warmup, args.reps = [2], 5, 2, 2
     return args
 
 
@@ -98,11 +104,11 @@ def measured_run(args: argparse.Namespace, table: dict[str, Any]) -> tuple[list[
 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace, folder: str) -> list[dict]:
-    """Every backend, ``reps`` times, interleaved; per run this rank's median tokens/s
-    and its peak RSS above the RSS before the model was built."""
+    """Both backends, ``reps`` times, their order flipped every repetition; per run this
+    rank's median tokens/s and its peak RSS above the RSS before the model was built."""
     out = []
     for rep in range(args.reps):
-        for backend in BACKENDS:
+        for backend in alternating(BACKENDS, rep):
             parallelism = {"dp_backend": backend}
             table = trainer_table(args, model_table(args), parallelism, f"{folder}/{backend}{rep}")
             records, peak_rss_mb = measured_run(args, table)
@@ -112,9 +118,6 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, folder: str) -> 
                     "backend": backend,
                     "rep": rep,
                     "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
-                    "tokens_per_s_per_rank": statistics.median(
-                        r["tokens_per_s_per_rank"] for r in records
-                    ),
                     "step_ms": 1000 * statistics.median(r["step_time_s"] for r in records),
                     "peak_rss_mb": peak_rss_mb,
                     "loss_last": records[-1]["loss"],
@@ -124,33 +127,54 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, folder: str) -> 
     return out
 
 
+def per_rep(runs: list[list[dict]]) -> dict[str, list[float]]:
+    """``runs[rank][rep]`` -> per repetition the slowest rank's tokens/s and step ms
+    (the step ends when the last rank's does) and the largest peak RSS over ranks."""
+    reps = range(len(runs[0]))
+    return {
+        "tokens_per_s": [min(rank[i]["tokens_per_s"] for rank in runs) for i in reps],
+        "step_ms": [max(rank[i]["step_ms"] for rank in runs) for i in reps],
+        "peak_rss_mb": [max(rank[i]["peak_rss_mb"] for rank in runs) for i in reps],
+    }
+
+
+def compare(
+    flex: dict[str, list[float]], fsdp2: dict[str, list[float]], step_target: float | None
+) -> dict[str, dict]:
+    """flexshard against FSDP2, repetition by repetition: the step-time ratio (FSDP2's
+    tokens/s over flexshard's) and the peak-RSS ratio, each with spread and verdict."""
+    step = paired_ratios(fsdp2["tokens_per_s"], flex["tokens_per_s"])
+    rss = paired_ratios(flex["peak_rss_mb"], fsdp2["peak_rss_mb"])
+    return {"step_vs_fsdp2": summary(step, step_target), "rss_vs_fsdp2": summary(rss, 1.0)}
+
+
+STEP_TARGET = 0.95  # issue 11: flexshard's step <= 0.95x FSDP2's
+
+
 def summarise(world_size: int, per_rank: list[list[dict]]) -> list[dict]:
-    """Per backend: the best rep's tokens/s (slowest rank's step sets the pace, and
-    all ranks report the same global rate), peak RSS max over ranks, min over reps."""
-    rows = []
+    """Per backend the medians over repetitions; on flexshard's row its ratios to FSDP2."""
+    rows, reps = [], {}
     for backend in BACKENDS:
-        runs = [[r for r in rank_runs if r["backend"] == backend] for rank_runs in per_rank]
-        reps = len(runs[0])
-        tps = [min(rank[i]["tokens_per_s"] for rank in runs) for i in range(reps)]
-        best = max(range(reps), key=lambda i: tps[i])
+        runs = [
+            sorted((r for r in rank_runs if r["backend"] == backend), key=lambda r: r["rep"])
+            for rank_runs in per_rank
+        ]
+        reps[backend] = per_rep(runs)
+        tps = statistics.median(reps[backend]["tokens_per_s"])
         rows.append(
             {
                 "world_size": world_size,
                 "backend": backend,
-                "tokens_per_s": tps[best],
-                "tokens_per_s_per_rank": tps[best] / world_size,
-                "step_ms": max(rank[best]["step_ms"] for rank in runs),
-                "peak_rss_mb_per_rank": min(
-                    max(rank[i]["peak_rss_mb"] for rank in runs) for i in range(reps)
-                ),
-                "comm_mb_per_step": runs[0][best]["comm_mb_per_step"],
-                "loss_last": runs[0][best]["loss_last"],
-                "tokens_per_s_reps": tps,
+                "tokens_per_s": tps,
+                "tokens_per_s_per_rank": tps / world_size,
+                "step_ms": statistics.median(reps[backend]["step_ms"]),
+                "peak_rss_mb_per_rank": statistics.median(reps[backend]["peak_rss_mb"]),
+                "comm_mb_per_step": runs[0][0]["comm_mb_per_step"],
+                "loss_last": runs[0][0]["loss_last"],
+                "per_rep": reps[backend],
             }
         )
-    fsdp2 = rows[1]["tokens_per_s"]
-    for row in rows:
-        row["vs_fsdp2"] = row["tokens_per_s"] / fsdp2
+    rows[0].update(compare(reps["flexshard"], reps["fsdp2"], STEP_TARGET))
     return rows
 
 
@@ -158,30 +182,50 @@ def markdown(rows: list[dict], meta: dict[str, Any]) -> str:
     lines = [
         "# Trainer benchmark: flexshard vs torch FSDP2 (CPU, gloo)",
         "",
-        f"`{meta['command']}` on {meta['machine']}, torch {meta['torch']}, {meta['date']}.",
+        f"`{meta['command']}` on {meta['machine']}, torch {meta['torch']}, {meta['date']}, "
+        f"{meta['runtime_s']:.0f} s, load average {meta['load_start']} at start, "
+        f"{meta['load_end']} at end (other jobs share the machine).",
         f"Model: {meta['model']}; {meta['batch']} sequences x {meta['seq_len']} tokens per rank"
         f" per step; AdamW, fp32; {meta['steps']} steps per run, the first {meta['warmup']} "
-        f"left out; {meta['reps']} interleaved runs per backend, best kept.",
+        f"left out; {meta['reps']} runs per backend, their order flipped every repetition.",
         "",
-        "| W | backend | tokens/s | tokens/s per rank | / FSDP2 | step ms | peak RSS MB per rank"
+        RULE,
+        "",
+        "| W | backend | tokens/s | tokens/s per rank | step ms | step / FSDP2 [IQR] | min–max"
+        " | step verdict | peak RSS MB per rank | RSS / FSDP2 [IQR] | RSS verdict"
         " | comm MB/step (rank 0) | loss at last step |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        comm = f"{r['comm_mb_per_step']:.2f}" if r["backend"] == "flexshard" else "–"
-        lines.append(
-            f"| {r['world_size']} | {r['backend']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_s_per_rank']:,.0f} | {r['vs_fsdp2']:.2f} | {r['step_ms']:.1f} | "
-            f"{r['peak_rss_mb_per_rank']:.1f} | {comm} | {r['loss_last']:.4f} |"
-        )
+        flex = r["backend"] == "flexshard"
+        step, rss = r.get("step_vs_fsdp2"), r.get("rss_vs_fsdp2")
+        ratios = [cell(step), range_cell(step), verdict_cell(step)] if step else ["1.00", "–", "–"]
+        mem = [cell(rss), verdict_cell(rss)] if rss else ["1.00", "–"]
+        cells = [
+            r["world_size"],
+            r["backend"],
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['tokens_per_s_per_rank']:,.0f}",
+            f"{r['step_ms']:.1f}",
+            *ratios,
+            f"{r['peak_rss_mb_per_rank']:.1f}",
+            *mem,
+            f"{r['comm_mb_per_step']:.2f}" if flex else "–",
+            f"{r['loss_last']:.4f}",
+        ]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += [
         "",
         "- tokens/s: global batch tokens / wall time of one optimizer step (forward, "
         "backward, clipping, AdamW, loss all-reduce), median over the timed steps, the "
-        "slowest rank's; per rank = / W.",
+        "slowest rank's, then the median over repetitions; per rank = / W. step ms: the "
+        "same, as a time.",
+        "- step / FSDP2: per repetition FSDP2's tokens/s over flexshard's (= flexshard's "
+        "step time over FSDP2's); target <= 0.95 (issue 11).",
         "- peak RSS per rank: VmHWM (reset through /proc/self/clear_refs before the run) "
-        "minus the RSS before the model was built; max over ranks, min over runs. It "
-        "includes glibc's cached free memory and gloo buffers.",
+        "minus the RSS before the model was built; max over ranks, median over "
+        "repetitions; RSS / FSDP2 paired per repetition, target <= 1.00. It includes "
+        "glibc's cached free memory and gloo buffers.",
         "- The machine is shared and noisy: compare rows of one W, not runs.",
     ]
     return "\n".join(lines) + "\n"
@@ -218,25 +262,30 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    started, load_start = time.perf_counter(), os.getloadavg()
     rows = []
     for world_size in args.world_sizes:
         folder = f"/tmp/flexshard_bench_trainer/w{world_size}"
         per_rank = run_distributed(_rank, world_size, args, folder, timeout=1200)
         rows += summarise(world_size, per_rank)
-        for row in rows[-2:]:
-            print(
-                f"W={world_size} {row['backend']:<9} {row['tokens_per_s']:>9,.0f} tok/s "
-                f"({row['vs_fsdp2']:.2f}x FSDP2)  peak RSS/rank {row['peak_rss_mb_per_rank']:.1f}"
-                " MB",
-                flush=True,
-            )
+        flex, fsdp2 = rows[-2:]
+        print(
+            f"W={world_size}: flexshard {flex['tokens_per_s']:,.0f} tok/s, fsdp2 "
+            f"{fsdp2['tokens_per_s']:,.0f} tok/s; step / FSDP2 {cell(flex['step_vs_fsdp2'])} "
+            f"{flex['step_vs_fsdp2']['verdict']}; RSS / FSDP2 {cell(flex['rss_vs_fsdp2'])}",
+            flush=True,
+        )
     model_cfg = config_from_dict({"model": model_table(args)}).model
     total, _ = count_params(model_cfg)
+    load = ", ".join
     meta = {
         "command": "python -m benchmarks.bench_trainer" + (" --quick" if args.quick else ""),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads in the parent",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "runtime_s": time.perf_counter() - started,
+        "load_start": load(f"{x:.1f}" for x in load_start),
+        "load_end": load(f"{x:.1f}" for x in os.getloadavg()),
         "model": f"dim {model_cfg.dim}, {model_cfg.n_layers} layers, {model_cfg.n_heads} heads "
         f"({model_cfg.n_kv_heads} kv), {total:,} parameters, byte vocabulary",
         "batch": args.batch,
@@ -245,10 +294,12 @@ def main(argv: list[str] | None = None) -> None:
         "warmup": args.warmup,
         "reps": args.reps,
     }
-    (args.out / "trainer_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (args.out / "trainer_bench.md").write_text(markdown(rows, meta))
-    plot(rows, args.out / "trainer_bench.png")
-    print(f"wrote {args.out}/trainer_bench.{{json,md,png}}")
+    stem = "trainer_bench_quick" if args.quick else "trainer_bench"  # keep the real results
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / f"{stem}.md").write_text(markdown(rows, meta))
+    plot(rows, args.out / f"{stem}.png")
+    print(markdown(rows, meta))
+    print(f"wrote {args.out}/{stem}.{{json,md,png}}")
 
 
 if __name__ == "__main__":

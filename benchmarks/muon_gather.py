@@ -1,6 +1,7 @@
-"""The gather-everything Muon baseline (as Moonlight's ZeRO-1 does): every rank
-all-gathers every full matrix of each bucket and runs Newton–Schulz on all of them,
-then keeps its own shard of each update."""
+"""This project's own gather-everything Muon baseline, written for the benchmark (not
+a third-party implementation): the scheme of Moonlight's ZeRO-1 recipe, where every
+rank all-gathers every full matrix of each bucket and runs Newton–Schulz on all of
+them, then keeps its own shard of each update."""
 
 from __future__ import annotations
 
@@ -53,4 +54,5 @@ class GatherMuon(DistMuon):
                 if not regions:
                     continue
                 mine = torch.cat([r.view_of(full_update).reshape(-1) for r in regions])
-                self._apply(target, mine.view(param.shape), target.shape)
+                # target.param is this rank's local tensor (param is a DTensor)
+                self._apply(target, mine.view(target.param.shape), target.shape)

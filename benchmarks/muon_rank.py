@@ -1,4 +1,7 @@
-"""One rank of the Muon benchmark: every variant on the same matrices and gradients."""
+"""One rank of the Muon benchmark: every variant on the same matrices, timed two ways:
+``opt`` (``optimizer.step()`` on gradients drawn alike for every variant) and ``whole``
+(forward + backward + ``optimizer.step()`` on a small data-parallel batch, so that the
+all-gathers and reduce-scatters of each variant's storage layout are counted too)."""
 
 from __future__ import annotations
 
@@ -14,40 +17,67 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import flexshard as fs
 from flexshard.optim import DistMuon, muon_buckets
+from flexshard.runtime.region_dtensor import wrap
 
 from .muon_gather import GatherMuon
+from .stats import alternating
 
-#: Newton–Schulz-dominated: 8 square and 8 rectangular matrices; at W = 2 and 4 LPT
-#: gives every rank the same work (the 8 squares first, two or four each, then the rest)
-SHAPES = [(512, 512)] * 8 + [(512, 256)] * 4 + [(256, 512)] * 4
+DIM = 512
+
+
+def shapes(dim: int = DIM) -> list[tuple[int, int]]:
+    """Newton–Schulz-dominated: 8 square and 8 rectangular matrices; at W = 2 and 4 LPT
+    gives every rank the same work (the 8 squares first, two or four each, then the rest)."""
+    half = dim // 2
+    return [(dim, dim)] * 8 + [(dim, half)] * 4 + [(half, dim)] * 4
+
+
 BUCKETS = 4  # consecutive matrices per bucket: the redistribution pipelines over them
 LR = 0.02
-VARIANTS = ("a gather-everything", "b DistMuon Shard(0)", "c DistMuon Owned", "d AdamW")
+#: (a) is this project's own baseline (benchmarks/muon_gather.py, a DistMuon subclass
+#: that all-gathers every matrix, as Moonlight's ZeRO-1 recipe does), not a third party's
+VARIANTS = (
+    "a GatherMuon (own gather-all baseline)",
+    "b DistMuon Shard(0)",
+    "c DistMuon Owned",
+    "d AdamW",
+)
+MODES = ("opt", "whole")  # optimizer.step() alone; forward + backward + optimizer.step()
+BATCH = 32  # rows of input per rank in the whole-step mode
 
 
 class MatrixBank(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int = DIM) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(0)
-        for i, shape in enumerate(SHAPES):
+        self.shapes = shapes(dim)
+        for i, shape in enumerate(self.shapes):
             self.register_parameter(f"w{i}", nn.Parameter(torch.randn(shape, generator=gen)))
 
+    def forward(self, inputs: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Every matrix applied to the input of its width: a loss touching all of them."""
+        loss = torch.zeros(())
+        for i, (_, cols) in enumerate(self.shapes):
+            loss = loss + (inputs[cols] @ getattr(self, f"w{i}").T).square().mean()
+        return loss
 
-def _buckets(placement: fs.Placement) -> list[fs.BucketSpec]:
-    per = len(SHAPES) // BUCKETS
+
+def _buckets(placement: fs.Placement, count: int) -> list[fs.BucketSpec]:
+    per = count // BUCKETS
     return [
         fs.BucketSpec([f"w{i}" for i in range(b * per, (b + 1) * per)], placement, name=f"b{b}")
         for b in range(BUCKETS)
     ]
 
 
-def _build(variant: str, mesh: DeviceMesh) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _build(variant: str, mesh: DeviceMesh, dim: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     if variant.startswith("c"):
         # the planner's buckets: whole matrices, owners by LPT on Newton–Schulz FLOPs
-        buckets = muon_buckets(MatrixBank(), mesh.size())
-        model = fs.flex_shard(MatrixBank(), mesh, buckets=buckets)
+        buckets = muon_buckets(MatrixBank(dim), mesh.size())
+        model = fs.flex_shard(MatrixBank(dim), mesh, buckets=buckets)
     else:
-        model = fs.flex_shard(MatrixBank(), mesh, buckets=_buckets(fs.Shard(0)))
+        bank = MatrixBank(dim)
+        model = fs.flex_shard(bank, mesh, buckets=_buckets(fs.Shard(0), len(bank.shapes)))
     params = list(model.parameters())
     if variant.startswith("a"):
         return model, GatherMuon(params, lr=LR)
@@ -57,20 +87,36 @@ def _build(variant: str, mesh: DeviceMesh) -> tuple[nn.Module, torch.optim.Optim
 
 
 def _grads(model: nn.Module, step: int) -> None:
-    """Full gradients drawn alike on every rank; each keeps its local part."""
+    """Full gradients drawn alike on every rank; each keeps its local part, placed like
+    the parameter (a DTensor over this rank's elements)."""
     gen = torch.Generator().manual_seed(100 + step)
     for name, param in model.named_parameters():
-        full = torch.randn(SHAPES[int(name[1:])], generator=gen)
+        full = torch.randn(model.shapes[int(name[1:])], generator=gen)
         bucket, index = param._flexshard_slot
         regions = bucket.layout.params[index].regions[bucket.rank]
         pieces = [r.view_of(full).reshape(-1) for r in regions]
-        param.grad = (torch.cat(pieces) if pieces else full.new_empty(0)).view(param.shape)
+        flat = torch.cat(pieces) if pieces else full.new_empty(0)
+        param.grad = wrap(flat.view(bucket.local_tensor(index).shape), bucket.specs[index])
+
+
+def _inputs(model: nn.Module, rank: int, step: int) -> dict[int, torch.Tensor]:
+    """This rank's batch for one whole step (different on every rank, as data parallel)."""
+    gen = torch.Generator().manual_seed(10_000 * step + rank)
+    widths = sorted({c for _, c in model.shapes})
+    return {cols: torch.randn(BATCH, cols, generator=gen) for cols in widths}
 
 
 def _count_collectives() -> tuple[dict[str, int], Callable[[], None]]:
     counts: dict[str, int] = {}
     saved = {}
-    names = ("all_to_all_single", "all_gather_single", "all_gather_into_tensor", "all_reduce")
+    names = (
+        "all_to_all_single",
+        "all_gather_single",
+        "all_gather_into_tensor",
+        "reduce_scatter_single",
+        "reduce_scatter_tensor",
+        "all_reduce",
+    )
     for name in names:
         original = getattr(dist, name)
         saved[name] = original
@@ -88,23 +134,36 @@ def _count_collectives() -> tuple[dict[str, int], Callable[[], None]]:
     return counts, restore
 
 
-def run_variant(variant: str, rank: int, world_size: int, mesh: DeviceMesh, steps: int) -> dict:
-    model, opt = _build(variant, mesh)
+def _step(mode: str, model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
+    if mode == "opt":
+        opt.step()
+        return
+    model(_inputs(model, rank, step)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def run_variant(variant: str, mode: str, mesh: DeviceMesh, steps: int, dim: int) -> dict:
+    model, opt = _build(variant, mesh, dim)
+    rank = dist.get_rank()
     times, cpu, bytes_sent, collectives = [], [], [], []
     for step in range(steps + 2):  # two warm-up steps
-        _grads(model, step)
+        if mode == "opt":
+            _grads(model, step)
         counts, restore = _count_collectives()
         stats_before = opt.comm_stats()["bytes_sent"] if hasattr(opt, "comm_stats") else 0
+        model.comm_stats(reset=True)
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
-        opt.step()
+        _step(mode, model, opt, rank, step)
         elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
         restore()
         if step >= 2:
             times.append(elapsed)
             cpu.append(elapsed_cpu)
             after = opt.comm_stats()["bytes_sent"] if hasattr(opt, "comm_stats") else 0
-            bytes_sent.append(after - stats_before)
+            moved = model.comm_stats()["total"]["bytes_sent"]  # the layout's gathers/reductions
+            bytes_sent.append(after - stats_before + moved)
             collectives.append(sum(counts.values()))
     full = fs.full_state_dict(model)
     digest = hashlib.sha256(b"".join(full[k].numpy().tobytes() for k in sorted(full)))
@@ -117,10 +176,13 @@ def run_variant(variant: str, rank: int, world_size: int, mesh: DeviceMesh, step
     }
 
 
-def rank_main(rank: int, world_size: int, steps: int) -> dict:
+def rank_main(rank: int, world_size: int, steps: int, reps: int, dim: int = DIM) -> dict:
+    """``out[mode][variant]``: one run per repetition, the variants' order reversed on
+    every other repetition."""
     mesh = init_device_mesh("cpu", (world_size,))
-    out: dict[str, list] = {v: [] for v in VARIANTS}
-    for repeat in range(2):  # interleave, the second time in reverse, to spread the noise
-        for variant in VARIANTS if repeat == 0 else reversed(VARIANTS):
-            out[variant].append(run_variant(variant, rank, world_size, mesh, steps))
+    out: dict[str, dict[str, list]] = {m: {v: [] for v in VARIANTS} for m in MODES}
+    for rep in range(reps):
+        for mode in MODES:
+            for variant in alternating(VARIANTS, rep):
+                out[mode][variant].append(run_variant(variant, mode, mesh, steps, dim))
     return out
