@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -19,6 +19,19 @@ from .grad_check import check_finite_grads
 #: gradient reductions in flight before the oldest is waited for (bounds the memory
 #: held by unsharded gradient buffers, as FSDP2 and FlexShard do)
 MAX_PENDING_REDUCTIONS = 2
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager(fn: _F) -> _F:
+    """``fn`` run eagerly even when a compiled region calls it, as FSDP2 keeps its hooks
+    out of dynamo: collectives, waits and bookkeeping stay Python, and a compiled
+    module's graph holds its own computation alone. Applied when hooks are installed
+    (fully_shard has imported torch._dynamo by then), so the hook itself is dynamo's
+    disabled wrapper and no flexshard frame is ever traced."""
+    import torch._dynamo
+
+    return torch._dynamo.disable(fn, recursive=True, reason="flexshard hook")
 
 
 class StepState:
@@ -35,6 +48,7 @@ class StepState:
         self._launched = 0
         self._in_flight: deque[Bucket] = deque()
         self.in_backward = False
+        self._end_of_backward_eager = eager(self._end_of_backward)
         for bucket in buckets:
             bucket.step_state = self
 
@@ -70,7 +84,7 @@ class StepState:
         rest = [b for b in self.buckets if b not in self.forward_order]
         self._launch_queue = list(reversed(self.forward_order)) + rest
         self._launched = 0
-        Variable._execution_engine.queue_callback(self._end_of_backward)
+        Variable._execution_engine.queue_callback(self._end_of_backward_eager)
 
     def before_backward(self, bucket: Bucket) -> None:
         self._backward_begins()
@@ -181,6 +195,7 @@ def install_root_hooks(module: nn.Module) -> None:
     """Hooks on a module that may turn out to be the root: the first of them to run
     forward builds the StepState of every bucket below it (FSDP2's lazy init)."""
 
+    @eager
     def pre_forward(mod: nn.Module, args: tuple) -> None:
         if getattr(mod, "_flexshard_state", None) is None:
             buckets = []
@@ -193,6 +208,7 @@ def install_root_hooks(module: nn.Module) -> None:
                 if hasattr(m, "_flexshard_buckets"):
                     m._flexshard_state = state
 
+    @eager
     def post_forward(mod: nn.Module, args: tuple, output: Any) -> None:
         state = mod._flexshard_state
         if state.root is mod:  # the first full forward fixes the prefetch order
@@ -218,6 +234,7 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
     one of them finished its backward."""
     policy = bucket.mp_policy
 
+    @eager
     def pre_forward(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         state = bucket.step_state
         if policy.cast_forward_inputs:
@@ -228,19 +245,26 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
         state.before_forward(bucket)
         if torch.is_grad_enabled():
             bucket.forwards_started += 1
-            wrapped = _wrap_inputs(args, kwargs, lambda: post_backward(state))
+            wrapped = _wrap_inputs(args, kwargs, post_backward)
             if wrapped is not None:
                 bucket.forwards_wrapped += 1
                 args, kwargs = wrapped
         return args, kwargs
 
-    def post_backward(state: StepState) -> None:
+    @eager  # compiled autograd traces backward hooks: keep these out too, as FSDP2 does
+    def post_backward() -> None:
         # complete once every forward call of this step has run its backward; a call
         # whose inputs need no gradient never reports, so the end of backward decides
+        state = bucket.step_state
         bucket.backwards_done += 1
         if bucket.backwards_done == bucket.forwards_wrapped == bucket.forwards_started:
             state.after_backward(bucket)
 
+    @eager
+    def before_backward(_grads: Any) -> None:
+        bucket.step_state.before_backward(bucket)
+
+    @eager
     def post_forward(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         state = bucket.step_state
         if state.in_backward:  # a recompute: backward of this module comes right after
@@ -256,9 +280,7 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
         if tensors:
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda _: state.before_backward(bucket), mode="any"
-            )
+            torch.autograd.graph.register_multi_grad_hook(tensors, before_backward, mode="any")
         return _cast_floats(output, policy.output_dtype)
 
     for module in modules:

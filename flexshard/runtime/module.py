@@ -59,8 +59,10 @@ class _ForwardHooks:
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         for hook in module._forward_hooks.values():
             if hook in getattr(module, "_flexshard_hooks", ()):
-                result = hook(module, args, {}, output) if _takes_kwargs(hook) else hook(
-                    module, args, output
+                result = (
+                    hook(module, args, {}, output)
+                    if _takes_kwargs(hook)
+                    else hook(module, args, output)
                 )
                 output = output if result is None else result
         return output
@@ -192,7 +194,6 @@ class FlexShardModule(FSDPModule, nn.Module):
             bucket.rebind_storage(fn)
         return self
 
-
     # ------------------------------------------------------------ FSDP2's setters
     def _set_on_buckets(self, attr: str, value: object, recurse: bool) -> None:
         buckets = subtree_buckets(self) if recurse else self._flexshard_buckets
@@ -300,10 +301,18 @@ def _register_pipeline_state(module: nn.Module) -> None:
     module.__dict__.setdefault(STATE_KEY, {})[key] = _PipelineState(module)
 
 
+#: one FlexShard subclass per original class, as FSDP2 caches its own: modules of one
+#: class keep one type, so a block compiled once serves every block (dynamo guards on
+#: the type; a class per instance recompiled each block and hit the recompile limit)
+_FLEX_CLASSES: dict[type, type] = {}
+
+
 def make_flexshard_class(module: nn.Module) -> None:
     """Give ``module`` FlexShardModule's methods, as FSDP2 does with a dynamic subclass."""
     cls = type(module)
     if isinstance(module, FlexShardModule):
         return
-    module.__class__ = type(f"FlexShard{cls.__name__}", (FlexShardModule, cls), {})
+    if cls not in _FLEX_CLASSES:
+        _FLEX_CLASSES[cls] = type(f"FlexShard{cls.__name__}", (FlexShardModule, cls), {})
+    module.__class__ = _FLEX_CLASSES[cls]
     _register_pipeline_state(module)
