@@ -22,7 +22,7 @@ from flexshard.runtime.region_dtensor import wrap
 from .muon_gather import GatherMuon
 from .stats import alternating
 
-DIM = 512
+DIM = 128  # 512 on hosts with fast bf16 GEMMs (AVX-512 BF16 / AMX): Newton–Schulz is bf16
 
 
 def shapes(dim: int = DIM) -> list[tuple[int, int]]:
