@@ -5,9 +5,9 @@ side on one model, one data stream and one world size per process group.
     .venv/bin/python -m benchmarks.bench_dp --quick        # W = 2, fewer steps
 
 Every configuration runs ``--reps`` times (5 by default), the order of the
-configurations reversed on every other repetition; each row's ratio to FSDP2 is the
-median over repetitions of that repetition's ratio, with its spread and a verdict
-against issue 11's targets (benchmarks/stats.py).
+configurations (FSDP2 in the middle) reversed on every other repetition; each row's
+ratio to FSDP2 is the median over repetitions of that repetition's ratio, with its
+spread and a verdict against issue 11's targets (benchmarks/stats.py).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from flexshard.quant import MXFP8, FP8Blockwise
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
 from .measure import CollectiveCounter
-from .stats import RULE, alternating, cell, paired_ratios, range_cell, summary
+from .stats import RULE, alternating, cell, centred, paired_ratios, range_cell, summary
 
 RESULTS = Path(__file__).parent / "results"
 CFG = TransformerConfig(vocab=1024, dim=256, heads=8, hidden=1024, layers=4, seq=64)
@@ -125,7 +125,7 @@ def _rank(rank: int, world_size: int, steps: int, reps: int) -> dict:
     mesh = init_device_mesh("cpu", (world_size,))
     out: dict[str, list] = {name: [] for name in CONFIGS}
     for rep in range(reps):  # the order reversed on every other repetition
-        for name in alternating(tuple(CONFIGS), rep):
+        for name in alternating(centred(tuple(CONFIGS), "fsdp2 bf16"), rep):
             out[name].append(_run(name, rank, world_size, mesh, steps))
     return out
 

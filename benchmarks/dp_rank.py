@@ -29,7 +29,7 @@ from .measure import (
     fsdp2_buckets,
     minimum_bytes,
 )
-from .stats import alternating
+from .stats import alternating, centred
 
 
 @dataclass(frozen=True)
@@ -214,8 +214,9 @@ def run_rank(rank: int, world_size: int, opts: BenchOptions) -> dict[str, list[d
     counter.install()
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in opts.configs}
     try:
+        order = centred(opts.configs, "fsdp2")  # every ratio is against FSDP2
         for rep in range(opts.reps):
-            for name in alternating(opts.configs, rep):
+            for name in alternating(order, rep):
                 results[name].append(
                     run_config(name, table[name], rank, world_size, mesh, opts, batches, counter)
                 )

@@ -20,7 +20,7 @@ from flexshard.optim import DistMuon, muon_buckets
 from flexshard.runtime.region_dtensor import wrap
 
 from .muon_gather import GatherMuon
-from .stats import alternating
+from .stats import alternating, centred
 
 DIM = 128  # 512 on hosts with fast bf16 GEMMs (AVX-512 BF16 / AMX): Newton–Schulz is bf16
 
@@ -183,6 +183,6 @@ def rank_main(rank: int, world_size: int, steps: int, reps: int, dim: int = DIM)
     out: dict[str, dict[str, list]] = {m: {v: [] for v in VARIANTS} for m in MODES}
     for rep in range(reps):
         for mode in MODES:
-            for variant in alternating(VARIANTS, rep):
+            for variant in alternating(centred(VARIANTS, VARIANTS[0]), rep):
                 out[mode][variant].append(run_variant(variant, mode, mesh, steps, dim))
     return out

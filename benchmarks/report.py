@@ -166,7 +166,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"machine: {meta['machine']}  ",
         f"Model: TinyTransformer {model}, batch {opts['batch_per_rank']} per rank, "
         f"{opts['optimizer']}; {opts['warmup']} warm-up + {opts['steps']} timed steps x "
-        f"{opts['reps']} repetitions, the order reversed on every other one; "
+        f"{opts['reps']} repetitions, FSDP2 in the middle of the order and the order "
+        "reversed on every other repetition; "
         f"one bucket (FSDP2 group) per block plus the root/outer one. Total runtime "
         f"{meta['runtime_s']:.0f} s. Load average (1/5/15 min) at start "
         f"{_load(meta['load_average_at_start'])}, at end {_load(meta['load_average_at_end'])} "

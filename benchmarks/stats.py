@@ -93,6 +93,17 @@ def alternating(items: Sequence[T], rep: int) -> tuple[T, ...]:
     return tuple(items) if rep % 2 == 0 else tuple(reversed(items))
 
 
+def centred(items: Sequence[T], reference: T) -> tuple[T, ...]:
+    """``items`` with ``reference`` moved to the middle: run in this order (and reversed,
+    see ``alternating``), every side is at most about half the list away from the
+    reference it is compared with, so slow drift in machine load weighs less."""
+    others = [x for x in items if x != reference]
+    if len(others) == len(items):
+        raise ValueError(f"reference {reference!r} is not among {list(items)}")
+    middle = len(others) // 2
+    return (*others[:middle], reference, *others[middle:])
+
+
 def summary(
     ratios: Sequence[float], target: float | None = None, *, lower_is_better: bool = True
 ) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from benchmarks.stats import (
     NOT_MET,
     alternating,
     cell,
+    centred,
     paired_ratios,
     spread,
     summary,
@@ -123,3 +124,11 @@ def test_summary_and_cells() -> None:
     up = summary([0.9, 1.1], 1.0, lower_is_better=False)
     assert verdict_cell(up) == "not established (≥ 1.00)"
     assert verdict_cell(summary([1.0])) == NO_TARGET
+
+
+def test_centred_puts_the_reference_in_the_middle() -> None:
+    assert centred(("fsdp2", "a", "b", "c", "d"), "fsdp2") == ("a", "b", "fsdp2", "c", "d")
+    assert centred(("fsdp2", "a"), "fsdp2") == ("fsdp2", "a")
+    assert centred(("a", "b", "ref"), "ref") == ("a", "ref", "b")
+    with pytest.raises(ValueError, match="not among"):
+        centred(("a", "b"), "ref")
