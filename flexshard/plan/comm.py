@@ -76,7 +76,7 @@ class MatrixWork:
         return max(self.flops)
 
 
-def _is_muon_matrix(fqn: str, shape: tuple[int, ...]) -> bool:
+def is_muon_matrix(fqn: str, shape: tuple[int, ...]) -> bool:
     """As the trainer's split: matrices, but not the embedding or the LM head."""
     return len(shape) >= 2 and not fqn.startswith(("tok_embeddings", "output"))
 
@@ -95,7 +95,7 @@ def muon_work(buckets: list[BucketInfo]) -> MatrixWork:
                 f"muon_work: bucket '{info.name}' has {info.world} ranks, others {world}"
             )
         for param, placement in zip(info.layout.params, info.placements):
-            if not _is_muon_matrix(param.fqn, param.shape):
+            if not is_muon_matrix(param.fqn, param.shape):
                 continue
             if whole_on_rank(placement, param.shape) or info.layout.replicated:
                 for rank, regions in enumerate(param.regions):

@@ -40,13 +40,19 @@ class RankMemory:
         }
 
 
-def optimizer_slots(optimizer: str, muon_share: float) -> float:
-    """fp32 state elements per stored parameter element: AdamW keeps two moments;
-    Muon one momentum buffer on its matrices (``muon_share`` of the elements) and
-    AdamW's two on the rest."""
-    if optimizer == "muon":
-        return muon_share * 1 + (1 - muon_share) * 2
-    return 2.0
+def muon_state_elements(buckets: list[BucketInfo]) -> int:
+    """fp32 state elements of the busiest rank under Muon: one momentum buffer on its
+    matrices, AdamW's two moments on the rest (embedding, LM head, norms)."""
+    from .comm import is_muon_matrix
+
+    groups: dict[int, list[int]] = {}
+    for b in buckets:
+        per_rank = groups.setdefault(b.world, [0] * b.world)
+        for param in b.layout.params:
+            slots = 1 if is_muon_matrix(param.fqn, param.shape) else 2
+            for r in range(b.world):
+                per_rank[r] += slots * param.local_numel(r)
+    return sum(max(v) for v in groups.values())
 
 
 def gathered_in_flight(buckets: list[BucketInfo]) -> tuple[int, str]:
@@ -89,16 +95,25 @@ def gathered_in_flight(buckets: list[BucketInfo]) -> tuple[int, str]:
     return best, detail
 
 
-def rank_memory(
-    buckets: list[BucketInfo],
-    optimizer: str,
-    muon_share: float,
-    activations: int,
-) -> RankMemory:
+def busiest_elements(buckets: list[BucketInfo]) -> int:
+    """Real (unpadded) elements the busiest rank stores: the sharded gradients and the
+    optimizer state are shaped like the local shards, not like the padded storage.
+    Groups of different sizes (EP's experts) add their busiest ranks (an upper bound)."""
+    groups: dict[int, list[int]] = {}
+    for b in buckets:
+        per_rank = groups.setdefault(b.world, [0] * b.world)
+        for r, n in enumerate(b.rank_numels()):
+            per_rank[r] += n
+    return sum(max(v) for v in groups.values())
+
+
+def rank_memory(buckets: list[BucketInfo], optimizer: str, activations: int) -> RankMemory:
     # the runtime allocates the padded shard on every rank of the group
     params = sum(b.shard_numel * b.storage_itemsize for b in buckets)
-    grads = params  # sharded gradients live in the storage dtype, shaped like the shard
-    elements = sum(b.shard_numel for b in buckets)
-    state = int(elements * FP32 * optimizer_slots(optimizer, muon_share))
+    itemsize = max((b.storage_itemsize for b in buckets), default=FP32)
+    elements = busiest_elements(buckets)
+    grads = elements * itemsize
+    slots = muon_state_elements(buckets) if optimizer == "muon" else 2 * elements
+    state = slots * FP32
     peak, detail = gathered_in_flight(buckets)
     return RankMemory(params, grads, state, peak, detail, activations)

@@ -47,17 +47,6 @@ def build_stages(cfg: Config, world: int, rank: int | None) -> tuple[ParallelDim
     return built.dims, stages
 
 
-def _muon_share(buckets: list[BucketInfo]) -> float:
-    total = sum(b.numel for b in buckets)
-    matrices = sum(
-        p.numel
-        for b in buckets
-        for p in b.layout.params
-        if len(p.shape) >= 2 and not p.fqn.startswith(("tok_embeddings", "output"))
-    )
-    return matrices / total if total else 0.0
-
-
 def storage_balance(buckets: list[BucketInfo]) -> list[dict[str, Any]]:
     """Per group size: each rank's real (unpadded) bytes, summed over the buckets:
     min / mean / max over all the group's ranks (the layout math, every rank)."""
@@ -100,7 +89,7 @@ def _backend_plan(
             muon = muon_work(buckets)
         else:
             notes.append("Muon balance: data parallelism alone (no tp / ep groups)")
-        memory = rank_memory(buckets, t.optimizer, _muon_share(buckets), activations)
+        memory = rank_memory(buckets, t.optimizer, activations)
         comms = [bucket_comm(b, micro, dims.pp > 1) for b in buckets]
         step = step_time(cfg, dims, buckets, hw, muon, backend)
         stage = {
