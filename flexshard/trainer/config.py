@@ -123,6 +123,12 @@ class ValidationConfig:
 
 
 @dataclass
+class CompileConfig:
+    enable: bool = False  # torch.compile each transformer block (torchtitan's spelling)
+    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -131,6 +137,7 @@ class Config:
     job: JobConfig = field(default_factory=JobConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

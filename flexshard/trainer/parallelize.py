@@ -1,10 +1,10 @@
 """The 5-D composition, torchtitan style: one small ``apply_*`` per concern, applied in
 one place. The order matters: TP rewrites the modules' parameters into DTensors, EP
 slices the experts, PP then cuts the model into stages (TP and EP travel with the
-blocks), CP switches each stage's attention to its sequence shard, and data
-parallelism (flexshard or torch FSDP2) shards what is left: expert weights on their
-own ``dp_shard_mod_ep`` mesh, everything else per block over dp_replicate x
-(dp_shard * cp).
+blocks), CP switches each stage's attention to its sequence shard, ``[compile]``
+compiles each block, and data parallelism (flexshard or torch FSDP2) shards what is
+left: expert weights on their own ``dp_shard_mod_ep`` mesh, everything else per block
+over dp_replicate x (dp_shard * cp).
 """
 
 from __future__ import annotations
@@ -56,6 +56,14 @@ def _outer_patterns(module: nn.Module) -> list[str]:
         for pattern in OUTER_PATTERNS
         if any(True for _ in getattr(module, pattern.split(".")[0]).parameters())
     ]
+
+
+def apply_compile(module: nn.Module, cfg: Config) -> None:
+    """torch.compile each transformer block, as torchtitan does, before data parallelism
+    shards it: flexshard's (and FSDP2's) hooks run eagerly around the compiled block, so
+    each block is one graph of its own computation (``fullgraph``: a break raises)."""
+    for layer in module.layers.children():  # type: ignore[union-attr]
+        layer.compile(backend=cfg.compile.backend, fullgraph=True)
 
 
 def apply_dp(module: nn.Module, cfg: Config, meshes: Meshes, expert_fqns: list[str]) -> Any:
@@ -160,6 +168,8 @@ def parallelize(
     def finish(module: nn.Module) -> nn.Module:
         if meshes.cp is not None:
             apply_cp(module, meshes.cp)
+        if cfg.compile.enable:
+            apply_compile(module, cfg)
         return apply_dp(module, cfg, meshes, expert_fqns)
 
     if meshes.pp is None:

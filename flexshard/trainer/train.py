@@ -32,7 +32,7 @@ from .metrics import (
 from .model import Transformer, count_params, flops_per_token, init_module, init_weights
 from .optimizers import build_optimizer, set_lr
 from .parallel import Meshes, ParallelDims, init_distributed, pick_device
-from .parallelize import Parallelized, local_batch, parallelize
+from .parallelize import Parallelized, apply_compile, local_batch, parallelize
 from .parallelize import clip_grad_norm_ as clip_parallel
 from .sharding import apply_flexshard, apply_fsdp2
 from .tokenizer import Tokenizer, load_tokenizer
@@ -59,11 +59,15 @@ def build_model(cfg: Config, dp_mesh: DeviceMesh, device: torch.device) -> nn.Mo
         with torch.device(device):
             model = Transformer(cfg.model)
         init_weights(model, cfg.training.seed)
+        if cfg.compile.enable:
+            apply_compile(model, cfg)
         return apply_fsdp2(model, cfg, dp_mesh)
     # flexshard: build on meta (no full copy of the weights anywhere), shard, then
     # initialise module by module: each rank keeps only its regions
     with torch.device("meta"):
         model = Transformer(cfg.model)
+    if cfg.compile.enable:
+        apply_compile(model, cfg)
     model = apply_flexshard(model, cfg, dp_mesh)
     model.to_empty(device=device)
     torch.manual_seed(cfg.training.seed)
