@@ -31,7 +31,7 @@ import torch
 from flexshard.testing import run_distributed
 
 from .bench_trainer import compare, measured_run, per_rep, trainer_table
-from .stats import RULE, alternating, cell, range_cell, verdict_cell
+from .stats import RULE, alternating, cell, range_cell, spread, verdict_cell
 
 RESULTS = Path(__file__).parent / "results"
 BACKENDS = ("flexshard", "fsdp2")
@@ -211,15 +211,24 @@ def plot(rows: list[dict], path: Path) -> None:
     names = list(dict.fromkeys(r["layout"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for ax, key, label in (
-        (axes[0], "tokens_per_s", "tokens/s (global)"),
-        (axes[1], "peak_rss_mb_per_rank", "peak RSS per rank, MB"),
+        (axes[0], "tokens_per_s", "tokens/s (global), median and IQR"),
+        (axes[1], "peak_rss_mb", "peak RSS per rank, MB, median and IQR"),
     ):
         for i, backend in enumerate(BACKENDS):
-            values = [
-                next(r[key] for r in rows if r["layout"] == n and r["backend"] == backend)
+            picked = [
+                spread(r["per_rep"][key])
                 for n in names
+                for r in rows
+                if r["layout"] == n and r["backend"] == backend
             ]
-            ax.bar([x + 0.38 * i for x in range(len(names))], values, width=0.36, label=backend)
+            ax.bar(
+                [x + 0.38 * i for x in range(len(names))],
+                [p.median for p in picked],
+                yerr=[[p.median - p.q1 for p in picked], [p.q3 - p.median for p in picked]],
+                width=0.36,
+                label=backend,
+                capsize=3,
+            )
         ax.set_xticks([x + 0.19 for x in range(len(names))], names, rotation=30, ha="right")
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)

@@ -32,7 +32,16 @@ from flexshard.trainer.model import count_params
 from flexshard.trainer.train import run
 
 from .measure import peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
-from .stats import RULE, alternating, cell, paired_ratios, range_cell, summary, verdict_cell
+from .stats import (
+    RULE,
+    alternating,
+    cell,
+    paired_ratios,
+    range_cell,
+    spread,
+    summary,
+    verdict_cell,
+)
 
 RESULTS = Path(__file__).parent / "results"
 BACKENDS = ("flexshard", "fsdp2")
@@ -240,15 +249,24 @@ def plot(rows: list[dict], path: Path) -> None:
     sizes = sorted({r["world_size"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     for ax, key, label in (
-        (axes[0], "tokens_per_s", "tokens/s (global)"),
-        (axes[1], "peak_rss_mb_per_rank", "peak RSS per rank, MB"),
+        (axes[0], "tokens_per_s", "tokens/s (global), median and IQR"),
+        (axes[1], "peak_rss_mb", "peak RSS per rank, MB, median and IQR"),
     ):
         for i, backend in enumerate(BACKENDS):
-            values = [
-                next(r[key] for r in rows if r["world_size"] == w and r["backend"] == backend)
+            picked = [
+                spread(r["per_rep"][key])
                 for w in sizes
+                for r in rows
+                if r["world_size"] == w and r["backend"] == backend
             ]
-            ax.bar([x + 0.38 * i for x in range(len(sizes))], values, width=0.36, label=backend)
+            ax.bar(
+                [x + 0.38 * i for x in range(len(sizes))],
+                [p.median for p in picked],
+                yerr=[[p.median - p.q1 for p in picked], [p.q3 - p.median for p in picked]],
+                width=0.36,
+                label=backend,
+                capsize=4,
+            )
         ax.set_xticks([x + 0.19 for x in range(len(sizes))], [f"W = {w}" for w in sizes])
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
