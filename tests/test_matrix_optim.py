@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard as TorchShard
+from torch.distributed.tensor import distribute_tensor
 
 import flexshard as fs
 from flexshard import checkpoint as ckpt
@@ -21,13 +23,19 @@ from flexshard.testing.collectives import forbid_collectives, record_collectives
 from .muon_cases import SHAPES, Mats, full_grads, set_grads
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
+heavyball = pytest.importorskip("heavyball")
+heavyball.utils.compile_mode = None  # eager: torch.compile on CPU costs minutes
 
 NAMES = tuple(SHAPES)
 STEPS = 3
+#: two param groups (the second at twice the lr), both halved after each step by
+#: torch's StepLR: per-group hyper-parameters and scheduler edits must pass through
+GROUPS = (("a", "qkv", "e"), ("b", "c", "t"))
 #: precondition_frequency 2: the eigenbases are recomputed inside the test's steps
 OPTIMIZERS: dict[str, tuple[Any, dict]] = {
     "soap": (pytorch_optimizer.SOAP, {"lr": 0.01, "precondition_frequency": 2}),
     "shampoo": (pytorch_optimizer.Shampoo, {"lr": 0.01, "preconditioning_compute_steps": 2}),
+    "heavyball_soap": (heavyball.SOAP, {"lr": 0.01, "multi_tensor": False}),
 }
 
 
@@ -73,7 +81,10 @@ def reference(optimizer: str, steps: int) -> dict[str, torch.Tensor]:
         n: [torch.nn.Parameter(x.clone()) for x in (p.detach().unbind(0) if p.ndim == 3 else [p])]
         for n, p in model.named_parameters()
     }
-    opt = cls([p for ps in parts.values() for p in ps], **kwargs)
+    groups = [{"params": [p for n in names for p in parts[n]]} for names in GROUPS]
+    opt = cls(groups, **kwargs)
+    opt.param_groups[1]["lr"] *= 2
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     for step in range(steps):
         grads = full_grads(NAMES, step)
         for name, ps in parts.items():
@@ -81,6 +92,7 @@ def reference(optimizer: str, steps: int) -> dict[str, torch.Tensor]:
             for p, part in zip(ps, g.unbind(0) if g.ndim == 3 else [g]):
                 p.grad = part.clone()
         opt.step()
+        schedule.step()
     return {
         n: torch.stack([p.detach() for p in ps]) if SHAPES[n].__len__() == 3 else ps[0].detach()
         for n, ps in parts.items()
@@ -89,13 +101,18 @@ def reference(optimizer: str, steps: int) -> dict[str, torch.Tensor]:
 
 def _adapter(model: torch.nn.Module, optimizer: str) -> MatrixOptimizer:
     cls, kwargs = OPTIMIZERS[optimizer]
-    return MatrixOptimizer(model.parameters(), cls, **kwargs)
+    named = dict(model.named_parameters())
+    groups = [{"params": [named[n] for n in names]} for names in GROUPS]
+    opt = MatrixOptimizer(groups, cls, **kwargs)
+    opt.param_groups[1]["lr"] *= 2
+    return opt
 
 
 def _run_case(case: str, optimizer: str, mesh, expected: dict) -> dict:
     buckets, comm_free = CASES[case]
     model = fs.flex_shard(Mats(), mesh, buckets=buckets)
     opt = _adapter(model, optimizer)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     with record_collectives() as log:
         for step in range(STEPS):
             set_grads(model, full_grads(NAMES, step))
@@ -104,6 +121,7 @@ def _run_case(case: str, optimizer: str, mesh, expected: dict) -> dict:
                     opt.step()
             else:
                 opt.step()
+            schedule.step()
     full = fs.full_state_dict(model)
     return {
         "differ": [n for n in NAMES if not torch.equal(full[n], expected[n])],
@@ -112,8 +130,40 @@ def _run_case(case: str, optimizer: str, mesh, expected: dict) -> dict:
     }
 
 
+class RunningNorm(torch.optim.SGD):
+    """SGD that also keeps a norm over all its parameters: state not per matrix."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        loss = super().step(closure)
+        norm = sum(float(p.grad.square().sum()) for g in self.param_groups for p in g["params"])
+        self.state["grad_norm"] = {"value": norm}
+        return loss
+
+
+def _errors(mesh) -> None:
+    """Clear errors, raised before anything is silently wrong."""
+    model = fs.flex_shard(Mats(), mesh, buckets=CASES["shard0"][0])
+    opt = MatrixOptimizer(model.parameters(), RunningNorm, lr=0.1)
+    set_grads(model, full_grads(NAMES, 0))
+    with pytest.raises(ValueError, match="state under str 'grad_norm'.*per matrix"):
+        opt.step()
+    tp = distribute_tensor(torch.randn(4, 6), mesh, [TorchShard(0)])
+    with pytest.raises(TypeError, match="DTensor that flexshard did not shard"):
+        MatrixOptimizer([torch.nn.Parameter(tp)], pytorch_optimizer.SOAP)
+    soap = _adapter(model, "soap")
+    set_grads(model, full_grads(NAMES, 0))
+    soap.step()
+    shampoo = _adapter(model, "shampoo")
+    with pytest.raises(
+        ValueError, match="state of parameter 'a' in bucket 's1' was made by .*SOAP.*runs .*Shampoo"
+    ):
+        shampoo.load_state_dict(soap.state_dict())
+
+
 def _all_cases(rank: int, world_size: int, cases: tuple[str, ...], optimizers: tuple[str, ...]):
     mesh = init_device_mesh("cpu", (world_size,))
+    if world_size == 3:
+        _errors(mesh)
     out = {}
     for optimizer in optimizers:
         expected = reference(optimizer, STEPS)
@@ -139,7 +189,7 @@ def _check(results: list[dict], cases: tuple[str, ...]) -> None:
         assert sum(s["bytes_sent"] for s in stats) > 0
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_third_party_optimizers_match_one_process(world_size: int) -> None:
     """SOAP and Shampoo through the adapter equal the same optimizer on one process
     over the full matrices, bit for bit: the owner of a matrix runs the very same
@@ -161,9 +211,11 @@ def _save_after_two_steps(rank: int, world_size: int, root: str) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     model = fs.flex_shard(Mats(), mesh, buckets=CASES["shard0"][0])
     opt = _adapter(model, "soap")
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     for step in range(2):
         set_grads(model, full_grads(NAMES, step))
         opt.step()
+        schedule.step()
     ckpt.save(root, model, opt)
 
 
@@ -173,6 +225,7 @@ def _load_and_step(rank: int, world_size: int, root: str) -> list[str]:
     opt = _adapter(model, "soap")
     ckpt.load(root, model, opt)
     assert opt.param_groups[0]["step"] == 2  # SOAP's group counter came back
+    assert opt.param_groups[1]["lr"] == 0.02 * 0.25  # and the scheduled lr
     set_grads(model, full_grads(NAMES, 2))
     with forbid_collectives():
         opt.step()

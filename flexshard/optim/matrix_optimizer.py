@@ -12,8 +12,10 @@ or a shard: its parameters are *proxies*, plain tensors each holding one whole m
   do on their whole matrices). DistMuon's redistribution moves them: one packed
   all-to-all per bucket brings the owner every piece of gradient and parameter, the
   owner steps its proxy (a full copy), one packed all-to-all per bucket sends each rank
-  its part of the new parameter. Bucket i+1's forward is in flight while bucket i
-  steps. The arithmetic on a matrix is the inner optimizer's on the full matrix, so
+  its part of the new parameter. All buckets' all-to-alls are in flight together, and
+  the inner ``step()`` runs once per step over every matrix this rank computes (an
+  optimizer may count its calls on itself: heavyball's schedules do).
+  The arithmetic on a matrix is the inner optimizer's on the full matrix, so
   results equal one process's bit for bit.
 
 Param groups are the adapter's (``lr`` schedulers edit them); before each inner step
@@ -163,8 +165,13 @@ class MatrixOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # the inner step may drop gradients (heavyball does): note who had one first
+        stepped_params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         exchanges = self._step_exchanges()
-        forward = self._send_forward(exchanges[0]) if exchanges else None
+        # every bucket's forward all-to-all in flight at once; then ONE inner step over
+        # all matrices this rank computes (an optimizer may count its step() calls on
+        # itself, as heavyball's schedules do); then every bucket's back all-to-all
+        forwards = [self._send_forward(exchange) for exchange in exchanges]
         members: list[tuple[int, torch.Tensor]] = []
         for group_index, group in enumerate(self.param_groups):
             for param in group["params"]:
@@ -174,34 +181,25 @@ class MatrixOptimizer(Optimizer):
                     if matrix.proxy is not param:
                         matrix.proxy.grad = grad_view(param, matrix)
                     members.append((group_index, matrix.proxy))
-        groups = self._inner_step(members)  # overlaps the first forward all-to-all
-        self._release(members)
-        backs: list[tuple[Exchange, Transfer]] = []
-        for k, exchange in enumerate(exchanges):
-            assert forward is not None
-            received = forward.wait()
-            if k + 1 < len(exchanges):  # in flight while this bucket's matrices step
-                forward = self._send_forward(exchanges[k + 1])
+        for exchange, forward in zip(exchanges, forwards):
             dtype = exchange.units[0].target.param.dtype
-            owned = exchange.owned()
-            stepped: list[tuple[int, torch.Tensor]] = []
-            for unit, full in zip(owned, assemble(exchange, received, 2, dtype)):
+            for unit, full in zip(exchange.owned(), assemble(exchange, forward.wait(), 2, dtype)):
                 proxy = self._owned[(id(unit.target.param), unit.expert)]
                 proxy.copy_(full[1])
                 proxy.grad = full[0]
-                stepped.append((self._group_of[id(self._outer[id(unit.target.param)])], proxy))
-            if stepped:
-                self._inner_step(stepped)
-                self._release(stepped)
-            updates = [self._owned[(id(u.target.param), u.expert)] for u in owned]
-            backs.append((exchange, send_updates(exchange, updates, self.comm, dtype)))
-            if len(backs) > 1:
-                self._apply_remote(*backs.pop(0))
-        for exchange, back in backs:
+                members.append((self._group_of[id(self._outer[id(unit.target.param)])], proxy))
+        groups = self._inner_step(members)
+        self._release(members)
+        backs = []
+        for exchange in exchanges:
+            dtype = exchange.units[0].target.param.dtype
+            updates = [self._owned[(id(u.target.param), u.expert)] for u in exchange.owned()]
+            backs.append(send_updates(exchange, updates, self.comm, dtype))
+        for exchange, back in zip(exchanges, backs):
             self._apply_remote(exchange, back)
         for group, inner_group in zip(self.param_groups, groups):  # e.g. a step counter
             group.update({k: v for k, v in inner_group.items() if k not in OWN_KEYS})
-        self._record_state()
+        self._record_state(stepped_params)
         return loss
 
     def _send_forward(self, exchange: Exchange) -> Transfer:
@@ -215,8 +213,8 @@ class MatrixOptimizer(Optimizer):
         return send_inputs(exchange, inputs, self.comm, 2, dtype)
 
     def _inner_step(self, members: list[tuple[int, torch.Tensor]]) -> list[dict[str, Any]]:
-        """One inner step over ``members`` (group index, proxy with its gradient). Every
-        call starts from the adapter's groups, so group counters advance once a step."""
+        """The inner step over ``members`` (group index, proxy with its gradient), its
+        groups refreshed from the adapter's (lr schedulers edit those)."""
         groups = []
         for index, group in enumerate(self.param_groups):
             inner_group = {k: v for k, v in group.items() if k not in OWN_KEYS}
@@ -249,18 +247,15 @@ class MatrixOptimizer(Optimizer):
                     "optimizers whose state is per matrix can run on sharded storage"
                 )
 
-    def _record_state(self) -> None:
+    def _record_state(self, params: list[torch.Tensor]) -> None:
         """Expose each matrix's inner state in ``self.state`` (what checkpoints read)."""
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                entry = self.state[param]
-                entry["inner"] = self._tag  # on every rank, so no rank's state is empty
-                for key, proxy in self._computed_here(param):
-                    inner = self._inner.state.get(proxy)
-                    if inner and not (key in entry and entry[key].state is inner):
-                        entry[key] = MatrixState(inner)
+        for param in params:
+            entry = self.state[param]
+            entry["inner"] = self._tag  # on every rank, so no rank's state is empty
+            for key, proxy in self._computed_here(param):
+                inner = self._inner.state.get(proxy)
+                if inner and not (key in entry and entry[key].state is inner):
+                    entry[key] = MatrixState(inner)
 
     # ------------------------------------------------------------------ state
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
