@@ -113,13 +113,15 @@ def _simulate(
     t += sum(fwd[id(b)] for b in root)
     # backward: the root (LM head) first, then the blocks in reverse
     done = {}
+    back = list(reversed(blocks))
     for b in root:
         if b.reshard_after_forward:
             wait(issue(b, t, ag[id(b)]))
-        t += 2 * fwd[id(b)]
-    back = list(reversed(blocks))
+    # FSDP2's root prefetches the last block before its own backward; flexshard's
+    # root comes first in the forward order and has nothing before it to prefetch
     if back and root_prefetches and back[0].reshard_after_forward:
         done[id(back[0])] = issue(back[0], t, ag[id(back[0])])
+    t += sum(2 * fwd[id(b)] for b in root)
     pending: list[float] = []
     for i, b in enumerate(back):
         if b.reshard_after_forward:
