@@ -16,7 +16,7 @@ from torch.distributed.tensor import distribute_tensor
 
 import flexshard as fs
 from flexshard import checkpoint as ckpt
-from flexshard.optim import MatrixOptimizer
+from flexshard.optim import MatrixOptimizer, matrix_balance, matrix_buckets, preconditioner_flops
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import forbid_collectives, record_collectives
 
@@ -68,6 +68,7 @@ CASES: dict[str, tuple[list[fs.BucketSpec], bool]] = {
         False,
     ),
     "mixed": ([fs.BucketSpec(list(NAMES), placement=_mixed, name="mix")], False),
+    "planned": ([], True),  # matrix_buckets for the world size
     "flat": ([fs.BucketSpec(list(NAMES), placement=fs.FlatShard(), name="flat")], False),
     "replicate": ([fs.BucketSpec(list(NAMES), placement=fs.Replicate(), name="rep")], False),
 }
@@ -110,6 +111,8 @@ def _adapter(model: torch.nn.Module, optimizer: str) -> MatrixOptimizer:
 
 def _run_case(case: str, optimizer: str, mesh, expected: dict) -> dict:
     buckets, comm_free = CASES[case]
+    if case == "planned":
+        buckets = matrix_buckets(Mats(), mesh.size())
     model = fs.flex_shard(Mats(), mesh, buckets=buckets)
     opt = _adapter(model, optimizer)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -194,7 +197,7 @@ def test_third_party_optimizers_match_one_process(world_size: int) -> None:
     """SOAP and Shampoo through the adapter equal the same optimizer on one process
     over the full matrices, bit for bit: the owner of a matrix runs the very same
     arithmetic on the same full gradient and parameter."""
-    cases = ("owned", "shard0", "mixed")
+    cases = ("owned", "shard0", "mixed", "planned")
     results = run_distributed(_all_cases, world_size, cases, tuple(OPTIMIZERS), timeout=240)
     _check(results, cases)
 
@@ -240,3 +243,21 @@ def test_state_survives_a_change_of_world_size_and_placement(tmp_path) -> None:
     root = str(tmp_path / "soap")
     run_distributed(_save_after_two_steps, 2, root, timeout=120)
     assert run_distributed(_load_and_step, 3, root, timeout=120) == [[], [], []]
+
+
+def test_planner_balances_on_the_optimizers_cost() -> None:
+    """Every parameter lands whole (experts one tile each), and LPT on the declared
+    cost levels the work: no rank above the mean by more than the largest matrix."""
+    model = Mats()
+    for world_size in (2, 3, 4):
+        specs = matrix_buckets(model, world_size)
+        assert [s.name for s in specs] == ["matrix_blocks", "matrix_owned"]
+        balance = matrix_balance(model, world_size)
+        costs = [preconditioner_flops(s[-2:]) for s in SHAPES.values()]
+        total = sum(c * (s[0] if len(s) == 3 else 1) for c, s in zip(costs, SHAPES.values()))
+        assert sum(balance.flops) == pytest.approx(total)
+        assert max(balance.flops) <= total / world_size + max(costs)
+    # a cost that makes one matrix dominate changes the plan: no other whole matrix
+    # joins it (its rank keeps only the one expert tile it was dealt first)
+    heavy = matrix_balance(model, 3, cost=lambda s: 1e9 if s == (54, 18) else 1.0)
+    assert max(heavy.flops) == 1e9 + 1

@@ -7,7 +7,7 @@ from .matrix_optimizer import MatrixOptimizer
 from .matrix_units import MatrixState, preconditioner_flops
 from .muon_adamw import MuonAdamW, muon_and_adamw, split_muon_params
 from .newton_schulz import adjust_lr, ns_flops, zeropower, zeropower_batched
-from .planner import MuonBalance, muon_balance, muon_buckets
+from .planner import MuonBalance, matrix_balance, matrix_buckets, muon_balance, muon_buckets
 
 __all__ = [
     "DistMuon",
@@ -16,6 +16,8 @@ __all__ = [
     "MuonBalance",
     "MuonAdamW",
     "adjust_lr",
+    "matrix_balance",
+    "matrix_buckets",
     "muon_and_adamw",
     "muon_balance",
     "muon_buckets",

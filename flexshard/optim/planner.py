@@ -1,4 +1,6 @@
-"""Buckets whose placements make Muon communication-free, balanced on Newton–Schulz work.
+"""Buckets whose placements make a per-matrix optimizer communication-free, balanced on
+its per-matrix cost (Newton–Schulz FLOPs for Muon: ``muon_buckets``; a preconditioner's
+root/eigendecomposition cost for Shampoo/SOAP through MatrixOptimizer: ``matrix_buckets``).
 
 Every Muon matrix is stored whole on one rank (``Owned``), or in whole row blocks
 (``BlockShard((rows, C))`` per attention head, for parameters named in ``row_blocks``),
@@ -12,13 +14,15 @@ are the starting loads of an LPT over the whole matrices, whose owners are then 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ..api import BucketSpec
 from ..placements import BlockShard, Owned, Placement, Shard, lpt_owners, plan_bucket
+from .matrix_units import preconditioner_flops
 from .muon_adamw import full_shape, split_named_params
 from .newton_schulz import ns_flops
 
@@ -60,16 +64,18 @@ def _block_placement(name: str, shape: Shape, row_blocks: Mapping[str, int]) -> 
 
 
 def _plan(
-    model: nn.Module,
+    matrices: list[tuple[str, torch.Tensor]],
+    rest: list[tuple[str, torch.Tensor]],
     world_size: int,
     row_blocks: Mapping[str, int],
-    ns_steps: int,
-    split_kwargs: dict,
+    cost: Callable[[Shape], float],
+    prefix: str,
 ) -> tuple[list[BucketSpec], MuonBalance]:
-    muon, adamw = split_named_params(model, **split_kwargs)
+    """Communication-free buckets for ``matrices`` balanced on ``cost`` per matrix (each
+    row block, each expert), and a Shard(0) bucket for ``rest``."""
     blocks: list[tuple[str, Shape, Placement]] = []
     whole: list[tuple[str, Shape]] = []
-    for name, param in muon:
+    for name, param in matrices:
         shape = full_shape(param)
         placement = _block_placement(name, shape, row_blocks)
         if placement is None:
@@ -79,34 +85,76 @@ def _plan(
     loads = [0.0] * world_size
     specs = []
     if blocks:
-        layout = plan_bucket(blocks, world_size, bucket="muon_blocks")
+        layout = plan_bucket(blocks, world_size, bucket=f"{prefix}_blocks")
         for param in layout.params:
             for rank, regions in enumerate(param.regions):
-                loads[rank] += sum(ns_flops(r.sizes, ns_steps) for r in regions)
+                for r in regions:  # a row block, or a box of whole experts
+                    count = r.sizes[0] if len(r.sizes) == 3 else 1
+                    loads[rank] += count * cost(r.sizes[-2:])
         placements = {name: placement for name, _, placement in blocks}
         specs.append(
             BucketSpec(
                 [name for name, _, _ in blocks],
                 placement=lambda fqn, _p, table=placements: table[fqn],
-                name="muon_blocks",
+                name=f"{prefix}_blocks",
             )
         )
     if whole:
-        costs = [ns_flops(shape, ns_steps) for _, shape in whole]
+        costs = [cost(shape) for _, shape in whole]
         owners = lpt_owners(costs, world_size, loads=loads)
-        for owner, cost in zip(owners, costs):
-            loads[owner] += cost
+        for owner, c in zip(owners, costs):
+            loads[owner] += c
         pinned = {name: Owned(rank=owner) for (name, _), owner in zip(whole, owners)}
         specs.append(
             BucketSpec(
                 [name for name, _ in whole],
                 placement=lambda fqn, _p, table=pinned: table[fqn],
-                name="muon_owned",
+                name=f"{prefix}_owned",
             )
         )
-    if adamw:
-        specs.append(BucketSpec([name for name, _ in adamw], placement=Shard(0), name="adamw"))
+    if rest:
+        specs.append(BucketSpec([name for name, _ in rest], placement=Shard(0), name="adamw"))
     return specs, MuonBalance(tuple(loads))
+
+
+def _muon_plan(
+    model: nn.Module,
+    world_size: int,
+    row_blocks: Mapping[str, int],
+    ns_steps: int,
+    split_kwargs: dict,
+) -> tuple[list[BucketSpec], MuonBalance]:
+    muon, adamw = split_named_params(model, **split_kwargs)
+    cost = lambda shape: ns_flops(shape, ns_steps)  # noqa: E731
+    return _plan(muon, adamw, world_size, row_blocks, cost, "muon")
+
+
+def matrix_buckets(
+    model: nn.Module,
+    world_size: int,
+    cost: Callable[[Shape], float] = preconditioner_flops,
+) -> list[BucketSpec]:
+    """Buckets under which :class:`MatrixOptimizer` over every trainable parameter of
+    ``model`` moves no byte: ``matrix_blocks`` (``BlockShard`` one tile per expert of
+    each 3-D stack) and ``matrix_owned`` (every other parameter whole, ``Owned`` with
+    owners pinned by LPT on ``cost(shape)`` on top of the experts' work). ``cost`` is
+    the optimizer's work on one matrix: :func:`preconditioner_flops` for Shampoo/SOAP,
+    ``lambda s: ns_flops(s, 5)`` for Muon. Call it on the unsharded model;
+    :func:`matrix_balance` reports the per-rank work."""
+    return _plan(_trainable(model), [], world_size, {}, cost, "matrix")[0]
+
+
+def matrix_balance(
+    model: nn.Module,
+    world_size: int,
+    cost: Callable[[Shape], float] = preconditioner_flops,
+) -> MuonBalance:
+    """Per-rank ``cost`` of the plan :func:`matrix_buckets` proposes."""
+    return _plan(_trainable(model), [], world_size, {}, cost, "matrix")[1]
+
+
+def _trainable(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
 def muon_buckets(
@@ -126,8 +174,13 @@ def muon_buckets(
     ``adamw`` (Shard(0): embeddings, LM head, norms, biases, as ``split_muon_params``
     decides). Pass the same ``row_blocks`` to ``muon_and_adamw``. Call it on the
     unsharded model; :func:`muon_balance` reports the per-rank work."""
-    return _plan(model, world_size, row_blocks or {}, ns_steps, _split(
-        adamw_patterns, muon_patterns, detect_head))[0]
+    return _muon_plan(
+        model,
+        world_size,
+        row_blocks or {},
+        ns_steps,
+        _split(adamw_patterns, muon_patterns, detect_head),
+    )[0]
 
 
 def muon_balance(
@@ -141,8 +194,13 @@ def muon_balance(
     detect_head: bool = True,
 ) -> MuonBalance:
     """Per-rank Newton–Schulz FLOPs of the plan :func:`muon_buckets` proposes."""
-    return _plan(model, world_size, row_blocks or {}, ns_steps, _split(
-        adamw_patterns, muon_patterns, detect_head))[1]
+    return _muon_plan(
+        model,
+        world_size,
+        row_blocks or {},
+        ns_steps,
+        _split(adamw_patterns, muon_patterns, detect_head),
+    )[1]
 
 
 def _split(adamw_patterns: Sequence[str], muon_patterns: Sequence[str], detect_head: bool) -> dict:

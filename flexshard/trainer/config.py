@@ -75,7 +75,8 @@ class TrainingConfig:
     decay: Literal["cosine", "linear", "none"] = "cosine"
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    optimizer: Literal["adamw", "muon"] = "adamw"
+    # soap/shampoo: pytorch-optimizer's, on every parameter through MatrixOptimizer
+    optimizer: Literal["adamw", "muon", "soap", "shampoo"] = "adamw"
     max_norm: float = 1.0  # 0: no clipping (the norm is still measured)
     mixed_precision: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -394,8 +395,10 @@ def check_parallel_layout(cfg: Config) -> None:
             'parallelism.buckets and placement = "muon" are for data parallelism alone; '
             "with tp, pp or ep > 1 use a named placement"
         )
-    if composed and cfg.training.optimizer == "muon":
-        raise ConfigError('training.optimizer = "muon" is not wired with tp, pp or ep > 1')
+    if composed and cfg.training.optimizer != "adamw":
+        raise ConfigError(
+            f'training.optimizer = "{cfg.training.optimizer}" is not wired with tp, pp or ep > 1'
+        )
     c = cfg.checkpoint
     if p.pp * p.ep > 1 and (c.enable or c.initial_load_path or c.last_save_in_hf):
         raise ConfigError(

@@ -1,5 +1,6 @@
-"""Optimizers (AdamW; Muon for hidden matrices + AdamW for the rest through DistMuon)
-and the learning-rate schedule (linear warm-up, then cosine or linear decay)."""
+"""Optimizers (AdamW; Muon for hidden matrices + AdamW for the rest through DistMuon;
+pytorch-optimizer's SOAP or Shampoo on every parameter through MatrixOptimizer) and the
+learning-rate schedule (linear warm-up, then cosine or linear decay)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,26 @@ def muon_row_blocks(model_cfg: ModelConfig) -> dict[str, int]:
     return {"*.wq.weight": head_dim, "*.wk.weight": head_dim, "*.wv.weight": head_dim}
 
 
+def _third_party(name: str) -> type[torch.optim.Optimizer]:
+    """pytorch-optimizer's SOAP or Shampoo (an optional dependency)."""
+    try:
+        import pytorch_optimizer
+    except ImportError:
+        raise ConfigError(
+            f'training.optimizer = "{name}" needs the pytorch-optimizer package '
+            "(pip install pytorch-optimizer==4.1.0)"
+        ) from None
+    return {"soap": pytorch_optimizer.SOAP, "shampoo": pytorch_optimizer.Shampoo}[name]
+
+
+def matrix_optimizer_buckets(model: nn.Module, dp_shard: int) -> list:
+    """``placement = "muon"`` with SOAP/Shampoo: every parameter whole on one rank,
+    balanced on the preconditioner's cost, so the optimizer step moves no byte."""
+    from flexshard.optim import matrix_buckets
+
+    return matrix_buckets(model, dp_shard)
+
+
 def build_optimizer(
     model: nn.Module, cfg: TrainingConfig, model_cfg: ModelConfig
 ) -> torch.optim.Optimizer:
@@ -25,6 +46,14 @@ def build_optimizer(
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay
+        )
+    if cfg.optimizer in ("soap", "shampoo"):
+        from flexshard.optim import MatrixOptimizer
+
+        inner = _third_party(cfg.optimizer)
+        options = {"betas": betas} if cfg.optimizer == "soap" else {}
+        return MatrixOptimizer(
+            model.parameters(), inner, lr=cfg.lr, weight_decay=cfg.weight_decay, **options
         )
     try:
         from flexshard.optim import muon_and_adamw  # the DistMuon issue provides it

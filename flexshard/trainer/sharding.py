@@ -87,8 +87,10 @@ def bucket_specs(cfg: Config, model: nn.Module, dp_shard: int) -> list[fs.Bucket
                 'parallelism.placement = "muon" needs flexshard.optim.muon_buckets, which is '
                 "not in this installation"
             ) from None
-        from .optimizers import muon_row_blocks
+        from .optimizers import matrix_optimizer_buckets, muon_row_blocks
 
+        if cfg.training.optimizer in ("soap", "shampoo"):  # balanced on their own cost
+            return matrix_optimizer_buckets(model, dp_shard)
         return list(muon_buckets(model, dp_shard, row_blocks=muon_row_blocks(cfg.model)))
     placement = named_placement(par.placement, cfg)
     layers = [
