@@ -75,8 +75,9 @@ class MatrixOptimizer(Optimizer):
         cost: Cost | None = None,
         **defaults: Any,
     ) -> None:
-        # the inner optimizer's own defaults and checks, on a placeholder parameter
-        self._inner = optimizer([torch.zeros(0, requires_grad=True)], **defaults)
+        # the inner optimizer's own defaults and checks, on a placeholder matrix (some,
+        # torch's Muon among them, check the shapes they are given)
+        self._inner = optimizer([torch.zeros(1, 1, requires_grad=True)], **defaults)
         inner_type = type(self._inner)
         self._tag = f"{inner_type.__module__}.{inner_type.__qualname__}"
         self._cost = cost or preconditioner_flops
