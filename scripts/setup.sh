@@ -3,7 +3,8 @@
 # trainer extras, unless that is done already.
 if ! { [ -x .venv/bin/flexshard-train ] && [ -x .venv/bin/flexshard-generate ] &&
        [ -x .venv/bin/ruff ] && .venv/bin/python -c \
-         'import flexshard, pytest, hypothesis, matplotlib, safetensors, transformers, tokenizers' \
+         'import flexshard, pytest, hypothesis, matplotlib, safetensors, transformers
+import tokenizers, tqdm, tiktoken' \
          2>/dev/null; }; then
   [ -x .venv/bin/python ] || python3 -m venv .venv
   # the CPU torch first, pinned, so that installing flexshard never pulls another build

@@ -11,8 +11,8 @@ import torch
 
 from flexshard.trainer.config import ConfigError, TrainingConfig, load_config, parse_overrides
 from flexshard.trainer.data import ByteTokenizer, DPSampler, builtin_corpus
+from flexshard.trainer.lr_schedule import lr_factor
 from flexshard.trainer.model import Transformer, count_params, init_weights
-from flexshard.trainer.optimizers import lr_factor
 from flexshard.trainer.parallel import ParallelDims
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -161,6 +161,37 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert lr_factor(9, linear) == 0.0 and lr_factor(0, linear) == 1.0
 
 
+@pytest.mark.parametrize("decay", ["cosine", "linear", "none"])
+def test_lr_scheduler_gives_the_closed_form_and_resumes(decay):
+    from flexshard.trainer.lr_schedule import build_lr_scheduler
+
+    cfg = TrainingConfig(steps=11, warmup_steps=3, min_lr_ratio=0.1, decay=decay)
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=3e-3)
+    scheduler = build_lr_scheduler(optimizer, cfg)
+    seen = []
+    for step in range(cfg.steps):
+        seen.append(optimizer.param_groups[0]["lr"])
+        weight.grad = torch.ones(3)
+        optimizer.step()
+        scheduler.step()
+        if step == 4:
+            saved = (scheduler.state_dict(), optimizer.state_dict())
+    # the old hand-written schedule's values, bit for bit
+    assert seen == [3e-3 * lr_factor(step, cfg) for step in range(cfg.steps)]
+    # a fresh optimizer and scheduler restored at step 5 carry on with the same lrs
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=3e-3)
+    scheduler = build_lr_scheduler(optimizer, cfg)
+    optimizer.load_state_dict(saved[1])
+    scheduler.load_state_dict(saved[0])
+    again = []
+    for _ in range(5, cfg.steps):
+        again.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert again == seen[5:] and scheduler.state_dict()["lr_lambdas"] == [None]
+
+
 def _record(step: int, loss: float) -> dict:
     return {
         "step": step, "loss": loss, "tokens_per_s": 1000.0 * step, "grad_norm": 0.5,
@@ -202,18 +233,19 @@ def test_metrics_jsonl_summary_plot_and_tensorboard(tmp_path, monkeypatch):
     skipped.close()
 
 
-def test_progress_bar_writes_carriage_return_lines():
+def test_progress_bar_is_tqdm_with_loss_and_rate():
     import io
 
     from flexshard.trainer.metrics import ProgressBar
 
     stream = io.StringIO()
-    bar = ProgressBar(4, stream=stream, width=8)
-    for step in range(1, 5):
+    bar = ProgressBar(4, initial=1, stream=stream)  # resumed after step 1
+    for step in range(2, 5):
         bar.update(step, 5.0 - step, 1234.0)
+    bar.close()
     text = stream.getvalue()
-    assert text.count("\r") == 4 and text.endswith("\n")
-    assert "[########] 4/4  loss 1.0000  1,234 tok/s  ETA 0:00:00" in text
+    assert bar.bar.n == 4 and "\r" in text and text.endswith("\n")
+    assert "4/4" in text and "loss 1.0000, 1,234 tok/s" in text
 
 
 def test_own_text_files_and_backend_option_errors(tmp_path):

@@ -24,11 +24,11 @@ from flexshard.trainer.data import DPSampler, ValidationBatches, load_tokens, sp
 from flexshard.trainer.hf_adapter import hf_keys
 from flexshard.trainer.hf_checkpoint import export_hf
 from flexshard.trainer.model import Transformer
-from flexshard.trainer.optimizers import build_optimizer, set_lr
+from flexshard.trainer.optimizers import build_optimizer
 from flexshard.trainer.tokenizer import ByteTokenizer
 from flexshard.trainer.train import loss_fn, run, setup
 
-from .trainer_cases import tiny_config
+from .trainer_cases import set_lr, tiny_config
 
 
 def _transformers():

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .train import Job
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+SCHEDULER = "lr_scheduler"  # the LambdaLR's state_dict, beside the optimizer's
 
 
 def folder(job: Job) -> Path:
@@ -66,9 +67,11 @@ def save(job: Job, step: int) -> Path:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(job.model, job.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        state = {"model": model_sd, "optim": optim_sd, SCHEDULER: job.lr_scheduler.state_dict()}
+        dcp.save(state, checkpoint_id=str(path))
     else:
-        _flexshard_checkpoint().save(str(path), job.model, job.optimizer, extra={"step": step})
+        extra = {"step": step, SCHEDULER: job.lr_scheduler.state_dict()}
+        _flexshard_checkpoint().save(str(path), job.model, job.optimizer, extra=extra)
     dist.barrier()
     return path
 
@@ -89,6 +92,9 @@ def maybe_resume(job: Job) -> int:
 
         model_sd, optim_sd = get_state_dict(job.model, job.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+        saved = dcp.FileSystemReader(str(path)).read_metadata().planner_data or {}
+        if any(key[0] == SCHEDULER for key in saved.values()):
+            state[SCHEDULER] = job.lr_scheduler.state_dict()
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(
             job.model,
@@ -96,12 +102,31 @@ def maybe_resume(job: Job) -> int:
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
         )
+        scheduler = state.get(SCHEDULER)
     else:
         extra = _flexshard_checkpoint().load(str(path), job.model, job.optimizer) or {}
         step = int(extra.get("step", step))
+        scheduler = extra.get(SCHEDULER)
+    _restore_schedule(job, scheduler, step, path)
     if job.rank == 0:
         print(f"resumed from {path} at step {step}", flush=True)
     return step
+
+
+def _restore_schedule(job: Job, state: dict[str, Any] | None, step: int, path: Path) -> None:
+    """The scheduler where the saved run left it: its next lr is step ``step``'s."""
+    if state is None:
+        raise ValueError(
+            f"checkpoint '{path}' has no '{SCHEDULER}' state (written before the trainer "
+            "kept it); start afresh with --checkpoint.resume false or another "
+            "checkpoint.folder"
+        )
+    if state["last_epoch"] != step:
+        raise ValueError(
+            f"checkpoint '{path}': the lr scheduler's state is at step "
+            f"{state['last_epoch']}, the checkpoint at step {step}"
+        )
+    job.lr_scheduler.load_state_dict(state)
 
 
 def initial_load(job: Job) -> None:

@@ -1,5 +1,5 @@
 """What a user watches: per-step metrics to JSONL (and TensorBoard when installed), a
-rank-0 progress bar, a final summary table and a PNG loss curve."""
+rank-0 progress bar (tqdm), a final summary table and a PNG loss curve."""
 
 from __future__ import annotations
 
@@ -53,34 +53,27 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class ProgressBar:
-    """One line rewritten with ``\\r``: step, loss, tokens/s, ETA."""
+    """Rank 0's bar on stderr: ``tqdm``'s (rate, ETA, redraws at most ten times a
+    second), with the loss and tokens/s of the last step beside it."""
 
-    def __init__(self, total: int, stream: TextIO = sys.stderr, width: int = 24) -> None:
-        self.total, self.stream, self.width = total, stream, width
-        self.start = time.perf_counter()
-        self.first_step: int | None = None
+    def __init__(self, total: int, initial: int = 0, stream: TextIO = sys.stderr) -> None:
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            raise ImportError(
+                "job.progress = true needs the tqdm package (pip install tqdm, or the "
+                "`train` extra); or set --job.progress false"
+            ) from None
+        self.bar = tqdm(
+            total=total, initial=initial, file=stream, unit="step", dynamic_ncols=True, leave=True
+        )
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        if self.first_step is None:
-            self.first_step, self.start = step - 1, time.perf_counter()
-        done = step - self.first_step
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / max(done, 1) * (self.total - step)
-        filled = self.width * step // self.total
-        bar = "#" * filled + "-" * (self.width - filled)
-        line = (
-            f"\r[{bar}] {step}/{self.total}  loss {loss:.4f}  "
-            f"{tokens_per_s:,.0f} tok/s  ETA {_clock(eta)}"
-        )
-        self.stream.write(line)
-        if step == self.total:
-            self.stream.write("\n")
-        self.stream.flush()
+        self.bar.set_postfix_str(f"loss {loss:.4f}, {tokens_per_s:,.0f} tok/s", refresh=False)
+        self.bar.update(step - self.bar.n)
 
-
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds + 0.5), 60)
-    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+    def close(self) -> None:
+        self.bar.close()
 
 
 class MetricsWriter:

@@ -1,10 +1,8 @@
 """Optimizers (AdamW; Muon for hidden matrices + AdamW for the rest through DistMuon;
-pytorch-optimizer's SOAP or Shampoo on every parameter through MatrixOptimizer) and the
-learning-rate schedule (linear warm-up, then cosine or linear decay)."""
+pytorch-optimizer's SOAP or Shampoo on every parameter through MatrixOptimizer); the
+learning-rate schedule is ``lr_schedule``'s LambdaLR."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
@@ -71,28 +69,3 @@ def build_optimizer(
         # Moonlight's scaling: Muon's update RMS matches AdamW's, so one lr serves both
         adjust_lr_fn="match_rms_adamw",
     )
-
-
-def lr_factor(step: int, cfg: TrainingConfig) -> float:
-    """Multiplier of ``cfg.lr`` for 0-based ``step``: warm-up from lr/warmup to lr, then
-    decay to ``lr * min_lr_ratio`` at the last step."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.decay == "none":
-        return 1.0
-    span = max(1, cfg.steps - cfg.warmup_steps - 1)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    if cfg.decay == "linear":
-        shape = 1.0 - progress
-    else:
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
-
-
-def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainingConfig) -> float:
-    """Set every group's lr for 0-based ``step`` from its base lr; a pure function of the
-    step, so a resumed run needs no scheduler state. Returns the first group's lr."""
-    for group in optimizer.param_groups:
-        group.setdefault("base_lr", group["lr"])
-        group["lr"] = group["base_lr"] * lr_factor(step, cfg)
-    return optimizer.param_groups[0]["lr"]

@@ -14,12 +14,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.lr_scheduler import LRScheduler
 
 import flexshard as fs
 
 from . import checkpointing
 from .config import Config, ConfigError
 from .data import DPSampler, ValidationBatches, load_tokens, split_tokens
+from .lr_schedule import build_lr_scheduler, current_lr
 from .metrics import (
     MetricsWriter,
     ProgressBar,
@@ -30,7 +32,7 @@ from .metrics import (
     summary_table,
 )
 from .model import Transformer, count_params, flops_per_token, init_module, init_weights
-from .optimizers import build_optimizer, set_lr
+from .optimizers import build_optimizer
 from .parallel import Meshes, ParallelDims, init_distributed, pick_device
 from .parallelize import Parallelized, apply_compile, local_batch, parallelize
 from .parallelize import clip_grad_norm_ as clip_parallel
@@ -105,6 +107,7 @@ class Job:
     dp_rank: int
     model: nn.Module  # the first (often only) stage module
     optimizer: torch.optim.Optimizer
+    lr_scheduler: LRScheduler  # stepped after every optimizer step; in the checkpoints
     sampler: DPSampler
     folder: Path
     meshes: Meshes
@@ -147,6 +150,7 @@ def setup(cfg: Config) -> Job:
     # one module: the optimizer sees it (Muon groups by module); pipeline stages: all
     whole = model if len(parallel.modules) == 1 else parallel
     optimizer = build_optimizer(whole, t, cfg.model)  # type: ignore[arg-type]
+    lr_scheduler = build_lr_scheduler(optimizer, t)
     folder = Path(cfg.job.dump_folder)
     return Job(
         cfg,
@@ -156,6 +160,7 @@ def setup(cfg: Config) -> Job:
         dp_rank,
         model,
         optimizer,
+        lr_scheduler,
         sampler,
         folder,
         meshes,
@@ -170,7 +175,7 @@ def train_step(job: Job, step: int) -> tuple[float, float, float]:
     batch, full gradient norm, lr)."""
     cfg, model = job.cfg, job.model
     accum = cfg.training.grad_accum
-    lr = set_lr(job.optimizer, step, cfg.training)
+    lr = current_lr(job.lr_scheduler)
     local_loss = torch.zeros((), device=job.device)
     runner = job.parallel.runner
     for micro in range(accum):
@@ -186,6 +191,7 @@ def train_step(job: Job, step: int) -> tuple[float, float, float]:
         local_loss += loss.detach()
     grad_norm = clip_gradients(job)
     job.optimizer.step()
+    job.lr_scheduler.step()
     job.optimizer.zero_grad(set_to_none=True)
     # the global batch's loss: mean over all ranks; tp and pp ranks hold the same value
     # and dp x cp ranks equal token counts, so that is the mean over the global batch
@@ -227,7 +233,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     if start_step == 0 and cfg.checkpoint.initial_load_path:
         checkpointing.initial_load(job)
     writer = MetricsWriter(job.folder, cfg.job.tensorboard, start_step > 0) if leader else None
-    progress = ProgressBar(t.steps) if leader and cfg.job.progress else None
+    progress = ProgressBar(t.steps, start_step) if leader and cfg.job.progress else None
     tokens_per_step = job.sampler.global_batch * t.seq_len
     flops_token = flops_per_token(cfg.model, t.seq_len)
     peak = peak_flops_per_rank(job.device, cfg.job.peak_tflops)
@@ -266,6 +272,8 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             (step + 1) % cfg.checkpoint.interval == 0 or step + 1 == t.steps
         ):
             checkpointing.save(job, step + 1)
+    if progress is not None:
+        progress.close()
     if cfg.checkpoint.export_safetensors:
         checkpointing.export(job)
     if cfg.checkpoint.last_save_in_hf:
