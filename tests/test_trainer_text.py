@@ -1,17 +1,20 @@
 """Text in and out: a tokenizer.json (``tokenizers``) as the trainer's tokenizer, saved
-with the export so ``transformers``' AutoTokenizer reads it; generation with a KV cache
-equals a full forward per token and ``transformers``' own greedy ``generate``."""
+with the export so ``transformers``' AutoTokenizer reads it; a tiktoken BPE file with the
+same merges encodes as it does; the vocabulary taken from the tokenizer; generation with
+a KV cache equals a full forward per token and ``transformers``' own greedy ``generate``."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
-from flexshard.trainer.config import ConfigError, config_from_dict
+from flexshard.trainer.config import ConfigError, config_from_dict, load_config
 from flexshard.trainer.data import builtin_corpus
 from flexshard.trainer.generate import forward_cached, generate, load_model
 from flexshard.trainer.model import Transformer, init_weights
-from flexshard.trainer.tokenizer import HFTokenizer, load_tokenizer
+from flexshard.trainer.tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer
 
 from .test_trainer_hf import hf_llama
 
@@ -63,6 +66,59 @@ def test_shipped_tokenizer_round_trips_the_corpus():
     ids = tok.encode(text)
     assert tok.vocab_size == 512 and ids.numel() < len(text.encode()) / 1.5
     assert tok.decode(ids[1:]) == text
+
+
+SHIPPED = "configs/tokenizer/tokenizer"
+
+
+def test_tiktoken_file_encodes_as_the_tokenizer_json_it_was_written_from():
+    pytest.importorskip("tiktoken")
+    hf, tik = HFTokenizer(f"{SHIPPED}.json"), TiktokenTokenizer(f"{SHIPPED}.tiktoken")
+    assert tik.vocab_size == hf.vocab_size == 512  # 510 ranks + BOS and EOS
+    text = builtin_corpus()
+    ids = tik.encode(text)
+    assert ids[0].item() == tik.bos == 510 and tik.decode(ids[1:]) == text
+    # each word alone is one pre-token for both libraries' patterns, so both must apply
+    # the same merges: tiktoken's rank r is the tokenizer.json's id r + 2 (<s>, </s>)
+    words = sorted(set(re.findall(r" ?[A-Za-z]+", text)))
+    differing = [w for w in words if (hf.encode(w)[1:] - 2).tolist() != tik.encode(w)[1:].tolist()]
+    assert len(words) > 2000 and differing == []
+    assert ids.numel() < len(text.encode()) / 1.5  # merges happened
+
+
+def test_tiktoken_file_rereads_a_changed_file_and_rejects_garbage(tmp_path):
+    pytest.importorskip("tiktoken")
+    path = tmp_path / "tokenizer.tiktoken"
+    lines = open(f"{SHIPPED}.tiktoken").read().splitlines()
+    path.write_text("\n".join(lines[:300]) + "\n")
+    assert TiktokenTokenizer(path).vocab_size == 302
+    path.write_text("\n".join(lines) + "\n")  # same path (tiktoken caches by path)
+    assert TiktokenTokenizer(path).vocab_size == 512
+    path.write_text("not base64 at all\n")
+    with pytest.raises(ConfigError, match="not a tiktoken BPE file"):
+        TiktokenTokenizer(path)
+
+
+def test_vocabulary_comes_from_the_tokenizer_padded_to_the_multiple(tmp_path):
+    pytest.importorskip("tiktoken")
+    shipped = load_config("configs/bpe_debug.toml")  # names no vocab_size
+    assert shipped.model.vocab_size == 512
+    for tokenizer, multiple, expected in [("json", 96, 576), ("tiktoken", 100, 600)]:
+        overrides = ["--model.tokenizer", f"{SHIPPED}.{tokenizer}"]
+        cfg = load_config(None, [*overrides, "--model.vocab_multiple", str(multiple)])
+        assert cfg.model.vocab_size == expected, tokenizer
+        assert load_tokenizer(cfg.model).vocab_size == 512
+        # the config carries the resolved size to the ranks (the launcher's round trip)
+        assert config_from_dict(cfg.to_dict()).model.vocab_size == expected
+    explicit = load_config(None, [*overrides, "--model.vocab_size", "1000"])
+    assert explicit.model.vocab_size == 1000  # named: kept
+    small = load_config(None, [*overrides, "--model.vocab_size", "500"])
+    with pytest.raises(ConfigError, match="set --model.vocab_size 512 or leave it out"):
+        load_tokenizer(small.model)
+    with pytest.raises(ConfigError, match="model.vocab_multiple = 0"):
+        load_config(None, [*overrides, "--model.vocab_multiple", "0"])
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(None, ["--model.tokenizer", str(tmp_path / "missing.model")])
 
 
 def test_kv_cache_equals_full_forward():

@@ -27,7 +27,10 @@ class MoEConfig:
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 256  # byte-level tokenizer
+    # the byte tokenizer's 256; left out with a tokenizer file: its ids, padded up to
+    # vocab_multiple (a tokenizer.json of 32,000 ids and 64: 32,000)
+    vocab_size: int = 256
+    vocab_multiple: int = 64
     dim: int = 64
     n_layers: int = 2
     n_heads: int = 4
@@ -36,7 +39,7 @@ class ModelConfig:
     ffn_multiple: int = 16
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    # "bytes", or a Hugging Face tokenizer.json (vocab_size then at least the tokenizer's)
+    # "bytes", a Hugging Face tokenizer.json or a tiktoken BPE file (tokenizer.py)
     tokenizer: str = "bytes"
     moe: MoEConfig = field(default_factory=MoEConfig)
 
@@ -420,6 +423,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     table = _merge(table, parse_overrides(overrides or []))
     cfg = Config()
     _fill(cfg, table, "")
+    _vocab_from_tokenizer(cfg, table)
     validate(cfg)
     return cfg
 
@@ -428,5 +432,19 @@ def config_from_dict(table: dict[str, Any]) -> Config:
     """A Config from a nested dict (as ``Config.to_dict`` gives), validated."""
     cfg = Config()
     _fill(cfg, table, "")
+    _vocab_from_tokenizer(cfg, table)
     validate(cfg)
     return cfg
+
+
+def _vocab_from_tokenizer(cfg: Config, table: dict[str, Any]) -> None:
+    """A tokenizer file and no ``model.vocab_size``: the tokenizer's ids, padded up to
+    ``model.vocab_multiple`` (an explicit vocab_size is checked when the run loads it)."""
+    m = cfg.model
+    if m.vocab_multiple < 1:
+        raise ConfigError(f"model.vocab_multiple = {m.vocab_multiple}: must be at least 1")
+    if m.tokenizer == "bytes" or "vocab_size" in table.get("model", {}):
+        return
+    from .tokenizer import open_tokenizer, padded_vocab_size  # it imports this module
+
+    m.vocab_size = padded_vocab_size(m, open_tokenizer(m.tokenizer))
