@@ -10,9 +10,10 @@ import re
 import pytest
 import torch
 
+from flexshard.testing import run_distributed
 from flexshard.trainer.config import ConfigError, config_from_dict, load_config
 from flexshard.trainer.data import builtin_corpus
-from flexshard.trainer.generate import forward_cached, generate, load_model
+from flexshard.trainer.generate import forward_cached, generate, load_model, load_sharded
 from flexshard.trainer.model import Transformer, init_weights
 from flexshard.trainer.tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer
 
@@ -146,3 +147,27 @@ def test_greedy_generation_matches_transformers(tmp_path):
         sampled.tolist() == generate(model, prompt, 12, temperature=1.0, top_k=5, seed=1).tolist()
     )
     assert sampled.numel() == 16
+
+
+PROMPT = [5, 17, 99, 3]
+
+
+def _sharded_generation(rank: int, world_size: int, folder: str) -> tuple:
+    model, _ = load_sharded(folder)  # each rank reads its Shard(0) rows of the HF folder
+    prompt = torch.tensor(PROMPT)
+    greedy = generate(model, prompt, 12).tolist()
+    sampled = generate(model, prompt, 12, temperature=1.0, top_k=5, seed=1).tolist()
+    stored = sum(p.to_local().numel() for p in model.parameters())
+    return greedy, sampled, stored
+
+
+def test_sharded_generation_equals_one_process(tmp_path):
+    hf_llama(tmp_path / "hf")  # kv rows 20, ffn 34, vocab 300: W = 3 divides none
+    model, _ = load_model(tmp_path / "hf")
+    prompt = torch.tensor(PROMPT)
+    greedy = generate(model, prompt, 12).tolist()
+    sampled = generate(model, prompt, 12, temperature=1.0, top_k=5, seed=1).tolist()
+    results = run_distributed(_sharded_generation, 3, str(tmp_path / "hf"), timeout=300)
+    assert [r[:2] for r in results] == [(greedy, sampled)] * 3
+    total = sum(p.numel() for p in model.parameters())
+    assert sum(r[2] for r in results) == total and max(r[2] for r in results) < total / 2

@@ -1,6 +1,12 @@
 """Text out: ``flexshard-generate --checkpoint <hf folder | dcp step folder> --prompt "..."``
-(greedy with ``--temperature 0``, else sampled with ``--top-k``), one process, with a
-KV cache: the prompt runs once, then one token per forward.
+(greedy with ``--temperature 0``, else sampled with ``--top-k``), with a KV cache: the
+prompt runs once, then one token per forward.
+
+One process holds the whole model; with ``--nproc N`` (or under ``torchrun``) the model
+is sharded over the ranks as in training (flexshard, Shard(0) buckets: one per block and
+the outer one), every rank reads only its regions of the checkpoint, and each block is
+gathered for its step and freed after it; the outer bucket (embedding, final norm,
+output) stays gathered while generating. Rank 0's token is the one every rank takes.
 
 A Hugging Face folder brings its config.json and tokenizer; a DCP checkpoint of the
 trainer (``checkpoint/step-N``) needs the run's ``--config`` for the model's sizes."""
@@ -8,18 +14,24 @@ trainer (``checkpoint/step-N``) needs the run's ``--config`` for the model's siz
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch import nn
 
 from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
 
-from .config import ConfigError, ModelConfig, config_from_dict, load_config
+from .config import Config, ConfigError, config_from_dict, load_config
 from .hf_adapter import hf_keys, model_fields, read_config
 from .model import Attention, Transformer, apply_rope
-from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, open_tokenizer
 
 Cache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values so far
 
@@ -52,23 +64,45 @@ def _attend(
     return attn.wo(out.transpose(1, 2).reshape(b, s, -1)), (k, v)
 
 
+@contextmanager
+def gathered(model: nn.Module, bucket: str) -> Iterator[None]:
+    """The whole weights of flexshard bucket ``bucket`` inside (a plain model: as is).
+    The blocks are called piece by piece here, not through the forward hooks that
+    gather them in training."""
+    buckets = getattr(model, "_flexshard_buckets", None)
+    if buckets is None:
+        yield
+        return
+    found = [b for b in buckets if b.name == bucket]
+    if not found:
+        names = ", ".join(b.name for b in buckets)
+        raise ValueError(f"generation needs a flexshard bucket '{bucket}'; the model has {names}")
+    found[0].unshard()
+    try:
+        yield
+    finally:
+        found[0].reshard()
+
+
 def forward_cached(model: Transformer, tokens: torch.Tensor, cache: Cache) -> torch.Tensor:
-    """Logits of ``tokens`` placed after the ``cache``d ones; the cache grows."""
+    """Logits of ``tokens`` placed after the ``cache``d ones; the cache grows. A sharded
+    model's outer bucket must be gathered (``generate`` does it)."""
     start = cache[0][0].shape[1] if cache else 0
     cos, sin = model.rope(start + tokens.shape[1], tokens.device)
     cos, sin = cos[start:], sin[start:]
     x = model.tok_embeddings(tokens)
     first = not cache
     for i, layer in enumerate(model.layers):
-        out, kv = _attend(
-            layer.attention, layer.attention_norm(x), cos, sin, None if first else cache[i]
-        )
+        with gathered(model, f"layers.{i}"):
+            out, kv = _attend(
+                layer.attention, layer.attention_norm(x), cos, sin, None if first else cache[i]
+            )
+            x = x + out
+            x = x + layer.feed_forward(layer.ffn_norm(x))
         if first:
             cache.append(kv)
         else:
             cache[i] = kv
-        x = x + out
-        x = x + layer.feed_forward(layer.ffn_norm(x))
     return model.output(model.norm(x))
 
 
@@ -83,42 +117,120 @@ def generate(
 ) -> torch.Tensor:
     """``prompt`` (1-D ids) followed by up to ``max_new_tokens`` new ids."""
     generator = torch.Generator().manual_seed(seed)
+    sharded = dist.is_initialized() and hasattr(model, "_flexshard_buckets")
     cache: Cache = []
-    logits = forward_cached(model, prompt[None], cache)[0, -1]
     out = []
-    for _ in range(max_new_tokens):
-        if temperature <= 0:
-            token = int(logits.argmax())
-        else:
-            scores = logits.float() / temperature
-            if top_k:
-                kth = scores.topk(min(top_k, scores.numel())).values[-1]
-                scores = scores.masked_fill(scores < kth, float("-inf"))
-            token = int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
-        out.append(token)
-        logits = forward_cached(model, torch.tensor([[token]]), cache)[0, -1]
+    with gathered(model, "outer"):
+        logits = forward_cached(model, prompt[None], cache)[0, -1]
+        for _ in range(max_new_tokens):
+            if temperature <= 0:
+                token = logits.argmax()
+            else:
+                scores = logits.float() / temperature
+                if top_k:
+                    kth = scores.topk(min(top_k, scores.numel())).values[-1]
+                    scores = scores.masked_fill(scores < kth, float("-inf"))
+                token = torch.multinomial(scores.softmax(-1), 1, generator=generator)[0]
+            if sharded:  # ranks agree on the logits to rounding; rank 0 decides
+                dist.broadcast(token, src=0)
+            out.append(int(token))
+            logits = forward_cached(model, torch.tensor([[out[-1]]]), cache)[0, -1]
     return torch.cat([prompt, torch.tensor(out, dtype=prompt.dtype)])
 
 
-def load_model(checkpoint: str | Path, config: str | None = None) -> tuple[Transformer, Tokenizer]:
-    """The model and tokenizer of a Hugging Face folder or a trainer DCP checkpoint."""
+def run_config(checkpoint: str | Path, config: str | None = None) -> tuple[Config, bool]:
+    """The run's config (from a Hugging Face config.json, or the TOML a DCP checkpoint
+    was trained with) and whether its embeddings are tied (HF folders only)."""
     folder = Path(checkpoint)
     if (folder / "config.json").is_file():
-        cfg = config_from_dict({"model": model_fields(read_config(folder))}).model
-        model = Transformer(cfg)
-        state = model.state_dict()
-        tied = bool(read_config(folder).get("tie_word_embeddings", False))
-        load_hf_safetensors(folder, state, hf_keys(list(state), cfg, tied))
-        has_tokenizer = (folder / "tokenizer.json").is_file()
-        return model.eval(), HFTokenizer(folder) if has_tokenizer else ByteTokenizer()
+        hf = read_config(folder)
+        return config_from_dict({"model": model_fields(hf)}), bool(hf.get("tie_word_embeddings"))
     if config is None:
         raise ConfigError(f"'{folder}' has no config.json: pass the run's --config")
-    import flexshard.checkpoint as ckpt
+    return load_config(config), False
 
-    cfg: ModelConfig = load_config(config).model
-    model = Transformer(cfg)
-    ckpt.load(str(folder), model)
-    return model.eval(), load_tokenizer(cfg)
+
+def folder_tokenizer(folder: Path) -> Tokenizer:
+    """The tokenizer a Hugging Face folder ships (tokenizer.json, or the tiktoken file a
+    run with one exported), else bytes."""
+    for name in ("tokenizer.json", "tokenizer.tiktoken"):
+        if (folder / name).is_file():
+            return open_tokenizer(str(folder / name))
+    return ByteTokenizer()
+
+
+def load_weights(model: nn.Module, cfg: Config, tied: bool, checkpoint: str | Path) -> None:
+    """A HF folder's or a DCP checkpoint's weights into ``model`` (whole or sharded:
+    every rank reads what it stores)."""
+    folder = Path(checkpoint)
+    if (folder / "config.json").is_file():
+        state = model.state_dict()
+        load_hf_safetensors(folder, state, hf_keys(list(state), cfg.model, tied))
+    else:
+        import flexshard.checkpoint as ckpt
+
+        ckpt.load(str(folder), model)
+
+
+def load_model(checkpoint: str | Path, config: str | None = None) -> tuple[Transformer, Tokenizer]:
+    """The whole model and the tokenizer of a Hugging Face folder or a DCP checkpoint."""
+    cfg, tied = run_config(checkpoint, config)
+    model = Transformer(cfg.model)
+    load_weights(model, cfg, tied, checkpoint)
+    folder = Path(checkpoint)
+    if (folder / "config.json").is_file():
+        return model.eval(), folder_tokenizer(folder)
+    return model.eval(), load_tokenizer(cfg.model)
+
+
+def load_sharded(checkpoint: str | Path, config: str | None = None) -> tuple[nn.Module, Tokenizer]:
+    """The model sharded over the default process group as in training (flexshard,
+    ``placement = "shard0"``), built on meta: no rank holds it whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .sharding import apply_flexshard
+
+    cfg, tied = run_config(checkpoint, config)
+    cfg = config_from_dict({"model": cfg.to_dict()["model"]})  # default parallelism
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model = apply_flexshard(model, cfg, mesh)
+    model.to_empty(device="cpu")
+    load_weights(model, cfg, tied, checkpoint)
+    folder = Path(checkpoint)
+    if (folder / "config.json").is_file():
+        return model.eval(), folder_tokenizer(folder)
+    return model.eval(), load_tokenizer(cfg.model)
+
+
+def _write_sample(args: argparse.Namespace, model: nn.Module, tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode(args.prompt)
+    if prompt.numel() == 0:
+        prompt = tokenizer.encode("\n")
+    ids = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(tokenizer.decode(ids), flush=True)
+
+
+def _sharded_main(args: argparse.Namespace) -> None:
+    """One rank of a sharded generation (spawned here or started by torchrun)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    try:
+        model, tokenizer = load_sharded(args.checkpoint, args.config)
+        _write_sample(args, model, tokenizer)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(rank: int, nproc: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    _sharded_main(args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,16 +242,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0: the whole vocabulary")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--nproc", type=int, help="shard the model over this many local ranks (gloo)"
+    )
     args = parser.parse_args(argv)
     try:
-        model, tokenizer = load_model(args.checkpoint, args.config)
+        run_config(args.checkpoint, args.config)  # a bad folder or config: say so once
+        if args.nproc is not None and args.nproc < 1:
+            raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+            _sharded_main(args)
+        elif args.nproc is not None:
+            from flexshard.testing.launch import free_port
+
+            mp.spawn(_spawned, args=(args.nproc, free_port(), args), nprocs=args.nproc)
+        else:
+            _write_sample(args, *load_model(args.checkpoint, args.config))
     except (ConfigError, ValueError) as err:
         sys.exit(f"flexshard-generate: {err}")
-    prompt = tokenizer.encode(args.prompt)
-    if prompt.numel() == 0:
-        prompt = tokenizer.encode("\n")
-    ids = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
-    print(tokenizer.decode(ids))
 
 
 if __name__ == "__main__":

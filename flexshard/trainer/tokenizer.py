@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Protocol
 
@@ -141,6 +142,12 @@ class TiktokenTokenizer:
 
     def special_ids(self) -> dict[str, int]:
         return {"bos_token_id": self.bos, "eos_token_id": self.eos}
+
+    def save(self, folder: Path) -> None:
+        """The file itself, as ``tokenizer.tiktoken`` (flexshard-generate reads it;
+        transformers' AutoTokenizer needs a tokenizer.json)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self.path, folder / "tokenizer.tiktoken")
 
 
 def open_tokenizer(name: str) -> Tokenizer:
