@@ -128,3 +128,12 @@ def test_resume_is_exact_and_reshardable(tmp_path):
     flex = load_file(str(tmp_path / "flexshard" / "model.safetensors"))
     fsdp2 = load_file(str(tmp_path / "fsdp2" / "model.safetensors"))
     assert all(torch.allclose(flex[k], fsdp2[k], atol=1e-5) for k in flex)
+
+
+def test_resume_refuses_a_missing_or_mismatched_lr_scheduler_state():
+    import pytest
+
+    with pytest.raises(ValueError, match="has no 'lr_scheduler' state"):
+        checkpointing._restore_schedule(None, None, 3, Path("ckpt/step-3"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at step 2, the checkpoint at step 3"):
+        checkpointing._restore_schedule(None, {"last_epoch": 2}, 3, Path("ckpt/step-3"))  # type: ignore[arg-type]
