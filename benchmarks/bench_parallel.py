@@ -182,7 +182,7 @@ def markdown(rows: list[dict], meta: dict[str, Any]) -> str:
             range_cell(step),
             verdict_cell(step),
             f"{flex['peak_rss_mb_per_rank']:.1f}, {fsdp2['peak_rss_mb_per_rank']:.1f}",
-            cell(rss),
+            cell(rss, 3),
             f"{flex['loss_gap_vs_fsdp2']:.1e}",
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")

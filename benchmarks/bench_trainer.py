@@ -209,7 +209,7 @@ def markdown(rows: list[dict], meta: dict[str, Any]) -> str:
         flex = r["backend"] == "flexshard"
         step, rss = r.get("step_vs_fsdp2"), r.get("rss_vs_fsdp2")
         ratios = [cell(step), range_cell(step), verdict_cell(step)] if step else ["1.00", "–", "–"]
-        mem = [cell(rss), verdict_cell(rss)] if rss else ["1.00", "–"]
+        mem = [cell(rss, 3), verdict_cell(rss)] if rss else ["1.000", "–"]
         cells = [
             r["world_size"],
             r["backend"],

@@ -53,7 +53,7 @@ def time_row(r: dict[str, Any]) -> str:
         verdict_cell(step),
         f"{r['forward_ms']:.1f} / {r['backward_ms']:.1f} / {r['optimizer_ms']:.1f}",
         f"{r['peak_rss_mb']:.1f}",
-        cell(rss),
+        cell(rss, 3),
         verdict_cell(rss),
     ]
     return "| " + " | ".join(str(c) for c in cells) + " |"
