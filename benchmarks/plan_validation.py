@@ -39,7 +39,20 @@ from .plan_published import PUBLISHED, fp8_gather_row
 RESULTS = Path(__file__).parent / "results"
 # what the tables say, written once they were read (kept with the script that makes them)
 READINGS = [
-    '- See the README section "Planning a run at scale" for what the gaps mean.',
+    "- The step-time model counts GEMM FLOPs (at the profile's measured or data-sheet rate) "
+    "and ring collectives replayed on the hooks' schedule. It leaves out softmax, norms, "
+    "elementwise work, the optimizer's Python loop and autograd overhead (large on a CPU "
+    "with a tiny model), activation recomputation, Float8 GEMMs and torch.compile, power "
+    "caps, NCCL's tree algorithms and network contention.",
+    "- The CPU rows share 2 cores with other jobs; the profile is fitted minutes before "
+    "the measurements, under whatever load there is then, and the measured rows vary by "
+    "2x between runs at load 4-12 (compare the archived quiet runs). The gap is reported "
+    "as measured; nothing in the model was fitted to these step times.",
+    "- H100 rows: our trainer's nearest configs; where the published layout, batch or "
+    "kernels differ the row says so. Predicted tokens/s are optimistic throughout; the "
+    "FSDP2 exposed all-gather and the FP8 all-gather step-time change land near the "
+    "published values, flexshard's exposed all-gather does not (117 vs 30 ms): "
+    "flexshard's root re-gathers in backward and does not prefetch the last block.",
 ]
 
 MODELS = {

@@ -188,3 +188,5 @@ def test_links_and_profiles(tmp_path) -> None:
         load_hardware(str(path))
     with pytest.raises(ValueError, match="h100"):
         load_hardware("b300")
+    fitted = load_hardware("benchmarks/results/cpu_gloo_profile.json")
+    assert fitted.cores >= 1 and fitted.compute_slowdown(4 * fitted.cores) == 4.0
