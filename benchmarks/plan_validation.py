@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -140,9 +141,10 @@ def cpu_rows(hw: Hardware, worlds: list[int], steps: int, warmup: int) -> list[d
 
 
 ARCHIVED = {
-    # earlier runs on this machine when it was quiet (committed results)
-    "trainer": ("trainer_bench.json", "world_size", "backend", "step_ms"),
-    "dp": ("dp_bench.json", "world_size", "config", "median_ms"),
+    # earlier runs on this machine at low load, read from the commits that made them
+    # (the files have been rerun since, under heavier load)
+    "trainer": ("e51fa4a", "trainer_bench.json", "world_size", "backend", "step_ms"),
+    "dp": ("a52b2f6", "dp_bench.json", "world_size", "config", "median_ms"),
 }
 DP_CONFIGS = {
     "fsdp2": ("fsdp2", "shard0"),
@@ -154,11 +156,15 @@ DP_CONFIGS = {
 def archived_rows(hw: Hardware, folder: Path) -> list[dict[str, Any]]:
     """The plan against the committed bench_trainer and bench_dp results."""
     rows = []
-    for model, (name, world_key, kind_key, ms_key) in ARCHIVED.items():
-        path = folder / name
-        if not path.exists():
-            continue
-        for rec in json.loads(path.read_text())["rows"]:
+    for model, (rev, name, world_key, kind_key, ms_key) in ARCHIVED.items():
+        path = (folder / name).resolve().relative_to(Path.cwd().resolve())
+        try:
+            text = subprocess.run(
+                ["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True
+            ).stdout
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            continue  # not a git checkout with that history
+        for rec in json.loads(text)["rows"]:
             kind = rec[kind_key]
             if model == "trainer":
                 backend, placement = kind, "shard0"
@@ -175,7 +181,7 @@ def archived_rows(hw: Hardware, folder: Path) -> list[dict[str, Any]]:
                     "model": model,
                     "backend": backend,
                     "placement": placement,
-                    "source": name,
+                    "source": f"{name} at {rev}",
                     "measured_ms": rec[ms_key],
                     "predicted_ms": predicted,
                     "gap": predicted / rec[ms_key] - 1,
@@ -240,9 +246,9 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         f"Within 25%: {within} of {len(result['cpu'])} rows. Load average (1 min) "
         f"{load[0]:.1f} at the start, {load[1]:.1f} at the end: other jobs shared the 2 cores.",
         "",
-        "The same model against the committed runs made when the machine was quiet "
-        "(`trainer_bench.json`: the same trainer model; `dp_bench.json`: bench_dp's "
-        "TinyTransformer, planned as the trainer's model of the same shapes):",
+        "The same model against earlier runs made at low load (`trainer_bench.json` at "
+        "e51fa4a: the same trainer model; `dp_bench.json` at a52b2f6, load 2.7-5.1: "
+        "bench_dp's TinyTransformer, planned as the trainer's model of the same shapes):",
         "",
         "| W | model | backend | placement | measured ms (archived) | predicted ms | gap |",
         "|---|---|---|---|---|---|---|",

@@ -10,7 +10,7 @@ What compute does not cover is exposed communication."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from flexshard.runtime.hooks import MAX_PENDING_REDUCTIONS
 from flexshard.trainer.config import Config
@@ -34,9 +34,8 @@ class StepTime:
     exposed_other_s: float  # tp / cp / ep / pp collectives (on the critical path)
     exposed_all_gather_s: float  # of exposed_dp_s, the part spent waiting on all-gathers
     tokens_per_s_per_device: float
-    notes: list[str] = field(default_factory=list)
 
-    def as_dict(self) -> dict[str, float | list[str]]:
+    def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
 
 
@@ -155,9 +154,11 @@ def step_time(
     per_node = min(dims.world_size, hw.devices_per_node)
     rate = hw.peak_tflops * 1e12 * hw.gemm_efficiency / hw.compute_slowdown(per_node)
     fwd = {id(b): bucket_flops(b, cfg, tokens) / rate for b in buckets}
-    dp_link = link(hw, dims.tp, max((b.world for b in buckets), default=1))
     ag, rs = {}, {}
     for b in buckets:
+        # EP's expert buckets shard over dp_shard_mod_ep: ranks tp * ep apart
+        experts = b.world != dims.dp_shard * dims.cp
+        dp_link = link(hw, dims.tp * (dims.ep if experts else 1), b.world)
         ag[id(b)] = ring_time((b.world - 1) * b.shard_numel * b.gather_itemsize, b.world, dp_link)
         rs_bytes = (b.world - 1) * b.shard_numel * b.reduce_itemsize
         rs[id(b)] = ring_time(rs_bytes, b.world, dp_link)
@@ -183,7 +184,7 @@ def step_time(
     other = _other_collectives(cfg, dims, hw, tokens) * micro
     compute = compute_micro * micro + bubble
     exposed_dp = total - compute_micro * micro
-    optimizer = _optimizer_time(cfg, buckets, hw, muon, dp_link, rate)
+    optimizer = _optimizer_time(cfg, buckets, hw, muon, link(hw, dims.tp, dims.dp_shard), rate)
     step = total + bubble + other + optimizer
     global_tokens = dims.dp_size * t.batch_size * t.grad_accum * t.seq_len
     return StepTime(
