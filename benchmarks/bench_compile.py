@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -33,6 +32,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import flexshard as fs
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
+from .output import write_results
 from .stats import RULE, alternating, cell, paired_ratios, range_cell, summary
 
 RESULTS = Path(__file__).parent / "results"
@@ -221,10 +221,8 @@ def main(argv: list[str] | None = None) -> None:
         "load_average": os.getloadavg(),
     }
     stem = "compile_bench_quick" if args.quick else "compile_bench"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     text = markdown(meta, rows)
-    (args.out / f"{stem}.md").write_text(text)
+    write_results(args.out, stem, meta, rows, text)
     print(text)
     print(f"total runtime {meta['runtime_s']:.0f} s; wrote {args.out}/{stem}.json and .md")
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import shlex
@@ -30,6 +29,7 @@ import torch
 from flexshard.testing import TransformerConfig, run_distributed
 
 from .dp_rank import BenchOptions, config_names, run_rank
+from .output import write_results
 from .report import markdown
 from .stats import paired_ratios, summary
 
@@ -218,10 +218,8 @@ def main(argv: list[str] | None = None) -> None:
         "load_average_at_end": os.getloadavg(),
     }
     stem = "dp_bench_quick" if args.quick else "dp_bench"  # a smoke run keeps the real results
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     text = markdown(meta, rows)
-    (args.out / f"{stem}.md").write_text(text)
+    write_results(args.out, stem, meta, rows, text)
     print(text)
     print(f"total runtime {meta['runtime_s']:.0f} s; wrote {args.out}/{stem}.json and .md")
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -31,6 +30,7 @@ import torch
 from flexshard.testing import run_distributed
 
 from .bench_trainer import compare, measured_run, per_rep, trainer_table
+from .output import write_results
 from .stats import RULE, alternating, cell, range_cell, spread, verdict_cell
 
 RESULTS = Path(__file__).parent / "results"
@@ -262,15 +262,14 @@ def main(argv: list[str] | None = None) -> None:
         **{k: getattr(args, k) for k in ("dim", "layers", "seq_len", "batch", "steps")},
         **{k: getattr(args, k) for k in ("warmup", "reps")},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = "parallel_bench_quick" if args.quick else "parallel_bench"  # keep the real results
-    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (args.out / f"{stem}.md").write_text(markdown(rows, meta))
+    text = markdown(rows, meta)
+    write_results(args.out, stem, meta, rows, text)
     try:
         plot(rows, args.out / f"{stem}.png")
     except ImportError:
         print("matplotlib missing: no PNG")
-    print(markdown(rows, meta))
+    print(text)
 
 
 if __name__ == "__main__":

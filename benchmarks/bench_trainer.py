@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -32,6 +31,7 @@ from flexshard.trainer.model import count_params
 from flexshard.trainer.train import run
 
 from .measure import peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
+from .output import write_results
 from .stats import (
     RULE,
     alternating,
@@ -313,10 +313,10 @@ def main(argv: list[str] | None = None) -> None:
         "reps": args.reps,
     }
     stem = "trainer_bench_quick" if args.quick else "trainer_bench"  # keep the real results
-    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (args.out / f"{stem}.md").write_text(markdown(rows, meta))
+    text = markdown(rows, meta)
+    write_results(args.out, stem, meta, rows, text)
     plot(rows, args.out / f"{stem}.png")
-    print(markdown(rows, meta))
+    print(text)
     print(f"wrote {args.out}/{stem}.{{json,md,png}}")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import flexshard as fs
 from flexshard.runtime.bucket import slot_of
 from flexshard.runtime.region_dtensor import wrap
 
@@ -20,6 +21,19 @@ SHAPES = {
     "e": (3, 17, 10),  # an expert stack [E, R, C]
 }
 HEAD_ROWS = 6
+
+
+def mixed_placement(fqn: str, _param: torch.Tensor) -> fs.Placement:
+    """One mixed bucket over ``SHAPES``: whole matrices, row and column cuts, flat
+    ranges and tiles side by side."""
+    return {
+        "a": fs.Owned(),
+        "b": fs.Shard(1),
+        "c": fs.FlatShard(),
+        "qkv": fs.BlockShard((6, 18)),
+        "t": fs.Shard(0),
+        "e": fs.Owned(),
+    }[fqn]
 
 
 class Mats(nn.Module):

@@ -31,6 +31,7 @@ from .muon_cases import (
     STEPS,
     Mats,
     full_grads,
+    mixed_placement,
     reference_params,
     set_grads,
 )
@@ -40,17 +41,6 @@ MATRICES = ("a", "b", "c", "qkv", "t")
 #: batched bf16 GEMMs may round differently from one 2-D GEMM per expert: allow one
 #: bf16 rounding (2^-8 relative) of each step's update, whose entries are below 1
 EXPERT_ATOL = STEPS * LR * 2.0**-8
-
-
-def _mixed(fqn: str, param: torch.Tensor) -> fs.Placement:
-    return {
-        "a": fs.Owned(),
-        "b": fs.Shard(1),
-        "c": fs.FlatShard(),
-        "qkv": fs.BlockShard((6, 18)),
-        "t": fs.Shard(0),
-        "e": fs.Owned(),
-    }[fqn]
 
 
 # name -> (buckets, row_blocks option per parameter, communication-free)
@@ -107,7 +97,7 @@ CASES = {
         {},
         False,
     ),
-    "mixed": ([fs.BucketSpec(list(NAMES), placement=_mixed, name="mix")], {}, False),
+    "mixed": ([fs.BucketSpec(list(NAMES), placement=mixed_placement, name="mix")], {}, False),
     "tiny_alone": (  # a bucket some ranks hold nothing of (3 rows on 4 ranks)
         [
             fs.BucketSpec("t", placement=fs.Shard(0), name="tiny"),

@@ -20,7 +20,7 @@ from flexshard.optim import MatrixOptimizer, matrix_balance, matrix_buckets, pre
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import forbid_collectives, record_collectives
 
-from .muon_cases import SHAPES, Mats, full_grads, set_grads
+from .muon_cases import SHAPES, Mats, full_grads, mixed_placement, set_grads
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 heavyball = pytest.importorskip("heavyball")
@@ -37,17 +37,6 @@ OPTIMIZERS: dict[str, tuple[Any, dict]] = {
     "shampoo": (pytorch_optimizer.Shampoo, {"lr": 0.01, "preconditioning_compute_steps": 2}),
     "heavyball_soap": (heavyball.SOAP, {"lr": 0.01, "multi_tensor": False}),
 }
-
-
-def _mixed(fqn: str, _param: torch.Tensor) -> fs.Placement:
-    return {
-        "a": fs.Owned(),
-        "b": fs.Shard(1),
-        "c": fs.FlatShard(),
-        "qkv": fs.BlockShard((6, 18)),
-        "t": fs.Shard(0),
-        "e": fs.Owned(),
-    }[fqn]
 
 
 # name -> (buckets, communication-free)
@@ -67,7 +56,7 @@ CASES: dict[str, tuple[list[fs.BucketSpec], bool]] = {
         ],
         False,
     ),
-    "mixed": ([fs.BucketSpec(list(NAMES), placement=_mixed, name="mix")], False),
+    "mixed": ([fs.BucketSpec(list(NAMES), placement=mixed_placement, name="mix")], False),
     "planned": ([], True),  # matrix_buckets for the world size
     "flat": ([fs.BucketSpec(list(NAMES), placement=fs.FlatShard(), name="flat")], False),
     "replicate": ([fs.BucketSpec(list(NAMES), placement=fs.Replicate(), name="rep")], False),
