@@ -1,8 +1,7 @@
 """MatrixOptimizer over optimizers nobody here wrote (pytorch-optimizer's SOAP and
 Shampoo) against the same optimizer on one process over the full matrices: Owned,
 Shard(0), a mixed bucket, W = 2 and 3 (4 and more placements in the slow test), zero
-collectives where storage holds whole matrices, and a checkpoint saved at W = 2 on
-Shard(0) resumed at W = 3 on Owned storage."""
+collectives where storage holds whole matrices (checkpoints: test_matrix_optim_state_dict)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from torch.distributed.tensor import Shard as TorchShard
 from torch.distributed.tensor import distribute_tensor
 
 import flexshard as fs
-from flexshard import checkpoint as ckpt
 from flexshard.optim import MatrixOptimizer, matrix_balance, matrix_buckets, preconditioner_flops
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import forbid_collectives, record_collectives
@@ -197,41 +195,6 @@ def test_every_placement(world_size: int) -> None:
     cases = tuple(CASES)
     results = run_distributed(_all_cases, world_size, cases, tuple(OPTIMIZERS), timeout=600)
     _check(results, cases)
-
-
-def _save_after_two_steps(rank: int, world_size: int, root: str) -> None:
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = fs.flex_shard(Mats(), mesh, buckets=CASES["shard0"][0])
-    opt = _adapter(model, "soap")
-    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    for step in range(2):
-        set_grads(model, full_grads(NAMES, step))
-        opt.step()
-        schedule.step()
-    ckpt.save(root, model, opt)
-
-
-def _load_and_step(rank: int, world_size: int, root: str) -> list[str]:
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = fs.flex_shard(Mats(seed=99), mesh, buckets=CASES["owned"][0])
-    opt = _adapter(model, "soap")
-    ckpt.load(root, model, opt)
-    assert opt.param_groups[0]["step"] == 2  # SOAP's group counter came back
-    assert opt.param_groups[1]["lr"] == 0.02 * 0.25  # and the scheduled lr
-    set_grads(model, full_grads(NAMES, 2))
-    with forbid_collectives():
-        opt.step()
-    full = fs.full_state_dict(model)
-    expected = reference("soap", STEPS)
-    return [n for n in NAMES if not torch.equal(full[n], expected[n])]
-
-
-def test_state_survives_a_change_of_world_size_and_placement(tmp_path) -> None:
-    """SOAP state saved at W = 2 on split storage (each matrix's state on its owner),
-    loaded at W = 3 on Owned storage: the third step equals one process's bit for bit."""
-    root = str(tmp_path / "soap")
-    run_distributed(_save_after_two_steps, 2, root, timeout=120)
-    assert run_distributed(_load_and_step, 3, root, timeout=120) == [[], [], []]
 
 
 def test_planner_balances_on_the_optimizers_cost() -> None:

@@ -35,6 +35,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..runtime.tp_params import local_of
+from .matrix_state_dict import gather_matrices, saved_matrix, torch_full_call
 from .matrix_units import (
     Cost,
     MatrixState,
@@ -259,15 +260,56 @@ class MatrixOptimizer(Optimizer):
                     entry[key] = MatrixState(inner)
 
     # ------------------------------------------------------------------ state
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved at any world size and placement: each rank keeps the
-        matrices it computes now. Raises naming the parameter for state of another
-        inner optimizer or a missing matrix, before anything changes."""
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict: each rank's own matrices (``MatrixState``), or, inside
+        torch's ``get_optimizer_state_dict(full_state_dict=True)``, every matrix as a
+        plain dict (see :mod:`.matrix_state_dict`)."""
+        out = super().state_dict()
+        call = torch_full_call()
+        if call is None:
+            return out
         params = [p for g in self.param_groups for p in g["params"]]
+        if call == "load":
+            # torch fills a full dict into the entries the fresh local state has; a
+            # matrix's entries differ by rank and step (SOAP's Q is None at first),
+            # so it would drop some silently or fail on others
+            names = [self._resolved[id(params[i])].name for i in out["state"]]
+            raise ValueError(
+                "MatrixOptimizer: torch's set_optimizer_state_dict(full_state_dict=True) "
+                f"cannot load the per-matrix state of {', '.join(names[:3]) or 'any parameter'}"
+                f"{' and others' if len(names) > 3 else ''} (it fills only the entries this "
+                "rank's fresh state already has); give the full dict to "
+                "optimizer.load_state_dict(...) on every rank (each keeps the matrices it "
+                "computes), or save and load sharded with torch.distributed.checkpoint"
+            )
+        mine = {
+            index: {k: v for k, v in entries.items() if isinstance(v, MatrixState)}
+            for index, entries in out["state"].items()
+        }
+        devices = {i: local_of(p).device for i, p in enumerate(params)}
+        out["state"] = {
+            index: {"inner": self._tag, **entries}
+            for index, entries in gather_matrices(mine, devices).items()
+        }
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved at any world size and placement, sharded (``MatrixState``
+        per matrix) or full (plain dicts), keyed by position or by torch's FQNs: each
+        rank keeps the matrices it computes now. Raises naming the parameter for state
+        of another inner optimizer or a missing matrix, before anything changes."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        if len(saved_ids) != len(params):
+            raise ValueError(
+                f"MatrixOptimizer: the state has {len(saved_ids)} parameters, this "
+                f"optimizer {len(params)}"
+            )
+        by_id = dict(zip(saved_ids, params))  # as torch maps them: by position in the groups
         restored: dict[int, dict[str, Any]] = {}
         inner: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
-        for index, entries in state_dict["state"].items():
-            param = params[index]
+        for saved_id, entries in state_dict["state"].items():
+            param = by_id[saved_id]
             name = self._resolved[id(param)].name
             if entries.get("inner") != self._tag:
                 raise ValueError(
@@ -276,19 +318,20 @@ class MatrixOptimizer(Optimizer):
                 )
             kept: dict[str, Any] = {"inner": self._tag}
             for key, proxy in self._computed_here(param):
-                saved = entries.get(key)
-                if not isinstance(saved, MatrixState):
+                saved = saved_matrix(entries.get(key))
+                if saved is None:
                     raise ValueError(f"MatrixOptimizer: no state '{key}' for {name}")
                 moved = {
                     k: v.to(proxy.device) if isinstance(v, torch.Tensor) else v
-                    for k, v in saved.state.items()
+                    for k, v in saved.items()
                 }
                 kept[key] = MatrixState(moved)
                 inner[id(proxy)] = (proxy, moved)
-            restored[index] = kept
+            restored[id(param)] = kept
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         self._inner.state.clear()
         for proxy, moved in inner.values():
             self._inner.state[proxy] = moved
-        for index, kept in restored.items():
-            self.state[params[index]] = kept
+        for param in params:
+            if id(param) in restored:
+                self.state[param] = restored[id(param)]

@@ -1,0 +1,92 @@
+"""MatrixOptimizer's state through torch's state-dict API
+(``torch.distributed.checkpoint.state_dict``'s ``get_/set_optimizer_state_dict``).
+
+Sharded (torch's default): each rank's dict holds the :class:`MatrixState` of every
+matrix it computes; ``dcp.save`` writes each once, and on load each rank's target (from
+``get_optimizer_state_dict`` of the new optimizer) asks for the matrices it computes
+now, at any world size and placement.
+
+``full_state_dict=True``: torch gathers DTensors only. A matrix's state is whole on the
+rank that computes it, in shapes only that rank knows, so torch's gather would hand
+every rank just its own matrices: a partial state. ``state_dict()`` therefore asks
+:func:`torch_full_call` whether torch's full-state code is calling it (read from the
+stack: torch gives an optimizer no other sign), and then gathers every matrix's state
+onto every rank (one ``all_gather_object``) as plain dicts, which torch passes through.
+Loading keeps each rank's own matrices, from ``MatrixState`` or from those plain dicts.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from .matrix_units import MatrixState
+
+_TORCH_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+#: torch's functions that call ``optimizer.state_dict()``
+_GET, _LOAD = "_get_optim_state_dict", "_load_optim_state_dict"
+
+
+def torch_full_call() -> Literal["get", "load"] | None:
+    """``"get"`` inside ``get_optimizer_state_dict(full_state_dict=True)``, ``"load"``
+    inside ``set_optimizer_state_dict(full_state_dict=True)`` (which asks for the local
+    state to distribute the full one into), else None."""
+    frame = sys._getframe(1)
+    getter = None
+    while frame is not None:
+        if frame.f_globals.get("__name__") == _TORCH_STATE_DICT:
+            if frame.f_code.co_name == _LOAD:  # its only call of state_dict(): the full path
+                return "load"
+            if frame.f_code.co_name == _GET and getter is None:
+                getter = frame
+        frame = frame.f_back
+    if getter is not None and getattr(getter.f_locals.get("info"), "full_state_dict", False):
+        return "get"
+    return None
+
+
+def plain(state: MatrixState, device: torch.device | None = None) -> dict[str, Any]:
+    """One matrix's inner state as a plain dict (what torch's full-state gather takes)."""
+    return {k: _to(v, device) for k, v in state.state.items()}
+
+
+def _to(value: Any, device: torch.device | None) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device) if device is not None else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+def gather_matrices(
+    mine: dict[int, dict[str, MatrixState]], devices: dict[int, torch.device]
+) -> dict[int, dict[str, dict[str, Any]]]:
+    """Every rank's matrices (param index -> state key -> inner state) on every rank,
+    each tensor on its parameter's device here. Replicas (HSDP) send the same matrix:
+    the first is kept."""
+    cpu = {i: {k: plain(s, torch.device("cpu")) for k, s in m.items()} for i, m in mine.items()}
+    parts: list[Any] = [cpu]
+    if dist.is_initialized():
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, cpu)
+    out: dict[int, dict[str, dict[str, Any]]] = {}
+    for part in parts:
+        for index, matrices in part.items():
+            for key, state in matrices.items():
+                out.setdefault(index, {}).setdefault(key, _to(state, devices[index]))
+    return out
+
+
+def saved_matrix(value: Any) -> dict[str, Any] | None:
+    """A matrix's saved inner state: a MatrixState (sharded, fs.checkpoint) or the plain
+    dict a full state dict holds; None for anything else."""
+    if isinstance(value, MatrixState):
+        return value.state
+    if isinstance(value, dict):
+        return value
+    return None
