@@ -52,6 +52,8 @@ class ParallelismConfig:
     tp: int = 1  # tensor parallel (innermost)
     pp: int = 1  # pipeline stages (outermost)
     cp: int = 1  # context parallel: every sequence split in 2 * cp zig-zag chunks
+    # "allgather": K/V all-gathered (O(seq) per rank); "ring": K/V blocks passed around
+    cp_method: Literal["allgather", "ring"] = "allgather"
     ep: int = 1  # expert parallel, borrowed from the dp_shard * cp ranks
     sequence_parallel: bool = True  # with tp > 1 and pp = 1: norms on sequence shards
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"

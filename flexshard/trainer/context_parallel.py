@@ -8,13 +8,17 @@ the kv heads travel); the backward reduce-scatters their gradients. RoPE and the
 causal mask use the tokens' global positions, so the result is the single-process
 attention. torch's ``context_parallel`` needs CUDA; this runs on gloo as well.
 
-The integrator calls ``check_cp``, ``apply_cp(model, cp_mesh)`` and, on every batch,
+That is ``method = "allgather"`` (K/V memory O(seq) per rank). ``method = "ring"``
+(``ring_attention.py``) keeps this layout and passes the K/V blocks around the CP
+group instead (O(seq / cp) per rank).
+
+The integrator calls ``check_cp``, ``apply_cp(model, cp_mesh, method)`` and, on every batch,
 ``split_sequence(inputs, cp_mesh)`` / ``split_sequence(targets, cp_mesh)``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -22,6 +26,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 Group = DeviceMesh | dist.ProcessGroup
+CPMethod = Literal["allgather", "ring"]
+CP_METHODS = ("allgather", "ring")
 
 
 def as_group(cp: Group) -> dist.ProcessGroup:
@@ -115,8 +121,10 @@ class _GatherSequence(torch.autograd.Function):
 class ContextParallel:
     """What the model's attention and RoPE need to run on a zig-zag sequence shard."""
 
-    def __init__(self, cp_mesh: Group) -> None:
-        self.group = as_group(cp_mesh)
+    def __init__(self, cp_mesh: Group, method: CPMethod = "allgather") -> None:
+        if method not in CP_METHODS:
+            raise ValueError(f"parallelism.cp_method = {method!r}: must be one of {CP_METHODS}")
+        self.group, self.method = as_group(cp_mesh), method
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -144,10 +152,10 @@ class ContextParallel:
         return self._masks[key]
 
 
-def apply_cp(model: nn.Module, cp_mesh: Group) -> ContextParallel:
+def apply_cp(model: nn.Module, cp_mesh: Group, method: CPMethod = "allgather") -> ContextParallel:
     """Switch the model's RoPE and attention into CP mode: from now on it takes this
     rank's ``split_sequence`` part of every sequence. Collective-free."""
-    cp = ContextParallel(cp_mesh)
+    cp = ContextParallel(cp_mesh, method)
     hooked = 0
     for module in model.modules():
         if hasattr(module, "context_parallel"):

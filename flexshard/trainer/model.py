@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .ring_attention import ring_attention
 
 if TYPE_CHECKING:
     from .context_parallel import ContextParallel
@@ -83,6 +84,8 @@ class Attention(nn.Module):
         k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), cos, sin)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
         cp, mask = self.context_parallel, None
+        if cp is not None and cp.method == "ring":  # K/V blocks travel the CP ring
+            return self.wo(ring_attention(q, k, v, cp.group).reshape(b, s, -1))
         if cp is not None:  # local queries attend to the whole sequence's keys and values
             k, v = cp.gather_kv(k, v)
             mask = cp.causal_mask(s, x.device)

@@ -167,7 +167,7 @@ def parallelize(
 
     def finish(module: nn.Module) -> nn.Module:
         if meshes.cp is not None:
-            apply_cp(module, meshes.cp)
+            apply_cp(module, meshes.cp, par.cp_method)
         if cfg.compile.enable:
             apply_compile(module, cfg)
         return apply_dp(module, cfg, meshes, expert_fqns)

@@ -1,0 +1,167 @@
+"""Ring attention: context parallelism that never holds the whole sequence's keys and
+values. Each CP rank keeps its zig-zag queries (chunks ``i`` and ``2 * cp - 1 - i``, the
+layout of ``context_parallel.split_sequence``) and passes its keys and values around
+the CP ring, one rank's block per step, sending the next block (async ``isend`` /
+``irecv``) while it computes attention with the current one. The blocks' partial
+results are merged with their log-sum-exp (online softmax), so the result is exact
+causal attention; only the summation order differs from one process (fp32 rounding).
+
+Zig-zag makes every step the same work on every rank: with the block of rank ``src``,
+rank ``r``'s queries see (``src == r``) their own block under a causal mask, (``src <
+r``) the whole first chunk of ``src``, (``src > r``) the whole of ``src`` from their
+second chunk only, i.e. half a block each time.
+
+The backward is a second ring (an ``autograd.Function``, not autograd through the
+forward): keys and values travel again, with the fp32 gradient accumulators of their
+owner behind them, and each block's probabilities are recomputed from the saved
+output and log-sum-exp. Saved for backward: the local q, k, v, output and lse, all
+O(seq / cp).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class _Ring:
+    """The CP group's ring neighbours (global ranks, as the P2P ops want them)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def start(self, send: torch.Tensor) -> tuple[torch.Tensor, list[dist.Work]]:
+        """Send ``send`` to the next rank, receive the previous rank's into a new buffer."""
+        recv = torch.empty_like(send)
+        ops = [
+            dist.P2POp(dist.isend, send, self.next, self.group),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group),
+        ]
+        return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _rows_and_keys(src: int, rank: int, half: int) -> tuple[slice, slice, bool]:
+    """Which local query rows see which rows of rank ``src``'s block, and whether the
+    causal mask applies (own block only): the zig-zag case analysis above."""
+    if src == rank:
+        return slice(None), slice(None), True
+    if src < rank:
+        return slice(None), slice(0, half), False
+    return slice(half, None), slice(None), False
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if causal:  # own block: local positions ascend in q and k alike
+        n = scores.shape[-1]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return scores
+
+
+def _repeat(kv: torch.Tensor, repeat: int) -> torch.Tensor:
+    """GQA: [b, kv_heads, n, d] -> [b, heads, n, d] (each kv head serves ``repeat``)."""
+    return kv.repeat_interleave(repeat, dim=1)
+
+
+def _unrepeat(grad: torch.Tensor, repeat: int) -> torch.Tensor:
+    """The adjoint of ``_repeat``: sum the gradients of the query heads a kv head served."""
+    b, h, n, d = grad.shape
+    return grad.view(b, h // repeat, repeat, n, d).sum(2)
+
+
+class _RingAttention(torch.autograd.Function):
+    """q [b, heads, L, d], k and v [b, kv_heads, L, d] (L = this rank's two chunks)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup
+    ) -> torch.Tensor:
+        ring = _Ring(group)
+        repeat, half = q.shape[1] // k.shape[1], q.shape[2] // 2
+        scale = q.shape[-1] ** -0.5
+        qf = q.float()
+        out = torch.zeros_like(qf)
+        lse = torch.full(qf.shape[:-1], float("-inf"), device=q.device)
+        kv = torch.stack([k, v])  # one message per step
+        for step in range(ring.size):
+            if step < ring.size - 1:
+                kv_next, works = ring.start(kv)
+            src = (ring.rank - step) % ring.size
+            rows, keys, causal = _rows_and_keys(src, ring.rank, half)
+            k_blk, v_blk = (_repeat(t[:, :, keys].float(), repeat) for t in kv)
+            scores = _scores(qf[:, :, rows], k_blk, causal, scale)
+            blk_lse = scores.logsumexp(-1)
+            blk_out = torch.exp(scores - blk_lse[..., None]) @ v_blk
+            # online softmax: step 0 (own block, causal) leaves every row's lse finite
+            new_lse = torch.logaddexp(lse[:, :, rows], blk_lse)
+            out[:, :, rows] = (
+                out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse)[..., None]
+                + blk_out * torch.exp(blk_lse - new_lse)[..., None]
+            )
+            lse[:, :, rows] = new_lse
+            if step < ring.size - 1:
+                _wait(works)
+                kv = kv_next
+        ctx.group = group
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        repeat, half = q.shape[1] // k.shape[1], q.shape[2] // 2
+        scale = q.shape[-1] ** -0.5
+        qf, dout = q.float(), grad_out.float()
+        delta = (dout * out).sum(-1)  # rowsum(dO * O), as in flash attention's backward
+        dq = torch.zeros_like(qf)
+        kv = torch.stack([k, v])
+        # fp32 dk, dv accumulators of the block in hand; they follow it around the ring
+        dkv_recv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        dkv_works: list[dist.Work] = []
+        for step in range(ring.size):
+            if step < ring.size - 1:
+                kv_next, kv_works = ring.start(kv)
+            src = (ring.rank - step) % ring.size
+            rows, keys, causal = _rows_and_keys(src, ring.rank, half)
+            k_blk, v_blk = (_repeat(t[:, :, keys].float(), repeat) for t in kv)
+            probs = torch.exp(_scores(qf[:, :, rows], k_blk, causal, scale) - lse[:, :, rows, None])
+            d_rows = dout[:, :, rows]
+            dv_blk = probs.transpose(-1, -2) @ d_rows
+            dscores = probs * (d_rows @ v_blk.transpose(-1, -2) - delta[:, :, rows, None])
+            dq[:, :, rows] += (dscores @ k_blk) * scale
+            dk_blk = (dscores.transpose(-1, -2) @ qf[:, :, rows]) * scale
+            _wait(dkv_works)  # block src's accumulators arrive behind its k and v
+            dkv = dkv_recv
+            dkv[0][:, :, keys] += _unrepeat(dk_blk, repeat)
+            dkv[1][:, :, keys] += _unrepeat(dv_blk, repeat)
+            dkv_recv, dkv_works = ring.start(dkv)  # on to the next holder, finally home
+            if step < ring.size - 1:
+                _wait(kv_works)
+                kv = kv_next
+        _wait(dkv_works)
+        dk, dv = dkv_recv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Exact causal attention of this rank's zig-zag shard, [b, local, heads, d] in and
+    out (k and v with their kv heads; GQA's repeat happens per block, so only the kv
+    heads travel)."""
+    if q.shape[1] % 2:
+        raise ValueError(f"ring attention: a CP rank holds two equal chunks, got {q.shape[1]}")
+    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group)
+    return out.transpose(1, 2)

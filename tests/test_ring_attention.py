@@ -1,0 +1,143 @@
+"""Ring attention (``parallelism.cp_method = "ring"``) against the all-gather method and
+one process: the attention op alone (output and q/k/v gradients), the model (logits,
+loss, every gradient) at cp2 and cp3, and the trainer's losses.
+
+Not bit for bit: the ring merges each K/V block's partial softmax by its log-sum-exp
+(online softmax), so its sums run in another order than one process's (which the
+all-gather method reproduces bit for bit). The gaps are fp32 rounding; the bounds
+below are ~5-10x the measured worst (printed with -s). The zig-zag layout needs
+``2 * cp`` equal chunks (``check_cp``), so uneven chunks cannot occur; cp3 and odd
+chunk lengths (seq 18 at cp3: chunks of 3) are the non-dividing cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from flexshard.testing import run_distributed
+from flexshard.trainer.context_parallel import ContextParallel, apply_cp, split_sequence
+from flexshard.trainer.model import Transformer, init_weights
+from flexshard.trainer.ring_attention import ring_attention
+from flexshard.trainer.train import loss_fn, setup, train_step
+
+from .test_cp_ep import SEED, _average, _gap, model_config, reference, tokens
+from .test_parallel_layouts import STEPS, layout_config, single_process
+
+# measured worst over cp2 / cp3 (inputs ~N(0, 1)): output 4.8e-7, dq 5.2e-7, dk 9.5e-7,
+# dv 1.4e-6 (about 12 ulps of the largest gradient entries, ~10)
+OP_ATOL = 3e-6
+# the model (weights std 0.02): logits 2.4e-7 (2 ulps of |logit| ~ 1), gradients 2.6e-8
+# vs one process and 7.5e-9 vs all-gather, loss 7.8e-8 relative
+LOGITS_ATOL = 1e-6
+GRAD_ATOL = 1e-7
+LOSS_RTOL = 5e-7
+# trainer, 10 AdamW steps at cp3: losses vs one process 1.7e-7 (as all-gather's), ring
+# vs all-gather 0 (the fp32 losses round to the same values), norms 3e-7
+TRAIN_RTOL = 1e-6
+
+
+def op_gaps(group: dist.ProcessGroup, seq: int) -> dict[str, float]:
+    """The attention op alone (4 query heads, 2 kv heads): ring vs full causal SDPA."""
+    gen = torch.Generator().manual_seed(0)
+    q, w = torch.randn(2, seq, 4, 8, generator=gen), torch.randn(2, seq, 4, 8, generator=gen)
+    k, v = torch.randn(2, seq, 2, 8, generator=gen), torch.randn(2, seq, 2, 8, generator=gen)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    heads = [t.transpose(1, 2) for t in full]
+    heads[1], heads[2] = (t.repeat_interleave(2, dim=1) for t in heads[1:])
+    ref = F.scaled_dot_product_attention(*heads, is_causal=True).transpose(1, 2)
+    (ref * w).sum().backward()
+    local = [split_sequence(t, group).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, group)
+    (out * split_sequence(w, group)).sum().backward()
+    gaps = {"out": _gap(out.detach(), split_sequence(ref.detach(), group))}
+    for name, mine, theirs in zip("qkv", local, full):
+        gaps[f"d{name}"] = _gap(mine.grad, split_sequence(theirs.grad, group))
+    assert max(gaps.values()) < OP_ATOL, gaps
+    return gaps
+
+
+def model_gaps(group: dist.ProcessGroup) -> dict[str, float]:
+    """The model under CP with each method: logits, loss and gradients vs one process."""
+    cfg, batch = model_config(), tokens(2)
+    ref_logits, ref_loss, ref_grads = reference(cfg, batch)
+    inputs, targets = (split_sequence(t, group) for t in (batch[:, :-1], batch[:, 1:]))
+    runs = {}
+    for method in ("allgather", "ring"):
+        model = Transformer(cfg)
+        init_weights(model, SEED)
+        cp = apply_cp(model, group, method)
+        assert isinstance(cp, ContextParallel) and cp.method == method
+        logits = model(inputs)
+        loss = loss_fn(logits, targets)
+        loss.backward()
+        grads = {n: _average(p.grad, group) for n, p in model.named_parameters()}
+        runs[method] = (logits.detach(), float(_average(loss, group)), grads)
+    gather_logits, _, gather_grads = runs["allgather"]
+    ring_logits, ring_loss, ring_grads = runs["ring"]
+    assert torch.equal(gather_logits, split_sequence(ref_logits, group))  # all-gather: bitwise
+    gaps = {
+        "logits_vs_allgather": _gap(ring_logits, gather_logits),
+        "logits_vs_single": _gap(ring_logits, split_sequence(ref_logits, group)),
+        "loss_vs_single": abs(ring_loss - ref_loss) / ref_loss,
+        "grad_vs_allgather": max(_gap(ring_grads[n], gather_grads[n]) for n in ref_grads),
+        "grad_vs_single": max(_gap(ring_grads[n], ref_grads[n]) for n in ref_grads),
+    }
+    assert gaps["logits_vs_single"] < LOGITS_ATOL, gaps
+    assert gaps["logits_vs_allgather"] < LOGITS_ATOL, gaps
+    assert gaps["loss_vs_single"] < LOSS_RTOL, gaps
+    assert max(gaps["grad_vs_allgather"], gaps["grad_vs_single"]) < GRAD_ATOL, gaps
+    assert gaps["logits_vs_allgather"] > 0  # a real second method, not the all-gather again
+    return gaps
+
+
+def _cases(rank: int, world_size: int) -> dict[str, dict[str, float]]:
+    world = dist.group.WORLD
+    with pytest.raises(ValueError, match="cp_method = 'rings'"):
+        apply_cp(Transformer(model_config()), world, "rings")  # type: ignore[arg-type]
+    # 12 * cp: chunks of 6; 18 at cp3: chunks of 3 (odd)
+    results = {f"op_seq{12 * world_size}": op_gaps(world, 12 * world_size)}
+    if world_size == 3:
+        results["op_seq18"] = op_gaps(world, 18)
+    results["model"] = model_gaps(world)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_matches_allgather_and_single_process(world_size):
+    results = run_distributed(_cases, world_size, timeout=300)
+    print(results[0])
+
+
+def _has_cp(module: torch.nn.Module) -> bool:
+    return getattr(module, "context_parallel", None) is not None
+
+
+def _train(rank: int, world_size: int, folder: str) -> dict[str, list[float]]:
+    """The trainer's setup and step at cp = world size, each CP method."""
+    out = {}
+    for method in ("allgather", "ring"):
+        parallelism = {"dp_shard": 1, "cp": world_size, "cp_method": method}
+        cfg = layout_config(f"{folder}/{method}", parallelism, None, training={"seq_len": 18})
+        job = setup(cfg)
+        methods = {m.context_parallel.method for m in job.model.modules() if _has_cp(m)}
+        assert methods == {method}, methods
+        out[method] = [train_step(job, step)[:2] for step in range(STEPS)]
+    return out
+
+
+def test_trainer_ring_losses_match_allgather(tmp_path):
+    """cp3 (seq 18: chunks of 3): 10 steps with each method and one process."""
+    results = run_distributed(_train, 3, str(tmp_path), timeout=300)
+    cfg = layout_config("-", {"dp_shard": 1}, None, training={"seq_len": 18})
+    single, _, _ = single_process(cfg, 1)
+    ring, gather = results[0]["ring"], results[0]["allgather"]
+    vs_gather = max(abs(a - b) / b for a, b in zip(sum(ring, ()), sum(gather, ())))
+    vs_single = max(abs(a[0] - b) / b for a, b in zip(ring, single))
+    print(
+        f"ring vs allgather (losses, norms) {vs_gather:.2e}, losses vs one process {vs_single:.2e}"
+    )
+    assert vs_gather < TRAIN_RTOL and vs_single < TRAIN_RTOL, (vs_gather, vs_single)
+    assert ring[-1][0] < ring[0][0]
