@@ -13,12 +13,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.profiler import record_function
 
 from ..placements import BucketLayout, Placement, Shard, gathered_alias, pack_all, pack_rank, unpack
 from ..placements.bytes import as_bytes, byte_view
 from ..placements.layout import trainable_layout
 from ..quant import QuantFormat
 from .collectives import BucketComm, Pending
+from .device import DeviceRuntime, device_runtime
 from .grad_check import nonfinite_codes
 from .quantized import QuantizedGather, optimizer_steps
 from .region_dtensor import wrap
@@ -157,6 +159,14 @@ class Bucket:
     def rename(self, name: str) -> None:
         self.name = name
         self.comm.bucket = name
+
+    def runtime(self) -> DeviceRuntime:
+        """Streams and events for this bucket's storage (no-ops on CPU and gloo)."""
+        return device_runtime(self.storage.device, self.comm.shard_group)
+
+    def _span(self, what: str) -> record_function:
+        """A profiler span naming the bucket (``flexshard::all_gather[layers.3]``)."""
+        return record_function(f"flexshard::{what}[{self.name}]")
 
     # ---------------------------------------------------------------- layout
     def _storage_view(self, storage: torch.Tensor, index: int) -> torch.Tensor:
@@ -334,6 +344,11 @@ class Bucket:
             _free(self.gathered)
 
     # ---------------------------------------------------------------- unshard
+    @property
+    def gather_in_flight(self) -> bool:
+        """An all-gather was launched and has not landed yet."""
+        return self._gather is not None
+
     def unshard(self, async_op: bool = False) -> None:
         if self.unsharded:
             return
@@ -346,15 +361,19 @@ class Bucket:
         if self.gathered is None:  # replicated: nothing to fetch
             self._gather = Pending(None, "all-gather", self.name, self.comm.timeout)
             return
-        _alloc(self.gathered)
-        if self.quant is not None:
-            send = self.quant.encode(self.storage, self._data_version())
-        elif self.param_dtype == self.dtype:
-            send = self.storage
-        else:
-            send = self.storage.to(self.param_dtype)
-        with torch.autograd._unsafe_preserve_version_counter(self._version_guarded):
-            self._gather = self.comm.all_gather(self.gathered, send)
+        runtime = self.runtime()
+        # CUDA: copy-in and collective on the all-gather stream, after it waited on
+        # compute (the optimizer's writes; reads of the buffer it may reuse)
+        with self._span("all_gather"), runtime.on(runtime.all_gather_stream):
+            _alloc(self.gathered)
+            if self.quant is not None:
+                send = self.quant.encode(self.storage, self._data_version())
+            elif self.param_dtype == self.dtype:
+                send = self.storage
+            else:
+                send = self.storage.to(self.param_dtype)
+            with torch.autograd._unsafe_preserve_version_counter(self._version_guarded):
+                self._gather = self.comm.all_gather(self.gathered, send)
         self._send = send  # keep alive while gloo reads it on its own thread
 
     def _finish_gather(self) -> None:
@@ -365,10 +384,11 @@ class Bucket:
         # A failed wait leaves ``_gather`` set: it raises again, and the buffer gloo may
         # still write into is never freed or read
         with (
+            self._span("all_gather_copy_out"),
             torch.no_grad(),
             torch.autograd._unsafe_preserve_version_counter(self._version_guarded),
         ):
-            self._gather.wait()
+            self._gather.wait()  # CUDA: compute waits on the gather's event, the CPU not
             self._gather = None
             self._send = None
             owned = [f if owns else None for f, owns in zip(self.full_locals, self._owns_storage)]
@@ -434,6 +454,10 @@ class Bucket:
             self._accumulated[i] = grad
 
     def launch_reduce(self) -> None:
+        with self._span("reduce_scatter"):
+            self._launch_reduce()
+
+    def _launch_reduce(self) -> None:
         layout = self.grad_layout
         grads = self._take_grads()
         if self.check_finite:
@@ -441,17 +465,26 @@ class Bucket:
         if layout.shard_numel == 0:  # every parameter frozen: nothing to reduce
             return
         device = self.storage.device
+        runtime = self.runtime()
+        stream = runtime.reduce_scatter_stream
+        # copy-in on compute, as FSDP2; CUDA: the collective on the reduce-scatter
+        # stream after it waited on compute (the end of this bucket's backward), the
+        # compute-made input kept from reuse until that stream is past it
         if layout.replicated:
             out = torch.zeros(layout.shard_numel, dtype=self.reduce_dtype, device=device)
             pack_rank(layout, self.rank, grads, out)
-            self._reduce = (self.comm.all_reduce(out, op=self._op), out, out)
+            runtime.protect(out, stream)
+            with runtime.on(stream):
+                self._reduce = (self.comm.all_reduce(out, op=self._op), out, out)
             return
         full = torch.empty(
             layout.world_size, layout.shard_numel, dtype=self.reduce_dtype, device=device
         )
         pack_all(layout, grads, full)
-        out = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=device)
-        self._reduce = (self.comm.reduce_scatter(out, full.view(-1), self._op), full, out)
+        runtime.protect(full, stream)
+        with runtime.on(stream):
+            out = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=device)
+            self._reduce = (self.comm.reduce_scatter(out, full.view(-1), self._op), full, out)
 
     @property
     def _op(self) -> dist.ReduceOp:
@@ -466,8 +499,21 @@ class Bucket:
             out.div_(self.divide_factor or size)
 
     def finish_reduce(self) -> None:
+        """Land the reduced gradient shards on ``.grad``. CUDA: on the reduce-scatter
+        stream; compute joins that stream at the end of backward (``join_reductions``)."""
         if self._reduce is None:
             return
+        runtime = self.runtime()
+        with self._span("grad_copy"), runtime.on(runtime.reduce_scatter_stream):
+            self._finish_reduce()
+
+    def join_reductions(self) -> None:
+        """Compute waits on every gradient copy queued so far (no-op on CPU)."""
+        runtime = self.runtime()
+        runtime.join(runtime.reduce_scatter_stream)
+
+    def _finish_reduce(self) -> None:
+        assert self._reduce is not None
         pending, _, out = self._reduce
         self._reduce = None
         pending.wait()

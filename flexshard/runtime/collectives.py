@@ -11,6 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .device import HOST, DeviceRuntime, abort, device_runtime
+from .watchdog import WATCHDOG
+
 #: how long a bucket waits for one collective before it raises (overridable per model)
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
@@ -76,7 +79,10 @@ class Pending:
 
     A failure is sticky: the work (and the buffers it writes) is kept and every later
     ``wait`` raises the same error, so a caller that retries never frees or reads a
-    buffer that gloo's thread may still write into."""
+    buffer that gloo's thread may still write into.
+
+    Stream-ordered (CUDA/NCCL, ``event`` set): ``wait`` makes the current stream wait
+    on the event and never blocks the CPU; the watchdog enforces the timeout."""
 
     def __init__(
         self,
@@ -95,6 +101,9 @@ class Pending:
         self.group = group
         self.started = time.monotonic()
         self.error: CollectiveError | None = None
+        self.runtime = HOST
+        self.event: torch.cuda.Event | None = None  # stream-ordered: marks completion
+        self._stream_waited = False
 
     @classmethod
     def launch(
@@ -105,15 +114,26 @@ class Pending:
         timeout: datetime.timedelta,
         group: dist.ProcessGroup,
         wait_ignores_timeout: bool = False,
+        runtime: DeviceRuntime = HOST,
     ) -> Pending:
-        """Issue a collective; a group already broken can refuse it at once."""
+        """Issue a collective; a group already broken can refuse it at once. On a
+        stream-ordered ``runtime`` the current stream is made to wait on it at once."""
+        WATCHDOG.check()  # a collective that timed out earlier broke the group
         pending = cls(None, collective, bucket, timeout, group, wait_ignores_timeout)
+        pending.runtime = runtime
         try:
             pending.work = start()
+            pending.event = runtime.enqueue_wait(pending.work)
         except Exception as err:
             pending.error = pending._error(err)
             raise pending.error from err
+        if pending.event is not None:
+            WATCHDOG.watch(pending, timeout.total_seconds(), lambda: abort(group))
         return pending
+
+    def timed_out(self) -> CollectiveError:
+        """The error the watchdog sets when the collective passed its timeout."""
+        return self._error(None)
 
     def _error(self, cause: BaseException | None) -> CollectiveError:
         rank = dist.get_rank()
@@ -137,6 +157,12 @@ class Pending:
     def wait(self) -> None:
         if self.error is not None:
             raise self.error
+        if self.event is not None:  # CUDA/NCCL: the current stream waits, the CPU does not
+            WATCHDOG.check()
+            if not self._stream_waited:
+                self.runtime.wait(self.event)
+                self._stream_waited = True
+            return
         if self.work is None:
             return
         # the clock runs from launch: a prefetch waited on late gets no extra time
@@ -144,7 +170,8 @@ class Pending:
         try:
             if self.wait_ignores_timeout:
                 ok = _wait_in_thread(self.work, left)
-            else:  # gloo's all-gather and all-reduce; NCCL: a stream wait, watchdog-bounded
+            else:  # gloo's all-gather and all-reduce (it blocks this thread; NCCL never
+                # gets here: it is stream-ordered above)
                 ok = self.work.wait(datetime.timedelta(seconds=left))
         except Exception as err:  # our timeout, gloo's own, or a peer that closed
             self.error = self._error(err)
@@ -215,10 +242,12 @@ class BucketComm:
         start: Callable[[], dist.Work | None],
         collective: str,
         group: dist.ProcessGroup,
+        tensor: torch.Tensor,
         wait_ignores_timeout: bool = False,
     ) -> Pending:
+        runtime = device_runtime(tensor.device, group)
         return Pending.launch(
-            start, collective, self.bucket, self.timeout, group, wait_ignores_timeout
+            start, collective, self.bucket, self.timeout, group, wait_ignores_timeout, runtime
         )
 
     def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> Pending:
@@ -227,6 +256,7 @@ class BucketComm:
             lambda: dist.all_gather_single(out, local, group=group, async_op=True),
             "all-gather",
             group,
+            out,
         )
         self._count("all_gather", (self.world_size - 1) * local.numel() * local.element_size())
         return pending
@@ -239,6 +269,7 @@ class BucketComm:
             lambda: dist.reduce_scatter_single(out, full, op=op, group=group, async_op=True),
             "reduce-scatter",
             group,
+            out,
             wait_ignores_timeout=dist.get_backend(group) == "gloo",
         )
         self._count("reduce_scatter", (self.world_size - 1) * out.numel() * out.element_size())
@@ -254,6 +285,7 @@ class BucketComm:
             lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
             "all-reduce across replicas" if replicas else "all-reduce",
             group,
+            tensor,
         )
         self._count("all_reduce", 2 * (size - 1) * tensor.numel() * tensor.element_size() // size)
         return pending
@@ -267,6 +299,7 @@ class BucketComm:
             lambda: dist.all_gather_single(out, local, group=group, async_op=True),
             "finite-gradient check all-gather",
             group,
+            out,
         )
         moved = (size - 1) * local.numel() * local.element_size()
         self._count("all_gather", moved, payload=False)

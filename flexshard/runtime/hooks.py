@@ -19,6 +19,9 @@ from .grad_check import check_finite_grads
 #: gradient reductions in flight before the oldest is waited for (bounds the memory
 #: held by unsharded gradient buffers, as FSDP2 and FlexShard do)
 MAX_PENDING_REDUCTIONS = 2
+#: all-gathers launched and not yet landed (prefetches), as FSDP2 bounds its own: a
+#: third waits for the oldest, so the CPU running ahead cannot hold more buffers
+MAX_GATHERS_IN_FLIGHT = 2
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -47,6 +50,7 @@ class StepState:
         self._launch_queue: list[Bucket] = []
         self._launched = 0
         self._in_flight: deque[Bucket] = deque()
+        self._gathers: deque[Bucket] = deque()  # prefetches launched, oldest first
         self.in_backward = False
         self._end_of_backward_eager = eager(self._end_of_backward)
         for bucket in buckets:
@@ -66,7 +70,7 @@ class StepState:
         if explicit is not None:
             for other in explicit:
                 if step > 0 or other.unshard_in_backward:
-                    other.unshard(async_op=True)
+                    self._unshard_async(other)
             return
         if not self.order_known or bucket not in self.forward_order:
             return
@@ -74,7 +78,19 @@ class StepState:
         if 0 <= index < len(self.forward_order):
             following = self.forward_order[index]
             if step > 0 or following.unshard_in_backward:
-                following.unshard(async_op=True)
+                self._unshard_async(following)
+
+    def _unshard_async(self, bucket: Bucket) -> None:
+        """Launch ``bucket``'s all-gather, landing the oldest prefetch first when
+        MAX_GATHERS_IN_FLIGHT are already in flight (landing issues no collective)."""
+        if bucket.unsharded or bucket.gather_in_flight:
+            return
+        gathers = deque(b for b in self._gathers if b.gather_in_flight)
+        while len(gathers) >= MAX_GATHERS_IN_FLIGHT:
+            gathers.popleft().unshard()
+        bucket.unshard(async_op=True)
+        gathers.append(bucket)
+        self._gathers = gathers
 
     # ---------------------------------------------------------------- backward
     def _backward_begins(self) -> None:
@@ -139,6 +155,8 @@ class StepState:
             while self._in_flight:
                 self._in_flight.popleft().finish_reduce()
             for bucket in self.buckets:
+                bucket.join_reductions()  # CUDA: compute waits on the gradient copies
+            for bucket in self.buckets:
                 if bucket.reshard_after_backward:
                     bucket.reshard()
             if any(bucket.check_finite for bucket in self.buckets):
@@ -151,6 +169,7 @@ class StepState:
             bucket.ready = False
             bucket.reset_step_counts()
         self._in_flight.clear()
+        self._gathers.clear()
         self._launched = len(self._launch_queue)
         self.in_backward = False
 

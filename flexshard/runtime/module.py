@@ -290,6 +290,7 @@ class _PipelineState:
             if bucket.requires_grad_sync:
                 bucket.launch_reduce()
                 bucket.finish_reduce()
+                bucket.join_reductions()
             if bucket.reshard_after_backward:
                 bucket.reshard()
 

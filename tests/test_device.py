@@ -1,0 +1,118 @@
+"""The device abstraction on CPU (every stream/event method a no-op) and the
+stream-ordered wait path with its watchdog timeout, driven on gloo by a fake event."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flexshard.runtime import collectives
+from flexshard.runtime.collectives import CollectiveError, Pending
+from flexshard.runtime.device import HOST, DeviceRuntime, device_runtime
+from flexshard.runtime.watchdog import Watchdog
+from flexshard.testing.launch import free_port
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-process gloo group (no spawn: the cases below are about one rank)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_cpu_runtime_is_a_no_op(group):
+    runtime = device_runtime(torch.device("cpu"), group)
+    assert runtime is HOST and not runtime.streams
+    assert runtime.all_gather_stream is None and runtime.reduce_scatter_stream is None
+    assert device_runtime(torch.device("meta"), group) is HOST
+    with runtime.on(runtime.all_gather_stream):
+        x = torch.ones(3) * 2
+    assert runtime.record() is None
+    runtime.wait(None)
+    runtime.join(None)
+    runtime.protect(x, None)
+    work = dist.all_reduce(x, async_op=True)
+    assert runtime.enqueue_wait(work) is None  # gloo: the caller waits (blocking) as before
+    work.wait()
+    assert x.tolist() == [2.0, 2.0, 2.0]
+
+
+class _Event:
+    """Stands in for a CUDA event: completes when ``done`` is set."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _StreamRuntime(DeviceRuntime):
+    """The CUDA runtime's wait protocol on CPU: waits are recorded, never blocking."""
+
+    def __init__(self, event: _Event) -> None:
+        super().__init__(torch.device("cpu"), streams=False)
+        self.event = event
+        self.waited: list[_Event] = []
+
+    def enqueue_wait(self, work):
+        work.wait()  # the fake's completion is the event; the real work is done here
+        return self.event
+
+    def wait(self, event):
+        self.waited.append(event)
+
+
+def _launch(group, runtime, timeout_s: float) -> Pending:
+    x = torch.ones(4)
+    return Pending.launch(
+        lambda: dist.all_reduce(x, async_op=True),
+        "all-reduce",
+        "layers.3",
+        datetime.timedelta(seconds=timeout_s),
+        group,
+        runtime=runtime,
+    )
+
+
+def test_stream_ordered_wait_does_not_block(group, monkeypatch):
+    dog = Watchdog(interval=0.02)
+    monkeypatch.setattr(collectives, "WATCHDOG", dog)
+    event = _Event()
+    runtime = _StreamRuntime(event)
+    pending = _launch(group, runtime, timeout_s=30)
+    started = time.monotonic()
+    pending.wait()  # not complete: the stream waits, the CPU returns at once
+    pending.wait()  # waited once only
+    assert time.monotonic() - started < 1 and runtime.waited == [event]
+    event.done = True
+    dog.poll()
+    assert dog._watched == [] and dog.failure is None
+
+
+def test_watchdog_times_out_naming_bucket_collective_rank(group, monkeypatch):
+    dog = Watchdog(interval=0.02)
+    monkeypatch.setattr(collectives, "WATCHDOG", dog)
+    aborted = []
+    monkeypatch.setattr(collectives, "abort", lambda g: aborted.append(g))
+    pending = _launch(group, _StreamRuntime(_Event()), timeout_s=0.1)
+    pending.wait()
+    deadline = time.monotonic() + 10
+    while dog.failure is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert aborted == [group]
+    with pytest.raises(CollectiveError, match="all-reduce of bucket 'layers.3' did not") as err:
+        pending.wait()
+    assert (err.value.bucket, err.value.collective, err.value.rank) == ("layers.3", "all-reduce", 0)
+    # sticky: the next launch on any bucket refuses, naming the first failure
+    with pytest.raises(CollectiveError, match="layers.3"):
+        _launch(group, HOST, timeout_s=30)
