@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from .base import Region
-from .layout import BucketLayout, CopyBlock
+from .layout import BucketLayout, CopyBlock, ParamLayout
 
 
 def storage_shape(block: CopyBlock) -> tuple[int, ...]:
@@ -36,8 +36,115 @@ def full_view(block: CopyBlock, full: torch.Tensor) -> torch.Tensor:
     return tiles.permute(0, 2, 1, 3)
 
 
-def _views(block: CopyBlock, storage: torch.Tensor, full: torch.Tensor):
-    return storage_view(block, storage), full_view(block, full)
+def _flat_span(region: Region, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(first element, numel)`` when the region is one contiguous range of the
+    row-major flattened parameter (a flat range, or a box whole in every dim after its
+    first partial one); otherwise None."""
+    if region.flat:
+        return region.offsets[0], region.sizes[0]
+    start, stride, partial = 0, 1, False
+    for offset, size, extent in zip(
+        reversed(region.offsets), reversed(region.sizes), reversed(shape)
+    ):
+        if partial and size != 1:
+            return None
+        start += offset * stride
+        partial = partial or size != extent
+        stride *= extent
+    return start, region.numel
+
+
+# a copy of one parameter: ("run", first rank, ranks, storage offset, numel, first
+# element): ``ranks`` consecutive ranks each holding ``numel`` consecutive elements at
+# the same storage offset, one [ranks, numel] strided copy; or ("block", rank, block)
+_Copy = tuple
+
+
+def _copy_plan(param: ParamLayout) -> tuple[_Copy, ...]:
+    """Fewest strided copies that move ``param`` between the full tensor and the
+    gathered [W, S] buffer: Shard/FlatShard rank chunks merge into one copy. Kept on
+    the layout (as its ``copy_blocks``): hashing a frozen layout costs more than this."""
+    cached = param.__dict__.get("_copy_plan")
+    if cached is None:
+        cached = param.__dict__["_copy_plan"] = _plan_copies(param)
+    return cached
+
+
+def _plan_copies(param: ParamLayout) -> tuple[_Copy, ...]:
+    plan: list[_Copy] = []
+    run: list = []  # [first rank, ranks, offset, numel, first element]
+
+    def close() -> None:
+        if run:
+            plan.append(("run", *run))
+            run.clear()
+
+    for rank, blocks in enumerate(param.copy_blocks):
+        spans = [(b, _flat_span(b.region, param.shape)) for b in blocks if b.numel]
+        if len(spans) == 1 and spans[0][0].grid == (1, 1) and spans[0][1] is not None:
+            block, (start, numel) = spans[0]
+            if (
+                run
+                and (block.offset, numel) == (run[2], run[3])
+                and (start == run[4] + run[1] * numel)
+            ):
+                run[1] += 1
+                continue
+            close()
+            run.extend([rank, 1, block.offset, numel, start])
+            continue
+        close()
+        plan.extend(("block", rank, block) for block, _ in spans)
+    close()
+    return tuple(plan)
+
+
+def _pairs(
+    param: ParamLayout, full: torch.Tensor, flat2d: torch.Tensor, ranks: range
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(storage view, full view) pairs of ``param`` for the rows ``ranks`` of
+    ``flat2d`` ([W, S] or one rank's [1, S]); ``full`` is contiguous."""
+    flat = full.view(-1)
+    for copy in _copy_plan(param):
+        if copy[0] == "block":
+            _, rank, block = copy
+            if rank in ranks:
+                row = flat2d[rank - ranks.start]
+                yield storage_view(block, row), full_view(block, full)
+            continue
+        _, first, count, offset, numel, start = copy
+        lo, hi = max(first, ranks.start), min(first + count, ranks.stop)
+        if lo >= hi:
+            continue
+        begin = start + (lo - first) * numel
+        rows = flat2d[lo - ranks.start : hi - ranks.start, offset : offset + numel]
+        yield rows, flat[begin : begin + (hi - lo) * numel].view(hi - lo, numel)
+
+
+def _copy(
+    layout: BucketLayout,
+    fulls: Sequence[torch.Tensor | None],
+    flat2d: torch.Tensor,
+    ranks: range,
+    into_storage: bool,
+) -> None:
+    """One foreach copy of every piece of every parameter, in whichever direction."""
+    dsts, srcs, strided = [], [], []
+    for param, full in zip(layout.params, fulls):
+        if full is None:
+            continue
+        # a flat region of a strided tensor is no view of it: use a contiguous copy
+        target = full if full.is_contiguous() else full.contiguous()
+        if target is not full and not into_storage:
+            strided.append((full, target))
+        for storage_piece, full_piece in _pairs(param, target, flat2d, ranks):
+            dst, src = (storage_piece, full_piece) if into_storage else (full_piece, storage_piece)
+            dsts.append(dst)
+            srcs.append(src)
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    for full, target in strided:
+        full.copy_(target)
 
 
 def pack_rank(
@@ -45,20 +152,14 @@ def pack_rank(
 ) -> None:
     """Write ``rank``'s regions of the full tensors into its flat storage ``out``
     (``None`` entries are left as they are: zeros after ``pack_all``)."""
-    for param, full in zip(layout.params, fulls):
-        if full is None:
-            continue
-        for block in param.copy_blocks[rank]:
-            dst, src = _views(block, out, full)
-            dst.copy_(src)
+    _copy(layout, fulls, out.view(1, -1), range(rank, rank + 1), into_storage=True)
 
 
 def pack_all(layout: BucketLayout, fulls: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
     """Write every rank's storage into the rows of ``out`` ([W, S]); padding is zeroed."""
     if not layout.dense or any(full is None for full in fulls):
         out.zero_()
-    for rank in range(layout.world_size):
-        pack_rank(layout, rank, fulls, out[rank])
+    _copy(layout, fulls, out, range(layout.world_size), into_storage=True)
 
 
 def unpack(
@@ -70,17 +171,7 @@ def unpack(
 
     ``None`` entries are tensors that already alias ``gathered`` (no copy needed).
     """
-    for param, full in zip(layout.params, fulls):
-        if full is None:
-            continue
-        # a flat region of a strided tensor is no view of it: fill a contiguous copy
-        target = full if full.is_contiguous() else torch.empty_like(full).contiguous()
-        for rank in range(layout.world_size):
-            for block in param.copy_blocks[rank]:
-                src, dst = _views(block, gathered[rank], target)
-                dst.copy_(src)
-        if target is not full:
-            full.copy_(target)
+    _copy(layout, fulls, gathered, range(layout.world_size), into_storage=False)
 
 
 def gathered_alias(layout: BucketLayout, index: int, gathered: torch.Tensor) -> torch.Tensor | None:
