@@ -9,7 +9,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..placements import BucketLayout, CopyBlock, Region
-from ..placements.packing import full_view, storage_shape, storage_view
+from ..placements.packing import full_view, storage_shape, storage_view, unpack
 from ..quant import QuantFormat, QuantizedTensor, dequantize, quantize, scale_shape
 
 ALIGN = 16
@@ -70,11 +70,29 @@ class QuantizedGather:
                 per_param.append(offsets)
             self._scale_offsets.append(per_param)
             counts.append(cursor)
+        self._runs = [self._plan_runs(r) for r in range(layout.world_size)]
         scale_size = torch.empty(0, dtype=fmt.scale_dtype).element_size()
         self.data_nbytes = _align(layout.shard_numel)
         self.nbytes = _align(self.data_nbytes + max(counts, default=0) * scale_size)
         self._cached: tuple[object, torch.Tensor] | None = None
         self.encodes = 0  # quantizations done (a test counts one per step)
+
+    def _plan_runs(self, rank: int) -> list[tuple[int, int, tuple[int, ...], int]]:
+        """Per run of consecutive copy blocks of ``rank`` with one tile shape: (storage
+        offset, numel, tile shape, first scale). A run quantizes as one batch of tiles,
+        bit for bit as block by block (tiles are independent) and with one set of ops."""
+        runs: list[list] = []
+        for i, param in enumerate(self.layout.params):
+            for k, block in enumerate(param.copy_blocks[rank]):
+                if not block.numel:
+                    continue
+                tile = storage_shape(block)[-2:]  # quantized weights are 2-D or batched
+                last = runs[-1] if runs else None
+                if last is not None and last[2] == tile and last[0] + last[1] == block.offset:
+                    last[1] += block.numel  # its scales follow the run's, in the same order
+                else:
+                    runs.append([block.offset, block.numel, tile, self._scale_offsets[rank][i][k]])
+        return [tuple(run) for run in runs]
 
     def _sections(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         data = payload[: self.layout.shard_numel].view(torch.float8_e4m3fn)
@@ -87,12 +105,10 @@ class QuantizedGather:
             return self._cached[1]
         payload = torch.zeros(self.nbytes, dtype=torch.uint8, device=storage.device)
         data, scales = self._sections(payload)
-        for i, param in enumerate(self.layout.params):
-            for k, block in enumerate(param.copy_blocks[self.rank]):
-                q = quantize(storage_view(block, storage), self.fmt)
-                storage_view(block, data).copy_(q.data)
-                offset = self._scale_offsets[self.rank][i][k]
-                scales[offset : offset + q.scale.numel()].copy_(q.scale.reshape(-1))
+        for offset, numel, tile, first in self._runs[self.rank]:
+            q = quantize(storage[offset : offset + numel].view(-1, *tile), self.fmt)
+            data[offset : offset + numel].copy_(q.data.view(-1))
+            scales[first : first + q.scale.numel()].copy_(q.scale.reshape(-1))
         self._cached = (version, payload)
         self.encodes += 1
         return payload
@@ -110,12 +126,25 @@ class QuantizedGather:
                 yield block, QuantizedTensor(tiles, scale, self.fmt)
 
     def decode(self, gathered: torch.Tensor, fulls: list[torch.Tensor | None]) -> None:
-        """Dequantize every rank's payload ([W, nbytes]) into the full parameters."""
-        for i, full in enumerate(fulls):
-            if full is None:
-                continue
-            for block, q in self._rank_blocks(gathered, i):
-                full_view(block, full).copy_(dequantize(q, dtype=full.dtype))
+        """Dequantize every rank's payload ([W, nbytes]) into the full parameters: one
+        dequantize per run of tiles into a [W, S] buffer laid out as the storage, then
+        the fused copies of ``unpack`` (a quantized bucket has one dtype)."""
+        present = [full for full in fulls if full is not None]
+        if not present:
+            return
+        layout = self.layout
+        values = torch.empty(
+            layout.world_size, layout.shard_numel, dtype=present[0].dtype, device=gathered.device
+        )
+        for rank in range(layout.world_size):
+            data, scales = self._sections(gathered[rank])
+            for offset, numel, tile, first in self._runs[rank]:
+                tiles = data[offset : offset + numel].view(-1, *tile)
+                shape = scale_shape(tiles.shape, self.fmt)
+                scale = scales[first : first + math.prod(shape)].view(shape)
+                q = QuantizedTensor(tiles, scale, self.fmt)
+                values[rank, offset : offset + numel] = dequantize(q, values.dtype).view(-1)
+        unpack(layout, values, fulls)
 
     def quantized(self, gathered: torch.Tensor, index: int) -> QuantizedTensor:
         """Parameter ``index`` as one QuantizedTensor (fp8 data and the scale grid of the
