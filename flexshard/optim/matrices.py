@@ -5,6 +5,7 @@ ranks of a shard group agree on which parameters are redistributed."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ class Block:
 
     offset: int
     shape: Shape
+    row: int = 0  # its first row in the stored tensor (names its state across placements)
 
 
 @dataclass
@@ -68,7 +70,7 @@ def _check_ndim(name: str, shape: Shape) -> None:
         )
 
 
-def _block_rows(option: bool | int | None, name: str) -> int | None:
+def block_rows(option: bool | int | None, name: str, who: str = "DistMuon") -> int | None:
     """``row_blocks``: False/None (whole matrices), True (each stored tile is a block:
     0 stands for "the regions as stored") or a number of rows per block."""
     if option is None or option is False:
@@ -77,15 +79,15 @@ def _block_rows(option: bool | int | None, name: str) -> int | None:
         return 0
     if isinstance(option, int) and option > 0:
         return option
-    raise ValueError(f"DistMuon: row_blocks for {name} must be a bool or rows > 0, got {option!r}")
+    raise ValueError(f"{who}: row_blocks for {name} must be a bool or rows > 0, got {option!r}")
 
 
-def _check_row_block_shape(name: str, shape: Shape) -> None:
+def _check_row_block_shape(name: str, shape: Shape, who: str) -> None:
     if len(shape) != 2:
-        raise ValueError(f"DistMuon: row_blocks takes 2-D matrices; {name} has shape {shape}")
+        raise ValueError(f"{who}: row_blocks takes 2-D matrices; {name} has shape {shape}")
 
 
-def _check_row_block_region(name: str, shape: Shape, region: Region, rows: int) -> None:
+def _check_row_block_region(name: str, shape: Shape, region: Region, rows: int, who: str) -> None:
     """A stored region must be whole rows and, with ``rows`` per block, whole blocks."""
     whole_rows = _is_full_width(region, shape)
     if whole_rows and rows:
@@ -94,8 +96,8 @@ def _check_row_block_region(name: str, shape: Shape, region: Region, rows: int) 
     if not whole_rows:
         per = f"blocks of {rows} rows" if rows else "blocks"
         raise ValueError(
-            f"DistMuon: {name} stores a piece of {region.sizes} at {region.offsets} that is "
-            f"not whole {per} of its shape {shape}; per-block Muon needs storage in whole "
+            f"{who}: {name} stores a piece of {region.sizes} at {region.offsets} that is "
+            f"not whole {per} of its shape {shape}; per-block steps need storage in whole "
             f"row blocks, e.g. BlockShard(({rows or 'rows'}, {shape[-1]}))"
         )
 
@@ -105,9 +107,30 @@ def _split_rows(region: Region, offset: int, rows: int) -> list[Block]:
     the region itself when ``rows`` is 0."""
     height, width = region.sizes
     step = rows or height
+    first = region.offsets[0]
     return [
-        Block(offset + r * width, (min(step, height - r), width)) for r in range(0, height, step)
+        Block(offset + r * width, (min(step, height - r), width), first + r)
+        for r in range(0, height, step)
     ]
+
+
+def row_blocks_of(
+    name: str, shape: Shape, regions: Sequence[Sequence[Region]], rows: int, who: str = "DistMuon"
+) -> list[tuple[Block, ...]]:
+    """Each rank's row blocks of a 2-D tensor stored as ``regions`` (per rank; a plain
+    tensor is one rank holding it whole), in its local storage order; raises naming
+    ``name`` unless every stored region is whole blocks."""
+    _check_row_block_shape(name, shape, who)
+    for region in (r for held in regions for r in held):
+        _check_row_block_region(name, shape, region, rows, who)
+    out = []
+    for held in regions:
+        blocks, offset = [], 0
+        for region in held:
+            blocks.extend(_split_rows(region, offset, rows))
+            offset += region.numel
+        out.append(tuple(blocks))
+    return out
 
 
 def resolve(param: torch.Tensor, name: str, group: dict) -> Target:
@@ -121,14 +144,12 @@ def resolve(param: torch.Tensor, name: str, group: dict) -> Target:
             "the model with flexshard after apply_tp) and plain tensors"
         )
     param = local_of(param)  # the step works on this rank's local tensor
-    rows = _block_rows(group["row_blocks"], name)
+    rows = block_rows(group["row_blocks"], name)
     if slot is None:  # a plain tensor is a whole matrix (or a whole stack) on this rank
         shape = tuple(param.shape)
         _check_ndim(name, shape)
         if rows is not None:
-            _check_row_block_shape(name, shape)
-            whole_region = Region((0, 0), shape)
-            blocks = tuple(_split_rows(whole_region, 0, rows))
+            blocks = row_blocks_of(name, shape, [(Region((0, 0), shape),)], rows)[0]
             return Target(param, name, group, Kind.ROW_BLOCKS, shape, blocks=blocks)
         kind = Kind.WHOLE if len(shape) == 2 else Kind.EXPERTS
         return Target(param, name, group, kind, shape)
@@ -155,14 +176,8 @@ def resolve(param: torch.Tensor, name: str, group: dict) -> Target:
     all_regions = [r for regions in layout.regions for r in regions]
     mine = layout.regions[bucket.rank]
     if rows is not None:  # every rank computes the blocks it stores (all, if replicated)
-        _check_row_block_shape(name, shape)
-        for region in all_regions:
-            _check_row_block_region(name, shape, region, rows)
-        blocks, offset = [], 0
-        for region in mine:
-            blocks.extend(_split_rows(region, offset, rows))
-            offset += region.numel
-        target.kind, target.blocks, target.rows = Kind.ROW_BLOCKS, tuple(blocks), rows
+        blocks = row_blocks_of(name, shape, layout.regions, rows)[bucket.rank]
+        target.kind, target.blocks, target.rows = Kind.ROW_BLOCKS, blocks, rows
         return target
     if bucket.layout.replicated:
         return target  # one owner computes, the others receive its update

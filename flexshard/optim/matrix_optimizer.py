@@ -17,12 +17,18 @@ or a shard: its parameters are *proxies*, plain tensors each holding one whole m
   optimizer may count its calls on itself: heavyball's schedules do).
   The arithmetic on a matrix is the inner optimizer's on the full matrix, so
   results equal one process's bit for bit.
+* ``row_blocks`` (DistMuon's option, per group): each stored row block is a matrix of
+  its own, stepped in place where it is stored (DistMuon's block layout and checks).
+* Tensor-parallel matrices: gathered whole (dp, then tp: DistMuon's ``tp_matrices``)
+  with their gradient on every rank, which steps its own copy and keeps its part;
+  per-head blocks in column-parallel pieces cut at block boundaries need no gather.
 
 Param groups are the adapter's (``lr`` schedulers edit them); before each inner step
 the inner optimizer's groups are refreshed from them, and what the inner step writes
 back into a group (a ``step`` counter) is kept. The inner state of each matrix is one
 :class:`MatrixState` in ``state[param][state_key]``, so ``fs.checkpoint`` saves it once
-and loads it on whichever rank computes the matrix under a new world size or placement.
+and loads it on whichever rank computes the matrix under a new world size or placement;
+torch's ``get_/set_optimizer_state_dict`` work too (see :mod:`.matrix_state_dict`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..runtime.tp_params import local_of
+from .matrices import block_rows
 from .matrix_state_dict import gather_matrices, saved_matrix, torch_full_call
 from .matrix_units import (
     Cost,
@@ -55,10 +62,11 @@ from .redistribute import (
     send_inputs,
     send_updates,
 )
+from .tp_matrices import gather_matrix, own_part
 
 WHO = "MatrixOptimizer"
 #: group entries that belong to the adapter, not to the inner optimizer
-OWN_KEYS = ("params", "param_names")
+OWN_KEYS = ("params", "param_names", "row_blocks")
 
 
 class MatrixOptimizer(Optimizer):
@@ -66,6 +74,9 @@ class MatrixOptimizer(Optimizer):
     factory written for full tensors) on flexshard parameters, one whole matrix at a
     time. ``cost(shape)`` is the inner optimizer's work on one matrix (default:
     :func:`preconditioner_flops`); owners of split matrices are balanced on it.
+    ``row_blocks`` (also per param group) is DistMuon's: each row block its own matrix
+    (an int: rows per block, the storage holding whole blocks; True: each stored
+    full-width tile), stepped where it is stored, with no communication.
     ``comm_stats()`` counts the step's all-to-alls and bytes. Build it after sharding."""
 
     def __init__(
@@ -74,6 +85,7 @@ class MatrixOptimizer(Optimizer):
         optimizer: Callable[..., Optimizer],
         *,
         cost: Cost | None = None,
+        row_blocks: bool | int = False,
         **defaults: Any,
     ) -> None:
         # the inner optimizer's own defaults and checks, on a placeholder matrix (some,
@@ -85,10 +97,11 @@ class MatrixOptimizer(Optimizer):
         self._resolved: dict[int, Resolved] = {}  # by id(param)
         self._group_of: dict[int, int] = {}
         self._owned: dict[tuple[int, int | None], torch.Tensor] = {}  # remote proxies here
+        self._tp: dict[int, torch.Tensor] = {}  # whole tensor-parallel matrices, by id(param)
         self._plan: list[Exchange] | None = None
         self._step_plan: tuple[tuple[int, ...], list[Exchange]] | None = None
         self.comm = CommCounter()
-        super().__init__(params, dict(self._inner.defaults))
+        super().__init__(params, {**self._inner.defaults, "row_blocks": row_blocks})
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -98,8 +111,14 @@ class MatrixOptimizer(Optimizer):
         names = group.get("param_names")
         for i, param in enumerate(group["params"]):
             name = f"'{names[i]}'" if names else f"parameter {i} of param group {index}"
-            self._resolved[id(param)] = resolve_param(param, name, self._cost)
+            rows = block_rows(group["row_blocks"], name, WHO)
+            resolved = resolve_param(param, name, self._cost, rows)
+            self._resolved[id(param)] = resolved
             self._group_of[id(param)] = index
+            if resolved.tensor_parallel is not None:
+                spec = resolved.tensor_parallel[0].params[resolved.tensor_parallel[1]].tp_spec
+                local = local_of(param)
+                self._tp[id(param)] = local.new_zeros(tuple(spec.shape))
         self._plan = None
 
     def comm_stats(self, reset: bool = False) -> dict[str, int]:
@@ -155,6 +174,8 @@ class MatrixOptimizer(Optimizer):
         self._exchanges()
         resolved = self._resolved[id(param)]
         out = [(m.key, m.proxy) for m in resolved.local]
+        if id(param) in self._tp:
+            out.append(("matrix", self._tp[id(param)]))
         if resolved.remote is not None:
             local = resolved.remote.param
             out += [(state_key(e), p) for (i, e), p in self._owned.items() if i == id(local)]
@@ -183,6 +204,8 @@ class MatrixOptimizer(Optimizer):
                     if matrix.proxy is not param:
                         matrix.proxy.grad = grad_view(param, matrix)
                     members.append((group_index, matrix.proxy))
+                if id(param) in self._tp:
+                    members.append((group_index, self._gather_tp(param)))
         for exchange, forward in zip(exchanges, forwards):
             dtype = exchange.units[0].target.param.dtype
             for unit, full in zip(exchange.owned(), assemble(exchange, forward.wait(), 2, dtype)):
@@ -192,6 +215,10 @@ class MatrixOptimizer(Optimizer):
                 members.append((self._group_of[id(self._outer[id(unit.target.param)])], proxy))
         groups = self._inner_step(members)
         self._release(members)
+        for param in stepped_params:
+            if id(param) in self._tp:
+                bucket, index = self._resolved[id(param)].tensor_parallel  # type: ignore[misc]
+                local_of(param).copy_(own_part(bucket, index, self._tp[id(param)]))
         backs = []
         for exchange in exchanges:
             dtype = exchange.units[0].target.param.dtype
@@ -213,6 +240,17 @@ class MatrixOptimizer(Optimizer):
             inputs[id(local)] = torch.stack([grad.reshape(-1).to(local.dtype), local.reshape(-1)])
         dtype = exchange.units[0].target.param.dtype
         return send_inputs(exchange, inputs, self.comm, 2, dtype)
+
+    def _gather_tp(self, param: torch.Tensor) -> torch.Tensor:
+        """The whole tensor-parallel matrix and its gradient on this rank (DistMuon's
+        gather over dp, then tp): every rank steps the same copy, as one process would."""
+        bucket, index = self._resolved[id(param)].tensor_parallel  # type: ignore[misc]
+        proxy = self._tp[id(param)]
+        assert param.grad is not None
+        grad = gather_matrix(bucket, index, local_of(param.grad).to(proxy.dtype))
+        proxy.copy_(gather_matrix(bucket, index, local_of(param)))
+        proxy.grad = grad
+        return proxy
 
     def _inner_step(self, members: list[tuple[int, torch.Tensor]]) -> list[dict[str, Any]]:
         """The inner step over ``members`` (group index, proxy with its gradient), its
@@ -240,7 +278,7 @@ class MatrixOptimizer(Optimizer):
         """The inner state must be keyed by proxies: state kept on anything else is not
         per-matrix and would be silently wrong on shards."""
         proxies = {id(p) for r in self._resolved.values() for m in r.local for p in [m.proxy]}
-        proxies |= {id(p) for p in self._owned.values()}
+        proxies |= {id(p) for p in self._owned.values()} | {id(p) for p in self._tp.values()}
         for key in self._inner.state:
             if id(key) not in proxies:
                 raise ValueError(

@@ -20,14 +20,15 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..placements import Region
-from ..runtime.bucket import slot_of
-from ..runtime.tp_params import local_of
-from .matrices import Kind, Target
-from .tp_matrices import is_tp_matrix
+from ..runtime.bucket import Bucket, slot_of
+from ..runtime.tp_params import local_of, tp_frame
+from .matrices import Block, Kind, Target, row_blocks_of
+from .tp_matrices import is_tp_matrix, whole_row_blocks
 from .units import matrices, pieces
 
 Shape = tuple[int, ...]
 Cost = Callable[[Shape], float]
+WHO = "MatrixOptimizer"
 
 
 def preconditioner_flops(shape: Shape) -> float:
@@ -41,6 +42,13 @@ def preconditioner_flops(shape: Shape) -> float:
 def state_key(expert: int | None) -> str:
     """The key of one matrix's state in the adapter's per-parameter state."""
     return "matrix" if expert is None else f"expert{expert}"
+
+
+def block_key(block: Block, first_row: int = 0) -> str:
+    """The key of a row block's state: its rows in the whole parameter (``first_row``:
+    where this rank's tensor-parallel piece starts), the same under any placement."""
+    start = first_row + block.row
+    return f"rows{start}-{start + block.shape[0]}"
 
 
 @dataclass
@@ -74,6 +82,7 @@ class Resolved:
     local: list[LocalMatrix]
     remote: Target | None = None
     work: list[float] | None = None  # per rank of the shard group: cost of local matrices
+    tensor_parallel: tuple[Bucket, int] | None = None  # gathered whole on every rank
 
 
 def _view(local: torch.Tensor, offset: int, shape: Shape) -> torch.Tensor:
@@ -90,8 +99,18 @@ def _whole_experts(regions: list[Region], shape: Shape) -> bool:
     return all(not r.flat and r.sizes[-2:] == shape[-2:] for r in regions)
 
 
-def resolve_param(param: torch.Tensor, name: str, cost: Cost) -> Resolved:
-    """Classify ``param``; raise naming it where the adapter cannot step it."""
+def _blocks(
+    local: torch.Tensor, blocks: tuple[Block, ...], first_row: int = 0
+) -> list[LocalMatrix]:
+    return [
+        LocalMatrix(block_key(b, first_row), b.shape, b.offset, _view(local, b.offset, b.shape))
+        for b in blocks
+    ]
+
+
+def resolve_param(param: torch.Tensor, name: str, cost: Cost, rows: int | None = None) -> Resolved:
+    """Classify ``param``; raise naming it where the adapter cannot step it. ``rows``:
+    per row block (DistMuon's ``row_blocks``: rows per block, 0 for each stored tile)."""
     slot = slot_of(param)
     if isinstance(param, DTensor) and slot is None:
         raise TypeError(
@@ -100,6 +119,9 @@ def resolve_param(param: torch.Tensor, name: str, cost: Cost) -> Resolved:
         )
     if slot is None:  # a plain tensor: every matrix whole on this rank
         shape = tuple(param.shape)
+        if rows is not None:
+            blocks = row_blocks_of(name, shape, [(Region((0, 0), shape),)], rows, WHO)[0]
+            return Resolved(param, name, _blocks(param, blocks))
         if len(shape) != 3:  # the parameter is its own proxy
             return Resolved(param, name, [LocalMatrix("matrix", shape, 0, param)])
         local = [
@@ -110,14 +132,24 @@ def resolve_param(param: torch.Tensor, name: str, cost: Cost) -> Resolved:
     bucket, index = slot
     layout = bucket.layout.params[index]
     name = f"parameter '{layout.fqn}' in bucket '{bucket.name}'"
-    if is_tp_matrix(bucket, index):
-        raise ValueError(
-            f"MatrixOptimizer: {name} is split by tensor parallelism; the adapter steps "
-            "data-parallel storage only (use DistMuon for tensor-parallel Muon)"
-        )
-    shape = tuple(layout.shape)
     local = local_of(param)
+    first_row = 0
+    if is_tp_matrix(bucket, index):
+        if not (rows and whole_row_blocks(bucket, index, rows)):
+            if rows is not None:
+                raise ValueError(
+                    f"{WHO}: {name} is split by tensor parallelism into pieces that are not "
+                    "whole row blocks; row_blocks under tensor parallelism takes "
+                    "column-parallel (Shard(0)) pieces cut at block boundaries"
+                )
+            return Resolved(param, name, [], tensor_parallel=(bucket, index))
+        first_row = tp_frame(bucket.params[index].tp_spec)[1][0]  # blocks whole in the piece
+    shape = tuple(layout.shape)
     mine = list(layout.regions[bucket.rank])
+    if rows is not None:  # every rank steps the blocks it stores (all, if replicated)
+        blocks = row_blocks_of(name, shape, layout.regions, rows, WHO)
+        work = [sum(cost(b.shape) for b in held) for held in blocks]
+        return Resolved(param, name, _blocks(local, blocks[bucket.rank], first_row), None, work)
     all_regions = [r for regions in layout.regions for r in regions]
     remote = Target(local, name, {}, Kind.REMOTE, shape, bucket, index)
     if bucket.layout.replicated:  # one owner computes, the back exchange shares it
