@@ -10,10 +10,10 @@ SOAP, three ways, on the same matrices and gradients:
 
 ``optimizer.step()`` alone is timed (wall, slowest rank, median over steps), with the
 collectives it issued and the bytes it put on the wire. Each variant runs ``--reps``
-times, the order alternating; ratios to (a) per repetition, then median and spread
+times (5 by default), the order alternating; ratios to (a) per repetition, then median and spread
 (benchmarks/stats.py). All three end with the same parameters (checked by digest).
 
-    .venv/bin/python -m benchmarks.bench_matrix_optim [--world-sizes 2 4] [--reps 3]
+    .venv/bin/python -m benchmarks.bench_matrix_optim [--world-sizes 2 4] [--reps 5]
 
 Writes benchmarks/results/matrix_optim_bench.{json,md}.
 """
@@ -195,7 +195,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5, help="runs per variant (order alternating)")
     parser.add_argument("--dim", type=int, default=DIM)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
