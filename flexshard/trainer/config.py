@@ -23,6 +23,12 @@ class MoEConfig:
     expert_hidden: int = 0  # 0: the dense ffn_hidden
     first_dense_layers: int = 1  # DeepSeek keeps the first layer(s) dense
     router_bias: bool = False
+    # load balancing (moe_balance.py): "bias" = DeepSeek-V3's aux-loss-free bias
+    # (bias += bias_update_rate * sign(mean load - load) after each step), "aux" = an
+    # auxiliary loss aux_loss_coef * E * sum(f * P)
+    balance: Literal["none", "bias", "aux"] = "none"
+    bias_update_rate: float = 1e-3
+    aux_loss_coef: float = 1e-2
 
 
 @dataclass
@@ -308,6 +314,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"model.moe.top_k = {moe.top_k}: must be in 1..num_experts ({moe.num_experts})"
         )
+    if moe.bias_update_rate < 0 or moe.aux_loss_coef < 0:
+        raise ConfigError("model.moe.bias_update_rate and aux_loss_coef must be >= 0")
     if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError("training.lr must be > 0 and training.min_lr_ratio in [0, 1]")
     if t.warmup_steps < 0 or t.max_norm < 0 or t.weight_decay < 0:

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from flexshard.clip import scale_grads
@@ -94,11 +93,6 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
-    """``GroupedExperts.expert``'s arithmetic on one expert's matrices."""
-    return (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
-
-
 class ExpertParallel:
     """The EP group and this rank's share of the experts of one MoE layer."""
 
@@ -135,20 +129,14 @@ class ExpertParallel:
         expert_of_row = expert_of_row.repeat_interleave(recv_counts.reshape(-1))
         by_expert = torch.argsort(expert_of_row, stable=True)
         w1, w2, w3 = (_ScaleGrad.apply(w, 1.0 / ep) for w in (experts.w1, experts.w2, experts.w3))
-        rows = inbound[by_expert].split(recv_counts.sum(0).tolist())
-        computed = torch.cat([_swiglu(x, w1[j], w2[j], w3[j]) for j, x in enumerate(rows)])
+        computed = experts.swiglu(inbound[by_expert], recv_counts.sum(0).tolist(), (w1, w2, w3))
         outbound = _AllToAll.apply(
             computed[torch.argsort(by_expert)], send_splits, recv_splits, group
         )
 
         # combine as the single process does: expert by expert, tokens in order
         routed = outbound * weights.reshape(-1)[order, None]
-        out = torch.zeros_like(flat)
-        counts = sent.tolist()
-        for tokens, values in zip(token_of.split(counts), routed.split(counts)):
-            if tokens.numel():
-                out = out.index_add(0, tokens, values)
-        return out
+        return torch.zeros_like(flat).index_add(0, token_of, routed)
 
 
 def apply_ep(model: nn.Module, ep_mesh: Group) -> list[str]:

@@ -141,6 +141,10 @@ def summary_table(records: list[dict[str, Any]], header: dict[str, Any]) -> str:
             f"{'validation loss':<22} {last['val_loss']:.4f} at step {last['step']}"
             f"  (perplexity {last['val_perplexity']:.2f})"
         )
+    loads = records[-1].get("tokens_per_expert")
+    if loads:  # MoE balance: the busiest expert against the mean, worst layer
+        worst = max(max(v) * len(v) / max(sum(v), 1) for v in loads.values())
+        lines.append(f"{'expert load max/mean':<22} {worst:.2f} (last step, worst layer)")
     comm = records[-1].get("comm_bytes")
     if comm:
         lines.append(

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .grouped_experts import grouped_swiglu, loop_swiglu
+from .moe_balance import LoadBalance
 from .ring_attention import ring_attention
 
 if TYPE_CHECKING:
@@ -129,8 +131,12 @@ class GroupedExperts(nn.Module):
         self.expert_parallel: ExpertParallel | None = None
         self.ep_range: tuple[int, int] | None = None
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return (F.silu(x @ self.w1[e].t()) * (x @ self.w3[e].t())) @ self.w2[e].t()
+        self.grouped = True  # False: the Python loop over experts (the tests' reference)
+
+    def swiglu(self, rows: torch.Tensor, counts: list[int], w: tuple) -> torch.Tensor:
+        """Experts ``0..`` of the weights ``w`` = (w1, w2, w3) on their ``counts[e]``
+        consecutive ``rows``."""
+        return (grouped_swiglu if self.grouped else loop_swiglu)(rows, counts, *w)
 
     def forward(
         self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
@@ -139,14 +145,14 @@ class GroupedExperts(nn.Module):
         module call, so that a data-parallel wrapper of the experts sees it run)."""
         if self.expert_parallel is not None:  # the experts live on the EP ranks: all-to-all
             return self.expert_parallel.routed(self, flat, weights, chosen)
-        out = torch.zeros_like(flat)
-        for e in range(self.w1.shape[0]):
-            token, slot = (chosen == e).nonzero(as_tuple=True)
-            if token.numel() == 0:
-                continue
-            routed = self.expert(e, flat[token]) * weights[token, slot, None]
-            out = out.index_add(0, token, routed)
-        return out
+        # one row per (token, choice), sorted by expert (stable: tokens stay in order)
+        order = torch.argsort(chosen.reshape(-1), stable=True)
+        token_of = order // chosen.shape[1]
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.w1.shape[0]).tolist()
+        computed = self.swiglu(flat[token_of], counts, (self.w1, self.w2, self.w3))
+        # each token's rows added expert by expert, in the order of the loop it replaced
+        routed = computed * weights.reshape(-1)[order, None]
+        return torch.zeros_like(flat).index_add(0, token_of, routed)
 
 
 class MoE(nn.Module):
@@ -157,6 +163,9 @@ class MoE(nn.Module):
         moe = cfg.moe
         hidden = moe.expert_hidden or ffn_hidden_size(cfg)
         self.top_k = moe.top_k
+        self.balance = LoadBalance(
+            moe.balance, moe.num_experts, moe.bias_update_rate, moe.aux_loss_coef
+        )
         self.router = _linear(cfg.dim, moe.num_experts, 0.02)
         self.experts = GroupedExperts(moe.num_experts, cfg.dim, hidden, out_std)
         self.shared = (
@@ -169,9 +178,9 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         scores = self.router(flat).float().softmax(dim=-1)
-        weights, chosen = scores.topk(self.top_k, dim=-1)
+        weights, chosen = self.balance.select(scores, self.top_k)
         weights = (weights / weights.sum(-1, keepdim=True)).type_as(x)
-        out = self.experts(flat, weights, chosen)
+        out = self.balance.account(self.experts(flat, weights, chosen), scores, chosen)
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.view(shape)

@@ -32,6 +32,7 @@ from .metrics import (
     summary_table,
 )
 from .model import Transformer, count_params, flops_per_token, init_module, init_weights
+from .moe_balance import step_balance, tokens_per_expert
 from .optimizers import build_optimizer
 from .parallel import Meshes, ParallelDims, init_distributed, pick_device
 from .parallelize import Parallelized, apply_compile, local_batch, parallelize
@@ -191,6 +192,7 @@ def train_step(job: Job, step: int) -> tuple[float, float, float]:
         local_loss += loss.detach()
     grad_norm = clip_gradients(job)
     job.optimizer.step()
+    step_balance(job.parallel.modules, job.meshes.dp.get_all_groups())  # MoE load, bias
     job.lr_scheduler.step()
     job.optimizer.zero_grad(set_to_none=True)
     # the global batch's loss: mean over all ranks; tp and pp ranks hold the same value
@@ -258,6 +260,9 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             "peak_memory_mb": peak_memory_mb(job.device),
             "comm_bytes": _comm_bytes(job.parallel),
         }
+        loads = tokens_per_expert(job.parallel.modules)
+        if loads:  # MoE: the global batch's routed rows per expert, by layer
+            record["tokens_per_expert"] = loads
         v = cfg.validation
         if v.enable and ((step + 1) % v.freq == 0 or step + 1 == t.steps):
             record["val_loss"] = validate(job)
