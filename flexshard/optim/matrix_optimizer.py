@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 
 from ..runtime.tp_params import local_of
 from .matrices import block_rows
+from .matrix_calls import check_steps_per_call
 from .matrix_state_dict import gather_matrices, saved_matrix, torch_full_call
 from .matrix_units import (
     Cost,
@@ -77,6 +78,10 @@ class MatrixOptimizer(Optimizer):
     ``row_blocks`` (also per param group) is DistMuon's: each row block its own matrix
     (an int: rows per block, the storage holding whole blocks; True: each stored
     full-width tile), stepped where it is stored, with no communication.
+    ``overlap=True`` calls the inner ``step()`` once per bucket, each while the next
+    bucket's gather is in flight: for optimizers that keep no count of their calls on
+    themselves (checked at construction; pytorch-optimizer's and torch's keep none,
+    heavyball's do).
     ``comm_stats()`` counts the step's all-to-alls and bytes. Build it after sharding."""
 
     def __init__(
@@ -86,6 +91,7 @@ class MatrixOptimizer(Optimizer):
         *,
         cost: Cost | None = None,
         row_blocks: bool | int = False,
+        overlap: bool = False,
         **defaults: Any,
     ) -> None:
         # the inner optimizer's own defaults and checks, on a placeholder matrix (some,
@@ -93,6 +99,9 @@ class MatrixOptimizer(Optimizer):
         self._inner = optimizer([torch.zeros(1, 1, requires_grad=True)], **defaults)
         inner_type = type(self._inner)
         self._tag = f"{inner_type.__module__}.{inner_type.__qualname__}"
+        self._overlap = overlap
+        if overlap:
+            check_steps_per_call(self._inner, self._tag)
         self._cost = cost or preconditioner_flops
         self._resolved: dict[int, Resolved] = {}  # by id(param)
         self._group_of: dict[int, int] = {}
@@ -191,10 +200,41 @@ class MatrixOptimizer(Optimizer):
         # the inner step may drop gradients (heavyball does): note who had one first
         stepped_params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         exchanges = self._step_exchanges()
-        # every bucket's forward all-to-all in flight at once; then ONE inner step over
-        # all matrices this rank computes (an optimizer may count its step() calls on
-        # itself, as heavyball's schedules do); then every bucket's back all-to-all
+        # every bucket's forward all-to-all in flight at once, then the inner step over
+        # the matrices this rank holds whole while they fly
         forwards = [self._send_forward(exchange) for exchange in exchanges]
+        members = self._local_members()
+        if self._overlap:  # then bucket by bucket: bucket k steps while k+1's gather flies
+            groups = self._inner_step(members)
+            self._release(members)
+            backs = []
+            for exchange, forward in zip(exchanges, forwards):
+                owned = self._owned_members(exchange, forward)
+                if owned:
+                    groups = self._inner_step(owned)
+                    self._release(owned)
+                backs.append(self._send_back(exchange))
+        else:  # ONE inner step (an optimizer may count its step() calls on itself, as
+            # heavyball's schedules do), then every bucket's back all-to-all
+            for exchange, forward in zip(exchanges, forwards):
+                members += self._owned_members(exchange, forward)
+            groups = self._inner_step(members)
+            self._release(members)
+            backs = [self._send_back(exchange) for exchange in exchanges]
+        for param in stepped_params:
+            if id(param) in self._tp:
+                bucket, index = self._resolved[id(param)].tensor_parallel  # type: ignore[misc]
+                local_of(param).copy_(own_part(bucket, index, self._tp[id(param)]))
+        for exchange, back in zip(exchanges, backs):
+            self._apply_remote(exchange, back)
+        for group, inner_group in zip(self.param_groups, groups):  # e.g. a step counter
+            group.update({k: v for k, v in inner_group.items() if k not in OWN_KEYS})
+        self._record_state(stepped_params)
+        return loss
+
+    def _local_members(self) -> list[tuple[int, torch.Tensor]]:
+        """(group index, proxy with its gradient) of every matrix this rank holds whole,
+        and of every tensor-parallel matrix (gathered whole)."""
         members: list[tuple[int, torch.Tensor]] = []
         for group_index, group in enumerate(self.param_groups):
             for param in group["params"]:
@@ -206,30 +246,25 @@ class MatrixOptimizer(Optimizer):
                     members.append((group_index, matrix.proxy))
                 if id(param) in self._tp:
                     members.append((group_index, self._gather_tp(param)))
-        for exchange, forward in zip(exchanges, forwards):
-            dtype = exchange.units[0].target.param.dtype
-            for unit, full in zip(exchange.owned(), assemble(exchange, forward.wait(), 2, dtype)):
-                proxy = self._owned[(id(unit.target.param), unit.expert)]
-                proxy.copy_(full[1])
-                proxy.grad = full[0]
-                members.append((self._group_of[id(self._outer[id(unit.target.param)])], proxy))
-        groups = self._inner_step(members)
-        self._release(members)
-        for param in stepped_params:
-            if id(param) in self._tp:
-                bucket, index = self._resolved[id(param)].tensor_parallel  # type: ignore[misc]
-                local_of(param).copy_(own_part(bucket, index, self._tp[id(param)]))
-        backs = []
-        for exchange in exchanges:
-            dtype = exchange.units[0].target.param.dtype
-            updates = [self._owned[(id(u.target.param), u.expert)] for u in exchange.owned()]
-            backs.append(send_updates(exchange, updates, self.comm, dtype))
-        for exchange, back in zip(exchanges, backs):
-            self._apply_remote(exchange, back)
-        for group, inner_group in zip(self.param_groups, groups):  # e.g. a step counter
-            group.update({k: v for k, v in inner_group.items() if k not in OWN_KEYS})
-        self._record_state(stepped_params)
-        return loss
+        return members
+
+    def _owned_members(
+        self, exchange: Exchange, forward: Transfer
+    ) -> list[tuple[int, torch.Tensor]]:
+        """The matrices of ``exchange`` this rank owns, assembled into their proxies."""
+        members = []
+        dtype = exchange.units[0].target.param.dtype
+        for unit, full in zip(exchange.owned(), assemble(exchange, forward.wait(), 2, dtype)):
+            proxy = self._owned[(id(unit.target.param), unit.expert)]
+            proxy.copy_(full[1])
+            proxy.grad = full[0]
+            members.append((self._group_of[id(self._outer[id(unit.target.param)])], proxy))
+        return members
+
+    def _send_back(self, exchange: Exchange) -> Transfer:
+        dtype = exchange.units[0].target.param.dtype
+        updates = [self._owned[(id(u.target.param), u.expert)] for u in exchange.owned()]
+        return send_updates(exchange, updates, self.comm, dtype)
 
     def _send_forward(self, exchange: Exchange) -> Transfer:
         """Gradient and parameter of every piece, as two channels in one all-to-all."""
