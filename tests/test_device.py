@@ -10,7 +10,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
+import flexshard as fs
 from flexshard.runtime import collectives
 from flexshard.runtime.collectives import CollectiveError, Pending
 from flexshard.runtime.device import HOST, DeviceRuntime, device_runtime
@@ -116,3 +118,13 @@ def test_watchdog_times_out_naming_bucket_collective_rank(group, monkeypatch):
     # sticky: the next launch on any bucket refuses, naming the first failure
     with pytest.raises(CollectiveError, match="layers.3"):
         _launch(group, HOST, timeout_s=30)
+
+
+def test_post_optim_event_is_consumed_by_the_next_gather(group):
+    mesh = DeviceMesh("cpu", [0])
+    model = fs.fully_shard(torch.nn.Linear(4, 3), mesh=mesh)
+    (bucket,) = model._flexshard_buckets
+    model.set_post_optim_event(object())  # on CPU any event: the gather waits on nothing
+    assert bucket.post_optim_event is not None
+    model(torch.ones(2, 4)).sum().backward()
+    assert bucket.post_optim_event is None

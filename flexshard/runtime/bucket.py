@@ -111,6 +111,7 @@ class Bucket:
         self.divide_factor: float | None = None  # None: average over the dp ranks
         self.force_sum = False
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.post_optim_event: Any = None  # set_post_optim_event: the next gather waits on it
         # opt-in: each backward records which unsharded gradients hold a NaN or an inf
         self.check_finite = False
         self.nonfinite = [0] * len(params)
@@ -365,6 +366,8 @@ class Bucket:
         # CUDA: copy-in and collective on the all-gather stream, after it waited on
         # compute (the optimizer's writes; reads of the buffer it may reuse)
         with self._span("all_gather"), runtime.on(runtime.all_gather_stream):
+            runtime.wait(self.post_optim_event)
+            self.post_optim_event = None
             _alloc(self.gathered)
             if self.quant is not None:
                 send = self.quant.encode(self.storage, self._data_version())

@@ -61,7 +61,7 @@ class DeviceRuntime:
 
     def wait(self, event: torch.cuda.Event | None) -> None:
         """The current stream waits on ``event``; the CPU does not."""
-        if event is not None:
+        if self.streams and event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
     def join(self, stream: torch.cuda.Stream | None) -> None:

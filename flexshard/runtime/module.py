@@ -221,8 +221,9 @@ class FlexShardModule(FSDPModule, nn.Module):
         self._set_on_buckets("requires_all_reduce", requires_all_reduce, recurse)
 
     def set_post_optim_event(self, event: Any) -> None:
-        """Accepted for FSDP2 code: flexshard's all-gathers are issued on the stream
-        that runs the optimizer, after it, so they need no event to wait on."""
+        """The next all-gathers wait on ``event`` (an optimizer run on another stream)
+        besides the current stream, which they always follow (no-op on CPU)."""
+        self._set_on_buckets("post_optim_event", event, recurse=True)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel size."""
