@@ -116,96 +116,86 @@ def test_row_blocks_match_one_process() -> None:
 # ---------------------------------------------------------------- tensor parallel
 MATRIX_KEYS = ("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight")
 HEADS = ("wq.weight", "wk.weight", "wv.weight")  # per head: 8 rows per block
+#: 4 kv heads: every q/k/v piece over tp = 2 is whole heads
+CFG = tc.model_config(n_kv_heads=4)
 
 
-def _tp_groups(params: dict[str, torch.Tensor], heads: bool) -> list[dict]:
-    names = _tp_names_of(params)
-    per_head = [n for n in names if heads and n.endswith(HEADS)]
-    return [
-        {"params": [params[n] for n in per_head], "row_blocks": 8},
-        {"params": [params[n] for n in names if n not in per_head]},
-    ]
-
-
-def _tp_names_of(params: dict) -> list[str]:
+def _tp_names(params: dict) -> list[str]:
     """Column- (Shard(0)) and row-parallel (Shard(1)) projections and the output head
     (61 vocabulary rows: 31 / 30 over tp, then 16 / 15 over dp)."""
     return [n for n in params if n.endswith(MATRIX_KEYS)] + ["output.weight"]
 
 
-def _tp_grads(cfg, step: int) -> dict[str, torch.Tensor]:
+def _tp_split(name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+    return list(tensor.split(8)) if name.endswith(HEADS) else [tensor]
+
+
+def _tp_grads(step: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + step)
-    shapes = {n: p.shape for n, p in Transformer(cfg).to("meta").named_parameters()}
-    return {n: torch.randn(shapes[n], generator=gen) for n in _tp_names_of(shapes)}
+    shapes = {n: p.shape for n, p in Transformer(CFG).to("meta").named_parameters()}
+    return {n: torch.randn(shapes[n], generator=gen) for n in _tp_names(shapes)}
 
 
-def _tp_reference(cfg, heads: bool) -> dict[str, torch.Tensor]:
-    model = Transformer(cfg)
+def _tp_reference() -> dict[str, torch.Tensor]:
+    """SOAP on one process: q/k/v as one matrix per head, the rest whole."""
+    model = Transformer(CFG)
     tc.init_weights(model, tc.SEED)
     params = dict(model.named_parameters())
-    names = _tp_names_of(params)
-    per_head = {n for n in names if heads and n.endswith(HEADS)}
     parts = {
-        n: [nn.Parameter(x.detach().clone()) for x in _tp_split(params[n], n in per_head)]
-        for n in names
+        n: [nn.Parameter(x.detach().clone()) for x in _tp_split(n, params[n])]
+        for n in _tp_names(params)
     }
     opt = pytorch_optimizer.SOAP([p for ps in parts.values() for p in ps], **SOAP)
     for step in range(2):
-        grads = _tp_grads(cfg, step)
+        grads = _tp_grads(step)
         for n, ps in parts.items():
-            for p, g in zip(ps, _tp_split(grads[n], n in per_head)):
+            for p, g in zip(ps, _tp_split(n, grads[n])):
                 p.grad = g.clone()
         opt.step()
     return {n: torch.cat([p.detach() for p in ps]) for n, ps in parts.items()}
 
 
-def _tp_split(tensor: torch.Tensor, heads: bool) -> list[torch.Tensor]:
-    return list(tensor.split(8)) if heads else [tensor]
-
-
-def _tp_case(rank: int, world_size: int) -> dict[bool, dict]:
-    mesh = tc.tp_mesh(2, 2)
-    out = {}
-    for heads in (False, True):
-        cfg = tc.model_config(n_kv_heads=4 if heads else 2)
-        model = tc.build(cfg, mesh, fs.Shard(0))
-        params = dict(model.named_parameters())
-        opt = MatrixOptimizer(_tp_groups(params, heads), pytorch_optimizer.SOAP, **SOAP)
-        for step in range(2):
-            for name, full in _tp_grads(cfg, step).items():
-                local = params[name]  # a DTensor over (dp, tp): its gradient is one too
-                bucket, index = slot_of(local)
-                local.grad = DTensor.from_local(
-                    own_part(bucket, index, full),
-                    local.device_mesh,
-                    local.placements,
-                    shape=local.shape,
-                    stride=local.stride(),
-                    run_check=False,
-                )
-            opt.step()
-        full = fs.full_state_dict(model)
-        # by value (numpy): tensors would travel through shared memory
-        out[heads] = {n: full[n].numpy() for n in _tp_names_of(params)}
-    return out
+def _tp_case(rank: int, world_size: int) -> dict:
+    model = tc.build(CFG, tc.tp_mesh(2, 2), fs.Shard(0))
+    params = dict(model.named_parameters())
+    names = _tp_names(params)
+    per_head = [params[n] for n in names if n.endswith(HEADS)]
+    groups = [
+        {"params": per_head, "row_blocks": 8},
+        {"params": [params[n] for n in names if not n.endswith(HEADS)]},
+    ]
+    opt = MatrixOptimizer(groups, pytorch_optimizer.SOAP, **SOAP)
+    for step in range(2):
+        for name, full in _tp_grads(step).items():
+            local = params[name]  # a DTensor over (dp, tp): its gradient is one too
+            bucket, index = slot_of(local)
+            local.grad = DTensor.from_local(
+                own_part(bucket, index, full),
+                local.device_mesh,
+                local.placements,
+                shape=local.shape,
+                stride=local.stride(),
+                run_check=False,
+            )
+        opt.step()
+    full = fs.full_state_dict(model)
+    return {n: full[n].numpy() for n in names}  # by value: not through shared memory
 
 
 def test_tensor_parallel_matrices_match_one_process() -> None:
-    """dp2 x tp2: SOAP on matrices gathered whole (dp, then tp) on every rank, and per
-    head on column-parallel pieces cut at head boundaries (no tp exchange): both equal
-    SOAP on one process over the full matrices (the heads as 8-row blocks)."""
+    """dp2 x tp2: SOAP on matrices gathered whole (dp, then tp) on every rank (column-
+    and row-parallel, uneven output rows), and per head on column-parallel q/k/v pieces
+    cut at head boundaries (no tp exchange): equal to SOAP on one process over the full
+    matrices (the heads as 8-row blocks)."""
     results = run_distributed(_tp_case, 4, timeout=300)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as on the ranks: GEMMs round alike only on one thread
     try:
-        expected = {
-            h: _tp_reference(tc.model_config(n_kv_heads=4 if h else 2), h) for h in (False, True)
-        }
+        expected = _tp_reference()
     finally:
         torch.set_num_threads(threads)
-    for heads in (False, True):
-        for result in results:
-            got = {n: torch.from_numpy(v) for n, v in result[heads].items()}
-            assert got.keys() == expected[heads].keys()
-            differ = [n for n, v in expected[heads].items() if not torch.equal(got[n], v)]
-            assert differ == [], heads
+    for result in results:
+        assert result.keys() == expected.keys()
+        assert [
+            n for n, v in expected.items() if not torch.equal(torch.from_numpy(result[n]), v)
+        ] == []
