@@ -170,8 +170,8 @@ class Pending:
         try:
             if self.wait_ignores_timeout:
                 ok = _wait_in_thread(self.work, left)
-            else:  # gloo's all-gather and all-reduce (it blocks this thread; NCCL never
-                # gets here: it is stream-ordered above)
+            else:  # gloo's all-gather and all-reduce: it blocks this thread (NCCL gets
+                # here only for the one-time set-up agreement; buckets are stream-ordered)
                 ok = self.work.wait(datetime.timedelta(seconds=left))
         except Exception as err:  # our timeout, gloo's own, or a peer that closed
             self.error = self._error(err)

@@ -105,7 +105,8 @@ def _runtime(device: torch.device) -> DeviceRuntime:
 def device_runtime(device: torch.device, group: dist.ProcessGroup | None) -> DeviceRuntime:
     """The runtime for buffers on ``device`` moved by ``group``: streams on CUDA/NCCL,
     no-ops elsewhere (CPU, meta, gloo)."""
-    streams = device.type == "cuda" and group is not None and dist.get_backend(group) == "nccl"
+    # "nccl", or a multi-backend group such as "cpu:gloo,cuda:nccl" (CUDA tensors: NCCL)
+    streams = device.type == "cuda" and group is not None and "nccl" in dist.get_backend(group)
     if not streams:
         return HOST
     if device.index is None:
