@@ -3,6 +3,7 @@ stream-ordered wait path with its watchdog timeout, driven on gloo by a fake eve
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
@@ -128,3 +129,68 @@ def test_post_optim_event_is_consumed_by_the_next_gather(group):
     assert bucket.post_optim_event is not None
     model(torch.ones(2, 4)).sum().backward()
     assert bucket.post_optim_event is None
+
+
+class _LoggingRuntime(DeviceRuntime):
+    """Stands in for the CUDA runtime in a gloo run: names its streams, logs which
+    stream each collective and each buffer protection runs on, and the joins."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__(torch.device("cpu"), streams=False)
+        self.all_gather_stream, self.reduce_scatter_stream = "ag", "rs"  # type: ignore
+        self.log, self.current = log, "compute"
+
+    @contextlib.contextmanager
+    def on(self, stream):
+        outer, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = outer
+
+    def join(self, stream):
+        self.log.append(("join", stream, self.current))
+
+    def protect(self, tensor, stream):
+        self.log.append(("protect", stream, self.current))
+
+
+def _stream_wiring(rank, world_size):
+    from flexshard.runtime import bucket as bucket_module
+    from flexshard.testing import TinyTransformer, TransformerConfig, make_batches
+
+    log: list = []
+    runtime = _LoggingRuntime(log)
+    bucket_module.device_runtime = lambda device, group: runtime
+    for kind in ("all_gather", "reduce_scatter"):
+        original = getattr(collectives.BucketComm, kind)
+
+        def logged(self, *args, _original=original, _kind=kind):
+            log.append((_kind, self.bucket, runtime.current))
+            return _original(self, *args)
+
+        setattr(collectives.BucketComm, kind, logged)
+    mesh = DeviceMesh("cpu", list(range(world_size)))
+    model = TinyTransformer(TransformerConfig())
+    for layer in model.layers:
+        fs.fully_shard(layer, mesh=mesh)
+    fs.fully_shard(model, mesh=mesh)
+    tokens, targets = make_batches(model.cfg, 1, batch=2)[0]
+    model.loss(tokens, targets).backward()
+    return log
+
+
+def test_collectives_run_on_their_streams_and_backward_joins():
+    from flexshard.testing import run_distributed
+
+    log = run_distributed(_stream_wiring, 2)[0]
+    gathers = [entry for entry in log if entry[0] == "all_gather"]
+    reduces = [entry for entry in log if entry[0] == "reduce_scatter"]
+    assert len(gathers) == 3 + 2 and len(reduces) == 3  # root + 2 layers, 2 re-gathers
+    assert {stream for *_, stream in gathers} == {"ag"}
+    assert {stream for *_, stream in reduces} == {"rs"}
+    # every reduce-scatter input is protected for the reduce-scatter stream, from compute
+    assert log.count(("protect", "rs", "compute")) == 3
+    # compute joins the reduce-scatter stream once per bucket, after the last reduction
+    joins = [i for i, entry in enumerate(log) if entry == ("join", "rs", "compute")]
+    assert len(joins) == 3 and min(joins) > log.index(reduces[-1])
