@@ -134,8 +134,11 @@ def _copy(
         if full is None:
             continue
         # a flat region of a strided tensor is no view of it: use a contiguous copy
-        target = full if full.is_contiguous() else full.contiguous()
-        if target is not full and not into_storage:
+        target = full
+        if not full.is_contiguous() and into_storage:
+            target = full.contiguous()
+        elif not full.is_contiguous():  # filled, then copied into ``full`` at the end
+            target = torch.empty(full.shape, dtype=full.dtype, device=full.device)
             strided.append((full, target))
         for storage_piece, full_piece in _pairs(param, target, flat2d, ranks):
             dst, src = (storage_piece, full_piece) if into_storage else (full_piece, storage_piece)
