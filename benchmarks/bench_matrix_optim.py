@@ -1,17 +1,18 @@
 """Any matrix optimizer on sharded parameters: torch.optim.Muon and pytorch-optimizer's
-SOAP, three ways, on the same matrices and gradients:
+SOAP, four ways, on the same matrices and gradients:
 
 (a) gather everything (what one does on FSDP2): all-gather every full gradient and
     parameter, step the optimizer on full tensors on every rank, keep one's shard;
 (b) MatrixOptimizer on Shard(0) storage: each matrix to one owner (LPT on the
-    optimizer's cost), one packed all-to-all per bucket each way;
+    optimizer's cost), one packed all-to-all per bucket each way; (b2) the same with
+    ``overlap=True`` (one inner step per bucket while later buckets' gathers fly);
 (c) MatrixOptimizer on ``matrix_buckets`` storage: every matrix whole on one rank,
     no communication in the optimizer.
 
 ``optimizer.step()`` alone is timed (wall, slowest rank, median over steps), with the
 collectives it issued and the bytes it put on the wire. Each variant runs ``--reps``
 times (5 by default), the order alternating; ratios to (a) per repetition, then median and spread
-(benchmarks/stats.py). All three end with the same parameters (checked by digest).
+(benchmarks/stats.py). All end with the same parameters (checked by digest).
 
     .venv/bin/python -m benchmarks.bench_matrix_optim [--world-sizes 2 4] [--reps 5]
 
@@ -47,7 +48,12 @@ RESULTS = Path(__file__).parent / "results"
 MB = 2**20
 DIM = 96
 BUCKETS = 4
-VARIANTS = ("a gather everything", "b adapter Shard(0)", "c adapter planner buckets")
+VARIANTS = (
+    "a gather everything",
+    "b adapter Shard(0)",
+    "b2 adapter Shard(0) overlap",
+    "c adapter planner buckets",
+)
 
 
 def _optimizers() -> dict[str, tuple[Any, dict, Any]]:
@@ -128,7 +134,8 @@ def _build(variant: str, mesh: Any, dim: int, optimizer: str) -> tuple[nn.Module
     model = fs.flex_shard(Bank(dim), mesh, buckets=buckets)
     if variant.startswith("a"):
         return model, GatherAll(model, cls, kwargs)
-    return model, MatrixOptimizer(model.parameters(), cls, cost=cost, **kwargs)
+    overlap = variant.endswith("overlap")
+    return model, MatrixOptimizer(model.parameters(), cls, cost=cost, overlap=overlap, **kwargs)
 
 
 def _run(variant: str, mesh: Any, dim: int, optimizer: str, steps: int) -> dict:
@@ -217,7 +224,7 @@ def main() -> None:
         f"{time.time() - started:.0f} s; 1-min load {load_before:.1f} before, "
         f"{os.getloadavg()[0]:.1f} after (the machine is shared: wall times vary)",
         f"Matrices: 8 x {args.dim}x{args.dim}, 4 x {args.dim}x{args.dim // 2}, "
-        f"4 x {args.dim // 2}x{args.dim} fp32 in {BUCKETS} Shard(0) buckets for (a) and (b); "
+        f"4 x {args.dim // 2}x{args.dim} fp32 in {BUCKETS} Shard(0) buckets for (a), (b), (b2); "
         "torch.optim.Muon (lr 0.02) and pytorch-optimizer 4.1.0 SOAP "
         "(precondition_frequency 1: an eigenbasis update every step).",
         "",
@@ -243,7 +250,8 @@ def main() -> None:
         "- (a) is written here for the benchmark (DTensor `full_tensor()` of every gradient",
         "  and parameter, the optimizer on every rank); its bytes are the ring all-gathers'.",
         "- (b) sends gradient and parameter (fp32) to each matrix's owner and the stepped",
-        "  parameter back; (c) holds every matrix whole on one rank and sends nothing.",
+        "  parameter back; (b2) the same bytes, the inner step run bucket by bucket",
+        "  (`overlap=True`); (c) holds every matrix whole on one rank and sends nothing.",
         "- ms: `optimizer.step()` wall time on the slowest rank. With W ranks on 2 cores",
         "  the ranks compete for the CPU; (a) runs W copies of every matrix's step.",
     ]
