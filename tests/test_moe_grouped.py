@@ -159,7 +159,7 @@ def _aux(logits: torch.Tensor, moe) -> torch.Tensor:
 
 # ------------------------------------------------------------------ the trainer, EP
 BIAS = {"balance": "bias", "bias_update_rate": 0.05}
-BIAS_STEPS = 6
+BIAS_STEPS = 4
 
 
 def _train(rank: int, world_size: int, folder: str) -> dict:

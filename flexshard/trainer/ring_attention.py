@@ -35,12 +35,13 @@ class _Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def start(self, send: torch.Tensor) -> tuple[torch.Tensor, list[dist.Work]]:
-        """Send ``send`` to the next rank, receive the previous rank's into a new buffer."""
+    def start(self, send: torch.Tensor, tag: int = 0) -> tuple[torch.Tensor, list[dist.Work]]:
+        """Send ``send`` to the next rank, receive the previous rank's into a new buffer
+        (``tag``: the backward's K/V and gradient messages are in flight together)."""
         recv = torch.empty_like(send)
         ops = [
-            dist.P2POp(dist.isend, send, self.next, self.group),
-            dist.P2POp(dist.irecv, recv, self.prev, self.group),
+            dist.P2POp(dist.isend, send, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
         ]
         return recv, dist.batch_isend_irecv(ops)
 
@@ -146,7 +147,7 @@ class _RingAttention(torch.autograd.Function):
             dkv = dkv_recv
             dkv[0][:, :, keys] += _unrepeat(dk_blk, repeat)
             dkv[1][:, :, keys] += _unrepeat(dv_blk, repeat)
-            dkv_recv, dkv_works = ring.start(dkv)  # on to the next holder, finally home
+            dkv_recv, dkv_works = ring.start(dkv, tag=1)  # to the next holder, finally home
             if step < ring.size - 1:
                 _wait(kv_works)
                 kv = kv_next
