@@ -9,7 +9,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..placements import BucketLayout, CopyBlock, Region
-from ..placements.packing import full_view, storage_shape, storage_view, unpack
+from ..placements.packing import full_view, storage_shape, storage_view
 from ..quant import QuantFormat, QuantizedTensor, dequantize, quantize, scale_shape
 
 ALIGN = 16
@@ -77,10 +77,11 @@ class QuantizedGather:
         self._cached: tuple[object, torch.Tensor] | None = None
         self.encodes = 0  # quantizations done (a test counts one per step)
 
-    def _plan_runs(self, rank: int) -> list[tuple[int, int, tuple[int, ...], int]]:
+    def _plan_runs(self, rank: int) -> list[tuple[int, int, tuple[int, ...], int, list]]:
         """Per run of consecutive copy blocks of ``rank`` with one tile shape: (storage
-        offset, numel, tile shape, first scale). A run quantizes as one batch of tiles,
-        bit for bit as block by block (tiles are independent) and with one set of ops."""
+        offset, numel, tile shape, first scale, its (parameter index, block)s). A run
+        quantizes as one batch of tiles, bit for bit as block by block (tiles are
+        independent) and with one set of ops."""
         runs: list[list] = []
         for i, param in enumerate(self.layout.params):
             for k, block in enumerate(param.copy_blocks[rank]):
@@ -90,8 +91,10 @@ class QuantizedGather:
                 last = runs[-1] if runs else None
                 if last is not None and last[2] == tile and last[0] + last[1] == block.offset:
                     last[1] += block.numel  # its scales follow the run's, in the same order
+                    last[4].append((i, block))
                 else:
-                    runs.append([block.offset, block.numel, tile, self._scale_offsets[rank][i][k]])
+                    first = self._scale_offsets[rank][i][k]
+                    runs.append([block.offset, block.numel, tile, first, [(i, block)]])
         return [tuple(run) for run in runs]
 
     def _sections(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +108,7 @@ class QuantizedGather:
             return self._cached[1]
         payload = torch.zeros(self.nbytes, dtype=torch.uint8, device=storage.device)
         data, scales = self._sections(payload)
-        for offset, numel, tile, first in self._runs[self.rank]:
+        for offset, numel, tile, first, _ in self._runs[self.rank]:
             q = quantize(storage[offset : offset + numel].view(-1, *tile), self.fmt)
             data[offset : offset + numel].copy_(q.data.view(-1))
             scales[first : first + q.scale.numel()].copy_(q.scale.reshape(-1))
@@ -127,24 +130,28 @@ class QuantizedGather:
 
     def decode(self, gathered: torch.Tensor, fulls: list[torch.Tensor | None]) -> None:
         """Dequantize every rank's payload ([W, nbytes]) into the full parameters: one
-        dequantize per run of tiles into a [W, S] buffer laid out as the storage, then
-        the fused copies of ``unpack`` (a quantized bucket has one dtype)."""
+        dequantize per run of tiles, then one foreach copy of every block into place
+        (a quantized bucket has one dtype)."""
         present = [full for full in fulls if full is not None]
         if not present:
             return
-        layout = self.layout
-        values = torch.empty(
-            layout.world_size, layout.shard_numel, dtype=present[0].dtype, device=gathered.device
-        )
-        for rank in range(layout.world_size):
+        dtype = present[0].dtype
+        dsts, srcs = [], []
+        for rank in range(self.layout.world_size):
             data, scales = self._sections(gathered[rank])
-            for offset, numel, tile, first in self._runs[rank]:
+            for offset, numel, tile, first, members in self._runs[rank]:
                 tiles = data[offset : offset + numel].view(-1, *tile)
                 shape = scale_shape(tiles.shape, self.fmt)
                 scale = scales[first : first + math.prod(shape)].view(shape)
-                q = QuantizedTensor(tiles, scale, self.fmt)
-                values[rank, offset : offset + numel] = dequantize(q, values.dtype).view(-1)
-        unpack(layout, values, fulls)
+                values = dequantize(QuantizedTensor(tiles, scale, self.fmt), dtype).view(-1)
+                for i, block in members:
+                    if fulls[i] is not None:
+                        start = block.offset - offset
+                        piece = values[start : start + block.numel].view(storage_shape(block))
+                        dsts.append(full_view(block, fulls[i]))
+                        srcs.append(piece)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
 
     def quantized(self, gathered: torch.Tensor, index: int) -> QuantizedTensor:
         """Parameter ``index`` as one QuantizedTensor (fp8 data and the scale grid of the
