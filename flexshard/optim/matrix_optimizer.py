@@ -43,7 +43,7 @@ from torch.optim import Optimizer
 from ..runtime.tp_params import local_of
 from .matrices import block_rows
 from .matrix_calls import check_steps_per_call
-from .matrix_state_dict import gather_matrices, saved_matrix, torch_full_call
+from .matrix_state_dict import full_state, saved_matrix, torch_full_call
 from .matrix_units import (
     Cost,
     MatrixState,
@@ -342,29 +342,9 @@ class MatrixOptimizer(Optimizer):
         if call is None:
             return out
         params = [p for g in self.param_groups for p in g["params"]]
-        if call == "load":
-            # torch fills a full dict into the entries the fresh local state has; a
-            # matrix's entries differ by rank and step (SOAP's Q is None at first),
-            # so it would drop some silently or fail on others
-            names = [self._resolved[id(params[i])].name for i in out["state"]]
-            raise ValueError(
-                "MatrixOptimizer: torch's set_optimizer_state_dict(full_state_dict=True) "
-                f"cannot load the per-matrix state of {', '.join(names[:3]) or 'any parameter'}"
-                f"{' and others' if len(names) > 3 else ''} (it fills only the entries this "
-                "rank's fresh state already has); give the full dict to "
-                "optimizer.load_state_dict(...) on every rank (each keeps the matrices it "
-                "computes), or save and load sharded with torch.distributed.checkpoint"
-            )
-        mine = {
-            index: {k: v for k, v in entries.items() if isinstance(v, MatrixState)}
-            for index, entries in out["state"].items()
-        }
-        devices = {i: local_of(p).device for i, p in enumerate(params)}
-        out["state"] = {
-            index: {"inner": self._tag, **entries}
-            for index, entries in gather_matrices(mine, devices).items()
-        }
-        return out
+        names = [self._resolved[id(p)].name for p in params]
+        devices = [local_of(p).device for p in params]
+        return full_state(out, call, names, devices, self._tag)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved at any world size and placement, sharded (``MatrixState``

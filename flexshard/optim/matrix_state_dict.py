@@ -90,3 +90,34 @@ def saved_matrix(value: Any) -> dict[str, Any] | None:
     if isinstance(value, dict):
         return value
     return None
+
+
+def full_state(
+    out: dict[str, Any],
+    call: Literal["get", "load"],
+    names: list[str],
+    devices: list[torch.device],
+    tag: str,
+) -> dict[str, Any]:
+    """``out`` (the optimizer's own ``state_dict()``, parameters by index) for torch's
+    full-state ``call``: every matrix on every rank for "get"; for "load" an error
+    naming the parameters, since torch fills a full dict only into the entries the
+    fresh local state has, and a matrix's entries differ by rank and step (SOAP's ``Q``
+    is None at first): it would drop some silently or fail on others."""
+    if call == "load":
+        held = [names[i] for i in out["state"]]
+        raise ValueError(
+            "MatrixOptimizer: torch's set_optimizer_state_dict(full_state_dict=True) "
+            f"cannot load the per-matrix state of {', '.join(held[:3]) or 'any parameter'}"
+            f"{' and others' if len(held) > 3 else ''} (it fills only the entries this "
+            "rank's fresh state already has); give the full dict to "
+            "optimizer.load_state_dict(...) on every rank (each keeps the matrices it "
+            "computes), or save and load sharded with torch.distributed.checkpoint"
+        )
+    mine = {
+        index: {k: v for k, v in entries.items() if isinstance(v, MatrixState)}
+        for index, entries in out["state"].items()
+    }
+    gathered = gather_matrices(mine, dict(enumerate(devices)))
+    out["state"] = {index: {"inner": tag, **entries} for index, entries in gathered.items()}
+    return out
