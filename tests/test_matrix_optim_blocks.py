@@ -101,9 +101,9 @@ def _blocks_case(rank: int, world_size: int) -> tuple[list[str], list]:
 
 
 def test_row_blocks_match_one_process() -> None:
-    """Per-block SOAP at W = 3 (head tiles dealt over the ranks, a 17-row matrix in
-    6 / 6 / 5-row tiles) with no collective, and on plain tensors in one process: both
-    equal SOAP over the blocks as separate matrices."""
+    """Per-block SOAP at W = 3 (head tiles dealt over the ranks; a 17-row matrix in
+    tiles of 12 and 5 rows, blocks of 6 / 6 / 5 rows) with no collective, and on plain
+    tensors in one process: both equal SOAP over the blocks as separate matrices."""
     every = [("a", "rows0-6"), ("a", "rows12-17"), ("a", "rows6-12")]
     every += sorted(("qkv", f"rows{r}-{r + 6}") for r in range(0, 54, 6))
     assert _steps(Mats(), comm_free=False) == ([], every)
