@@ -89,28 +89,34 @@ def _steps(model: nn.Module, comm_free: bool) -> tuple[list[str], list]:
             opt.step()
     named = dict(model.named_parameters())
     blocks = sorted((n, k) for n in BLOCKS for k in opt.state[named[n]] if k.startswith("rows"))
-    full = fs.full_state_dict(model) if comm_free else dict(model.named_parameters())
+    full = fs.full_state_dict(model) if slot_of(named["a"]) else named
     expected = _reference()
     return [n for n in NAMES if not torch.equal(full[n].detach(), expected[n])], blocks
 
 
-def _blocks_case(rank: int, world_size: int) -> tuple[list[str], list]:
+def _blocks_case(rank: int, world_size: int) -> tuple[tuple, tuple]:
+    """Blocks dealt over the ranks, and a Replicate bucket (every rank steps every
+    block of its full copy)."""
     mesh = init_device_mesh("cpu", (world_size,))
     model = fs.flex_shard(Mats(), mesh, buckets=[fs.BucketSpec(list(NAMES), _placement)])
-    return _steps(model, comm_free=True)
+    dealt = _steps(model, comm_free=True)
+    replicated = fs.flex_shard(Mats(), mesh, buckets=[fs.BucketSpec(list(NAMES), fs.Replicate())])
+    return dealt, _steps(replicated, comm_free=False)
 
 
 def test_row_blocks_match_one_process() -> None:
     """Per-block SOAP at W = 3 (head tiles dealt over the ranks; a 17-row matrix in
-    tiles of 12 and 5 rows, blocks of 6 / 6 / 5 rows) with no collective, and on plain
-    tensors in one process: both equal SOAP over the blocks as separate matrices."""
+    tiles of 12 and 5 rows, blocks of 6 / 6 / 5 rows) with no collective, in a
+    Replicate bucket (every rank steps every block) and on plain tensors in one
+    process: all equal SOAP over the blocks as separate matrices."""
     every = [("a", "rows0-6"), ("a", "rows12-17"), ("a", "rows6-12")]
     every += sorted(("qkv", f"rows{r}-{r + 6}") for r in range(0, 54, 6))
     assert _steps(Mats(), comm_free=False) == ([], every)
     results = run_distributed(_blocks_case, 3, timeout=120)
-    assert [differ for differ, _ in results] == [[], [], []]
+    assert [differ for (differ, _), _ in results] == [[], [], []]
     # each block's state on the one rank that stores it
-    assert sorted(b for _, blocks in results for b in blocks) == every
+    assert sorted(b for (_, blocks), _ in results for b in blocks) == every
+    assert [replicated for _, replicated in results] == [([], every)] * 3
 
 
 # ---------------------------------------------------------------- tensor parallel
