@@ -200,3 +200,27 @@ def test_step_balance_without_moe_is_a_no_op():
     dense = Transformer(config_from_dict({}).model)
     step_balance([dense], [])
     assert tokens_per_expert([dense]) == {}
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)]
+)
+def test_compiled_moe_matches_eager(dtype):
+    """torch.compile (aot_eager): bf16 keeps grouped_mm; fp32 falls back to the loop
+    (the op's meta function takes bf16 only). Outputs, loads and biases as eager's."""
+    runs = []
+    for compiled in (False, True):
+        moe = MoE(moe_config(**BIAS), 0.02)
+        init_weights(moe, 0)
+        moe.to(dtype)
+        run = torch.compile(moe, backend="aot_eager") if compiled else moe
+        x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+        steps = []
+        for _ in range(2):
+            out = run(x)
+            out.float().sum().backward()
+            step_balance([moe], [])
+            steps.append((out.detach(), moe.balance.bias.clone(), moe.balance.last_load))
+        runs.append(steps)
+    for (out, bias, load), (c_out, c_bias, c_load) in zip(*runs):
+        assert _rel_gap(c_out, out) <= ULPS and torch.equal(c_bias, bias) and c_load == load

@@ -10,7 +10,7 @@ with zero rows to a multiple of ``GROUP_ALIGN`` (16 rows: bf16's 8 and fp8's 16)
 the padding dropped after; the CPU kernel (fp32 and bf16, torch 2.13) needs no
 padding but gets the same layout, so one code path is tested. Both want row strides
 of 16 bytes; where the dtype or the dims do not fit (``grouped_mm_runs``: CUDA fp32,
-fp16, a hidden size of 20 in bf16) the loop runs.
+fp16, fp32 under torch.compile, a hidden size of 20 in bf16) the loop runs.
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ GROUP_ALIGN = 16
 def grouped_mm_runs(x: torch.Tensor, w1: torch.Tensor) -> bool:
     """Whether ``F.grouped_mm`` takes rows ``x`` [n, dim] and weights ``w1`` [E, hidden,
     dim]: its kernels want bf16 (CUDA) or fp32/bf16 (CPU) and every row stride a multiple
-    of 16 bytes (dim and hidden of 8 bf16 or 4 fp32 values); else the loop runs."""
-    if x.device.type == "cpu":
-        dtype_ok = x.dtype in (torch.float32, torch.bfloat16)
-    else:
-        dtype_ok = x.device.type == "cuda" and x.dtype == torch.bfloat16
-    return dtype_ok and all(n * x.element_size() % 16 == 0 for n in w1.shape[1:])
+    of 16 bytes (dim and hidden of 8 bf16 or 4 fp32 values); else the loop runs. Under
+    torch.compile bf16 only: the op's meta function (torch 2.13) rejects fp32."""
+    allowed: tuple[torch.dtype, ...] = ()
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        allowed = (torch.float32, torch.bfloat16)
+    elif x.device.type in ("cpu", "cuda"):
+        allowed = (torch.bfloat16,)
+    return x.dtype in allowed and all(n * x.element_size() % 16 == 0 for n in w1.shape[1:])
 
 
 def loop_swiglu(
