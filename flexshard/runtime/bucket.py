@@ -402,6 +402,10 @@ class Bucket:
             elif self.gathered is not None:
                 gathered_2d = self.gathered.view(layout.world_size, layout.shard_numel)
                 unpack(layout, gathered_2d, self._as_storage_units(owned))
+                if all(self._owns_storage):
+                    # every parameter was copied out: free the buffer now, as FSDP2 frees
+                    # its all-gather output, so an unsharded bucket costs one copy, not two
+                    self.runtime().release(self.gathered)
             else:  # replicated with a cast
                 for i, full in enumerate(owned):
                     if full is not None:

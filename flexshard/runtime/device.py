@@ -75,6 +75,15 @@ class DeviceRuntime:
         if stream is not None and tensor is not None and tensor.is_cuda:
             tensor.record_stream(stream)
 
+    def release(self, tensor: torch.Tensor) -> None:
+        """Free ``tensor``'s storage now; on CUDA its memory is reused only after the
+        current stream's queued reads of it have run."""
+        if self.streams and tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(self.device))
+        storage = tensor.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+
     def enqueue_wait(self, work: dist.Work | None) -> torch.cuda.Event | None:
         """Make the current stream wait on ``work`` and return an event marking it, or
         None where waits block the CPU (gloo): the caller waits as before. NCCL's
