@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # The prepared one-shot GPU check (issue 12); see benchmarks/gpu_check.py.
-#   benchmarks/gpu_check.sh OUT [NPROC]
-# W = 1 on GPU 0 (about 3 minutes on one H200), then, with NPROC > 1, the same under
-# torchrun on NPROC GPUs. Each run is capped so the whole stays under 8 minutes; the
-# JSON and Markdown land in OUT (gpu_check_w1.*, gpu_check_wN.*) with the traces.
+#   benchmarks/gpu_check.sh OUT [NPROC [ARGS...]]
+# W = 1 on GPU 0 (about 3 minutes on one H200, by estimate), then, with NPROC > 1, the
+# same under torchrun on NPROC GPUs. Each run is capped so the whole stays under 8
+# minutes; the JSON and Markdown land in OUT (gpu_check_w1.*, gpu_check_wN.*) with the
+# traces and logs. ARGS go to gpu_check.py (e.g. --dry-run: CPU/gloo, tiny shapes).
 set -u
-out=${1:?usage: benchmarks/gpu_check.sh OUT [NPROC]}
+out=${1:?usage: benchmarks/gpu_check.sh OUT [NPROC [ARGS...]]}
 nproc=${2:-1}
+shift $(( $# < 2 ? $# : 2 ))
 cd "$(dirname "$0")/.."
 python=${PYTHON:-.venv/bin/python}
 mkdir -p "$out"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8  # deterministic GEMMs for the bitwise parity checks
 status=0
-CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 240 "$python" -m benchmarks.gpu_check "$out" \
-    2>&1 | tee "$out/gpu_check_w1.log" || status=1
+CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 240 "$python" -m benchmarks.gpu_check \
+    "$out" "$@" 2>&1 | tee "$out/gpu_check_w1.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if [ "$nproc" -gt 1 ]; then
     timeout 220 "$python" -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
-        -m benchmarks.gpu_check "$out" 2>&1 | tee "$out/gpu_check_w$nproc.log" || status=1
+        -m benchmarks.gpu_check "$out" "$@" 2>&1 | tee "$out/gpu_check_w$nproc.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 exit $status
