@@ -2,7 +2,7 @@
 # Sourced by demo.sh and test.sh: create .venv and install flexshard with its test and
 # trainer extras, unless that is done already.
 if ! { [ -x .venv/bin/flexshard-train ] && [ -x .venv/bin/flexshard-generate ] &&
-       [ -x .venv/bin/ruff ] && .venv/bin/python -c \
+       [ -x .venv/bin/ruff ] && [ -x .venv/bin/lint-imports ] && .venv/bin/python -c \
          'import flexshard, pytest, hypothesis, matplotlib, safetensors, transformers
 import tokenizers, tqdm, tiktoken' \
          2>/dev/null; }; then
