@@ -1,91 +1,279 @@
 """A CPU/gloo hardware profile for ``flexshard-plan``, fitted from micro-benchmarks on
-this machine: one-thread fp32 GEMM rate, memory bandwidth (an in-place add), and the
-gloo all-gather's latency per ring step and bandwidth (least squares over W = 2, 3, 4
-and three sizes)."""
+this machine, each term from its own (none from the step times it is checked on):
+
+- GEMM: one-thread fp32 rate at the benchmark models' linear-layer shapes;
+- memory: an in-place add over 64 MiB (the Muon path's bandwidth);
+- per-op overhead: a norm / SiLU / softmax / residual chain forward + backward on
+  tiny tensors, seconds over the aten ops ``flexshard.plan.opcount`` counts in it;
+- non-GEMM bandwidth: the same chain on activation-sized tensors (1 MiB), its bytes
+  (the same counter) over its time less the ops' overhead;
+- copies: a 4 MiB ``copy_`` (the collectives' copy-in / copy-out);
+- gloo: all-gather and reduce-scatter at W = 2, 3, 4 and four sizes (16 KiB - 4 MiB
+  per rank), the slowest rank's median of 13 runs; non-negative least squares (of
+  the relative error) of t = call + (W - 1) * ring step + sent / bandwidth;
+- the cores the W ranks find: the GEMM run by W ranks at once against one alone;
+- overlap: a GEMM loop with an all-gather in flight against each alone, per rank;
+- DTensor: AdamW's kinds of in-place ops on a sharded DTensor against its local tensor
+  (FSDP2's optimizer step runs on DTensors).
+"""
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard as DShard
+from torch.distributed.tensor import distribute_tensor
 
 from flexshard.plan.hardware import Hardware
+from flexshard.plan.opcount import OpCount, count_ops
 from flexshard.testing import run_distributed
 
-SIZES = (1 << 10, 1 << 16, 1 << 20)  # fp32 elements per rank
+SIZES = (1 << 12, 1 << 16, 1 << 18, 1 << 20)  # fp32 elements per rank
+REPS = 15  # runs of each collective (the first 2 not counted): the machine is noisy
+WORLDS = (2, 3, 4)
+OVERLAP_ELEMENTS = 1 << 20  # per rank: an all-gather of a few ms, like a block's
 
 
-def gemm_tflops(tokens: int = 512, dim: int = 256, hidden: int = 1024, reps: int = 20) -> float:
-    """fp32, one thread, the benchmark models' GEMM shapes (forward and both backward
-    products of a ``dim -> hidden`` linear layer)."""
-    torch.set_num_threads(1)
-    x, w, g = torch.randn(tokens, dim), torch.randn(hidden, dim), torch.randn(tokens, hidden)
-    rates = []
+def _timed(fn: Callable[[], object], reps: int) -> float:
+    """Median seconds of ``fn`` over ``reps`` runs after one warm-up."""
+    fn()
+    times = []
     for _ in range(reps):
         begin = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def _gemm(tokens: int = 512, dim: int = 256, hidden: int = 1024) -> tuple[Callable, float]:
+    """The forward and both backward products of a ``dim -> hidden`` linear layer."""
+    x, w, g = torch.randn(tokens, dim), torch.randn(hidden, dim), torch.randn(tokens, hidden)
+
+    def run() -> None:
         x @ w.t()
         g @ w
         g.t() @ x
-        rates.append(3 * 2 * tokens * dim * hidden / (time.perf_counter() - begin))
-    return statistics.median(rates) / 1e12
+
+    return run, 3 * 2.0 * tokens * dim * hidden
+
+
+def gemm_tflops(reps: int = 20) -> float:
+    torch.set_num_threads(1)
+    run, flops = _gemm()
+    return flops / _timed(run, reps) / 1e12
 
 
 def memory_gbps(numel: int = 1 << 24, reps: int = 10) -> float:
     a, b = torch.randn(numel), torch.randn(numel)
+    return 3 * 4 * numel / _timed(lambda: a.add_(b), reps) / 1e9
+
+
+def _chain(rows: int, cols: int) -> Callable[[object], None]:
+    """Norm, SiLU-gate, softmax and residual, forward + backward: the non-GEMM kinds of
+    a transformer block, on a [rows, cols] activation (not the planned model)."""
+
+    def step(counter: object) -> None:
+        counter.phase = "setup"  # type: ignore[attr-defined]
+        x = torch.randn(rows, cols, requires_grad=True)
+        w = torch.randn(cols, requires_grad=True)
+        counter.phase = "step"  # type: ignore[attr-defined]
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        h = F.silu(h) * h
+        (torch.softmax(h, -1) + x).sum().backward()
+
+    return step
+
+
+def _chain_time(rows: int, cols: int, reps: int) -> tuple[float, OpCount]:
+    step = _chain(rows, cols)
+    count = count_ops(step)["step"]
+    return _timed(lambda: step(SimpleNamespace(phase="")), reps), count
+
+
+def op_costs(reps: int = 30) -> tuple[float, float]:
+    """(seconds per op, non-GEMM bytes per second)."""
+    tiny, tiny_ops = _chain_time(4, 8, reps)
+    per_op = tiny / tiny_ops.ops
+    big, big_ops = _chain_time(512, 512, reps // 3)
+    return per_op, big_ops.bytes / max(big - big_ops.ops * per_op, 1e-9)
+
+
+def copy_gbps(numel: int = 1 << 20, reps: int = 20) -> float:
+    src, dst = torch.randn(numel), torch.empty(numel)
+    return 2 * 4 * numel / _timed(lambda: dst.copy_(src), reps) / 1e9
+
+
+def _in_step(fn: Callable[[], object], reps: int, skip: int = 2) -> list[float]:
+    """Seconds of each run of ``fn``, started together on every rank (a barrier first)."""
     times = []
     for _ in range(reps):
+        dist.barrier()
         begin = time.perf_counter()
-        a.add_(b)
+        fn()
         times.append(time.perf_counter() - begin)
-    return 3 * 4 * numel / statistics.median(times) / 1e9
+    return times[skip:]
 
 
-def _gloo_rank(rank: int, world: int) -> list[tuple[int, int, float]]:
-    out = []
-    for n in SIZES:
-        local = torch.randn(n)
-        full = torch.empty(n * world)
-        times = []
-        for _ in range(7):
-            dist.barrier()
-            begin = time.perf_counter()
-            dist.all_gather_single(full, local)
-            times.append(time.perf_counter() - begin)
-        out.append((world, (world - 1) * n * 4, statistics.median(times[2:])))
-    return out
+def _slowest(per_rank: list[list[float]]) -> float:
+    """The median over the runs of the slowest rank's time (a run ends when it does)."""
+    return statistics.median(max(run) for run in zip(*per_rank))
 
 
-def gloo_fit(worlds: tuple[int, ...] = (2, 3, 4)) -> tuple[float, float, list]:
-    """(seconds per ring step, bytes/s) fitting t = (W - 1) * lat + sent / bw."""
+def _dtensor_overhead(world: int, reps: int = 20) -> float:
+    """Seconds an op on a DTensor (FSDP2's parameters) costs more than on its local
+    tensor: AdamW's kinds of in-place ops on a Shard(0) DTensor of 1,024 rows."""
+    mesh = init_device_mesh("cpu", (world,))
+    tensors = [distribute_tensor(torch.randn(1024 * world), mesh, [DShard(0)]) for _ in range(3)]
+    plain = [t.to_local() for t in tensors]
+
+    def chain(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor) -> None:
+        for _ in range(10):
+            p.mul_(0.99)
+            m.lerp_(g, 0.1)
+            p.addcdiv_(m, g, value=-0.01)
+
+    on_dtensor = _timed(lambda: chain(*tensors), reps)
+    on_local = _timed(lambda: chain(*plain), reps)
+    return max(0.0, on_dtensor - on_local) / 30
+
+
+def _rank(rank: int, world: int) -> dict:
+    """Per rank: collective times at each size, the GEMM's time with all W ranks
+    running it, a GEMM loop with an all-gather in flight, DTensor's op overhead."""
     points = []
-    for world in worlds:
-        per_rank = run_distributed(_gloo_rank, world, timeout=300)
-        for i in range(len(SIZES)):  # the slowest rank's time
-            w, sent, _ = per_rank[0][i]
-            points.append((w, sent, max(r[i][2] for r in per_rank)))
-    a = torch.tensor([[w - 1.0, float(sent)] for w, sent, _ in points], dtype=torch.float64)
-    y = torch.tensor([t for _, _, t in points], dtype=torch.float64)
-    lat, inv_bw = torch.linalg.lstsq(a, y.unsqueeze(1)).solution.squeeze(1).tolist()
-    return max(lat, 1e-7), 1.0 / max(inv_bw, 1e-15), points
+    for n in SIZES:
+        local, full = torch.randn(n), torch.empty(n * world)
+        sent = (world - 1) * n * 4
+        gather = _in_step(lambda: dist.all_gather_single(full, local), REPS)  # noqa: B023
+        reduce = _in_step(lambda: dist.reduce_scatter_single(local, full), REPS)  # noqa: B023
+        points += [("all_gather", world, sent, gather), ("reduce_scatter", world, sent, reduce)]
+    gemm, _ = _gemm()
+    dist.barrier()
+    gemm_s = _timed(gemm, 10)
+    local = torch.randn(OVERLAP_ELEMENTS)
+    full = torch.empty(OVERLAP_ELEMENTS * world)
+    loop = 4
+
+    def compute() -> None:
+        for _ in range(loop):
+            gemm()
+
+    def gather() -> None:
+        dist.all_gather_single(full, local)
+
+    def both() -> None:
+        work = dist.all_gather_single(full, local, async_op=True)
+        compute()
+        work.wait()
+
+    timings = {
+        name: _in_step(fn, 9)
+        for name, fn in (("compute", compute), ("gather", gather), ("both", both))
+    }
+    return {
+        "points": points,
+        "gemm_s": gemm_s,
+        "dtensor_s": _dtensor_overhead(world),
+        **timings,
+    }
 
 
-def fit_cpu_profile() -> tuple[Hardware, dict]:
-    lat, bw, points = gloo_fit()
+def _overlap(t: dict) -> float:
+    """Share of the shorter of the two that ran hidden beside the other."""
+    hidden = t["compute"] + t["gather"] - t["both"]
+    return min(1.0, max(0.0, hidden / min(t["compute"], t["gather"])))
+
+
+def nonnegative_lstsq(a: torch.Tensor, y: torch.Tensor) -> list[float]:
+    """Least squares with every coefficient >= 0: the best of the unconstrained fits
+    on each subset of the columns whose coefficients all come out >= 0 (few columns)."""
+    n = a.shape[1]
+    best, best_res = [0.0] * n, float(y.square().sum())
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        sol = torch.linalg.lstsq(a[:, cols], y).solution.squeeze(1)
+        if (sol < 0).any():
+            continue
+        res = float((a[:, cols] @ sol.unsqueeze(1) - y).square().sum())
+        if res < best_res:
+            best, best_res = [0.0] * n, res
+            for j, v in zip(cols, sol.tolist()):
+                best[j] = v
+    return best
+
+
+def gloo_fit(per_world: dict[int, list[dict]]) -> tuple[float, float, float, float]:
+    """(seconds per call, per ring step, all-gather and reduce-scatter bytes/s):
+    non-negative least squares of t = call + (W - 1) * step + sent / bw_kind, each
+    point the slowest rank's median time, weighted relative (every size counts)."""
+    rows, ys = [], []
+    for per_rank in per_world.values():
+        for i, (kind, w, sent, _) in enumerate(per_rank[0]["points"]):
+            ag = kind == "all_gather"
+            t = _slowest([r["points"][i][3] for r in per_rank])
+            row = [1.0, w - 1.0, float(sent) * ag, float(sent) * (not ag)]
+            rows.append([v / t for v in row])
+            ys.append(1.0)
+    a = torch.tensor(rows, dtype=torch.float64)
+    y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
+    call, step, inv_ag, inv_rs = nonnegative_lstsq(a, y)
+    return call, step, 1 / max(inv_ag, 1e-15), 1 / max(inv_rs, 1e-15)
+
+
+def fit_cpu_profile(worlds: tuple[int, ...] = WORLDS) -> tuple[Hardware, dict]:
+    per_world = {w: run_distributed(_rank, w, timeout=300) for w in worlds}
+    gemm, _ = _gemm()
+    torch.set_num_threads(1)
+    alone = _timed(gemm, 10)
     tflops = gemm_tflops()
-    hbm = memory_gbps()
+    per_op, elementwise = op_costs()
+    call, step, ag_bw, rs_bw = gloo_fit(per_world)
+    # a rank of W finds W / slowdown cores (fewer than the host has under other load)
+    cores = statistics.median(
+        w / max(1.0, max(r["gemm_s"] for r in rs) / alone) for w, rs in per_world.items()
+    )
+    timings = {
+        w: {k: _slowest([r[k] for r in rs]) for k in ("compute", "gather", "both")}
+        for w, rs in per_world.items()
+    }
+    overlap = statistics.median(_overlap(t) for t in timings.values())
     hw = Hardware(
         name="cpu-gloo (fitted)",
         peak_tflops=tflops,
         gemm_efficiency=1.0,  # the measured rate is already what GEMMs reach
-        hbm_gbps=hbm,
+        hbm_gbps=memory_gbps(),
         devices_per_node=64,  # every rank on this host: one link class
-        intra_gbps=bw / 1e9,
-        intra_latency_us=lat * 1e6,
-        inter_gbps=bw / 1e9,
-        inter_latency_us=lat * 1e6,
-        cores=os.cpu_count() or 1,
+        intra_gbps=ag_bw / 1e9,
+        intra_latency_us=step * 1e6,
+        inter_gbps=ag_bw / 1e9,
+        inter_latency_us=step * 1e6,
+        cores=cores,
+        op_overhead_us=per_op * 1e6,
+        elementwise_gbps=elementwise / 1e9,
+        copy_gbps=copy_gbps(),
+        collective_overhead_us=call * 1e6,
+        reduce_scatter_gbps=rs_bw / 1e9,
+        overlap=overlap,
+        dtensor_op_overhead_us=statistics.median(
+            r["dtensor_s"] for rs in per_world.values() for r in rs
+        )
+        * 1e6,
     )
-    return hw, {"gloo_points": points}
+    detail = {
+        "gloo_points": [
+            (kind, w, sent, _slowest([r["points"][i][3] for r in rs]))
+            for rs in per_world.values()
+            for i, (kind, w, sent, _) in enumerate(rs[0]["points"])
+        ],
+        "gemm_alone_s": alone,
+        "gemm_with_w_ranks_s": {w: max(r["gemm_s"] for r in rs) for w, rs in per_world.items()},
+        "overlap_timings": timings,
+    }
+    return hw, detail

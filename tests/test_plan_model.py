@@ -5,6 +5,7 @@ activation estimate's scaling."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -18,8 +19,9 @@ from flexshard.plan.buckets import BucketInfo, fsdp2_equivalent
 from flexshard.plan.comm import bucket_comm, is_muon_matrix, muon_work
 from flexshard.plan.hardware import H100, load_hardware
 from flexshard.plan.memory import gathered_in_flight
+from flexshard.plan.opcount import OpCount, OpCounter, count_ops, optimizer_ops, optimizer_step
 from flexshard.plan.report import build_stages, planning_config
-from flexshard.plan.steptime import _simulate, link, ring_time
+from flexshard.plan.steptime import BucketCost, _simulate, link, ring_time
 from flexshard.plan.world import build_rank, fake_world
 from flexshard.trainer.config import load_config
 from flexshard.trainer.model import Transformer
@@ -54,15 +56,23 @@ def test_schedule_by_hand() -> None:
     root's at 23. FSDP2's root prefetches b at 10: one unit less."""
     r = bucket("r", [(4, 4)], 2, is_root=True)
     a, b = bucket("a", [(4, 4)], 2), bucket("b", [(4, 4)], 2)
-    fwd = {id(r): 1.0, id(a): 2.0, id(b): 2.0}
-    ag = {id(r): 1.0, id(a): 3.0, id(b): 1.0}
-    rs = {id(r): 1.0, id(a): 1.0, id(b): 1.0}
     order = [r, a, b]
-    assert _simulate(order, fwd, ag, rs, True, True, root_prefetches=False) == (23.0, 6.0)
-    assert _simulate(order, fwd, ag, rs, True, True, root_prefetches=True) == (22.0, 5.0)
+    times = {r: (1.0, 1.0), a: (2.0, 3.0), b: (2.0, 1.0)}  # forward, all-gather
+    cost = {id(k): BucketCost(f, 2 * f, g, 1.0) for k, (f, g) in times.items()}
+    assert _simulate(order, cost, True, True, root_prefetches=False) == (23.0, 6.0)
+    assert _simulate(order, cost, True, True, root_prefetches=True) == (22.0, 5.0)
     # no communication at all: the step is the compute (3 x forward)
-    zero = {k: 0.0 for k in ag}
-    assert _simulate(order, fwd, zero, zero, True, True, False) == (15.0, 0.0)
+    zero = {k: BucketCost(c.forward, c.backward, 0.0, 0.0) for k, c in cost.items()}
+    assert _simulate(order, zero, True, True, False) == (15.0, 0.0)
+    # copies are on the compute stream: each gather's copy-out (r, a, b in forward;
+    # r, b, a again in backward) and each reduce-scatter's copy-in, 0.5 each
+    copied = {k: BucketCost(c.forward, c.backward, 0.0, 0.0, 0.5, 0.5) for k, c in cost.items()}
+    assert _simulate(order, copied, True, True, False) == (15.0 + 9 * 0.5, 0.0)
+    # with no overlap, what the queue ran while compute ran is added back: it carried
+    # 13 (6 all-gathers, 3 reduce-scatters), compute sat idle for 8 of them (23 - 15)
+    busy = sum(2 * c.all_gather + c.reduce_scatter for c in cost.values())
+    span, waited = _simulate(order, cost, True, True, False, overlap=0.0)
+    assert busy == 13.0 and waited == 6.0 and span == pytest.approx(23.0 + 13.0 - 8.0)
 
 
 def test_gathered_peak_by_hand() -> None:
@@ -189,4 +199,45 @@ def test_links_and_profiles(tmp_path) -> None:
     with pytest.raises(ValueError, match="h100"):
         load_hardware("b300")
     fitted = load_hardware("benchmarks/results/cpu_gloo_profile.json")
-    assert fitted.cores >= 1 and fitted.compute_slowdown(4 * fitted.cores) == 4.0
+    assert fitted.cores > 0 and fitted.compute_slowdown(4 * fitted.cores) == pytest.approx(4.0)
+    assert fitted.op_overhead_us > 0 and fitted.elementwise_gbps > 0 and 0 <= fitted.overlap <= 1
+    # a profile written before the non-GEMM terms still loads: they default to off
+    old = {k: v for k, v in H100.as_dict().items() if k in OLD_FIELDS}
+    path.write_text(json.dumps(old))
+    assert load_hardware(str(path)).op_overhead_us == 0.0
+
+
+OLD_FIELDS = (
+    "name peak_tflops gemm_efficiency hbm_gbps devices_per_node intra_gbps "
+    "intra_latency_us inter_gbps inter_latency_us"
+).split()
+
+
+def _chain(counter) -> None:
+    counter.phase = "setup"
+    x = torch.randn(17, 9, requires_grad=True)
+    counter.phase = "step"
+    h = torch.nn.functional.silu(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    (torch.softmax(h @ x.t(), -1) + 1).sum().backward()
+
+
+def test_op_count_under_fake_tensors_is_the_eager_count() -> None:
+    """The counter sees the same ops and bytes on shapes alone as on real tensors; a
+    GEMM's bytes are left to its FLOPs, views move none."""
+    counter = OpCounter()
+    with counter:
+        _chain(counter)
+    fake = count_ops(_chain)["step"]
+    assert fake == counter.counts["step"] and fake.ops > 20
+    mm = count_ops(lambda c: torch.randn(17, 9) @ torch.randn(9, 5))
+    assert mm["forward"] == OpCount(3, 0)  # two creations (ignored as torch does) and a GEMM
+
+
+def test_optimizer_count_scales_exactly() -> None:
+    """Clipping + AdamW counted on 1 and 2 small parameters and scaled equals the count
+    on the real sizes (13 parameters that do not divide anything)."""
+    training = load_config("configs/debug.toml").training
+    numels = [17 * (i + 1) for i in range(13)]
+    scaled = optimizer_ops(numels, training)
+    step = optimizer_step(numels, training.lr, training.weight_decay)
+    assert count_ops(step)["step"] == scaled

@@ -32,7 +32,7 @@ class ActivationEstimate:
     microbatch: tuple[int, int]  # (sequences, tokens per sequence) measured
 
 
-def _dense_equivalent(model: ModelConfig) -> ModelConfig:
+def dense_equivalent(model: ModelConfig) -> ModelConfig:
     moe = model.moe
     if not moe.num_experts:
         return model
@@ -90,7 +90,7 @@ _MODELS: dict[str, ModelConfig] = {}
 def estimate_activations(cfg: Config, microbatch: int) -> ActivationEstimate:
     """One data-parallel rank's activations for a microbatch of ``microbatch`` sequences,
     before tensor parallelism divides them (see :func:`per_rank_activation`)."""
-    model = _dense_equivalent(cfg.model)
+    model = dense_equivalent(cfg.model)
     key = repr(model)
     _MODELS[key] = model
     dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32

@@ -22,13 +22,31 @@ class Hardware:
     intra_latency_us: float  # per ring step
     inter_gbps: float  # per device, between nodes (one NIC per GPU), GB/s
     inter_latency_us: float
-    cores: int = 0  # CPU profiles: ranks on one host share these (0: one device per rank)
+    # CPU profiles: the cores the ranks on one host share, as the ranks found them
+    # (fitted: fewer than the host has when other jobs run; 0: one device per rank)
+    cores: float = 0
+    # what the step does besides GEMMs and the collectives' wire time (0: not modelled)
+    op_overhead_us: float = 0.0  # per aten op the compute stream cannot hide
+    elementwise_gbps: float = 0.0  # bytes the non-GEMM ops read + write, per second
+    copy_gbps: float = 0.0  # copy-in / copy-out of the all-gather, reduce-scatter buffers
+    collective_overhead_us: float = 0.0  # per collective call, on top of its ring steps
+    reduce_scatter_gbps: float = 0.0  # when it differs from the all-gather's (0: the same)
+    overlap: float = 1.0  # share of a collective's time that truly runs beside compute
+    dtensor_op_overhead_us: float = 0.0  # per op on a DTensor (FSDP2's optimizer step)
 
     def compute_slowdown(self, ranks_per_node: int) -> float:
         """Ranks that share the host's cores run that much slower (CPU profiles)."""
         if not self.cores:
             return 1.0
         return max(1.0, ranks_per_node / self.cores)
+
+    def non_gemm_s(self, ops: int, moved: float) -> float:
+        """Seconds of ``ops`` dispatched ops moving ``moved`` non-GEMM bytes."""
+        bw = self.elementwise_gbps or self.hbm_gbps
+        return ops * self.op_overhead_us * 1e-6 + moved / (bw * 1e9)
+
+    def copy_s(self, moved: float) -> float:
+        return moved / ((self.copy_gbps or self.elementwise_gbps or self.hbm_gbps) * 1e9)
 
     def as_dict(self) -> dict[str, float | int | str]:
         return dataclasses.asdict(self)
@@ -37,8 +55,31 @@ class Hardware:
 # H100 SXM5 80GB: 989 dense bf16 TFLOPs, 3.35 TB/s HBM3, NVLink 4 (900 GB/s total,
 # ~450 GB/s each way; NCCL's all-gather bus bandwidth ~370 GB/s), one 400 Gb/s NIC
 # (50 GB/s) per GPU. H200: the same compute and links, 4.8 TB/s HBM3e.
-H100 = Hardware("h100", 989.0, 0.7, 3350.0, 8, 370.0, 3.0, 45.0, 8.0)
-H200 = dataclasses.replace(H100, name="h200", hbm_gbps=4800.0)
+# Besides GEMMs: elementwise kernels and copies reach ~80% of HBM bandwidth (what a
+# STREAM-style copy reaches on these parts); eager launches are asynchronous, so
+# per op only the ~2 us gap between dependent kernels on one stream is counted (the
+# CPU's ~5-10 us dispatch runs ahead of kernels that take longer); NCCL's ~5 us
+# launch per collective; collectives on their own stream overlap compute fully (the
+# SMs NCCL's kernels take are not modelled); DTensor's per-op Python cost in FSDP2's
+# optimizer step runs ahead of the kernels as well (0). Estimates, not fitted.
+H100 = Hardware(
+    "h100",
+    989.0,
+    0.7,
+    3350.0,
+    8,
+    370.0,
+    3.0,
+    45.0,
+    8.0,
+    op_overhead_us=2.0,
+    elementwise_gbps=0.8 * 3350.0,
+    copy_gbps=0.8 * 3350.0,
+    collective_overhead_us=5.0,
+)
+H200 = dataclasses.replace(
+    H100, name="h200", hbm_gbps=4800.0, elementwise_gbps=0.8 * 4800.0, copy_gbps=0.8 * 4800.0
+)
 BUILTIN = {"h100": H100, "h200": H200}
 
 
@@ -54,7 +95,8 @@ def load_hardware(spec: str) -> Hardware:
     table = json.loads(path.read_text())
     names = {f.name for f in dataclasses.fields(Hardware)}
     unknown = set(table) - names
-    missing = {f.name for f in dataclasses.fields(Hardware) if f.name != "cores"} - set(table)
+    required = {f.name for f in dataclasses.fields(Hardware) if f.default is dataclasses.MISSING}
+    missing = required - set(table)
     if unknown or missing:
         raise ValueError(
             f"hardware file {spec}: unknown fields {sorted(unknown)}, missing {sorted(missing)}"

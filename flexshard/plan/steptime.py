@@ -1,11 +1,16 @@
 """Step time from the runtime's schedule: compute per bucket from its parameters'
-FLOPs, collectives from their bytes and a ring's cost (latency per step + bytes over
-the link's bandwidth) on one communication queue per rank, overlapped exactly as the
-hooks overlap them: in forward, the next bucket's all-gather is issued when a bucket
+FLOPs plus the non-GEMM work of its share of the blocks (ops dispatched and bytes
+moved, counted by ``opcount``), the copy-in / copy-out of its all-gather and
+reduce-scatter buffers on the compute stream, collectives from their bytes and a
+ring's cost (a fixed cost per call + latency per step + bytes over the link's
+bandwidth) on one communication queue per rank, overlapped exactly as the hooks
+overlap them: in forward, the next bucket's all-gather is issued when a bucket
 starts (prefetch depth 1); in backward, the previous one's, a bucket's reduce-scatter
 is issued when its gradients are complete and the oldest is waited for once more
 than ``MAX_PENDING_REDUCTIONS`` are in flight; the end of backward waits for all.
-What compute does not cover is exposed communication."""
+What compute does not cover is exposed communication; of what it covers, the share
+``1 - hw.overlap`` still takes the compute's time (CPU: gloo's threads share the
+cores). The optimizer step (with gradient clipping) is counted op by op as well."""
 
 from __future__ import annotations
 
@@ -16,12 +21,12 @@ from flexshard.runtime.hooks import MAX_PENDING_REDUCTIONS
 from flexshard.trainer.config import Config
 from flexshard.trainer.parallel import ParallelDims
 
+from .activations import tp_share
 from .buckets import BucketInfo
 from .comm import MatrixWork
 from .hardware import Hardware
+from .opcount import OpCount, model_ops, optimizer_ops
 
-#: AdamW's step reads and writes param, grad and two fp32 moments: ~28 bytes per element
-ADAMW_BYTES = 28
 MUON_BYTES = 20  # one momentum buffer
 
 
@@ -29,6 +34,8 @@ MUON_BYTES = 20  # one momentum buffer
 class StepTime:
     step_s: float
     compute_s: float  # forward + backward (+ pipeline bubble) on the busiest path
+    gemm_s: float  # of compute_s (no bubble), the GEMMs; the rest are non-GEMM ops
+    copy_s: float  # copy-in / copy-out of the all-gather and reduce-scatter buffers
     optimizer_s: float
     exposed_dp_s: float  # data-parallel all-gather / reduce-scatter not hidden by compute
     exposed_other_s: float  # tp / cp / ep / pp collectives (on the critical path)
@@ -46,11 +53,27 @@ def link(hw: Hardware, stride: int, size: int) -> tuple[float, float]:
     return hw.inter_gbps * 1e9, hw.inter_latency_us * 1e-6
 
 
-def ring_time(sent: float, ranks: int, bw_lat: tuple[float, float]) -> float:
+def ring_time(sent: float, ranks: int, bw_lat: tuple[float, float], call_s: float = 0.0) -> float:
+    """``call_s``: the fixed cost of one collective call (gloo / NCCL launch)."""
     if ranks <= 1 or sent <= 0:
         return 0.0
     bw, lat = bw_lat
-    return (ranks - 1) * lat + sent / bw
+    return call_s + (ranks - 1) * lat + sent / bw
+
+
+@dataclass(frozen=True)
+class BucketCost:
+    """Seconds of one bucket per microbatch: compute-stream work (``forward``,
+    ``backward``, the copy-out after its all-gather, the copy-in before its
+    reduce-scatter) and communication-queue work (the collectives)."""
+
+    forward: float
+    backward: float
+    all_gather: float
+    reduce_scatter: float
+    gather_copy: float = 0.0
+    reduce_copy: float = 0.0
+    gemm: float = 0.0  # of forward + backward, the GEMMs' (the rest: non-GEMM ops)
 
 
 def bucket_flops(info: BucketInfo, cfg: Config, tokens: int) -> float:
@@ -74,69 +97,140 @@ def bucket_flops(info: BucketInfo, cfg: Config, tokens: int) -> float:
 
 def _simulate(
     order: list[BucketInfo],
-    fwd: dict[int, float],
-    ag: dict[int, float],
-    rs: dict[int, float],
+    cost: dict[int, BucketCost],
     gather: bool,
     reduce: bool,
     root_prefetches: bool,
+    overlap: float = 1.0,
 ) -> tuple[float, float]:
     """One microbatch's forward (all-gathers when ``gather``) and backward (re-gathers
     what forward resharded); returns (time, time spent waiting on all-gathers)."""
     root = [b for b in order if b.is_root]
     blocks = [b for b in order if not b.is_root]
-    t = comm = waited = 0.0
+    t = comm = waited = idle = busy = 0.0
     done: dict[int, float] = {}
 
-    def issue(b: BucketInfo, at: float, cost: float) -> float:
-        nonlocal comm
-        comm = max(at, comm) + cost
+    def issue(b: BucketInfo, at: float, seconds: float) -> float:
+        nonlocal comm, busy
+        comm = max(at, comm) + seconds
+        busy += seconds
         return comm
 
-    def wait(until: float) -> None:
-        nonlocal t, waited
+    def wait(until: float, gathered: BucketInfo | None = None) -> None:
+        """Compute waits for the queue; then copies out what it gathered."""
+        nonlocal t, waited, idle
         if until > t:
-            waited += until - t
+            idle += until - t
+            waited += until - t if gathered is not None else 0.0
             t = until
+        if gathered is not None:
+            t += cost[id(gathered)].gather_copy
+
+    def ag(b: BucketInfo) -> float:
+        return cost[id(b)].all_gather
 
     for b in root:
         if gather:
-            wait(issue(b, t, ag[id(b)]))
+            wait(issue(b, t, ag(b)), b)
     if blocks and gather:
-        done[id(blocks[0])] = issue(blocks[0], t, ag[id(blocks[0])])
+        done[id(blocks[0])] = issue(blocks[0], t, ag(blocks[0]))
     for i, b in enumerate(blocks):
-        wait(done.get(id(b), t))
+        if gather:
+            wait(done[id(b)], b)
         if i + 1 < len(blocks) and gather:
-            done[id(blocks[i + 1])] = issue(blocks[i + 1], t, ag[id(blocks[i + 1])])
-        t += fwd[id(b)]
-    t += sum(fwd[id(b)] for b in root)
+            done[id(blocks[i + 1])] = issue(blocks[i + 1], t, ag(blocks[i + 1]))
+        t += cost[id(b)].forward
+    t += sum(cost[id(b)].forward for b in root)
     # backward: the root (LM head) first, then the blocks in reverse
     done = {}
     back = list(reversed(blocks))
     for b in root:
         if b.reshard_after_forward:
-            wait(issue(b, t, ag[id(b)]))
+            wait(issue(b, t, ag(b)), b)
     # FSDP2's root prefetches the last block before its own backward; flexshard's
     # root comes first in the forward order and has nothing before it to prefetch
     if back and root_prefetches and back[0].reshard_after_forward:
-        done[id(back[0])] = issue(back[0], t, ag[id(back[0])])
-    t += sum(2 * fwd[id(b)] for b in root)
+        done[id(back[0])] = issue(back[0], t, ag(back[0]))
+    t += sum(cost[id(b)].backward for b in root)
     pending: list[float] = []
     for i, b in enumerate(back):
         if b.reshard_after_forward:
-            wait(done.get(id(b)) or issue(b, t, ag[id(b)]))
+            wait(done.get(id(b)) or issue(b, t, ag(b)), b)
         if i + 1 < len(back) and back[i + 1].reshard_after_forward:
-            done[id(back[i + 1])] = issue(back[i + 1], t, ag[id(back[i + 1])])
-        t += 2 * fwd[id(b)]
+            done[id(back[i + 1])] = issue(back[i + 1], t, ag(back[i + 1]))
+        t += cost[id(b)].backward
         if reduce:
-            pending.append(issue(b, t, rs[id(b)]))
+            t += cost[id(b)].reduce_copy
+            pending.append(issue(b, t, cost[id(b)].reduce_scatter))
             if len(pending) > MAX_PENDING_REDUCTIONS:
-                t = max(t, pending.pop(0))
+                wait(pending.pop(0))
     if reduce:
         for b in root:
-            pending.append(issue(b, t, rs[id(b)]))
-        t = max([t, *pending])
-    return t, waited
+            t += cost[id(b)].reduce_copy
+            pending.append(issue(b, t, cost[id(b)].reduce_scatter))
+        wait(max([t, *pending]))
+    # what compute covered of the collectives still took that share of its time
+    hidden = max(0.0, busy - idle)
+    return t + (1.0 - overlap) * hidden, waited
+
+
+def bucket_costs(
+    cfg: Config, dims: ParallelDims, buckets: list[BucketInfo], hw: Hardware, tokens: int
+) -> dict[int, BucketCost]:
+    """Per bucket, one microbatch of ``tokens`` tokens per rank: GEMMs from FLOPs, the
+    blocks' non-GEMM ops split over the non-root buckets by their FLOPs, the root's
+    (embedding, norm, LM head, loss) on the root, copies, collectives."""
+    per_node = min(dims.world_size, hw.devices_per_node)
+    slowdown = hw.compute_slowdown(per_node)
+    rate = hw.peak_tflops * 1e12 * hw.gemm_efficiency / slowdown
+    flops = {id(b): bucket_flops(b, cfg, tokens) for b in buckets}
+    ops = model_ops(cfg, tokens // (cfg.training.seq_len // dims.cp))
+    share = tp_share(cfg)  # a tp rank moves its share of a block's activations
+    layers = cfg.model.n_layers // dims.pp
+    block_flops = sum(flops[id(b)] for b in buckets if not b.is_root) or 1.0
+
+    def non_gemm(count: OpCount, part: float) -> float:
+        return hw.non_gemm_s(round(count.ops * part), count.bytes * share * part) * slowdown
+
+    def copies(info: BucketInfo, moved: int) -> float:
+        return hw.non_gemm_s(len(info.layout.params), 0) * slowdown + hw.copy_s(moved) * slowdown
+
+    out = {}
+    for b in buckets:
+        # EP's expert buckets shard over dp_shard_mod_ep: ranks tp * ep apart
+        experts = b.world != dims.dp_shard * dims.cp
+        dp_link = link(hw, dims.tp * (dims.ep if experts else 1), b.world)
+        call = hw.collective_overhead_us * 1e-6
+        rs_link = (hw.reduce_scatter_gbps * 1e9 or dp_link[0], dp_link[1])
+        ag = ring_time((b.world - 1) * b.shard_numel * b.gather_itemsize, b.world, dp_link, call)
+        rs_bytes = (b.world - 1) * b.shard_numel * b.reduce_itemsize
+        rs = ring_time(rs_bytes, b.world, rs_link, call)
+        if b.replicas > 1:  # HSDP: the all-reduce over replicas follows on the same queue
+            rep = link(hw, dims.tp * dims.dp_shard * dims.cp, b.replicas)
+            ar = 2 * (b.replicas - 1) * b.shard_numel * b.reduce_itemsize / b.replicas
+            rs += ring_time(ar, b.replicas, rep, call)
+        if b.layout.replicated:
+            ag = 0.0
+            ar = 2 * (b.world - 1) * b.numel * b.reduce_itemsize / b.world
+            rs = ring_time(ar, b.world, dp_link, call)
+        if b.is_root:
+            fwd, bwd = non_gemm(ops.head_forward, 1.0), non_gemm(ops.head_backward, 1.0)
+        else:
+            part = layers * flops[id(b)] / block_flops
+            fwd, bwd = non_gemm(ops.block_forward, part), non_gemm(ops.block_backward, part)
+        gather_copy = 0.0 if b.layout.replicated else copies(b, 2 * b.gathered_bytes)
+        # copy-in of the gradients (W shards) and out of the reduced shard
+        reduce_copy = copies(b, 2 * b.unsharded_grad_bytes + b.shard_numel * b.reduce_itemsize)
+        out[id(b)] = BucketCost(
+            forward=flops[id(b)] / rate + fwd,
+            backward=2 * flops[id(b)] / rate + bwd,
+            all_gather=ag,
+            reduce_scatter=rs,
+            gather_copy=gather_copy,
+            reduce_copy=reduce_copy,
+            gemm=3 * flops[id(b)] / rate,
+        )
+    return out
 
 
 def step_time(
@@ -151,45 +245,32 @@ def step_time(
     micro = par.pp_microbatches or dims.pp if dims.pp > 1 else t.grad_accum
     seqs = t.batch_size // micro if dims.pp > 1 else t.batch_size
     tokens = seqs * t.seq_len // dims.cp  # per rank per microbatch
-    per_node = min(dims.world_size, hw.devices_per_node)
-    rate = hw.peak_tflops * 1e12 * hw.gemm_efficiency / hw.compute_slowdown(per_node)
-    fwd = {id(b): bucket_flops(b, cfg, tokens) / rate for b in buckets}
-    ag, rs = {}, {}
-    for b in buckets:
-        # EP's expert buckets shard over dp_shard_mod_ep: ranks tp * ep apart
-        experts = b.world != dims.dp_shard * dims.cp
-        dp_link = link(hw, dims.tp * (dims.ep if experts else 1), b.world)
-        ag[id(b)] = ring_time((b.world - 1) * b.shard_numel * b.gather_itemsize, b.world, dp_link)
-        rs_bytes = (b.world - 1) * b.shard_numel * b.reduce_itemsize
-        rs[id(b)] = ring_time(rs_bytes, b.world, dp_link)
-        if b.replicas > 1:  # HSDP: the all-reduce over replicas follows on the same queue
-            rep = link(hw, dims.tp * dims.dp_shard * dims.cp, b.replicas)
-            ar = 2 * (b.replicas - 1) * b.shard_numel * b.reduce_itemsize / b.replicas
-            rs[id(b)] += ring_time(ar, b.replicas, rep)
-        if b.layout.replicated:
-            ag[id(b)] = 0.0
-            rs[id(b)] = ring_time(
-                2 * (b.world - 1) * b.numel * b.reduce_itemsize / b.world, b.world, dp_link
-            )
+    cost = bucket_costs(cfg, dims, buckets, hw, tokens)
     root_prefetches = backend == "fsdp2"
-    compute_micro = 3 * sum(fwd.values())
+    compute_micro = sum(c.forward + c.backward for c in cost.values())
     keep = dims.pp > 1  # stages stay gathered after backward until the last microbatch
     total, waited = 0.0, 0.0
     for i in range(micro):
         gather = not keep or i == 0
-        span, w = _simulate(buckets, fwd, ag, rs, gather, i == micro - 1, root_prefetches)
+        reduce = i == micro - 1
+        span, w = _simulate(buckets, cost, gather, reduce, root_prefetches, hw.overlap)
         total += span
         waited += w
     bubble = (dims.pp - 1) / par.pp_virtual_stages * compute_micro if dims.pp > 1 else 0.0
     other = _other_collectives(cfg, dims, hw, tokens) * micro
     compute = compute_micro * micro + bubble
-    exposed_dp = total - compute_micro * micro
-    optimizer = _optimizer_time(cfg, buckets, hw, muon, link(hw, dims.tp, dims.dp_shard), rate)
+    copies = _copy_time(buckets, cost, micro, keep)
+    exposed_dp = total - compute_micro * micro - copies
+    optimizer = _optimizer_time(
+        cfg, buckets, hw, muon, link(hw, dims.tp, dims.dp_shard), backend == "fsdp2"
+    )
     step = total + bubble + other + optimizer
     global_tokens = dims.dp_size * t.batch_size * t.grad_accum * t.seq_len
     return StepTime(
         step_s=step,
         compute_s=compute,
+        gemm_s=sum(c.gemm for c in cost.values()) * micro,
+        copy_s=copies,
         optimizer_s=optimizer,
         exposed_dp_s=max(0.0, exposed_dp),
         exposed_other_s=other,
@@ -198,18 +279,42 @@ def step_time(
     )
 
 
+def _copy_time(
+    buckets: list[BucketInfo], cost: dict[int, BucketCost], micro: int, keep: bool
+) -> float:
+    """The copies ``_simulate`` puts on the compute stream, over the step."""
+    total = 0.0
+    for b in buckets:
+        c = cost[id(b)]
+        forward_gathers = 1 if keep else micro
+        total += c.gather_copy * (forward_gathers + micro * b.reshard_after_forward)
+        total += c.reduce_copy
+    return total
+
+
 def _optimizer_time(
     cfg: Config,
     buckets: list[BucketInfo],
     hw: Hardware,
     muon: MatrixWork | None,
     dp_link: tuple[float, float],
-    rate: float,
+    dtensors: bool,
 ) -> float:
-    elements = sum(b.shard_numel for b in buckets)
+    """Clipping and AdamW counted op by op on each bucket's busiest rank's shards (on
+    FSDP2's DTensors each op costs DTensor's dispatch too); Muon: its momentum's
+    bytes, Newton–Schulz FLOPs and all-to-all."""
     slowdown = hw.compute_slowdown(min(max(b.world for b in buckets), hw.devices_per_node))
     if cfg.training.optimizer != "muon" or muon is None:
-        return elements * ADAMW_BYTES / (hw.hbm_gbps * 1e9) * slowdown
+        shards = []
+        for b in buckets:
+            numels = b.rank_numels()
+            rank = numels.index(max(numels))
+            shards += [sum(r.numel for r in p.regions[rank]) for p in b.layout.params]
+        count = optimizer_ops(shards, cfg.training)
+        dispatch = count.ops * hw.dtensor_op_overhead_us * 1e-6 if dtensors else 0.0
+        return (hw.non_gemm_s(count.ops, count.bytes) + dispatch) * slowdown
+    rate = hw.peak_tflops * 1e12 * hw.gemm_efficiency / slowdown
+    elements = sum(b.shard_numel for b in buckets)
     world = len(muon.flops)
     a2a = ring_time(muon.all_to_all_bytes, world, dp_link) if muon.all_to_all_bytes else 0.0
     return elements * MUON_BYTES / (hw.hbm_gbps * 1e9) * slowdown + muon.busiest / rate + a2a
