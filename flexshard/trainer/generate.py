@@ -253,9 +253,9 @@ def main(argv: list[str] | None = None) -> None:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
             _sharded_main(args)
         elif args.nproc is not None:
-            from flexshard.testing.launch import free_port
+            from torch.distributed.elastic.utils.distributed import get_free_port
 
-            mp.spawn(_spawned, args=(args.nproc, free_port(), args), nprocs=args.nproc)
+            mp.spawn(_spawned, args=(args.nproc, get_free_port(), args), nprocs=args.nproc)
         else:
             _write_sample(args, *load_model(args.checkpoint, args.config))
     except (ConfigError, ValueError) as err:

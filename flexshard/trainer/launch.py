@@ -11,8 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from flexshard.testing.launch import free_port
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from .config import Config, ConfigError, config_from_dict, load_config
 from .parallel import ParallelDims
@@ -40,7 +39,7 @@ def _rank_main(local_rank: int, nproc: int, port: int, table: dict) -> None:
 
 def spawn(cfg: Config, nproc: int) -> None:
     """Run the job on ``nproc`` local processes; a failing rank's traceback is raised."""
-    mp.spawn(_rank_main, args=(nproc, free_port(), cfg.to_dict()), nprocs=nproc, join=True)
+    mp.spawn(_rank_main, args=(nproc, get_free_port(), cfg.to_dict()), nprocs=nproc, join=True)
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
