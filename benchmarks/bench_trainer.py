@@ -3,6 +3,7 @@ tokens/s and peak memory per rank on CPU (gloo), W = 2 and 4, side by side.
 
     .venv/bin/python -m benchmarks.bench_trainer              # W = 2 and 4
     .venv/bin/python -m benchmarks.bench_trainer --quick      # W = 2, fewer steps
+    .venv/bin/python -m benchmarks.bench_trainer --exact-rss  # peak RSS of live buffers only
 
 Both backends run inside the same W processes, ``--reps`` times (5 by default), their
 order flipped every repetition (flexshard, fsdp2, fsdp2, flexshard, ...), on the same
@@ -61,6 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--quick", action="store_true", help="W = 2, 5 steps, 2 reps")
+    p.add_argument(
+        "--exact-rss",
+        action="store_true",
+        help="every buffer of 64 KiB or more its own mapping (MALLOC_MMAP_THRESHOLD_), "
+        "returned to the OS when freed: peak RSS then follows the live buffers, not "
+        "glibc's cache",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if args.quick:
@@ -279,6 +287,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.exact_rss:  # glibc reads it at start: the spawned ranks inherit it
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
     args.out.mkdir(parents=True, exist_ok=True)
     started, load_start = time.perf_counter(), os.getloadavg()
     rows = []
@@ -297,7 +307,9 @@ def main(argv: list[str] | None = None) -> None:
     total, _ = count_params(model_cfg)
     load = ", ".join
     meta = {
-        "command": "python -m benchmarks.bench_trainer" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.bench_trainer"
+        + (" --quick" if args.quick else "")
+        + (" --exact-rss" if args.exact_rss else ""),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
