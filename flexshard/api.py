@@ -14,7 +14,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from .checkpoint.model_state import install_state_dict_hooks
 from .placements import BlockShard, BucketLayout, Placement, Shard, plan_bucket
 from .quant import QuantFormat
 from .runtime.bucket import Bucket, BucketParam
@@ -24,6 +23,7 @@ from .runtime.groups import MeshGroups, resolve_mesh
 from .runtime.hooks import StepState, install_bucket_hooks, install_root_hooks
 from .runtime.module import FlexShardModule, make_flexshard_class
 from .runtime.tp_params import check_tp_param, local_of, spec_of
+from .state_dict_hooks import install_state_dict_hooks
 from .validation import check_bucket_spec, check_module, check_options
 
 PlacementFn = Callable[[str, nn.Parameter], Placement]

@@ -16,11 +16,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..runtime.bucket import Bucket
-from ..runtime.module import subtree_buckets
-from ..runtime.region_dtensor import wrap
-from ..runtime.tp_params import local_of, tp_frame
-from .chunks import RegionTensor, local_boxes, region_tensor, shifted
+from .runtime.bucket import Bucket
+from .runtime.dcp_chunks import RegionTensor, local_boxes, region_tensor, shifted
+from .runtime.module import subtree_buckets
+from .runtime.region_dtensor import wrap
+from .runtime.tp_params import local_of, tp_frame
 
 Slot = tuple[Bucket, int]
 

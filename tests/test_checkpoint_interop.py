@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 import flexshard as fs
 from flexshard import checkpoint as ckpt
-from flexshard.checkpoint.chunks import RegionTensor, chunks_of
+from flexshard.runtime.dcp_chunks import RegionTensor, chunks_of
 from flexshard.testing import TinyTransformer, make_batches, run_distributed
 
 from .reference import train_steps

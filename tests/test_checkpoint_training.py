@@ -16,8 +16,8 @@ from torch.distributed.tensor import DTensor
 import flexshard as fs
 from flexshard import checkpoint as ckpt
 from flexshard.checkpoint import RegionTensor
-from flexshard.checkpoint.chunks import chunks_of
 from flexshard.optim import muon_and_adamw
+from flexshard.runtime.dcp_chunks import chunks_of
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
 from .reference import mixed_placement, train_steps

@@ -1,8 +1,8 @@
 """Checkpoints through torch.distributed.checkpoint: each rank writes the regions it stores."""
 
-from .chunks import RegionTensor
+from ..runtime.dcp_chunks import RegionTensor
+from ..state_dict_hooks import install_state_dict_hooks
 from .io import load, save
-from .model_state import install_state_dict_hooks
 from .optimizer_state import load_optimizer_state_dict, optimizer_state_dict
 from .safetensors_export import export_safetensors
 

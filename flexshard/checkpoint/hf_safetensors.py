@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from .chunks import Box, RegionTensor, chunks_of
+from ..runtime.dcp_chunks import Box, RegionTensor, chunks_of
 
 SHARDED_DIR = "sharded"  # per-rank chunk files, removed once consolidated
 INDEX_FILE = "model.safetensors.index.json"

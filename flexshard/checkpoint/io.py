@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ..state_dict_hooks import fqn_slots, slot_shape, slot_tensor
 from .manifest import (
     Entry,
     check_entries,
@@ -31,7 +32,6 @@ from .manifest import (
     share,
     write_manifest,
 )
-from .model_state import fqn_slots, slot_shape, slot_tensor
 from .optimizer_state import optimizer_state_dict, prepare_optimizer_state
 
 _AT_FDCWD = -100

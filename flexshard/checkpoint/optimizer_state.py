@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 from ..runtime.region_dtensor import wrap
-from .model_state import Slot, fqn_slots, slot_tensor, to_local
+from ..state_dict_hooks import Slot, fqn_slots, slot_tensor, to_local
 
 OptimizerState = dict[str, Any]
 

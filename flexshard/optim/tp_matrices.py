@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from ..checkpoint.chunks import local_boxes
 from ..runtime.bucket import Bucket
 from ..runtime.collectives import Pending
+from ..runtime.dcp_chunks import local_boxes
 from ..runtime.tp_params import global_tensor, local_piece, tp_sharded
 
 

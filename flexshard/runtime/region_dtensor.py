@@ -19,6 +19,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .dcp_chunks import region_tensor
 from .region_placement import RegionShard
 
 aten = torch.ops.aten
@@ -137,8 +138,6 @@ class RegionDTensor(DTensor):
 
     # ---------------------------------------------------------------- checkpoints
     def _chunks(self) -> Any:
-        from ..checkpoint.chunks import region_tensor  # checkpoint builds on runtime
-
         spec, region = self._spec, _region_of(self._spec)
         coordinate = spec.mesh.get_coordinate()
         dim = spec.placements.index(region)
