@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flexshard.testing import run_distributed
+from flexshard.trainer import ring_attention as ring_module
 from flexshard.trainer.context_parallel import ContextParallel, apply_cp, split_sequence
 from flexshard.trainer.model import Transformer, init_weights
 from flexshard.trainer.ring_attention import ring_attention
@@ -126,6 +127,10 @@ def _cases(rank: int, world_size: int, folder: str) -> dict[str, dict]:
     results: dict[str, dict] = {f"op_seq{12 * world_size}": op_gaps(world, 12 * world_size)}
     if world_size == 3:
         results["op_seq18"] = op_gaps(world, 18)
+        tile, ring_module.SCORE_TILE = ring_module.SCORE_TILE, 64  # query tiles of 1-2 rows
+        assert len(ring_module._tiles(torch.empty(2, 4, 6, 8), 6)) == 6
+        results["op_seq18_tiled"] = op_gaps(world, 18)
+        ring_module.SCORE_TILE = tile
     results["model"] = model_gaps(world)
     if world_size == 2:
         results["model_bf16"] = model_gaps(world, torch.bfloat16)

@@ -61,11 +61,27 @@ def _rows_and_keys(src: int, rank: int, half: int) -> tuple[slice, slice, bool]:
     return slice(half, None), slice(None), False
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+# at most this many fp32 scores per tile (4 MiB): query rows are taken in tiles so
+# that no (seq/cp) x (seq/cp) score matrix is ever materialised
+SCORE_TILE = 1 << 20
+
+
+def _tiles(q: torch.Tensor, n_keys: int) -> list[slice]:
+    """Query-row tiles of ``q`` [b, h, rows, d] against ``n_keys`` keys."""
+    b, h, rows, _ = q.shape
+    step = max(1, SCORE_TILE // max(1, b * h * n_keys))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, first_row: int, scale: float
+) -> torch.Tensor:
+    """Scaled scores of query rows ``first_row ..`` of a block; under ``causal`` (own
+    block: local positions ascend in q and k alike) key j > row i is masked."""
     scores = (q @ k.transpose(-1, -2)) * scale
-    if causal:  # own block: local positions ascend in q and k alike
-        n = scores.shape[-1]
-        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+    if causal:
+        rows, n = scores.shape[-2:]
+        mask = torch.ones(rows, n, dtype=torch.bool, device=q.device).triu(first_row + 1)
         scores = scores.masked_fill(mask, float("-inf"))
     return scores
 
@@ -101,16 +117,19 @@ class _RingAttention(torch.autograd.Function):
             src = (ring.rank - step) % ring.size
             rows, keys, causal = _rows_and_keys(src, ring.rank, half)
             k_blk, v_blk = (_repeat(t[:, :, keys].float(), repeat) for t in kv)
-            scores = _scores(qf[:, :, rows], k_blk, causal, scale)
-            blk_lse = scores.logsumexp(-1)
-            blk_out = torch.exp(scores - blk_lse[..., None]) @ v_blk
-            # online softmax: step 0 (own block, causal) leaves every row's lse finite
-            new_lse = torch.logaddexp(lse[:, :, rows], blk_lse)
-            out[:, :, rows] = (
-                out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse)[..., None]
-                + blk_out * torch.exp(blk_lse - new_lse)[..., None]
-            )
-            lse[:, :, rows] = new_lse
+            q_rows, out_rows, lse_rows = qf[:, :, rows], out[:, :, rows], lse[:, :, rows]
+            for tile in _tiles(q_rows, k_blk.shape[2]):
+                scores = _scores(q_rows[:, :, tile], k_blk, causal, tile.start, scale)
+                blk_lse = scores.logsumexp(-1)
+                blk_out = torch.exp(scores - blk_lse[..., None]) @ v_blk
+                # online softmax: step 0 (own block, causal) leaves every lse finite
+                old_lse = lse_rows[:, :, tile]
+                new_lse = torch.logaddexp(old_lse, blk_lse)
+                out_rows[:, :, tile] = (
+                    out_rows[:, :, tile] * torch.exp(old_lse - new_lse)[..., None]
+                    + blk_out * torch.exp(blk_lse - new_lse)[..., None]
+                )
+                lse_rows[:, :, tile] = new_lse
             if step < ring.size - 1:
                 _wait(works)
                 kv = kv_next
@@ -137,12 +156,17 @@ class _RingAttention(torch.autograd.Function):
             src = (ring.rank - step) % ring.size
             rows, keys, causal = _rows_and_keys(src, ring.rank, half)
             k_blk, v_blk = (_repeat(t[:, :, keys].float(), repeat) for t in kv)
-            probs = torch.exp(_scores(qf[:, :, rows], k_blk, causal, scale) - lse[:, :, rows, None])
-            d_rows = dout[:, :, rows]
-            dv_blk = probs.transpose(-1, -2) @ d_rows
-            dscores = probs * (d_rows @ v_blk.transpose(-1, -2) - delta[:, :, rows, None])
-            dq[:, :, rows] += (dscores @ k_blk) * scale
-            dk_blk = (dscores.transpose(-1, -2) @ qf[:, :, rows]) * scale
+            dk_blk, dv_blk = torch.zeros_like(k_blk), torch.zeros_like(v_blk)
+            q_rows, dq_rows = qf[:, :, rows], dq[:, :, rows]
+            d_rows, delta_rows, lse_rows = dout[:, :, rows], delta[:, :, rows], lse[:, :, rows]
+            for tile in _tiles(q_rows, k_blk.shape[2]):
+                q_t, d_t = q_rows[:, :, tile], d_rows[:, :, tile]
+                scores = _scores(q_t, k_blk, causal, tile.start, scale)
+                probs = torch.exp(scores - lse_rows[:, :, tile, None])
+                dv_blk += probs.transpose(-1, -2) @ d_t
+                dscores = probs * (d_t @ v_blk.transpose(-1, -2) - delta_rows[:, :, tile, None])
+                dq_rows[:, :, tile] += (dscores @ k_blk) * scale
+                dk_blk += (dscores.transpose(-1, -2) @ q_t) * scale
             _wait(dkv_works)  # block src's accumulators arrive behind its k and v
             dkv = dkv_recv
             dkv[0][:, :, keys] += _unrepeat(dk_blk, repeat)
