@@ -15,7 +15,8 @@ The backward is a second ring (an ``autograd.Function``, not autograd through th
 forward): keys and values travel again, with the fp32 gradient accumulators of their
 owner behind them, and each block's probabilities are recomputed from the saved
 output and log-sum-exp. Saved for backward: the local q, k, v, output and lse, all
-O(seq / cp).
+O(seq / cp). The scores are computed for tiles of query rows (``SCORE_TILE``), so
+every buffer, K/V in hand and in flight included, is O(seq / cp) per rank.
 """
 
 from __future__ import annotations
