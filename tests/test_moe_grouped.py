@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flexshard.testing import run_distributed
-from flexshard.trainer.config import config_from_dict
+from flexshard.trainer.config import ConfigError, config_from_dict
 from flexshard.trainer.grouped_experts import (
     GROUP_ALIGN,
     _padded_rows,
@@ -224,3 +224,12 @@ def test_compiled_moe_matches_eager(dtype):
         runs.append(steps)
     for (out, bias, load), (c_out, c_bias, c_load) in zip(*runs):
         assert _rel_gap(c_out, out) <= ULPS and torch.equal(c_bias, bias) and c_load == load
+
+
+def test_balance_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="model.moe.balance = 'loss': must be one of"):
+        moe_config(balance="loss")
+    with pytest.raises(ConfigError, match="bias_update_rate and aux_loss_coef must be >= 0"):
+        moe_config(bias_update_rate=-1.0)
+    with pytest.raises(ConfigError, match="parallelism.cp_method = 'rings': must be one of"):
+        config_from_dict({"parallelism": {"cp_method": "rings"}})
