@@ -17,6 +17,7 @@ from flexshard.trainer.grouped_experts import (
     grouped_swiglu,
     loop_swiglu,
 )
+from flexshard.trainer.metrics import summary_table
 from flexshard.trainer.model import MoE, Transformer, init_weights
 from flexshard.trainer.moe_balance import LoadBalance, step_balance, tokens_per_expert
 from flexshard.trainer.train import loss_fn, setup, train_step
@@ -233,3 +234,9 @@ def test_balance_config_errors_name_the_key():
         moe_config(bias_update_rate=-1.0)
     with pytest.raises(ConfigError, match="parallelism.cp_method = 'rings': must be one of"):
         config_from_dict({"parallelism": {"cp_method": "rings"}})
+
+
+def test_summary_table_reports_the_expert_load():
+    record = {"step": 1, "loss": 2.0, "tokens_per_s": 1.0, "mfu": 0.0, "peak_memory_mb": 1.0}
+    record |= {"grad_norm": 1.0, "tokens_per_expert": {"a": [1, 3], "b": [6, 2]}}
+    assert "expert load max/mean   1.50 (last step, worst layer)" in summary_table([record], {})
