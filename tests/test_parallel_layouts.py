@@ -230,7 +230,10 @@ def test_checkpoint_resumes_under_other_layouts(tmp_path):
             "pp_virtual_stages = 2 needs",
         ),
         (["--parallelism.pp", "2", "--training.grad_accum", "2"], "grad_accum must be 1"),
-        (["--parallelism.pp", "2", "--checkpoint.enable", "true"], "not yet pp or ep > 1"),
+        (
+            ["--parallelism.pp", "2", "--checkpoint.last_save_in_hf", "true"],
+            "Hugging Face folders are not wired",
+        ),
         (
             ["--parallelism.pp", "4", "--parallelism.pp_microbatches", "2"],
             "1f1b needs at least pp = 4",

@@ -8,6 +8,7 @@ parameter's chunks, so DCP writes each rank's part once and reshards on load; sc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,18 +19,29 @@ from ..runtime.region_dtensor import wrap
 from ..state_dict_hooks import Slot, fqn_slots, slot_tensor, to_local
 
 OptimizerState = dict[str, Any]
+#: one module, or the modules of one logical model under their global FQNs (the
+#: pipeline stages a rank runs)
+Model = nn.Module | Sequence[nn.Module]
 
 
-def param_names(model: nn.Module) -> tuple[dict[int, str], dict[str, Slot]]:
+def modules_of(model: Model) -> list[nn.Module]:
+    return [model] if isinstance(model, nn.Module) else list(model)
+
+
+def param_names(model: Model) -> tuple[dict[int, str], dict[str, Slot]]:
     """id(local parameter) -> canonical FQN, and FQN -> bucket slot for sharded ones."""
-    slots = fqn_slots(model)
-    names = {id(p): n for n, p in model.named_parameters()}
-    for fqn, (bucket, i) in slots.items():
-        names[id(bucket.local_params[i])] = fqn
+    names: dict[int, str] = {}
+    slots: dict[str, Slot] = {}
+    for module in modules_of(model):
+        mine = fqn_slots(module)
+        names.update({id(p): n for n, p in module.named_parameters()})
+        for fqn, (bucket, i) in mine.items():
+            names[id(bucket.local_params[i])] = fqn
+        slots.update(mine)
     return names, slots
 
 
-def _group_fqns(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+def _group_fqns(model: Model, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     names, _ = param_names(model)
     groups = []
     for g, group in enumerate(optimizer.param_groups):
@@ -51,7 +63,7 @@ def is_sharded_state(value: object, local: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == local.shape
 
 
-def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerState:
+def optimizer_state_dict(model: Model, optimizer: torch.optim.Optimizer) -> OptimizerState:
     """The optimizer's state, ready for ``dcp.save`` / ``dcp.load``. Like torch's
     ``get_optimizer_state_dict``, an optimizer without state is first given it (one
     ``step`` with zero gradients and lr 0), so ``dcp.load`` has tensors to fill."""
@@ -77,7 +89,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 def load_optimizer_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: OptimizerState
+    model: Model, optimizer: torch.optim.Optimizer, state_dict: OptimizerState
 ) -> None:
     """Load an ``optimizer_state_dict``-shaped dict (RegionTensors after ``dcp.load``,
     or full tensors from an unsharded model) into ``optimizer``. Everything is checked
@@ -86,7 +98,7 @@ def load_optimizer_state_dict(
 
 
 def prepare_optimizer_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: OptimizerState
+    model: Model, optimizer: torch.optim.Optimizer, state_dict: OptimizerState
 ) -> dict[str, Any]:
     """``state_dict`` checked and converted to what ``optimizer.load_state_dict``
     takes (local tensors, parameters by position); changes nothing."""

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from flexshard.checkpoint.frames import framed_state, unframed
+
 from .config import ConfigError
 
 if TYPE_CHECKING:
@@ -49,8 +51,45 @@ def _flexshard_checkpoint() -> Any:
     return ckpt
 
 
+def _flat_options() -> Any:
+    """FSDP2 optimizer state keyed per parameter ("param_groups.<fqn>.lr"): pipeline
+    ranks hold different parameters, so nested groups listing them would collide."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _fsdp2_state(job: Job) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(_logical_model(job), job.optimizer, options=_flat_options())
+    return {"model": model_sd, "optim": optim_sd}
+
+
 def _is_fsdp2(job: Job) -> bool:
     return job.cfg.parallelism.dp_backend == "fsdp2"
+
+
+def _logical_model(job: Job) -> Any:
+    """What a checkpoint holds of this rank: its module, or its pipeline stages (they
+    keep the whole model's FQNs, so every layout saves one logical model)."""
+    modules = job.parallel.modules
+    if len(modules) == 1:
+        return modules[0]
+    if _is_fsdp2(job):
+        raise ConfigError(
+            'checkpoints with dp_backend = "fsdp2" and parallelism.pp_virtual_stages > 1 '
+            "(several stage modules per rank) are not supported; use dp_backend = "
+            '"flexshard"'
+        )
+    return modules
+
+
+def _frames(job: Job) -> dict[str, Any]:
+    """EP's expert slices at their offsets in the whole stacks (empty without EP)."""
+    from .expert_parallel import expert_frames
+
+    return {k: v for m in job.parallel.modules for k, v in expert_frames(m).items()}
 
 
 def check_available(job: Job) -> None:
@@ -64,14 +103,14 @@ def save(job: Job, step: int) -> Path:
     path = folder(job) / f"step-{step}"
     if _is_fsdp2(job):
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(job.model, job.optimizer)
-        state = {"model": model_sd, "optim": optim_sd, SCHEDULER: job.lr_scheduler.state_dict()}
-        dcp.save(state, checkpoint_id=str(path))
+        state = framed_state(_fsdp2_state(job), _frames(job))
+        dcp.save({**state, SCHEDULER: job.lr_scheduler.state_dict()}, checkpoint_id=str(path))
     else:
         extra = {"step": step, SCHEDULER: job.lr_scheduler.state_dict()}
-        _flexshard_checkpoint().save(str(path), job.model, job.optimizer, extra=extra)
+        _flexshard_checkpoint().save(
+            str(path), _logical_model(job), job.optimizer, extra=extra, frames=_frames(job)
+        )
     dist.barrier()
     return path
 
@@ -88,23 +127,27 @@ def maybe_resume(job: Job) -> int:
     path = folder(job) / f"step-{step}"
     if _is_fsdp2(job):
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        model_sd, optim_sd = get_state_dict(job.model, job.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = _fsdp2_state(job)
         saved = dcp.FileSystemReader(str(path)).read_metadata().planner_data or {}
         if any(key[0] == SCHEDULER for key in saved.values()):
             state[SCHEDULER] = job.lr_scheduler.state_dict()
-        dcp.load(state, checkpoint_id=str(path))
+        loaded = framed_state(state, _frames(job))
+        dcp.load(loaded, checkpoint_id=str(path))
+        state = unframed(loaded, state)
         set_state_dict(
-            job.model,
+            _logical_model(job),
             job.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
+            options=_flat_options(),
         )
         scheduler = state.get(SCHEDULER)
     else:
-        extra = _flexshard_checkpoint().load(str(path), job.model, job.optimizer) or {}
+        ckpt = _flexshard_checkpoint()
+        extra = ckpt.load(str(path), _logical_model(job), job.optimizer, frames=_frames(job))
+        extra = extra or {}
         step = int(extra.get("step", step))
         scheduler = extra.get(SCHEDULER)
     _restore_schedule(job, scheduler, step, path)
@@ -141,10 +184,11 @@ def initial_load(job: Job) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        state = {"model": get_model_state_dict(job.model)}
-        dcp.load(state, checkpoint_id=c.initial_load_path)
+        state = {"model": get_model_state_dict(_logical_model(job))}
+        dcp.load(framed_state(state, _frames(job)), checkpoint_id=c.initial_load_path)
     else:
-        _flexshard_checkpoint().load(c.initial_load_path, job.model)
+        frames = _frames(job)
+        _flexshard_checkpoint().load(c.initial_load_path, _logical_model(job), frames=frames)
     if job.rank == 0:
         print(f"initial weights from {c.initial_load_path}", flush=True)
 
@@ -152,6 +196,16 @@ def initial_load(job: Job) -> None:
 def export(job: Job) -> Path:
     """The final model, unsharded, as ``model.safetensors`` in the dump folder."""
     path = job.folder / "model.safetensors"
+    if job.dims.pp * job.dims.ep > 1:  # stages and expert slices gathered into one model
+        from safetensors.torch import save_file
+
+        from .parallelize import full_parameters
+
+        full = full_parameters(job.parallel, job.meshes)
+        if job.rank == 0:
+            save_file({k: v.detach().cpu().contiguous() for k, v in full.items()}, str(path))
+        dist.barrier()
+        return path
     if not _is_fsdp2(job):
         _flexshard_checkpoint().export_safetensors(job.model, str(path))
         return path

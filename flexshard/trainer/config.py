@@ -413,10 +413,11 @@ def check_parallel_layout(cfg: Config) -> None:
             f'training.optimizer = "{cfg.training.optimizer}" is not wired with tp, pp or ep > 1'
         )
     c = cfg.checkpoint
-    if p.pp * p.ep > 1 and (c.enable or c.initial_load_path or c.last_save_in_hf):
+    if p.pp * p.ep > 1 and (c.initial_load_in_hf or c.last_save_in_hf):
         raise ConfigError(
-            "checkpoint.enable / initial_load_path / last_save_in_hf: checkpoints cover the "
-            "dp_replicate, dp_shard, cp and tp layouts; not yet pp or ep > 1"
+            "checkpoint.initial_load_in_hf / last_save_in_hf: Hugging Face folders are not "
+            "wired with parallelism.pp or ep > 1 yet (DCP checkpoints and export_safetensors "
+            "are)"
         )
 
 

@@ -183,6 +183,18 @@ def _split_experts(model: nn.Module) -> Iterator[tuple[str, ExpertParallel]]:
             yield fqn, parallel
 
 
+def expert_frames(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """FQN -> (the whole ``[E, ...]`` stack's shape, this rank's offset in it) for every
+    expert weight ``apply_ep`` split: checkpoints store each slice at its place in the
+    stack, one logical model whatever the EP degree."""
+    frames = {}
+    for fqn, parallel in _split_experts(model):
+        for name, param in model.get_submodule(fqn).named_parameters(recurse=False):
+            offset = (parallel.first,) + (0,) * (param.dim() - 1)
+            frames[f"{fqn}.{name}"] = ((parallel.num_experts, *param.shape[1:]), offset)
+    return frames
+
+
 def gather_expert_weights(
     model: nn.Module, state_dict: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:

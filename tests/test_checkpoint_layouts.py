@@ -1,0 +1,103 @@
+"""Trainer checkpoints under pipeline and expert parallelism: one logical model (stages
+under their global FQNs, expert slices at their offsets in the whole [E, ...] stacks),
+so a resumed run repeats the uninterrupted losses bit for bit on the same layout and
+within the layout tests' tolerance on another (pp2 -> pp1, ep2 -> ep1, ep2 -> ep4)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from flexshard.testing import run_distributed
+from flexshard.trainer.checkpointing import latest_step
+from flexshard.trainer.train import run
+
+from .test_parallel_layouts import LOSS_RTOL, MOE, layout_config
+
+STEPS = 6
+CKPT = {"enable": True, "interval": 3}
+# name: ([parallelism], [model.moe] or None, batch size); each global batch is 4 sequences
+PP2 = ({"dp_shard": 2, "pp": 2}, None, 2)
+PP1_DP4 = ({"dp_shard": 4}, None, 1)
+PP2_INTERLEAVED = (
+    {"dp_shard": 1, "pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2},
+    None,
+    4,
+)
+EP2 = ({"dp_shard": 2, "ep": 2}, MOE, 2)
+EP1 = ({"dp_shard": 2}, MOE, 2)
+EP4 = ({"dp_shard": 4, "ep": 4}, MOE, 1)
+
+
+def _losses(folder: str, layout: tuple, backend: str = "flexshard") -> list[float]:
+    parallelism, moe, batch = layout
+    cfg = layout_config(
+        folder,
+        {**parallelism, "dp_backend": backend},
+        moe,
+        checkpoint=CKPT,
+        training={"steps": STEPS, "batch_size": batch},
+    )
+    return [r["loss"] for r in run(cfg)]
+
+
+def _back_to_step_3(folder: str) -> None:
+    """As if the job had died after the step-3 save."""
+    ckpt = Path(folder) / "checkpoint"
+    assert latest_step(ckpt) == STEPS
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(ckpt / f"step-{STEPS}")
+    dist.barrier()
+
+
+def _interrupted(folder: str, layout: tuple, backend: str = "flexshard") -> tuple[list, list]:
+    """The uninterrupted run's losses, and those of the same layout resumed at step 3."""
+    whole = _losses(folder, layout, backend)
+    _back_to_step_3(folder)
+    return whole, _losses(folder, layout, backend)
+
+
+def _on_2_ranks(rank: int, world_size: int, root: str) -> dict:
+    out = {"ep2": _interrupted(f"{root}/ep", EP2)}
+    _back_to_step_3(f"{root}/ep")
+    out["ep2->ep1"] = _losses(f"{root}/ep", EP1)
+    out["pp2_interleaved"] = _interrupted(f"{root}/ppi", PP2_INTERLEAVED)
+    out["ep2_fsdp2"] = _interrupted(f"{root}/ep_fsdp2", EP2, "fsdp2")
+    _back_to_step_3(f"{root}/ep")  # for the 4-rank part
+    return out
+
+
+def _on_4_ranks(rank: int, world_size: int, root: str) -> dict:
+    out = {"pp2": _interrupted(f"{root}/pp", PP2)}
+    _back_to_step_3(f"{root}/pp")
+    out["pp2->pp1"] = _losses(f"{root}/pp", PP1_DP4)
+    out["ep2->ep4"] = _losses(f"{root}/ep", EP4)
+    out["pp2_fsdp2"] = _interrupted(f"{root}/pp_fsdp2", PP2, "fsdp2")
+    return out
+
+
+def _gap(resumed: list[float], whole: list[float]) -> float:
+    assert len(resumed) == STEPS - 3
+    return max(abs(a - b) / b for a, b in zip(resumed, whole[3:]))
+
+
+def test_pp_and_ep_checkpoints_resume_exactly_and_across_degrees(tmp_path):
+    two = run_distributed(_on_2_ranks, 2, str(tmp_path), timeout=600)
+    four = run_distributed(_on_4_ranks, 4, str(tmp_path), timeout=600)
+    for results in (two, four):
+        for name, value in results[0].items():
+            if isinstance(value, tuple):  # same layout: bit for bit, on every rank
+                whole, resumed = value
+                assert resumed == whole[3:], name
+                assert all(r[name] == value for r in results), name
+    ep_whole = two[0]["ep2"][0]
+    gaps = {
+        "ep2->ep1": _gap(two[0]["ep2->ep1"], ep_whole),
+        "ep2->ep4": _gap(four[0]["ep2->ep4"], ep_whole),
+        "pp2->pp1": _gap(four[0]["pp2->pp1"], four[0]["pp2"][0]),
+    }
+    print(f"resumed across degrees: loss gaps {gaps}")
+    assert max(gaps.values()) < LOSS_RTOL, gaps
