@@ -1,13 +1,15 @@
 """Trainer checkpoints under pipeline and expert parallelism: one logical model (stages
 under their global FQNs, expert slices at their offsets in the whole [E, ...] stacks),
 so a resumed run repeats the uninterrupted losses bit for bit on the same layout and
-within the layout tests' tolerance on another (pp2 -> pp1, ep2 -> ep1, ep2 -> ep4)."""
+within the layout tests' tolerance on another (pp2 -> pp1, ep2 -> ep1, ep2 -> ep4).
+Slow: interleaved stages (two stage modules a rank) and the FSDP2 backend."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from flexshard.testing import run_distributed
@@ -64,8 +66,6 @@ def _on_2_ranks(rank: int, world_size: int, root: str) -> dict:
     out = {"ep2": _interrupted(f"{root}/ep", EP2)}
     _back_to_step_3(f"{root}/ep")
     out["ep2->ep1"] = _losses(f"{root}/ep", EP1)
-    out["pp2_interleaved"] = _interrupted(f"{root}/ppi", PP2_INTERLEAVED)
-    out["ep2_fsdp2"] = _interrupted(f"{root}/ep_fsdp2", EP2, "fsdp2")
     _back_to_step_3(f"{root}/ep")  # for the 4-rank part
     return out
 
@@ -75,8 +75,25 @@ def _on_4_ranks(rank: int, world_size: int, root: str) -> dict:
     _back_to_step_3(f"{root}/pp")
     out["pp2->pp1"] = _losses(f"{root}/pp", PP1_DP4)
     out["ep2->ep4"] = _losses(f"{root}/ep", EP4)
-    out["pp2_fsdp2"] = _interrupted(f"{root}/pp_fsdp2", PP2, "fsdp2")
     return out
+
+
+def _more_on_2_ranks(rank: int, world_size: int, root: str) -> dict:
+    return {
+        "pp2_interleaved": _interrupted(f"{root}/ppi", PP2_INTERLEAVED),
+        "ep2_fsdp2": _interrupted(f"{root}/ep_fsdp2", EP2, "fsdp2"),
+    }
+
+
+def _more_on_4_ranks(rank: int, world_size: int, root: str) -> dict:
+    return {"pp2_fsdp2": _interrupted(f"{root}/pp_fsdp2", PP2, "fsdp2")}
+
+
+def _check_exact(results: list[dict]) -> None:
+    """Same layout: bit for bit, on every rank."""
+    for name, (whole, resumed) in results[0].items():
+        assert resumed == whole[3:], name
+        assert all(r[name] == (whole, resumed) for r in results), name
 
 
 def _gap(resumed: list[float], whole: list[float]) -> float:
@@ -87,12 +104,8 @@ def _gap(resumed: list[float], whole: list[float]) -> float:
 def test_pp_and_ep_checkpoints_resume_exactly_and_across_degrees(tmp_path):
     two = run_distributed(_on_2_ranks, 2, str(tmp_path), timeout=600)
     four = run_distributed(_on_4_ranks, 4, str(tmp_path), timeout=600)
-    for results in (two, four):
-        for name, value in results[0].items():
-            if isinstance(value, tuple):  # same layout: bit for bit, on every rank
-                whole, resumed = value
-                assert resumed == whole[3:], name
-                assert all(r[name] == value for r in results), name
+    _check_exact([{"ep2": r["ep2"]} for r in two])
+    _check_exact([{"pp2": r["pp2"]} for r in four])
     ep_whole = two[0]["ep2"][0]
     gaps = {
         "ep2->ep1": _gap(two[0]["ep2->ep1"], ep_whole),
@@ -101,3 +114,9 @@ def test_pp_and_ep_checkpoints_resume_exactly_and_across_degrees(tmp_path):
     }
     print(f"resumed across degrees: loss gaps {gaps}")
     assert max(gaps.values()) < LOSS_RTOL, gaps
+
+
+@pytest.mark.slow
+def test_interleaved_pp_and_fsdp2_checkpoints_resume_exactly(tmp_path):
+    _check_exact(run_distributed(_more_on_2_ranks, 2, str(tmp_path), timeout=600))
+    _check_exact(run_distributed(_more_on_4_ranks, 4, str(tmp_path), timeout=600))
