@@ -11,15 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from flexshard.testing import run_distributed
 from flexshard.trainer.checkpointing import latest_step
 from flexshard.trainer.train import run
 
-from .test_parallel_layouts import LOSS_RTOL, MOE, layout_config
+from .test_parallel_layouts import LOSS_RTOL, MOE, PARAM_ATOL, layout_config, single_process
 
 STEPS = 6
-CKPT = {"enable": True, "interval": 3}
+CKPT = {"enable": True, "interval": 3, "export_safetensors": True}
 # name: ([parallelism], [model.moe] or None, batch size); each global batch is 4 sequences
 PP2 = ({"dp_shard": 2, "pp": 2}, None, 2)
 PP1_DP4 = ({"dp_shard": 4}, None, 1)
@@ -72,6 +73,8 @@ def _on_2_ranks(rank: int, world_size: int, root: str) -> dict:
 
 def _on_4_ranks(rank: int, world_size: int, root: str) -> dict:
     out = {"pp2": _interrupted(f"{root}/pp", PP2)}
+    if rank == 0:  # the pp2 export, before the pp1 run writes its own
+        shutil.copy(f"{root}/pp/model.safetensors", f"{root}/pp2.safetensors")
     _back_to_step_3(f"{root}/pp")
     out["pp2->pp1"] = _losses(f"{root}/pp", PP1_DP4)
     out["ep2->ep4"] = _losses(f"{root}/ep", EP4)
@@ -114,6 +117,19 @@ def test_pp_and_ep_checkpoints_resume_exactly_and_across_degrees(tmp_path):
     }
     print(f"resumed across degrees: loss gaps {gaps}")
     assert max(gaps.values()) < LOSS_RTOL, gaps
+    # the exports gather stages (pp2) and expert slices (ep4): the single process's model
+    for file, (parallelism, moe, batch) in (
+        ("pp2.safetensors", PP2),
+        ("ep/model.safetensors", EP2),
+    ):
+        cfg = layout_config("-", parallelism, moe, training={"steps": STEPS, "batch_size": batch})
+        expected = single_process(cfg, 2)[2]
+        exported = load_file(str(tmp_path / file))
+        assert {k: v.shape for k, v in exported.items()} == {
+            k: v.shape for k, v in expected.items()
+        }, file
+        gap = max(float((exported[k] - v).abs().max()) for k, v in expected.items())
+        assert gap < PARAM_ATOL, (file, gap)
 
 
 @pytest.mark.slow

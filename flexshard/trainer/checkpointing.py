@@ -197,23 +197,23 @@ def export(job: Job) -> Path:
     """The final model, unsharded, as ``model.safetensors`` in the dump folder."""
     path = job.folder / "model.safetensors"
     if job.dims.pp * job.dims.ep > 1:  # stages and expert slices gathered into one model
-        from safetensors.torch import save_file
-
         from .parallelize import full_parameters
 
-        full = full_parameters(job.parallel, job.meshes)
-        if job.rank == 0:
-            save_file({k: v.detach().cpu().contiguous() for k, v in full.items()}, str(path))
-        dist.barrier()
-        return path
-    if not _is_fsdp2(job):
+        _write_full(job, full_parameters(job.parallel, job.meshes), path)
+    elif not _is_fsdp2(job):
         _flexshard_checkpoint().export_safetensors(job.model, str(path))
-        return path
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    full = get_model_state_dict(job.model, options=StateDictOptions(full_state_dict=True))
+        options = StateDictOptions(full_state_dict=True)
+        _write_full(job, get_model_state_dict(job.model, options=options), path)
+    return path
+
+
+def _write_full(job: Job, full: dict[str, Any], path: Path) -> None:
+    """Rank 0 writes the gathered tensors; every rank waits for it."""
+    from safetensors.torch import save_file
+
     if job.rank == 0:
         save_file({k: v.detach().cpu().contiguous() for k, v in full.items()}, str(path))
     dist.barrier()
-    return path
