@@ -145,7 +145,7 @@ class Bucket:
         self._gather: Pending | None = None
         if first.device.type != "meta":
             self.load_full(initial)
-        self._reduce: tuple[Pending, torch.Tensor, torch.Tensor] | None = None
+        self._reduce: tuple[Pending, torch.Tensor] | None = None  # and its output
         self._accumulated: list[torch.Tensor | None] = [None] * len(params)
         self.step_state: Any = None  # the StepState shared with the model's other buckets
         self.ready = False  # this backward's gradients are complete
@@ -376,8 +376,7 @@ class Bucket:
             else:
                 send = self.storage.to(self.param_dtype)
             with torch.autograd._unsafe_preserve_version_counter(self._version_guarded):
-                self._gather = self.comm.all_gather(self.gathered, send)
-        self._send = send  # keep alive while gloo reads it on its own thread
+                self._gather = self.comm.all_gather(self.gathered, send)  # keeps ``send``
 
     def _finish_gather(self) -> None:
         assert self._gather is not None
@@ -393,7 +392,6 @@ class Bucket:
         ):
             self._gather.wait()  # CUDA: compute waits on the gather's event, the CPU not
             self._gather = None
-            self._send = None
             owned = [f if owns else None for f, owns in zip(self.full_locals, self._owns_storage)]
             for full in self._owned_full():
                 _alloc(full)
@@ -482,7 +480,7 @@ class Bucket:
             pack_rank(layout, self.rank, grads, out)
             runtime.protect(out, stream)
             with runtime.on(stream):
-                self._reduce = (self.comm.all_reduce(out, op=self._op), out, out)
+                self._reduce = (self.comm.all_reduce(out, op=self._op), out)
             return
         full = torch.empty(
             layout.world_size, layout.shard_numel, dtype=self.reduce_dtype, device=device
@@ -491,7 +489,8 @@ class Bucket:
         runtime.protect(full, stream)
         with runtime.on(stream):
             out = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=device)
-            self._reduce = (self.comm.reduce_scatter(out, full.view(-1), self._op), full, out)
+            # the pending collective keeps ``full`` until it completed (gloo: at once)
+            self._reduce = (self.comm.reduce_scatter(out, full.view(-1), self._op), out)
 
     @property
     def _op(self) -> dist.ReduceOp:
@@ -521,7 +520,7 @@ class Bucket:
 
     def _finish_reduce(self) -> None:
         assert self._reduce is not None
-        pending, _, out = self._reduce
+        pending, out = self._reduce
         self._reduce = None
         pending.wait()
         replicas = self.comm.replicate_group is not None

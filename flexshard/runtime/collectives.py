@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
@@ -16,6 +17,12 @@ from .watchdog import WATCHDOG
 
 #: how long a bucket waits for one collective before it raises (overridable per model)
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+#: gloo (CPU) runs a collective on its own thread on a temporary copy of the whole
+#: buffer (an all-gather's output; 1.5x a reduce-scatter's input): left in flight beside
+#: compute, that copy sits on top of the compute's peak. So without streams a bucket's
+#: collective is waited for at launch, as FSDP2's block on CPU (its unshard_async_op is
+#: False); False overlaps them with compute at that cost. CUDA/NCCL: stream-ordered.
+WAIT_AT_LAUNCH_WITHOUT_STREAMS = True
 
 
 @dataclass
@@ -104,6 +111,8 @@ class Pending:
         self.runtime = HOST
         self.event: torch.cuda.Event | None = None  # stream-ordered: marks completion
         self._stream_waited = False
+        #: buffers the collective reads (its input): alive until it completed
+        self.keep: tuple[torch.Tensor, ...] = ()
 
     @classmethod
     def launch(
@@ -162,6 +171,7 @@ class Pending:
             if not self._stream_waited:
                 self.runtime.wait(self.event)
                 self._stream_waited = True
+            self.keep = ()  # the compute stream is past the collective
             return
         if self.work is None:
             return
@@ -180,6 +190,7 @@ class Pending:
             self.error = self._error(None)
             raise self.error
         self.work = None
+        self.keep = ()
 
 
 def _wait_in_thread(work: dist.Work, seconds: float) -> bool:
@@ -244,11 +255,18 @@ class BucketComm:
         group: dist.ProcessGroup,
         tensor: torch.Tensor,
         wait_ignores_timeout: bool = False,
+        keep: tuple[torch.Tensor, ...] = (),
     ) -> Pending:
         runtime = device_runtime(tensor.device, group)
-        return Pending.launch(
+        pending = Pending.launch(
             start, collective, self.bucket, self.timeout, group, wait_ignores_timeout, runtime
         )
+        pending.keep = keep
+        if WAIT_AT_LAUNCH_WITHOUT_STREAMS and not runtime.streams:
+            # a failure stays on ``pending``: it raises where the bucket waits, as before
+            with contextlib.suppress(CollectiveError):
+                pending.wait()
+        return pending
 
     def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> Pending:
         group = self.shard_group
@@ -257,6 +275,7 @@ class BucketComm:
             "all-gather",
             group,
             out,
+            keep=(local,),
         )
         self._count("all_gather", (self.world_size - 1) * local.numel() * local.element_size())
         return pending
@@ -271,6 +290,7 @@ class BucketComm:
             group,
             out,
             wait_ignores_timeout=dist.get_backend(group) == "gloo",
+            keep=(full,),
         )
         self._count("reduce_scatter", (self.world_size - 1) * out.numel() * out.element_size())
         return pending
