@@ -2,7 +2,8 @@
 under their global FQNs, expert slices at their offsets in the whole [E, ...] stacks),
 so a resumed run repeats the uninterrupted losses bit for bit on the same layout and
 within the layout tests' tolerance on another (pp2 -> pp1, ep2 -> ep1, ep2 -> ep4).
-Slow: interleaved stages (two stage modules a rank) and the FSDP2 backend."""
+Slow: interleaved stages (two stage modules a rank), the FSDP2 backend, and 8-rank
+layouts with TP (dp2 x tp2 x pp2, cp2 x tp2 x ep2)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ PP2_INTERLEAVED = (
 EP2 = ({"dp_shard": 2, "ep": 2}, MOE, 2)
 EP1 = ({"dp_shard": 2}, MOE, 2)
 EP4 = ({"dp_shard": 4, "ep": 4}, MOE, 1)
+# slow, 8 ranks: stages with TP pieces; expert slices with TP and CP
+DP2_TP2_PP2 = ({"dp_shard": 2, "tp": 2, "pp": 2}, None, 2)
+CP2_TP2_EP2 = ({"dp_shard": 2, "cp": 2, "tp": 2, "ep": 2}, MOE, 2)
 
 
 def _losses(folder: str, layout: tuple, backend: str = "flexshard") -> list[float]:
@@ -92,6 +96,13 @@ def _more_on_4_ranks(rank: int, world_size: int, root: str) -> dict:
     return {"pp2_fsdp2": _interrupted(f"{root}/pp_fsdp2", PP2, "fsdp2")}
 
 
+def _on_8_ranks(rank: int, world_size: int, root: str) -> dict:
+    return {
+        "dp2xtp2xpp2": _interrupted(f"{root}/dtp", DP2_TP2_PP2),
+        "cp2xtp2xep2": _interrupted(f"{root}/cte", CP2_TP2_EP2),
+    }
+
+
 def _check_exact(results: list[dict]) -> None:
     """Same layout: bit for bit, on every rank."""
     for name, (whole, resumed) in results[0].items():
@@ -136,3 +147,8 @@ def test_pp_and_ep_checkpoints_resume_exactly_and_across_degrees(tmp_path):
 def test_interleaved_pp_and_fsdp2_checkpoints_resume_exactly(tmp_path):
     _check_exact(run_distributed(_more_on_2_ranks, 2, str(tmp_path), timeout=600))
     _check_exact(run_distributed(_more_on_4_ranks, 4, str(tmp_path), timeout=600))
+
+
+@pytest.mark.slow
+def test_checkpoints_resume_exactly_on_8_rank_layouts(tmp_path):
+    _check_exact(run_distributed(_on_8_ranks, 8, str(tmp_path), timeout=900))
