@@ -188,6 +188,7 @@ def _tp_case(rank: int, world_size: int) -> dict:
     return {n: full[n].numpy() for n in names}  # by value: not through shared memory
 
 
+@pytest.mark.slow  # the tp gather is DistMuon's, run fast by tests/test_tp.py
 def test_tensor_parallel_matrices_match_one_process() -> None:
     """dp2 x tp2: SOAP on matrices gathered whole (dp, then tp) on every rank (column-
     and row-parallel, uneven output rows), and per head on column-parallel q/k/v pieces

@@ -203,9 +203,8 @@ def test_step_balance_without_moe_is_a_no_op():
     assert tokens_per_expert([dense]) == {}
 
 
-@pytest.mark.parametrize(
-    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_moe_matches_eager(dtype):
     """torch.compile (aot_eager): bf16 keeps grouped_mm; fp32 falls back to the loop
     (the op's meta function takes bf16 only). Outputs, loads and biases as eager's."""

@@ -139,7 +139,7 @@ def _cases(rank: int, world_size: int, folder: str) -> dict[str, dict]:
     return results
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_ring_matches_allgather_and_single_process(world_size, tmp_path):
     """The op and the model at cp2 and cp3; at cp3 also the trainer (seq 18: chunks of
     3), ring vs all-gather (losses and norms) and vs one process (losses)."""
