@@ -51,19 +51,22 @@ def _flexshard_checkpoint() -> Any:
     return ckpt
 
 
-def _flat_options() -> Any:
-    """FSDP2 optimizer state keyed per parameter ("param_groups.<fqn>.lr"): pipeline
-    ranks hold different parameters, so nested groups listing them would collide."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def _fsdp2_state(job: Job) -> dict[str, Any]:
+def _fsdp2_state(job: Job, flat: bool) -> dict[str, Any]:
+    """FSDP2's state dicts; ``flat``: the optimizer's keyed per parameter
+    ("param_groups.<fqn>.lr"), as pipeline ranks need (they hold different parameters,
+    so nested groups listing them would collide); otherwise torch's nested form, which
+    flexshard's ``fs.checkpoint.load`` also reads."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(_logical_model(job), job.optimizer, options=_flat_options())
+    options = _options(flat)
+    model_sd, optim_sd = get_state_dict(_logical_model(job), job.optimizer, options=options)
     return {"model": model_sd, "optim": optim_sd}
+
+
+def _options(flat: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
 
 
 def _is_fsdp2(job: Job) -> bool:
@@ -104,7 +107,7 @@ def save(job: Job, step: int) -> Path:
     if _is_fsdp2(job):
         import torch.distributed.checkpoint as dcp
 
-        state = framed_state(_fsdp2_state(job), _frames(job))
+        state = framed_state(_fsdp2_state(job, job.dims.pp > 1), _frames(job))
         dcp.save({**state, SCHEDULER: job.lr_scheduler.state_dict()}, checkpoint_id=str(path))
     else:
         extra = {"step": step, SCHEDULER: job.lr_scheduler.state_dict()}
@@ -129,8 +132,9 @@ def maybe_resume(job: Job) -> int:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        state = _fsdp2_state(job)
         saved = dcp.FileSystemReader(str(path)).read_metadata().planner_data or {}
+        flat = any(p[0] == "optim" and len(p) == 2 for p in saved.values())  # as saved
+        state = _fsdp2_state(job, flat)
         if any(key[0] == SCHEDULER for key in saved.values()):
             state[SCHEDULER] = job.lr_scheduler.state_dict()
         loaded = framed_state(state, _frames(job))
@@ -141,7 +145,7 @@ def maybe_resume(job: Job) -> int:
             job.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
-            options=_flat_options(),
+            options=_options(flat),
         )
         scheduler = state.get(SCHEDULER)
     else:
