@@ -85,11 +85,27 @@ def _on_4_ranks(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
+def _first_loss(folder: str, layout: tuple, initial: str) -> float:
+    """Step 1's loss (before any update) of a fresh FSDP2 run from ``initial``'s weights."""
+    parallelism, moe, batch = layout
+    checkpoint = {"initial_load_path": initial}
+    training = {"steps": 1, "batch_size": batch}
+    parallelism = {**parallelism, "dp_backend": "fsdp2"}
+    cfg = layout_config(folder, parallelism, moe, checkpoint=checkpoint, training=training)
+    return run(cfg)[0]["loss"]
+
+
 def _more_on_2_ranks(rank: int, world_size: int, root: str) -> dict:
-    return {
+    out = {
         "pp2_interleaved": _interrupted(f"{root}/ppi", PP2_INTERLEAVED),
         "ep2_fsdp2": _interrupted(f"{root}/ep_fsdp2", EP2, "fsdp2"),
     }
+    # the step-6 weights (whole expert stacks) as the initial weights of ep2 and ep1
+    initial = f"{root}/ep_fsdp2/checkpoint/step-{STEPS}"
+    first = [
+        _first_loss(f"{root}/init_{n}", lay, initial) for n, lay in (("ep2", EP2), ("ep1", EP1))
+    ]
+    return {"exact": out, "initial": first}
 
 
 def _more_on_4_ranks(rank: int, world_size: int, root: str) -> dict:
@@ -145,7 +161,11 @@ def test_pp_and_ep_checkpoints_resume_exactly_and_across_degrees(tmp_path):
 
 @pytest.mark.slow
 def test_interleaved_pp_and_fsdp2_checkpoints_resume_exactly(tmp_path):
-    _check_exact(run_distributed(_more_on_2_ranks, 2, str(tmp_path), timeout=600))
+    two = run_distributed(_more_on_2_ranks, 2, str(tmp_path), timeout=600)
+    _check_exact([r["exact"] for r in two])
+    ep2, ep1 = two[0]["initial"]  # step 1 on the loaded weights, under ep2 and ep1
+    fresh = two[0]["exact"]["ep2_fsdp2"][0][0]
+    assert abs(ep2 - ep1) / ep1 < LOSS_RTOL and abs(ep2 - fresh) > 1e-3, (ep2, ep1, fresh)
     _check_exact(run_distributed(_more_on_4_ranks, 4, str(tmp_path), timeout=600))
 
 
