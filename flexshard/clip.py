@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .runtime.bucket import Bucket
+from .runtime.collectives import Pending
 from .runtime.module import subtree_buckets
 from .runtime.tp_params import tp_group, tp_sharded
 
@@ -58,15 +59,37 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
                 else (partial[slot] + norm**norm_type)
             )
     op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-    dist.all_reduce(partial, op=op, group=group)
     if len(tp_groups) > 1:
         raise ValueError("clip_grad_norm_: the module's TP parameters use different tp meshes")
+    names = ", ".join(b.name for b in buckets)
+    _all_reduce(partial, op, group, "clip_grad_norm_ all-reduce", names, buckets[0])
     if tp_groups:
-        dist.all_reduce(partial[0:1], op=op, group=tp_groups.pop())
+        tp = tp_groups.pop()
+        _all_reduce(partial[0:1], op, tp, "clip_grad_norm_ tp all-reduce", names, buckets[0])
     partial = partial.max() if norm_type == float("inf") else partial.sum()
     total = partial if norm_type == float("inf") else partial ** (1.0 / norm_type)
     scale_grads(buckets, max_norm, total)
     return total
+
+
+def _all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp,
+    group: dist.ProcessGroup,
+    collective: str,
+    names: str,
+    bucket: Bucket,
+) -> None:
+    """An all-reduce bounded by the model's timeout (a CollectiveError naming the
+    buckets where a peer stalls or dies), not by the backend's own default."""
+    Pending.launch(
+        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
+        collective,
+        names,
+        bucket.comm.timeout,
+        group,
+        runtime=bucket.runtime(),
+    ).wait()
 
 
 def scale_grads(buckets: Sequence[Bucket], max_norm: float, total: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 import flexshard as fs
+from flexshard.optim import DistMuon
 from flexshard.runtime.bucket import slot_of as fs_slot_of
 from flexshard.runtime.collectives import DEFAULT_TIMEOUT
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
@@ -118,7 +119,9 @@ def _outcome(model, before, started: float, err: BaseException | None) -> dict:
     }
 
 
-SCENARIOS = ("set_up", "forward", "backward", "end_of_backward", "full_state_dict")
+SCENARIOS = (
+    "set_up", "forward", "backward", "end_of_backward", "full_state_dict", "clip", "dist_muon"
+)
 
 
 def _stall_cases(rank: int, world_size: int) -> dict:
@@ -149,6 +152,21 @@ def _stall_cases(rank: int, world_size: int) -> dict:
                 if victim:
                     _stall()
                 fs.full_state_dict(model)
+                continue
+            if scenario in ("clip", "dist_muon"):  # the optimizer side, after a backward
+                tokens, targets = batches[rank]
+                model.loss(tokens, targets).backward()
+                before, started = _snapshot(model), time.monotonic()
+                if victim:
+                    _stall()
+                if scenario == "clip":
+                    fs.clip_grad_norm_(model, 1.0)
+                else:  # layer0 is Shard(0): its matrices travel to their owners
+                    matrices = [
+                        p for n, p in model.named_parameters()
+                        if n.startswith("layers.0.") and p.ndim == 2
+                    ]
+                    DistMuon(matrices, lr=0.02).step()
                 continue
             arm = functools.partial(_arm, model, scenario, _stall) if victim else (lambda: None)
             _train(model, opt, batches, rank, range(1), arm)
@@ -181,6 +199,8 @@ EXPECTED = {  # scenario: (collective, bucket) the survivors name
     "backward": ("reduce-scatter", "layer1"),
     "end_of_backward": ("reduce-scatter", "outer"),
     "full_state_dict": ("all-gather", "outer"),
+    "clip": ("clip_grad_norm_ all-reduce", "layer0, layer1, outer"),
+    "dist_muon": ("DistMuon forward all-to-all", "layer0"),
 }
 
 

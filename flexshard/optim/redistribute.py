@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..placements import lpt_owners
+from ..runtime.collectives import Pending
 from .matrices import Target
 from .units import Piece, matrices, pieces
 
@@ -134,16 +135,6 @@ def plan_exchanges(
     return exchanges
 
 
-def _wait(work: dist.Work, what: str, timeout: datetime.timedelta) -> None:
-    """Wait for ``work``; a failure or stall raises naming the bucket."""
-    try:
-        done = work.wait(timeout)
-    except Exception as err:  # gloo raises on a dead peer or its own timeout
-        raise RuntimeError(f"flexshard: {what} failed: {err}") from err
-    if done is False:
-        raise RuntimeError(f"flexshard: {what} did not finish within {timeout}")
-
-
 class Transfer:
     """One in-flight packed all-to-all and the buffer it fills."""
 
@@ -165,24 +156,31 @@ class Transfer:
         # forward) needs no collective; every rank knows this from the same layout
         if all(splits[s][d] == 0 for s in range(w) for d in range(w) if s != d):
             self.recv.copy_(send)
-            self.work = None
+            self.pending: Pending | None = None
             return
-        work = dist.all_to_all_single(
-            self.recv, send, recv_sizes, send_sizes, group=exchange.group, async_op=True
+        # bounded by the model's timeout: a stalled or dead peer raises a CollectiveError
+        # naming the bucket and this exchange. Waited on the host, not stream-ordered at
+        # launch: on CUDA the compute stream would otherwise queue the previous bucket's
+        # step behind this exchange and lose the overlap
+        self.pending = Pending.launch(
+            lambda: dist.all_to_all_single(
+                self.recv, send, recv_sizes, send_sizes, group=exchange.group, async_op=True
+            ),
+            f"{exchange.who} {what} all-to-all",
+            exchange.name,
+            exchange.timeout,
+            exchange.group,
         )
         size = send.element_size()
         counter.all_to_all += 1
         counter.bytes_sent += (sum(send_sizes) - send_sizes[rank]) * size
         counter.bytes_received += (sum(recv_sizes) - recv_sizes[rank]) * size
-        self.work = work
-        self.what = f"{exchange.who} {what} all-to-all of bucket '{exchange.name}'"
-        self.timeout = exchange.timeout
 
     def wait(self) -> list[torch.Tensor]:
         """The received buffer, split by source rank."""
-        if self.work is not None:
-            work, self.work = self.work, None
-            _wait(work, self.what, self.timeout)
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.wait()
         self._send = None
         return list(torch.split(self.recv, self.recv_sizes))
 
