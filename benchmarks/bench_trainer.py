@@ -10,7 +10,8 @@ order flipped every repetition (flexshard, fsdp2, fsdp2, flexshard, ...), on the
 model, data, seed and config; only ``parallelism.dp_backend`` differs. Per repetition
 flexshard's step time over FSDP2's, then the median over repetitions with its spread
 and a verdict against issue 11's target (benchmarks/stats.py).
-Results: benchmarks/results/trainer_bench.{json,md,png}.
+An untimed 2-step run of each backend comes first (the first run in a process makes
+one-time allocations). Results: benchmarks/results/trainer_bench.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ def measured_run(args: argparse.Namespace, table: dict[str, Any]) -> tuple[list[
 def _rank(rank: int, world_size: int, args: argparse.Namespace, folder: str) -> list[dict]:
     """Both backends, ``reps`` times, their order flipped every repetition; per run this
     rank's median tokens/s and its peak RSS above the RSS before the model was built."""
+    # one untimed 2-step run of each backend first: the first run in a process makes
+    # one-time allocations (~26 MB here) that would count against whichever runs first
+    warm = argparse.Namespace(**{**vars(args), "steps": 2})
+    for backend in BACKENDS:
+        run(config_from_dict(trainer_table(warm, model_table(args), {"dp_backend": backend},
+                                           f"{folder}/warm-{backend}")))
     out = []
     for rep in range(args.reps):
         for backend in alternating(BACKENDS, rep):
