@@ -9,6 +9,7 @@ from torch import nn
 import flexshard as fs
 from flexshard.runtime.bucket import slot_of
 from flexshard.runtime.region_dtensor import wrap
+from flexshard.testing.collectives import forbid_collectives
 
 LR = 0.02
 STEPS = 3
@@ -68,6 +69,15 @@ def local_part(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 def set_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
     for name, param in model.named_parameters():
         param.grad = local_part(param, grads[name])
+
+
+def checked_step(opt: torch.optim.Optimizer, comm_free: bool) -> None:
+    """One optimizer step; with every collective forbidden where it must need none."""
+    if comm_free:
+        with forbid_collectives():
+            opt.step()
+    else:
+        opt.step()
 
 
 def split_rows(full: torch.Tensor, rows: int) -> list[torch.Tensor]:

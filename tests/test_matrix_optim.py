@@ -18,7 +18,7 @@ from flexshard.optim import MatrixOptimizer, matrix_balance, matrix_buckets, pre
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import forbid_collectives, record_collectives
 
-from .muon_cases import SHAPES, Mats, full_grads, mixed_placement, set_grads
+from .muon_cases import SHAPES, Mats, checked_step, full_grads, mixed_placement, set_grads
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 heavyball = pytest.importorskip("heavyball")
@@ -114,11 +114,7 @@ def _run_case(case: str, optimizer: str, mesh, expected: dict) -> dict:
     with record_collectives() as log:
         for step in range(STEPS):
             set_grads(model, full_grads(NAMES, step))
-            if comm_free:
-                with forbid_collectives():
-                    opt.step()
-            else:
-                opt.step()
+            checked_step(opt, comm_free)
             schedule.step()
     full = fs.full_state_dict(model)
     return {

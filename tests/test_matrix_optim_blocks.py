@@ -17,11 +17,10 @@ from flexshard.optim import MatrixOptimizer
 from flexshard.optim.tp_matrices import own_part
 from flexshard.runtime.bucket import slot_of
 from flexshard.testing import run_distributed
-from flexshard.testing.collectives import forbid_collectives
 from flexshard.trainer.model import Transformer
 
 from . import tp_cases as tc
-from .muon_cases import HEAD_ROWS, SHAPES, Mats, full_grads, set_grads
+from .muon_cases import HEAD_ROWS, SHAPES, Mats, checked_step, full_grads, set_grads
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 SOAP = {"lr": 0.01, "precondition_frequency": 2}
@@ -82,11 +81,7 @@ def _steps(model: nn.Module, comm_free: bool) -> tuple[list[str], list]:
     opt = MatrixOptimizer(_groups(dict(model.named_parameters())), pytorch_optimizer.SOAP, **SOAP)
     for step in range(STEPS):
         set_grads(model, full_grads(NAMES, step))
-        if comm_free:
-            with forbid_collectives():
-                opt.step()
-        else:
-            opt.step()
+        checked_step(opt, comm_free)
     named = dict(model.named_parameters())
     blocks = sorted((n, k) for n in BLOCKS for k in opt.state[named[n]] if k.startswith("rows"))
     full = fs.full_state_dict(model) if slot_of(named["a"]) else named
