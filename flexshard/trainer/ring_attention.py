@@ -67,6 +67,17 @@ def _rows_and_keys(src: int, rank: int, half: int) -> tuple[slice, slice, bool]:
 SCORE_TILE = 1 << 20
 
 
+def _block_in_hand(
+    kv: torch.Tensor, ring: _Ring, step: int, half: int, repeat: int
+) -> tuple[slice, slice, bool, torch.Tensor, torch.Tensor]:
+    """At ring step ``step``: which local query rows see which rows of the block in hand
+    (rank ``rank - step``'s), whether under a causal mask, and its fp32 K and V with
+    GQA's heads repeated."""
+    rows, keys, causal = _rows_and_keys((ring.rank - step) % ring.size, ring.rank, half)
+    k_blk, v_blk = (_repeat(t[:, :, keys].float(), repeat) for t in kv)
+    return rows, keys, causal, k_blk, v_blk
+
+
 def _tiles(q: torch.Tensor, n_keys: int) -> list[slice]:
     """Query-row tiles of ``q`` [b, h, rows, d] against ``n_keys`` keys."""
     b, h, rows, _ = q.shape
@@ -115,9 +126,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             if step < ring.size - 1:
                 kv_next, works = ring.start(kv)
-            src = (ring.rank - step) % ring.size
-            rows, keys, causal = _rows_and_keys(src, ring.rank, half)
-            k_blk, v_blk = (_repeat(t[:, :, keys].float(), repeat) for t in kv)
+            rows, keys, causal, k_blk, v_blk = _block_in_hand(kv, ring, step, half, repeat)
             q_rows, out_rows, lse_rows = qf[:, :, rows], out[:, :, rows], lse[:, :, rows]
             for tile in _tiles(q_rows, k_blk.shape[2]):
                 scores = _scores(q_rows[:, :, tile], k_blk, causal, tile.start, scale)
@@ -154,9 +163,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             if step < ring.size - 1:
                 kv_next, kv_works = ring.start(kv)
-            src = (ring.rank - step) % ring.size
-            rows, keys, causal = _rows_and_keys(src, ring.rank, half)
-            k_blk, v_blk = (_repeat(t[:, :, keys].float(), repeat) for t in kv)
+            rows, keys, causal, k_blk, v_blk = _block_in_hand(kv, ring, step, half, repeat)
             dk_blk, dv_blk = torch.zeros_like(k_blk), torch.zeros_like(v_blk)
             q_rows, dq_rows = qf[:, :, rows], dq[:, :, rows]
             d_rows, delta_rows, lse_rows = dout[:, :, rows], delta[:, :, rows], lse[:, :, rows]
