@@ -5,13 +5,16 @@ per rank on CPU (gloo).
     .venv/bin/python -m benchmarks.bench_parallel            # 4- and 8-rank layouts
     .venv/bin/python -m benchmarks.bench_parallel --with-5d  # and the 16-rank 5-D layout
     .venv/bin/python -m benchmarks.bench_parallel --quick    # two 4-rank layouts, 2 reps
+    .venv/bin/python -m benchmarks.bench_parallel --variants # ring vs all-gather CP,
+                                                   # grouped_mm vs loop MoE experts
 
 Per world size, all layouts and both backends run inside the same processes, same
 model, data and seed; only ``parallelism.dp_backend`` differs. Per layout the two
 backends run ``--reps`` times (5 by default), their order flipped every repetition;
 the ratio is flexshard's step time over FSDP2's per repetition, then the median with
 its spread and a verdict (benchmarks/stats.py).
-Results: benchmarks/results/parallel_bench.{json,md,png}.
+Results: benchmarks/results/parallel_bench.{json,md,png}; ``--variants`` (see
+benchmarks/parallel_variants.py): parallel_variants.{json,md}.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from flexshard.testing import run_distributed
 
 from .bench_trainer import compare, measured_run, per_rep, trainer_table
 from .output import write_results
+from .parallel_variants import VARIANTS, summarise_variants, variant_rank, variants_markdown
 from .stats import RULE, alternating, cell, range_cell, spread, verdict_cell
 
 RESULTS = Path(__file__).parent / "results"
@@ -41,6 +45,7 @@ LAYOUTS: dict[str, tuple[int, dict, bool]] = {
     "dp2 x tp2": (4, {"dp_shard": 2, "tp": 2}, False),
     "tp2 x pp2": (4, {"dp_shard": 1, "tp": 2, "pp": 2}, False),
     "dp2 x cp2": (4, {"dp_shard": 2, "cp": 2}, False),
+    "dp2 x cp2 (ring)": (4, {"dp_shard": 2, "cp": 2, "cp_method": "ring"}, False),
     "dp4, ep2 (MoE)": (4, {"dp_shard": 4, "ep": 2}, True),
     "hsdp 2 x 2": (4, {"dp_replicate": 2, "dp_shard": 2}, False),
     "dp2 x tp2 x pp2": (8, {"dp_shard": 2, "tp": 2, "pp": 2}, False),
@@ -66,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=2, help="sequences per dp rank per step")
     p.add_argument("--with-5d", action="store_true", help="also the 16-rank 5-D layout")
     p.add_argument("--quick", action="store_true", help="smoke run: two 4-rank layouts, 2 reps")
+    p.add_argument("--only", action="append", default=[], help="run this layout alone (repeatable)")
+    p.add_argument(
+        "--variants",
+        action="store_true",
+        help="instead: ring vs all-gather CP and grouped_mm vs loop MoE experts (flexshard)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if args.quick:
@@ -74,6 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def chosen_layouts(args: argparse.Namespace) -> list[str]:
+    unknown = [n for n in args.only if n not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"--only {unknown}: not among the layouts {list(LAYOUTS)}")
+    if args.only:
+        return list(args.only)
     if args.quick:
         return ["dp2 x tp2", "hsdp 2 x 2"]
     return [n for n, (w, _, _) in LAYOUTS.items() if w < 16 or args.with_5d]
@@ -239,8 +255,37 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _meta(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    return {
+        "command": " ".join(["python -m benchmarks.bench_parallel", *(argv or sys.argv[1:])]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "load": ", ".join(f"{x:.1f}" for x in os.getloadavg()),
+        **{k: getattr(args, k) for k in ("dim", "layers", "seq_len", "batch", "steps")},
+        **{k: getattr(args, k) for k in ("warmup", "reps")},
+    }
+
+
+def main_variants(args: argparse.Namespace, argv: list[str] | None) -> None:
+    """Each world size's comparisons in one launch (its ratios are within that launch)."""
+    rows = []
+    for world_size in sorted({w for w, *_ in VARIANTS.values()}):
+        names = [n for n, (w, *_) in VARIANTS.items() if w == world_size]
+        folder = f"/tmp/bench_parallel_{os.getpid()}/variants_w{world_size}"
+        per_rank = run_distributed(variant_rank, world_size, args, names, folder, timeout=3000)
+        rows += summarise_variants(world_size, per_rank)
+    meta = _meta(args, argv)
+    text = variants_markdown(rows, meta)
+    write_results(args.out, "parallel_variants", meta, rows, text)
+    print(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.variants:
+        main_variants(args, argv)
+        return
     chosen = chosen_layouts(args)
     sizes = sorted({LAYOUTS[n][0] for n in chosen})
     rows = []
@@ -253,16 +298,9 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{r['layout']:>40} {r['backend']:>9}: {r['tokens_per_s']:8.0f} tok/s", flush=True
             )
-    meta = {
-        "command": " ".join(["python -m benchmarks.bench_parallel", *(argv or sys.argv[1:])]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "load": ", ".join(f"{x:.1f}" for x in os.getloadavg()),
-        **{k: getattr(args, k) for k in ("dim", "layers", "seq_len", "batch", "steps")},
-        **{k: getattr(args, k) for k in ("warmup", "reps")},
-    }
-    stem = "parallel_bench_quick" if args.quick else "parallel_bench"  # keep the real results
+    meta = _meta(args, argv)
+    # partial runs keep the real results
+    stem = "parallel_bench_quick" if args.quick or args.only else "parallel_bench"
     text = markdown(rows, meta)
     write_results(args.out, stem, meta, rows, text)
     try:

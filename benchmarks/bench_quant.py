@@ -2,13 +2,15 @@
 side by side with torch FSDP2 in bf16, same model and data, in one launch.
 
     .venv/bin/python -m benchmarks.bench_quant [--world-sizes 2 3 4] [--steps 4] [--reps 5]
+        [--configs "flex bf16" "flex mxfp8 32x32"]
 
 Compute is bf16: on a CPU without AVX-512 BF16 / AMX torch's bf16 GEMM is an order of
 magnitude slower than fp32, and this benchmark takes ~15 minutes instead of ~2.
 
 Every configuration runs ``--reps`` times (5 by default), the order reversed on every
-other repetition; the time ratio to FSDP2 bf16 is per repetition, then the median
-with its spread (benchmarks/stats.py).
+other repetition; the time ratios to FSDP2 bf16 and to flex bf16 (the quantized rows'
+target: <= 1.00) are per repetition, then the median with its spread (benchmarks/stats.py).
+``--configs`` runs a subset (flex bf16 is always added: every ratio needs it).
 
 Writes benchmarks/results/quant_bench.{json,md}.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -32,10 +35,20 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import flexshard as fs
 from flexshard.quant import MXFP8, FP8Blockwise
+from flexshard.runtime.module import own_buckets
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
 from .measure import CollectiveCounter
-from .stats import RULE, alternating, cell, centred, paired_ratios, range_cell, summary
+from .stats import (
+    RULE,
+    alternating,
+    cell,
+    centred,
+    paired_ratios,
+    range_cell,
+    summary,
+    verdict_cell,
+)
 
 RESULTS = Path(__file__).parent / "results"
 CFG = TransformerConfig(vocab=1024, dim=256, heads=8, hidden=1024, layers=4, seq=64)
@@ -83,7 +96,7 @@ def _run(name: str, rank: int, world_size: int, mesh: DeviceMesh, steps: int) ->
     batches = make_batches(CFG, (steps + 2) * world_size, batch=4, seed=1)
     counter = CollectiveCounter()
     counter.install()
-    times, gathered = [], []
+    times, cpu_times, gathered = [], [], []
     flex = spec != "fsdp2"
     try:
         for step in range(steps + 2):  # two warm-up steps
@@ -91,15 +104,17 @@ def _run(name: str, rank: int, world_size: int, mesh: DeviceMesh, steps: int) ->
             counter.take()
             if flex:
                 model.comm_stats(reset=True)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             tokens, targets = batches[step * world_size + rank]
             model.loss(tokens, targets).backward()
             opt.step()
             opt.zero_grad()
             elapsed = time.perf_counter() - start
+            cpu = time.process_time() - cpu_start  # all of this rank's threads
             records = counter.take()
             if step >= 2:
                 times.append(elapsed)
+                cpu_times.append(cpu)
                 gathered.append(sum(r.sent for r in records if r.kind == "all_gather"))
     finally:
         counter.uninstall()
@@ -107,7 +122,7 @@ def _run(name: str, rank: int, world_size: int, mesh: DeviceMesh, steps: int) ->
     per_element = None
     if flex:
         stats = model.comm_stats()
-        tiled = [b for b in model._flexshard_buckets if b.name.startswith(("mat", "emb"))]
+        tiled = [b for b in own_buckets(model) if b.name.startswith(("mat", "emb"))]
         received = sum(stats[b.name]["all_gather_bytes"] for b in tiled)
         elements = sum(
             stats[b.name]["all_gather"] * b.layout.numel * (world_size - 1) / world_size
@@ -116,43 +131,58 @@ def _run(name: str, rank: int, world_size: int, mesh: DeviceMesh, steps: int) ->
         per_element = received / elements
     return {
         "ms": [t * 1e3 for t in times],
+        "cpu_ms": [t * 1e3 for t in cpu_times],
         "all_gather_bytes": gathered[-1],
         "per_element": per_element,
     }
 
 
-def _rank(rank: int, world_size: int, steps: int, reps: int) -> dict:
+def _rank(rank: int, world_size: int, steps: int, reps: int, names: tuple[str, ...]) -> dict:
     mesh = init_device_mesh("cpu", (world_size,))
-    out: dict[str, list] = {name: [] for name in CONFIGS}
+    out: dict[str, list] = {name: [] for name in names}
+    centre = "fsdp2 bf16" if "fsdp2 bf16" in names else "flex bf16"
     for rep in range(reps):  # the order reversed on every other repetition
-        for name in alternating(centred(tuple(CONFIGS), "fsdp2 bf16"), rep):
+        for name in alternating(centred(names, centre), rep):
             out[name].append(_run(name, rank, world_size, mesh, steps))
     return out
 
 
-def _summarise(per_rank: list[dict]) -> dict[str, dict]:
+def _summarise(per_rank: list[dict], names: tuple[str, ...]) -> dict[str, dict]:
     rows = {}
-    for name in CONFIGS:
-        medians = []
+    for name in names:
+        medians, cpu_medians = [], []
         for repeat in range(len(per_rank[0][name])):
-            slowest = [
-                max(r[name][repeat]["ms"][i] for r in per_rank)
-                for i in range(len(per_rank[0][name][repeat]["ms"]))
-            ]
+            steps = range(len(per_rank[0][name][repeat]["ms"]))
+            slowest = [max(r[name][repeat]["ms"][i] for r in per_rank) for i in steps]
             medians.append(statistics.median(slowest))
+            # CPU time of all ranks together: less at the mercy of a loaded host's scheduler
+            total = [sum(r[name][repeat]["cpu_ms"][i] for r in per_rank) for i in steps]
+            cpu_medians.append(statistics.median(total))
         run = per_rank[0][name][0]
         rows[name] = {
             "median_ms": statistics.median(medians),
             "ms_per_rep": medians,
+            "cpu_ms": statistics.median(cpu_medians),
+            "cpu_ms_per_rep": cpu_medians,
             "all_gather_MB": run["all_gather_bytes"] / 2**20,
             "bytes_per_element": run["per_element"],
         }
-    bf16 = rows["flex bf16"]["all_gather_MB"]
-    fsdp2 = rows["fsdp2 bf16"]["ms_per_rep"]
-    for row in rows.values():
-        row["bytes_vs_bf16"] = row["all_gather_MB"] / bf16
-        row["time_vs_fsdp2"] = summary(paired_ratios(row["ms_per_rep"], fsdp2))
+    bf16 = rows["flex bf16"]
+    fsdp2 = rows.get("fsdp2 bf16")
+    for name, row in rows.items():
+        row["bytes_vs_bf16"] = row["all_gather_MB"] / bf16["all_gather_MB"]
+        if fsdp2 is not None:
+            row["time_vs_fsdp2"] = summary(paired_ratios(row["ms_per_rep"], fsdp2["ms_per_rep"]))
+        target = 1.0 if "fp8" in name else None  # the quantized rows: no slower than bf16
+        row["time_vs_bf16"] = summary(paired_ratios(row["ms_per_rep"], bf16["ms_per_rep"]), target)
+        row["cpu_vs_bf16"] = summary(
+            paired_ratios(row["cpu_ms_per_rep"], bf16["cpu_ms_per_rep"]), target
+        )
     return rows
+
+
+def _load() -> str:
+    return " / ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 def main() -> None:
@@ -160,13 +190,16 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
     parser.add_argument("--reps", type=int, default=5, help="runs per configuration")
+    parser.add_argument("--configs", nargs="+", choices=tuple(CONFIGS), default=tuple(CONFIGS))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    started = time.time()
+    names = tuple(n for n in CONFIGS if n in args.configs or n == "flex bf16")
+    started, load_start = time.time(), _load()
     results = {
-        w: _summarise(run_distributed(_rank, w, args.steps, args.reps, timeout=1200))
+        w: _summarise(run_distributed(_rank, w, args.steps, args.reps, names, timeout=3600), names)
         for w in args.world_sizes
     }
+    load_end = _load()
     args.out.mkdir(exist_ok=True)
     (args.out / "quant_bench.json").write_text(json.dumps(results, indent=2))
     notes = [
@@ -175,16 +208,20 @@ def main() -> None:
         "  matrices, embedding, head), padding and scales included; norms and biases travel in",
         "  buckets of their own (bf16 or fp32). At W = 3 the embedding/head bucket's 32 tiles",
         "  do not divide W: the padding that costs shows in that row.",
-        "- On CPU the codecs run in eager PyTorch (no fp8 hardware): the quantized rows pay",
+        "- On CPU the codecs run in eager PyTorch (no fp8 hardware), widening fp8 through",
+        "  fp16 bit operations (flexshard/quant/kernels.py): the quantized rows pay",
         "  quantize/dequantize time that FP8 GEMMs on a GPU would not.",
     ]
+    configs = " ".join(f'"{n}"' for n in names) if names != tuple(CONFIGS) else ""
     lines = [
         "# Quantized all-gather: bytes and step time",
         "",
         f"Command: `.venv/bin/python -m benchmarks.bench_quant --world-sizes "
-        f"{' '.join(map(str, args.world_sizes))} --steps {args.steps} --reps {args.reps}`  ",
+        f"{' '.join(map(str, args.world_sizes))} --steps {args.steps} --reps {args.reps}"
+        + (f" --configs {configs}`  " if configs else "`  "),
         f"Date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}; "
-        f"torch {torch.__version__}; CPU, gloo; {time.time() - started:.0f} s",
+        f"torch {torch.__version__}; CPU, gloo; {time.time() - started:.0f} s; load average "
+        f"(1/5/15 min) {load_start} at the start, {load_end} at the end",
         f"Model: TinyTransformer {CFG}, batch 4, AdamW; block matrices, embedding and head in "
         f"128 x 128 BlockShard tiles; compute in bf16 (fp32 row: fp32); {args.steps} timed "
         f"steps after 2 warm-up per run, median over steps of the slowest rank; {args.reps} "
@@ -192,19 +229,30 @@ def main() -> None:
         "",
         RULE,
         "",
-        "| W | config | median ms | / FSDP2 bf16 [IQR] | min–max | all-gather MB/step "
-        "| / bf16 bytes | B/elem |",
-        "|---|---|---|---|---|---|---|---|",
+        "| W | config | median ms | / FSDP2 bf16 [IQR] | min–max | / flex bf16 [IQR] | min–max "
+        "| ≤ flex bf16 | CPU s/step | CPU / flex bf16 [IQR] | ≤ flex bf16 (CPU) "
+        "| all-gather MB/step | / bf16 bytes | B/elem |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w, rows in results.items():
         for name, row in rows.items():
             per_element = row["bytes_per_element"]
+            fsdp2 = row.get("time_vs_fsdp2")
+            bf16 = row["time_vs_bf16"]
             lines.append(
-                f"| {w} | {name} | {row['median_ms']:.1f} | {cell(row['time_vs_fsdp2'])} | "
-                f"{range_cell(row['time_vs_fsdp2'])} | "
+                f"| {w} | {name} | {row['median_ms']:.1f} | "
+                + (f"{cell(fsdp2)} | {range_cell(fsdp2)} | " if fsdp2 else "– | – | ")
+                + f"{cell(bf16)} | {range_cell(bf16)} | {verdict_cell(bf16)} | "
+                f"{row['cpu_ms'] / 1e3:.2f} | {cell(row['cpu_vs_bf16'])} | "
+                f"{verdict_cell(row['cpu_vs_bf16'])} | "
                 f"{row['all_gather_MB']:.3f} | {row['bytes_vs_bf16']:.3f} | "
                 + (f"{per_element:.4f} |" if per_element else "– |")
             )
+    notes += [
+        "- CPU s/step: process CPU time of all ranks together (every thread), median over",
+        "  steps; on a loaded host it is steadier than the wall clock, though spinning",
+        "  threads and cache contention still count.",
+    ]
     lines += notes
     (args.out / "quant_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flexshard.runtime.module import own_buckets
+
 MB = 1024 * 1024
 
 
@@ -205,7 +207,7 @@ class BucketInfo:
 def flexshard_buckets(model: nn.Module) -> list[BucketInfo]:
     infos = []
     for module in model.modules():
-        for bucket in getattr(module, "_flexshard_buckets", ()):
+        for bucket in own_buckets(module):
             layout = bucket.layout
             infos.append(
                 BucketInfo(

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import flexshard as fs
 from flexshard.optim import DistMuon, muon_buckets
+from flexshard.runtime.bucket import slot_of
 from flexshard.runtime.region_dtensor import wrap
 
 from .muon_gather import GatherMuon
@@ -92,7 +93,7 @@ def _grads(model: nn.Module, step: int) -> None:
     gen = torch.Generator().manual_seed(100 + step)
     for name, param in model.named_parameters():
         full = torch.randn(model.shapes[int(name[1:])], generator=gen)
-        bucket, index = param._flexshard_slot
+        bucket, index = slot_of(param)
         regions = bucket.layout.params[index].regions[bucket.rank]
         pieces = [r.view_of(full).reshape(-1) for r in regions]
         flat = torch.cat(pieces) if pieces else full.new_empty(0)

@@ -1,13 +1,16 @@
 """A CPU/gloo hardware profile for ``flexshard-plan``, fitted from micro-benchmarks on
 this machine, each term from its own (none from the step times it is checked on):
 
-- GEMM: one-thread fp32 rate at the benchmark models' linear-layer shapes;
+- GEMM, attention, per-op overhead and non-GEMM bandwidth: with ``op_configs``, the
+  unsharded models' own forward / backward ops timed one by one at their shapes
+  (``plan_ops``, one thread); without, a one-thread GEMM of one linear layer's
+  shapes and a norm / SiLU / softmax / residual chain (tiny tensors: seconds per op
+  counted by ``flexshard.plan.opcount``; 1 MiB tensors: its bytes over its time less
+  the ops' cost), kept in the detail either way for comparison (the chain has no
+  attention: on CPU flash attention runs at a fraction of the GEMM rate);
 - memory: an in-place add over 64 MiB (the Muon path's bandwidth);
-- per-op overhead: a norm / SiLU / softmax / residual chain forward + backward on
-  tiny tensors, seconds over the aten ops ``flexshard.plan.opcount`` counts in it;
-- non-GEMM bandwidth: the same chain on activation-sized tensors (1 MiB), its bytes
-  (the same counter) over its time less the ops' overhead;
-- copies: a 4 MiB ``copy_`` (the collectives' copy-in / copy-out);
+- copies: a 4 MiB ``copy_`` into a new buffer (the collectives' copy-in / copy-out
+  land in freshly allocated buffers);
 - gloo: all-gather and reduce-scatter at W = 2, 3, 4 and four sizes (16 KiB - 4 MiB
   per rank), the slowest rank's median of 13 runs; non-negative least squares (of
   the relative error) of t = call + (W - 1) * ring step + sent / bandwidth;
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
 import torch
@@ -34,6 +37,9 @@ from torch.distributed.tensor import distribute_tensor
 from flexshard.plan.hardware import Hardware
 from flexshard.plan.opcount import OpCount, count_ops
 from flexshard.testing import run_distributed
+from flexshard.trainer.config import Config
+
+from .plan_ops import op_rates
 
 SIZES = (1 << 12, 1 << 16, 1 << 18, 1 << 20)  # fp32 elements per rank
 REPS = 15  # runs of each collective (the first 2 not counted): the machine is noisy
@@ -105,8 +111,12 @@ def op_costs(reps: int = 30) -> tuple[float, float]:
     return per_op, big_ops.bytes / max(big - big_ops.ops * per_op, 1e-9)
 
 
-def copy_gbps(numel: int = 1 << 20, reps: int = 20) -> float:
+def copy_gbps(numel: int = 1 << 20, reps: int = 20, fresh: bool = True) -> float:
+    """``fresh``: into a new buffer each time, as the runtime's gathered and reduced
+    buffers are (a large one comes from the OS each time: its pages fault in)."""
     src, dst = torch.randn(numel), torch.empty(numel)
+    if fresh:
+        return 2 * 4 * numel / _timed(lambda: torch.empty(numel).copy_(src), reps) / 1e9
     return 2 * 4 * numel / _timed(lambda: dst.copy_(src), reps) / 1e9
 
 
@@ -227,13 +237,24 @@ def gloo_fit(per_world: dict[int, list[dict]]) -> tuple[float, float, float, flo
     return call, step, 1 / max(inv_ag, 1e-15), 1 / max(inv_rs, 1e-15)
 
 
-def fit_cpu_profile(worlds: tuple[int, ...] = WORLDS) -> tuple[Hardware, dict]:
+def fit_cpu_profile(
+    worlds: tuple[int, ...] = WORLDS, op_configs: Sequence[Config] = ()
+) -> tuple[Hardware, dict]:
+    """``op_configs``: models whose unsharded forward / backward ops are timed at their
+    own shapes (``plan_ops``) for the GEMM, attention and non-GEMM rates; without
+    them, the nominal GEMM and the norm / SiLU / softmax chain above."""
     per_world = {w: run_distributed(_rank, w, timeout=300) for w in worlds}
     gemm, _ = _gemm()
     torch.set_num_threads(1)
     alone = _timed(gemm, 10)
-    tflops = gemm_tflops()
-    per_op, elementwise = op_costs()
+    tflops = nominal_tflops = gemm_tflops()
+    per_op, elementwise = chain = op_costs()
+    attention, at_shapes = 0.0, {}
+    if op_configs:
+        rates, at_shapes = op_rates(list(op_configs))
+        tflops, attention = rates["gemm_tflops"], rates["attention_tflops"]
+        per_op, elementwise = rates["op_overhead_us"] * 1e-6, rates["elementwise_gbps"] * 1e9
+        at_shapes["rates"] = rates
     call, step, ag_bw, rs_bw = gloo_fit(per_world)
     # a rank of W finds W / slowdown cores (fewer than the host has under other load)
     cores = statistics.median(
@@ -265,8 +286,13 @@ def fit_cpu_profile(worlds: tuple[int, ...] = WORLDS) -> tuple[Hardware, dict]:
             r["dtensor_s"] for rs in per_world.values() for r in rs
         )
         * 1e6,
+        attention_tflops=attention,
     )
     detail = {
+        "nominal_gemm_tflops": nominal_tflops,
+        "chain_op_us_gbps": (chain[0] * 1e6, chain[1] / 1e9),
+        "copy_gbps_preallocated": copy_gbps(fresh=False),
+        "ops_at_shapes": at_shapes,
         "gloo_points": [
             (kind, w, sent, _slowest([r["points"][i][3] for r in rs]))
             for rs in per_world.values()

@@ -13,22 +13,26 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
     lines = [
         "# flexshard-plan validation: predicted vs measured (CPU) and vs published (H100)",
         "",
-        "Command: `.venv/bin/python -m benchmarks.plan_validation`  ",
+        f"Command: `.venv/bin/{result.get('command', 'python -m benchmarks.plan_validation')}`  ",
         f"Date: {result['date']}; torch {result['torch']}; {result['machine']}",
         "",
         "## CPU, gloo: predicted vs measured step time",
         "",
-        f"Profile fitted from micro-benchmarks only (`benchmarks/plan_fit.py`; "
-        f"`cpu_gloo_profile.json` holds the median over the {result['reps']} repetitions): "
-        f"one-thread fp32 GEMM {hw['peak_tflops'] * 1e3:.1f} GFLOP/s; non-GEMM ops "
+        f"Profile from micro-benchmarks only (`cpu_gloo_profile.json` holds the median "
+        "over the launches): "
+        f"one-thread fp32, timed on the unsharded models' own ops at their shapes "
+        f"(`benchmarks/plan_ops.py`): GEMMs {hw['peak_tflops'] * 1e3:.1f} GFLOP/s, "
+        f"causal attention {hw.get('attention_tflops', 0.0) * 1e3:.1f} GFLOP/s; non-GEMM ops "
         f"{hw['op_overhead_us']:.2f} us each + bytes at {hw['elementwise_gbps']:.1f} GB/s; "
         f"buffer copies {hw['copy_gbps']:.1f} GB/s; gloo all-gather {hw['intra_gbps']:.3f} "
         f"GB/s, reduce-scatter {hw['reduce_scatter_gbps']:.3f} GB/s, "
         f"{hw['intra_latency_us'] / 1e3:.2f} ms per ring step + "
-        f"{hw['collective_overhead_us'] / 1e3:.2f} ms per call; the W ranks find "
-        f"{hw['cores']:.2f} cores; collectives overlap compute by {hw['overlap']:.0%}. "
-        f"Each of {result['reps']} repetitions fits the profile, then measures W = "
-        "2, 3, 4 (reversed every other one) and predicts on its own profile. Measured: "
+        f"{hw['collective_overhead_us'] / 1e3:.2f} ms per call; collectives overlap "
+        f"compute by {hw['overlap']:.0%}; DTensor {hw['dtensor_op_overhead_us']:.1f} us "
+        f"per op. Each of {result['reps']} repetitions runs W = 2, 3, 4 (reversed every "
+        "other one), each W one launch that calibrates its profile with all W ranks at "
+        "once (`benchmarks/plan_launch.py`), measures the rows, calibrates again; each "
+        "row is predicted on its own launch's profile. Measured: "
         f"the trainer, median step of {result['steps'] - result['warmup']} steps after "
         f"{result['warmup']} warm-up, slowest rank; the table gives the median over the "
         "repetitions (range in brackets) and the median of the per-repetition gaps. "

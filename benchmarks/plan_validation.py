@@ -1,15 +1,15 @@
 """flexshard-plan's step-time model against measurements and published figures.
 
-    .venv/bin/python -m benchmarks.plan_validation     # ~10-15 minutes on 2 shared cores
+    .venv/bin/python -m benchmarks.plan_validation     # ~15-20 minutes on 2 quiet cores
     .venv/bin/python -m benchmarks.plan_validation --report-only   # re-predict, no runs
 
-1. Three repetitions, each: fit a CPU/gloo profile on this machine
-   (benchmarks/plan_fit.py), then measure the trainer's step time at W = 2, 3, 4
-   (gloo, one thread per rank) on the bench_trainer model and a bench_dp-like model,
-   flexshard and torch FSDP2, and predict each with the plan on that repetition's
-   profile (the load of the moment hits both). Nothing is tuned to the measurements:
-   the profile comes from the micro-benchmarks alone. The median profile is saved as
-   benchmarks/results/cpu_gloo_profile.json (usable as ``--hardware``).
+1. Three repetitions, each: at W = 2, 3, 4 (gloo, one thread per rank), one launch
+   of W processes calibrates a CPU/gloo profile (benchmarks/plan_launch.py), measures
+   the trainer's step time on the bench_trainer model and a bench_dp-like model,
+   flexshard and torch FSDP2, and calibrates again; each row is predicted by the plan
+   on its launch's profile (the load of the moment hits both). Nothing is tuned to
+   the measurements: the profile comes from the micro-benchmarks alone. The median
+   profile is saved as benchmarks/results/cpu_gloo_profile.json (``--hardware``).
 2. Plan the published runs on the h100 profile and set the predictions next to the
    published figures.
 Results: benchmarks/results/plan_validation.{json,md}.
@@ -24,6 +24,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from flexshard.testing import run_distributed
 from flexshard.trainer.config import Config, config_from_dict, load_config
 from flexshard.trainer.train import run
 
-from .plan_fit import fit_cpu_profile
+from .plan_launch import calibrate, launch_profile
 from .plan_published import PUBLISHED, fp8_gather_row
 from .plan_tables import write_markdown
 
@@ -44,19 +45,22 @@ RESULTS = Path(__file__).parent / "results"
 # what the model counts and leaves out (the same for every run); the figures of a run
 # are read from its own rows by ``run_readings``
 READINGS = [
-    "- The step-time model counts, per bucket: GEMM FLOPs at the fitted GEMM rate; the "
-    "non-GEMM work of its share of the blocks (norms, RoPE, softmax, SiLU, casts, loss: "
-    "aten ops counted under FakeTensorMode, each at the fitted per-op cost, their bytes "
-    "at the fitted non-GEMM bandwidth); the copy-in / copy-out of its all-gather and "
+    "- The step-time model counts, per bucket: GEMM FLOPs at the GEMM rate and causal "
+    "attention's at the attention rate (both timed on the unsharded models' own ops at "
+    "their shapes); the non-GEMM work of its share of the blocks (norms, RoPE, SiLU, "
+    "casts, loss: aten ops counted under FakeTensorMode, each at the per-op cost, their "
+    "bytes at the non-GEMM bandwidth, both fitted on the same timed ops); the copy-in / "
+    "copy-out (into new buffers) of its all-gather and "
     "reduce-scatter buffers on the compute stream; gloo collectives at the fitted cost "
     "per call, per ring step and bandwidth (all-gather and reduce-scatter fitted apart) "
     "on the hooks' schedule, with the fitted share of them that really runs beside "
-    "compute; clipping + AdamW counted op by op (FSDP2: each op also at DTensor's "
-    "fitted dispatch cost); W ranks on the cores they were measured to find. Nothing "
-    "is fitted to the step times.",
+    "compute; clipping + AdamW counted op by op, each op also at DTensor's measured "
+    "dispatch cost (flexshard's parameters are DTensors too). Every constant is "
+    "calibrated in the launch that measures the row, all W ranks at once. Nothing is "
+    "fitted to the step times.",
     "- Left out: the hooks' and modules' Python cost per call (flexshard's and FSDP2's "
     "pre/post-forward and backward hooks), DTensor dispatch outside the optimizer, "
-    "the allocator, and one bandwidth for every non-GEMM size (no cache model).",
+    "and one bandwidth for every non-GEMM size (no cache model).",
 ]
 TARGET = 0.25  # issue 17: predicted within 25% of measured
 
@@ -80,14 +84,16 @@ def run_readings(result: dict[str, Any]) -> list[str]:
         f"{max(gaps):+.0%}).",
     ]
     if profiles:
+
         def spread(key: str, scale: float = 1.0) -> str:
             values = [p[key] * scale for p in profiles]
             return f"{min(values):.3g}-{max(values):.3g}"
 
         lines.append(
-            f"- Fitted over the {len(profiles)} repetitions: GEMM "
-            f"{spread('peak_tflops', 1e3)} GFLOP/s x efficiency, non-GEMM "
-            f"{spread('elementwise_gbps')} GB/s, cores {spread('cores')}, overlap "
+            f"- Calibrated in the {len(profiles)} launches: GEMM "
+            f"{spread('peak_tflops', 1e3)} GFLOP/s, non-GEMM "
+            f"{spread('elementwise_gbps')} GB/s, attention "
+            f"{spread('attention_tflops', 1e3)} GFLOP/s, overlap "
             f"{spread('overlap')}; 1-minute load average {_loads(result)}."
         )
     return lines
@@ -137,13 +143,16 @@ def row_config(row: tuple[str, str, str], steps: int, folder: str) -> Config:
     )
 
 
-def _measure(rank: int, world: int, steps: int, warmup: int, folder: str) -> list[float]:
-    """Per row, this rank's median step time (s) after ``warmup`` steps."""
+def _measure(rank: int, world: int, steps: int, warmup: int, folder: str) -> dict[str, Any]:
+    """Per row, this rank's median step time (s) after ``warmup`` steps, between two
+    calibrations of the profile in the same processes (``plan_launch``)."""
+    configs = _op_configs(steps)
+    before = calibrate(rank, world, configs)
     out = []
     for i, row in enumerate(ROWS):
         records = run(row_config(row, steps, f"{folder}/{i}"))
         out.append(statistics.median(r["step_time_s"] for r in records[warmup:]))
-    return out
+    return {"rows": out, "calibrations": [before, calibrate(rank, world, configs)]}
 
 
 PREDICTED = ("step_s", "compute_s", "gemm_s", "copy_s", "exposed_dp_s", "optimizer_s")
@@ -168,38 +177,51 @@ def median_profile(profiles: list[Hardware]) -> Hardware:
     return Hardware(**fields)
 
 
+def _op_configs(steps: int) -> list[Config]:
+    """The models whose unsharded ops the profile times at their shapes (one each)."""
+    return [
+        row_config((m, "flexshard", "shard0"), steps, "outputs/plan_validation") for m in MODELS
+    ]
+
+
+Profiles = dict[int, list[Hardware]]  # per W, one per repetition
+
+
 def cpu_rows(
     worlds: list[int], steps: int, warmup: int, reps: int
-) -> tuple[dict[tuple[int, int], list[float]], list[Hardware], list[dict], list[str]]:
-    """``reps`` repetitions, each: fit the profile, then measure every W (the order
-    reversed every other repetition), so the load of the moment hits the fit and the
-    measurement alike. Returns each row's step (s) per repetition and the profiles."""
+) -> tuple[dict[tuple[int, int], list[float]], Profiles, list[dict], list[str]]:
+    """``reps`` repetitions, each measuring every W (the order reversed every other
+    repetition) in a launch that calibrates its own profile before and after the
+    steps, so the load of the moment hits the calibration and the measurement alike.
+    Returns each row's step (s) per repetition and each launch's profile."""
     samples: dict[tuple[int, int], list[float]] = {}
-    profiles, fits, loads = [], [], []
+    profiles: Profiles = {}
+    fits, loads = [], []
     with tempfile.TemporaryDirectory() as folder:
         for rep in range(reps):
-            loads.append(uptime())
-            hw, fit = fit_cpu_profile()
-            profiles.append(hw)
-            fits.append(fit)
             for world in worlds if rep % 2 == 0 else worlds[::-1]:
-                per_rank = run_distributed(_measure, world, steps, warmup, folder, timeout=1800)
+                loads.append(uptime())
+                per_rank = run_distributed(_measure, world, steps, warmup, folder, timeout=3600)
+                calibrations = [[r["calibrations"][k] for r in per_rank] for k in (0, 1)]
+                hw, fit = launch_profile(calibrations)
+                profiles.setdefault(world, []).append(hw)
+                fits.append({"world": world, "rep": rep, **fit})
                 for i in range(len(ROWS)):  # the slowest rank sets the step
-                    samples.setdefault((world, i), []).append(max(r[i] for r in per_rank))
+                    samples.setdefault((world, i), []).append(max(r["rows"][i] for r in per_rank))
         loads.append(uptime())
     return samples, profiles, fits, loads
 
 
 def compare(
-    samples: dict[tuple[int, int], list[float]], profiles: list[Hardware], steps: int
+    samples: dict[tuple[int, int], list[float]], profiles: Profiles, steps: int
 ) -> list[dict[str, Any]]:
-    """Each row predicted on each repetition's profile against that repetition's
-    measurement; medians over the repetitions."""
+    """Each row predicted on its launch's profile against that launch's measurement;
+    medians over the repetitions."""
     rows = []
     for (world, i), measured_s in sorted(samples.items()):
         row = ROWS[i]
         cfg = row_config(row, steps, "outputs/plan_validation")
-        predicted = [predict(cfg, world, hw) for hw in profiles]
+        predicted = [predict(cfg, world, hw) for hw in profiles[world]]
         measured = [m * 1e3 for m in measured_s]
         gaps = [p["step_s"] * 1e3 / m - 1 for m, p in zip(measured, predicted)]
         rows.append(
@@ -307,7 +329,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.report_only:
         result = json.loads((args.out / "plan_validation.json").read_text())
         hw = Hardware(**result["cpu_profile"])
-        profiles = [Hardware(**p) for p in result["cpu_profiles"]]
+        profiles: Profiles = {}
+        for p in result["cpu_profiles"]:
+            world = p.pop("world")
+            profiles.setdefault(world, []).append(Hardware(**p))
         samples = {
             (r["world"], ROWS.index((r["model"], r["backend"], r["placement"]))): [
                 m / 1e3 for m in r["measured_reps_ms"]
@@ -320,10 +345,11 @@ def main(argv: list[str] | None = None) -> None:
         _write(result, args.out)
         return
     samples, profiles, fits, loads = cpu_rows(args.worlds, args.steps, args.warmup, args.reps)
-    hw = median_profile(profiles)
+    hw = median_profile([p for per_world in profiles.values() for p in per_world])
     rows = compare(samples, profiles, args.steps)
     (args.out / "cpu_gloo_profile.json").write_text(json.dumps(hw.as_dict(), indent=1))
     result = {
+        "command": " ".join(["python -m benchmarks.plan_validation", *(argv or sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
@@ -331,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         "warmup": args.warmup,
         "reps": args.reps,
         "cpu_profile": hw.as_dict(),
-        "cpu_profiles": [p.as_dict() for p in profiles],
+        "cpu_profiles": [{"world": w, **p.as_dict()} for w, ps in profiles.items() for p in ps],
         "fit": fits,
         "cpu": rows,
         "uptime": loads,

@@ -7,241 +7,31 @@ import datetime
 import fnmatch
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from .placements import BlockShard, BucketLayout, Placement, Shard, plan_bucket
-from .quant import QuantFormat
-from .runtime.bucket import Bucket, BucketParam
-from .runtime.collectives import DEFAULT_TIMEOUT, BucketComm, check_timeout
-from .runtime.consistency import check_same_plan
-from .runtime.groups import MeshGroups, resolve_mesh
+from .bucket_plans import (
+    BucketSpec,
+    _agree_and_build,
+    _check_quant,
+    _hook_modules,
+    _parameter_locations,
+    _Plan,
+    _plan,
+    _resolve_placement,
+)
+from .placements import Shard
+from .runtime.collectives import DEFAULT_TIMEOUT, check_timeout
+from .runtime.groups import resolve_mesh
 from .runtime.hooks import StepState, install_bucket_hooks, install_root_hooks
 from .runtime.module import FlexShardModule, make_flexshard_class
-from .runtime.tp_params import check_tp_param, local_of, spec_of
 from .state_dict_hooks import install_state_dict_hooks
-from .validation import check_bucket_spec, check_module, check_options
+from .validation import check_module, check_options
 
-PlacementFn = Callable[[str, nn.Parameter], Placement]
-
-
-@dataclass(frozen=True)
-class BucketSpec:
-    """A named group of parameters, chosen by FQN glob patterns, that shares one
-    placement policy (a Placement, or ``placement(fqn, param) -> Placement``)."""
-
-    patterns: str | Sequence[str]
-    placement: Placement | PlacementFn = Shard(0)
-    name: str | None = None
-    mp_policy: MixedPrecisionPolicy | None = None
-    reshard_after_forward: bool | None = None
-    #: let parameters of several dtypes share the bucket: one uint8 storage and one
-    #: all-gather of bytes; gradients reduce in the widest dtype (or mp reduce_dtype)
-    pack_as_bytes: bool = False
-    #: all-gather block-quantized (FP8Blockwise or MXFP8): BlockShard tiles that are
-    #: multiples of the format's block, each rank quantizing its own tiles
-    quant: QuantFormat | None = None
-
-    def __post_init__(self) -> None:
-        check_bucket_spec(self)
-
-    @property
-    def pattern_list(self) -> list[str]:
-        return [self.patterns] if isinstance(self.patterns, str) else list(self.patterns)
-
-
-def _parameter_locations(module: nn.Module) -> dict[int, list[str]]:
-    """Every FQN under which each not-yet-sharded parameter is reachable (ties share one)."""
-    locations: dict[int, list[str]] = {}
-    for fqn, param in module.named_parameters(remove_duplicate=False):
-        if getattr(param, "_flexshard_slot", None) is None:
-            locations.setdefault(id(param), []).append(fqn)
-    return locations
-
-
-def _owner(module: nn.Module, fqn: str) -> tuple[nn.Module, str]:
-    prefix, _, attr = fqn.rpartition(".")
-    return module.get_submodule(prefix), attr
-
-
-def _hook_modules(root: nn.Module, fqns: Sequence[str]) -> list[nn.Module]:
-    """The called modules that run the bucket's parameters: their deepest common
-    parent, or, when that is a container without a forward (ModuleList, ModuleDict),
-    each of its children that holds some of them (``layers.*``: every layer)."""
-    paths = [fqn.split(".")[:-1] for fqn in fqns]
-    common: list[str] = []
-    for parts in zip(*paths):
-        if any(p != parts[0] for p in parts):
-            break
-        common.append(parts[0])
-    parent = root.get_submodule(".".join(common))
-    containers = (nn.ModuleList, nn.ModuleDict)
-    if isinstance(parent, containers) and all(len(p) > len(common) for p in paths):
-        names = {p[len(common)] for p in paths}
-        children = [m for name, m in parent.named_children() if name in names]
-        if not any(isinstance(m, containers) for m in children):
-            return children
-    while common and isinstance(root.get_submodule(".".join(common)), containers):
-        common.pop()
-    return [root.get_submodule(".".join(common))]
-
-
-def _resolve_placement(
-    spec_placement: object, fqn: str, param: nn.Parameter, bucket: str
-) -> Placement:
-    check_tp_param(param, fqn, bucket)
-    placement = (
-        spec_placement(fqn, param)
-        if callable(spec_placement) and not isinstance(spec_placement, Placement)
-        else spec_placement
-    )
-    if placement is None:
-        placement = Shard(0)
-    if not isinstance(placement, Placement):
-        placement = _from_torch_placement(placement, fqn, bucket)
-    return placement
-
-
-def _from_torch_placement(placement: object, fqn: str, bucket: str) -> Placement:
-    """Accept torch's own ``Shard(dim)`` from an FSDP2 ``shard_placement_fn``."""
-    from torch.distributed.tensor import Shard as TorchShard
-
-    if isinstance(placement, TorchShard):
-        return Shard(placement.dim)
-    raise TypeError(
-        f"bucket '{bucket}': placement for parameter '{fqn}' must be a flexshard Placement, "
-        f"got {placement!r}"
-    )
-
-
-@dataclass
-class _Plan:
-    """One bucket, validated and laid out; nothing built or communicated yet."""
-
-    name: str
-    members: list[tuple[nn.Parameter, list[str]]]
-    placements: list[Placement]
-    layout: BucketLayout
-    hook_modules: list[nn.Module]
-    mp_policy: MixedPrecisionPolicy
-    reshard_after_forward: bool | None
-    quant: QuantFormat | None = None
-
-
-def _check_quant(
-    name: str,
-    members: list[tuple[nn.Parameter, list[str]]],
-    placements: list[Placement],
-    quant: QuantFormat,
-) -> None:
-    """A quantized bucket needs whole format blocks inside every tile: then each rank
-    quantizes its own tiles exactly as quantizing the full weight would."""
-    r, c = quant.block
-    if len({param.dtype for param, _ in members}) > 1:
-        raise ValueError(f"bucket '{name}' (quant={quant}): parameters must share one dtype")
-    for (param, fqns), placement in zip(members, placements):
-        where = f"bucket '{name}' (quant={quant}): parameter '{fqns[0]}'"
-        if not isinstance(placement, BlockShard) or param.ndim < 2:
-            raise ValueError(
-                f"{where} must be a 2-D or batched weight placed with BlockShard, got "
-                f"{placement} on shape {tuple(param.shape)}"
-            )
-        rows, cols = placement.block
-        if rows % r or cols % c:
-            raise ValueError(
-                f"{where} has BlockShard tiles {placement.block} that are not multiples of "
-                f"the format's block {quant.block}"
-            )
-        if not param.dtype.is_floating_point:
-            raise ValueError(f"{where} is {param.dtype}; only floating weights quantize")
-
-
-def _plan(
-    name: str,
-    members: list[tuple[nn.Parameter, list[str]]],
-    placements: list[Placement],
-    world_size: int,
-    first_rank: int,
-    mp_policy: MixedPrecisionPolicy,
-    pack_as_bytes: bool = False,
-) -> BucketLayout:
-    dtypes: dict[torch.dtype, str] = {}
-    for param, fqns in members:
-        dtypes.setdefault(param.dtype, fqns[0])
-    listed = ", ".join(f"'{fqn}' is {dtype}" for dtype, fqn in dtypes.items())
-    if len(dtypes) > 1 and not pack_as_bytes:
-        raise ValueError(
-            f"bucket '{name}': parameters of different dtypes cannot share a bucket ({listed}); "
-            "split them into buckets of one dtype, or pack them as bytes "
-            "(BucketSpec(..., pack_as_bytes=True))"
-        )
-    if len(dtypes) > 1 and mp_policy.param_dtype is not None:
-        raise ValueError(
-            f"bucket '{name}' packs parameters of several dtypes as bytes ({listed}) and "
-            f"gathers each in its own dtype; its mp_policy's param_dtype "
-            f"{mp_policy.param_dtype} would cast them all: give the bucket one or the other"
-        )
-    return plan_bucket(
-        [(fqns[0], tuple(local_of(p).shape), pl) for (p, fqns), pl in zip(members, placements)],
-        world_size,
-        bucket=name,
-        first_rank=first_rank,
-    )
-
-
-def _agree_and_build(
-    root: nn.Module,
-    plan_fn: Callable[[], list[_Plan]],
-    groups: MeshGroups,
-    timeout: datetime.timedelta,
-) -> list[tuple[Bucket, list[nn.Module]]]:
-    """Validate locally, agree with the other ranks in one small all-gather (so a
-    rank whose input is bad, or differs, makes every rank raise instead of hang),
-    then build the buckets."""
-    try:
-        plans, error = plan_fn(), None
-    except (ValueError, TypeError) as err:
-        plans, error = [], err
-    check_same_plan(groups, [(p.name, p.members, p.placements) for p in plans], error, timeout)
-    built = []
-    for plan in plans:
-        params = [
-            BucketParam(
-                fqns[0],
-                param.requires_grad,
-                [_owner(root, f) for f in fqns],
-                spec_of(param),
-                placement,
-            )
-            for (param, fqns), placement in zip(plan.members, plan.placements)
-        ]
-        initial = [_on_device(param, groups.device) for param, _ in plan.members]
-        comm = BucketComm(plan.name, groups.shard, groups.replicate, timeout)
-        bucket = Bucket(
-            plan.name,
-            plan.layout,
-            params,
-            initial,
-            comm,
-            groups.rank,
-            plan.mp_policy,
-            plan.reshard_after_forward,
-            plan.quant,
-            groups.mesh,
-        )
-        built.append((bucket, plan.hook_modules))
-    return built
-
-
-def _on_device(param: nn.Parameter, device: torch.device) -> torch.Tensor:
-    param = local_of(param)  # a TP DTensor: its local piece is what flexshard shards
-    if param.device.type in ("meta", device.type):
-        return param.detach()
-    return param.detach().to(device)
+__all__ = ["BucketSpec", "flex_shard", "fully_shard"]
 
 
 def flex_shard(

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from .runtime.bucket import Bucket
 from .runtime.dcp_chunks import RegionTensor, local_boxes, region_tensor, shifted
-from .runtime.module import subtree_buckets
+from .runtime.module import own_buckets, subtree_buckets
 from .runtime.region_dtensor import wrap
 from .runtime.tp_params import local_of, tp_frame
 
@@ -108,7 +108,7 @@ def to_local(value: torch.Tensor, bucket: Bucket, index: int, key: str) -> torch
 
 
 def _own_buckets(module: nn.Module) -> list[Bucket]:
-    return list(getattr(module, "_flexshard_buckets", ()))
+    return own_buckets(module)
 
 
 def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *_args: Any) -> None:

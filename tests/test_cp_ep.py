@@ -19,7 +19,6 @@ from flexshard.trainer.context_parallel import apply_cp, check_cp, local_positio
 from flexshard.trainer.expert_parallel import (
     apply_ep,
     check_ep,
-    clip_grad_norm_,
     gather_expert_weights,
     slice_expert_weights,
 )
@@ -310,8 +309,14 @@ def ep_dp_training(rank: int) -> dict[str, float]:
         mine = batches[step][2 * rank : 2 * rank + 2]
         return mine[:, :-1], mine[:, 1:]
 
-    group = dp.get_group()
-    losses, norms = _train(model, batch_of, STEPS, lambda m: clip_grad_norm_(m, MAX_NORM, group))
+    # the expert slices are sharded over dp_shard_mod_ep only: their norm also sums over ep
+    expert_params = [p for fqn in sliced for p in model.get_submodule(fqn).parameters()]
+    experts = [(expert_params, ep_mesh["ep"])]
+
+    def clip(m: nn.Module) -> torch.Tensor:
+        return fs.clip_grad_norm_(m, MAX_NORM, extra_groups=experts)
+
+    losses, norms = _train(model, batch_of, STEPS, clip)
     # the full model: other layers from flexshard, the experts gathered across EP ranks
     params = gather_expert_weights(model, fs.full_state_dict(model))
     result = _compare("dp4_ep2", losses, norms, params, expected)

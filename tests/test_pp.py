@@ -155,7 +155,8 @@ def pipeline_run(
             gathered.update({k: v["all_gather"] for k, v in stats.items() if k != "total"})
         reduces.append(counts)
         gathers.append(gathered)
-        norms.append(runner.clip_grad_norm_(float("inf")))
+        stage = list(runner.parameters())
+        norms.append(float(fs.clip_grad_norm_(stage, float("inf"), pp_group=runner.pp_group)))
         optimizer.step()
         optimizer.zero_grad()
     params = {}

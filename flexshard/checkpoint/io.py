@@ -10,9 +10,9 @@ optimizer, so a bad checkpoint raises (naming the key) with nothing changed.
 from __future__ import annotations
 
 import ctypes
+import datetime
 import os
 import shutil
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from ..runtime.dcp_chunks import RegionTensor
 from ..state_dict_hooks import slot_shape, slot_tensor
+from .bounded import Ranks as _Ranks
+from .bounded import model_timeout
 from .frames import Frames, frame_of, framed, framed_state
 from .manifest import (
     Entry,
@@ -45,37 +47,6 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
 
-@dataclass(frozen=True)
-class _Ranks:
-    """The ranks taking part (a process group, or this process alone)."""
-
-    group: dist.ProcessGroup | None
-    rank: int
-    world: int
-
-    @staticmethod
-    def of(group: dist.ProcessGroup | None) -> _Ranks:
-        if not dist.is_initialized():
-            return _Ranks(None, 0, 1)
-        group = group or dist.group.WORLD
-        return _Ranks(group, dist.get_rank(group), dist.get_world_size(group))
-
-    @property
-    def no_dist(self) -> bool:
-        return self.group is None
-
-    def barrier(self) -> None:
-        if self.group is not None:
-            dist.barrier(group=self.group)
-
-    def all_gather(self, value: Any) -> list[Any]:
-        if self.group is None:
-            return [value]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, value, group=self.group)
-        return out
-
-
 def _extra_file(rank: int) -> str:
     return f"extra_{rank}.pt"
 
@@ -88,7 +59,8 @@ def _finish(root: str, metadata: Metadata, has_extra: list[bool], ranks: _Ranks)
         Entry(f"extra (rank {r})", _extra_file(r), 0, -1) for r, has in enumerate(has_extra) if has
     ]
     mine = {e.key: digest(root, e) for e in share(entries, ranks.rank, ranks.world)}
-    digests = {k: v for part in ranks.all_gather(mine) for k, v in part.items()}
+    parts = ranks.all_gather(mine, "checksum all-gather")
+    digests = {k: v for part in parts for k, v in part.items()}
     if ranks.rank == 0:
         write_manifest(root, entries, digests, ranks.world)
 
@@ -133,7 +105,7 @@ def _state_dict(model: Model) -> dict[str, Any]:
 def _union_groups(groups: list[list[str]], ranks: _Ranks) -> list[list[str]]:
     """Each param group's FQNs over every rank: ranks holding different parts of the
     model (pipeline stages) save and check the logical model's groups."""
-    every = ranks.all_gather(groups)
+    every = ranks.all_gather(groups, "param-group all-gather")
     if len({len(g) for g in every}) != 1:
         raise ValueError(
             f"the ranks' optimizers have different numbers of param groups "
@@ -149,6 +121,7 @@ def save(
     extra: Any = None,
     process_group: dist.ProcessGroup | None = None,
     frames: Frames | None = None,
+    timeout: datetime.timedelta | None = None,
 ) -> None:
     """Save ``model`` (and ``optimizer``) with ``dcp.save``, each rank writing the
     regions it stores; ``extra`` (this rank's step, RNG or data-loader state: tensors,
@@ -156,9 +129,13 @@ def save(
 
     ``model`` may be several modules of one logical model (pipeline stages, keeping
     their global FQNs), and ranks may hold different parts of it; ``frames`` (FQN ->
-    whole shape, offset) saves a rank's tensor as a slice of a larger one (experts)."""
-    ranks = _Ranks.of(process_group)
+    whole shape, offset) saves a rank's tensor as a slice of a larger one (experts).
+
+    Every collective waits at most ``timeout`` (default: the model's flexshard
+    timeout; the group's own for a model without buckets), then raises a
+    CollectiveError naming the step; nothing is renamed into place then."""
     final = os.path.abspath(os.fspath(path))
+    ranks = _Ranks.of(process_group, final, _timeout(model, timeout))
     partial = final + ".partial"
     if os.path.exists(final) and not os.path.isdir(final):
         raise ValueError(f"cannot save a checkpoint to '{final}': a file is there")
@@ -172,20 +149,25 @@ def save(
     if ranks.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
         os.makedirs(partial)
-    ranks.barrier()
+    ranks.barrier("barrier before writing")
     if extra is not None:
         torch.save(extra, os.path.join(partial, _extra_file(ranks.rank)))
-    metadata = dcp.save(
-        state,
-        storage_writer=FileSystemWriter(partial, sync_files=True),
-        process_group=ranks.group,
-        no_dist=ranks.no_dist,
-    )
-    _finish(partial, metadata, ranks.all_gather(extra is not None), ranks)
-    ranks.barrier()
+    with ranks.step("dcp.save"):
+        metadata = dcp.save(
+            state,
+            storage_writer=FileSystemWriter(partial, sync_files=True),
+            process_group=ranks.group,
+            no_dist=ranks.no_dist,
+        )
+    _finish(partial, metadata, ranks.all_gather(extra is not None, "extra all-gather"), ranks)
+    ranks.barrier("barrier before the rename")
     if ranks.rank == 0:
         _move_into_place(partial, final)
-    ranks.barrier()
+    ranks.barrier("barrier after the rename")
+
+
+def _timeout(model: Model, timeout: datetime.timedelta | None) -> datetime.timedelta | None:
+    return timeout if timeout is not None else model_timeout(modules_of(model))
 
 
 def _model_target(model: Model) -> dict[str, Any]:
@@ -280,7 +262,7 @@ def _mismatches(
 
 def _raise_if_any(problems: list[str], ranks: _Ranks, root: str) -> None:
     """Every rank raises the same error (problems found on any rank), or none does."""
-    found = sorted({p for part in ranks.all_gather(problems) for p in part})
+    found = sorted({p for part in ranks.all_gather(problems, "check all-gather") for p in part})
     if found:
         more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
         raise ValueError(f"cannot load checkpoint '{root}': " + "; ".join(found[:5]) + more)
@@ -325,14 +307,16 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     process_group: dist.ProcessGroup | None = None,
     frames: Frames | None = None,
+    timeout: datetime.timedelta | None = None,
 ) -> Any:
     """Load a checkpoint written by ``save`` at any world size and placements into
     ``model`` (and ``optimizer``); returns this rank's ``extra`` (rank 0's when this
     rank had none). Every rank calls it. Raises ValueError naming the key for a
     missing, truncated, corrupted or mismatched checkpoint, before anything changes.
-    ``model`` and ``frames`` as for ``save``: any layout loads any other's checkpoint."""
-    ranks = _Ranks.of(process_group)
+    ``model``, ``frames`` and ``timeout`` as for ``save``: any layout loads any other's
+    checkpoint."""
     root = os.path.abspath(os.fspath(path))
+    ranks = _Ranks.of(process_group, root, _timeout(model, timeout))
     problems: list[str] = []
     try:
         entries, digests, _ = read_manifest(root)
@@ -348,7 +332,7 @@ def load(
         k: framed(v, frame, k) if (frame := frame_of(frames, k[len("model.") :])) else v
         for k, v in target.items()
     }
-    everywhere = {k for part in ranks.all_gather(list(target)) for k in part}
+    everywhere = {k for part in ranks.all_gather(list(target), "key all-gather") for k in part}
     problems = _mismatches(for_dcp, metadata, "model.", everywhere)
     optim: dict[str, Any] = {}
     if optimizer is not None:
@@ -362,7 +346,8 @@ def load(
 
     # DCP puts plain values (lr, params) into this dict, and framed entries fill the
     # buffers of ``target`` / ``optim`` they are views of
-    dcp.load(for_dcp, storage_reader=reader, process_group=ranks.group, no_dist=ranks.no_dist)
+    with ranks.step("dcp.load"):
+        dcp.load(for_dcp, storage_reader=reader, process_group=ranks.group, no_dist=ranks.no_dist)
     optim = {k: v if isinstance(for_dcp[k], RegionTensor) else for_dcp[k] for k, v in optim.items()}
     prepared = None
     if optimizer is not None:

@@ -21,8 +21,11 @@ Expert stacks ``[E, R, C]``: experts whole on a rank run one batched Newton–Sc
 there; a stack whose experts are cut is redistributed expert by expert (each expert
 a matrix with its own LPT owner), so E experts spread over the ranks.
 
-Tensor-parallel matrices (flexshard local shards of a TP DTensor's piece) are gathered
-whole on every rank (dp, then tp) and orthogonalised there: see ``tp_matrices``.
+Tensor-parallel matrices (flexshard local shards of a TP DTensor's piece): each gets
+one Newton–Schulz owner in its tp group (LPT on FLOPs); the pieces are gathered over
+dp, sent to the owner in one packed all-to-all over tp per step, and the update comes
+back the same way: bit for bit the whole matrix's Muon step, see ``tp_owners``. (TP
+meshes other than 1-D with one Shard placement are gathered whole on every rank.)
 
 Every rank of a shard group must hold gradients for the same parameters (flexshard's
 backward gives every rank a gradient, empty where it stores nothing): which matrices
@@ -52,6 +55,7 @@ from .redistribute import (
     send_updates,
 )
 from .tp_matrices import gather_matrix, own_part
+from .tp_owners import TpCounter, TpExchange, owner_plannable, plan_tp, step_tp
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -119,7 +123,9 @@ class DistMuon(Optimizer):
     ) -> None:
         self._targets: dict[int, Target] = {}
         self._plan: tuple[tuple[int, ...], list[Exchange]] | None = None
+        self._tp_plan: tuple[tuple[int, ...], list[TpExchange]] | None = None
         self.comm = CommCounter()
+        self.tp_comm = TpCounter()
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -152,10 +158,19 @@ class DistMuon(Optimizer):
         self._plan = None
 
     def comm_stats(self, reset: bool = False) -> dict[str, int]:
-        """All-to-alls issued by ``step()`` and the bytes this rank sent and received."""
+        """All-to-alls issued by ``step()`` and the bytes this rank sent and received;
+        with tensor-parallel matrices also ``tp_all_gather`` (their dp gathers, whose
+        bytes count in the totals) and ``tp_newton_schulz`` (the TP matrices this rank
+        orthogonalised)."""
         stats = self.comm.as_dict()
+        tp = self.tp_comm
+        if self._tp_plan is not None and self._tp_plan[1]:
+            stats["bytes_sent"] += tp.bytes_sent
+            stats["bytes_received"] += tp.bytes_received
+            stats["tp_all_gather"] = tp.all_gather
+            stats["tp_newton_schulz"] = tp.newton_schulz
         if reset:
-            self.comm = CommCounter()
+            self.comm, self.tp_comm = CommCounter(), TpCounter()
         return stats
 
     # ------------------------------------------------------------------ step
@@ -181,10 +196,14 @@ class DistMuon(Optimizer):
                 updates.append((target, self._momentum_update(param, group)))
         exchanges = self._exchanges([t for t, _ in updates])
         inputs = {id(t.param): u for t, u in updates}
+        tp_owned = [t for t, _ in updates if t.kind is Kind.TENSOR_PARALLEL and owner_plannable(t)]
+        owner_planned = {id(t.param) for t in tp_owned}
         forward = send_inputs(exchanges[0], inputs, self.comm) if exchanges else None
         for target, update in updates:  # whole matrices: overlaps the first all-to-all
-            if target.kind is not Kind.REMOTE:
+            if target.kind is not Kind.REMOTE and id(target.param) not in owner_planned:
                 self._step_local(target, update)
+        for plan in self._tp_exchanges(tp_owned):  # TP matrices: one owner per tp group
+            step_tp(plan, inputs, self._orthogonalize, self._apply_part, self.comm, self.tp_comm)
         backs: list[tuple[Exchange, Transfer]] = []
         for k, exchange in enumerate(exchanges):
             assert forward is not None
@@ -228,6 +247,18 @@ class DistMuon(Optimizer):
             cost = lambda t, shape: ns_flops(shape, t.group["ns_steps"])  # noqa: E731
             self._plan = (key, plan_exchanges(remote, cost, loads))
         return self._plan[1]
+
+    def _tp_exchanges(self, targets: list[Target]) -> list[TpExchange]:
+        """The owner plan of the TP matrices that have gradients this step (cached)."""
+        key = tuple(id(t.param) for t in targets)
+        if self._tp_plan is None or self._tp_plan[0] != key:
+            cost = lambda t: ns_flops(t.shape, t.group["ns_steps"])  # noqa: E731
+            self._tp_plan = (key, plan_tp(targets, cost))
+        return self._tp_plan[1]
+
+    @classmethod
+    def _apply_part(cls, target: Target, part: torch.Tensor) -> None:
+        cls._apply(target, part, target.shape)
 
     @staticmethod
     def _orthogonalize(target: Target, matrix: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ class Kind(enum.Enum):
     ROW_BLOCKS = "row_blocks"  # full-width row blocks, each its own matrix
     NOTHING = "nothing"  # a whole-matrix placement that put nothing on this rank
     REMOTE = "remote"  # the matrix is split across ranks: redistribute to an owner
-    TENSOR_PARALLEL = "tp"  # split over tp (and dp): gathered whole on every rank
+    TENSOR_PARALLEL = "tp"  # split over tp (and dp): a whole matrix on its tp owner
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,18 @@
-"""DistMuon on tensor-parallel matrices: a Muon matrix is split over tp (each tp rank
-holds a DTensor piece) and each piece over the data-parallel group (flexshard's
-regions). Newton–Schulz needs the whole matrix, so the update is gathered in two
-steps: the dp shards into this tp rank's piece (one all-gather over the shard group),
-then the pieces into the whole matrix (DTensor's all-gather over tp, uneven pieces
-padded). Every rank then orthogonalises the same whole matrix, bit for bit what
-torch.optim.Muon computes on it, and keeps its own part.
-
-This is the gather-everything strategy (Moonlight's ZeRO-1): it moves the matrix to
-every rank and repeats Newton–Schulz on each, where an owner-based plan over tp x dp
-would move and compute less. It is the one that is simple and exact for any split.
+"""Tensor-parallel matrices for DistMuon and MatrixOptimizer: a matrix is split over tp
+(each tp rank holds a DTensor piece) and each piece over the data-parallel group
+(flexshard's regions). ``gather_piece`` collects a tp rank's piece from its dp shards
+(one all-gather over the shard group), ``dp_part`` cuts a rank's shard back out of a
+piece. ``gather_matrix`` goes on to the whole matrix on every rank (DTensor's
+all-gather over tp, uneven pieces padded) and ``own_part`` keeps this rank's part of a
+whole matrix: the gather-everything strategy (Moonlight's ZeRO-1) that MatrixOptimizer
+uses. DistMuon instead gives each matrix one Newton–Schulz owner per tp group
+(``tp_owners``), bit for bit the same result with ~1/tp of the work per rank.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,27 +46,61 @@ def _slices(box: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(*box))
 
 
-def _gather_piece(bucket: Bucket, index: int, shard: torch.Tensor) -> torch.Tensor:
-    """This tp rank's whole piece from every dp rank's shard (a collective over dp)."""
+def gather_piece(bucket: Bucket, index: int, shard: torch.Tensor) -> torch.Tensor:
+    """This tp rank's whole piece from every dp rank's shard (a collective over dp, in
+    ``shard``'s dtype; none for a replicated bucket, whose shard is the piece)."""
+    return gather_pieces([(bucket, index, shard)])[0]
+
+
+def gather_groups(items: Sequence[tuple[Bucket, int]]) -> list[list[int]]:
+    """Which ``items`` share one all-gather in :func:`gather_pieces`: by shard group,
+    in first-seen order; replicated buckets need none (left out)."""
+    by_group: dict[str, list[int]] = {}
+    for k, (bucket, _) in enumerate(items):
+        if not bucket.layout.replicated:
+            by_group.setdefault(bucket.comm.shard_group.group_name, []).append(k)
+    return list(by_group.values())
+
+
+def gather_widths(bucket: Bucket, index: int) -> int:
+    """Elements each dp rank contributes for parameter ``index`` (its widest shard)."""
     layout = bucket.layout.params[index]
-    if bucket.layout.replicated:
-        return shard.reshape(layout.shape)
-    world = bucket.layout.world_size
-    widest = max(layout.local_numel(r) for r in range(world))
-    send = torch.zeros(widest, dtype=shard.dtype, device=shard.device)
-    send[: shard.numel()] = shard.reshape(-1)
-    gathered = torch.empty(world, widest, dtype=shard.dtype, device=shard.device)
-    group = bucket.comm.shard_group
-    Pending.launch(  # bounded by the bucket's timeout; not counted in the model's comm_stats
-        lambda: dist.all_gather_single(gathered.view(-1), send, group=group, async_op=True),
-        "DistMuon tensor-parallel all-gather",
-        bucket.name,
-        bucket.comm.timeout,
-        group,
-    ).wait()
-    piece = torch.empty(layout.shape, dtype=shard.dtype, device=shard.device)
-    for rank in range(world):
-        cursor = 0
+    return max(layout.local_numel(r) for r in range(bucket.layout.world_size))
+
+
+def gather_pieces(items: Sequence[tuple[Bucket, int, torch.Tensor]]) -> list[torch.Tensor]:
+    """Each item's tp piece from every dp rank's shard of it: one all-gather per shard
+    group for all its items (every rank of a group passes the same parameters in the
+    same order, shards of one dtype), none for replicated buckets or a group of one."""
+    out = [  # a replicated bucket's shard is the piece; the others are filled below
+        shard.reshape(b.layout.params[i].shape) if b.layout.replicated else shard
+        for b, i, shard in items
+    ]
+    for members in gather_groups([(b, i) for b, i, _ in items]):
+        first, _, shard0 = items[members[0]]
+        world = first.layout.world_size
+        widths = [gather_widths(items[k][0], items[k][1]) for k in members]
+        send = torch.zeros(sum(widths), dtype=shard0.dtype, device=shard0.device)
+        starts = [sum(widths[:n]) for n in range(len(widths))]
+        for k, start in zip(members, starts):
+            shard = items[k][2].reshape(-1)
+            send[start : start + shard.numel()] = shard
+        gathered = send.view(1, -1)  # a dp group of one: the shard is the piece
+        if world > 1:
+            gathered = torch.empty(world, send.numel(), dtype=send.dtype, device=send.device)
+            _all_gather(gathered, send, first)
+        for k, start in zip(members, starts):
+            bucket, index, _ = items[k]
+            out[k] = _assemble(bucket, index, gathered, start)
+    return out
+
+
+def _assemble(bucket: Bucket, index: int, gathered: torch.Tensor, start: int) -> torch.Tensor:
+    """The piece from every rank's row of ``gathered`` (its shard from column ``start``)."""
+    layout = bucket.layout.params[index]
+    piece = torch.empty(layout.shape, dtype=gathered.dtype, device=gathered.device)
+    for rank in range(bucket.layout.world_size):
+        cursor = start
         for box in local_boxes(layout, rank):
             numel = math.prod(box[1])
             piece[_slices(box)] = gathered[rank, cursor : cursor + numel].view(box[1])
@@ -75,21 +108,36 @@ def _gather_piece(bucket: Bucket, index: int, shard: torch.Tensor) -> torch.Tens
     return piece
 
 
+def _all_gather(gathered: torch.Tensor, send: torch.Tensor, bucket: Bucket) -> None:
+    group = bucket.comm.shard_group
+    Pending.launch(  # bounded by the bucket's timeout; not counted in the model's comm_stats
+        lambda: dist.all_gather_single(gathered.view(-1), send, group=group, async_op=True),
+        "tensor-parallel piece all-gather",
+        bucket.name,
+        bucket.comm.timeout,
+        group,
+    ).wait()
+
+
 def gather_matrix(bucket: Bucket, index: int, shard: torch.Tensor) -> torch.Tensor:
     """The whole matrix from this rank's shard of it (collectives over dp, then tp)."""
     spec = bucket.params[index].tp_spec
     assert spec is not None
-    return global_tensor(_gather_piece(bucket, index, shard), spec)
+    return global_tensor(gather_piece(bucket, index, shard), spec)
 
 
 def own_part(bucket: Bucket, index: int, matrix: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a whole matrix: its tp piece, then its dp regions."""
     spec = bucket.params[index].tp_spec
     assert spec is not None
-    piece = local_piece(matrix, spec)
+    return dp_part(bucket, index, local_piece(matrix, spec))
+
+
+def dp_part(bucket: Bucket, index: int, piece: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of its tp ``piece``: its dp regions, in storage order."""
     layout = bucket.layout.params[index]
     boxes = local_boxes(layout, bucket.rank)
     shape = layout.local_shape(bucket.rank)
     if not boxes:
-        return matrix.new_empty(shape)
+        return piece.new_empty(shape)
     return torch.cat([piece[_slices(box)].reshape(-1) for box in boxes]).view(shape)

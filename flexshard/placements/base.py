@@ -53,6 +53,9 @@ class Placement:
     #: planning order within a bucket: later stages see the loads of earlier ones and
     #: can fill the lighter ranks (fixed splits 0, Owned 1, BlockShard 2)
     stage: int = 0
+    #: the runtime collective that moves a bucket of this placement, by name (see
+    #: flexshard.runtime.strategies; a new placement registers its own there)
+    collective: str = "sharded"
 
     def group_key(self) -> object:
         return self

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .base import Placement, Region, Shape, check_world_size, whole
 
 
 @dataclass(frozen=True)
 class Replicate(Placement):
+    collective: ClassVar[str] = "replicated"  # nothing to gather, gradients all-reduced
+
     def assign(
         self,
         members: Sequence[tuple[Placement, Shape]],

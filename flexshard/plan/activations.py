@@ -103,6 +103,6 @@ def tp_share(cfg: Config) -> float:
     tp = cfg.parallelism.tp
     if tp == 1:
         return 1.0
-    if cfg.parallelism.sequence_parallel and cfg.parallelism.pp == 1:
+    if cfg.parallelism.sequence_parallel:  # with pp too: stages pass sequence shards
         return 1.0 / tp
     return (10 + 24 / tp) / 34

@@ -12,6 +12,7 @@ from torch import nn
 from flexshard.placements import BlockShard, Owned, Placement, Shard, plan_bucket
 from flexshard.placements.layout import BucketLayout
 from flexshard.runtime.bucket import Bucket
+from flexshard.runtime.module import own_buckets
 
 #: the trainer's bucket of the root's own parameters (flex_shard's "outer";
 #: fully_shard's buckets are named by module, the root's "root")
@@ -94,7 +95,7 @@ def _named_buckets(module: nn.Module) -> list[tuple[str, Bucket]]:
     seen: set[int] = set()
     found = []
     for fqn, m in module.named_modules():
-        for bucket in getattr(m, "_flexshard_buckets", ()):
+        for bucket in own_buckets(m):
             if id(bucket) in seen:
                 continue
             seen.add(id(bucket))

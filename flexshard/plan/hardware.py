@@ -32,7 +32,8 @@ class Hardware:
     collective_overhead_us: float = 0.0  # per collective call, on top of its ring steps
     reduce_scatter_gbps: float = 0.0  # when it differs from the all-gather's (0: the same)
     overlap: float = 1.0  # share of a collective's time that truly runs beside compute
-    dtensor_op_overhead_us: float = 0.0  # per op on a DTensor (FSDP2's optimizer step)
+    dtensor_op_overhead_us: float = 0.0  # per op on a DTensor (the optimizer step)
+    attention_tflops: float = 0.0  # causal attention's achieved rate (0: the GEMMs')
 
     def compute_slowdown(self, ranks_per_node: int) -> float:
         """Ranks that share the host's cores run that much slower (CPU profiles)."""
@@ -61,7 +62,9 @@ class Hardware:
 # CPU's ~5-10 us dispatch runs ahead of kernels that take longer); NCCL's ~5 us
 # launch per collective; collectives on their own stream overlap compute fully (the
 # SMs NCCL's kernels take are not modelled); DTensor's per-op Python cost in FSDP2's
-# optimizer step runs ahead of the kernels as well (0). Estimates, not fitted.
+# optimizer step runs ahead of the kernels as well (0); attention at the 335 TFLOP/s
+# FlashAttention-2 reports on H100 (forward + backward, Dao 2023), a third of the
+# GEMMs' peak. Estimates, not fitted.
 H100 = Hardware(
     "h100",
     989.0,
@@ -76,6 +79,7 @@ H100 = Hardware(
     elementwise_gbps=0.8 * 3350.0,
     copy_gbps=0.8 * 3350.0,
     collective_overhead_us=5.0,
+    attention_tflops=335.0,
 )
 H200 = dataclasses.replace(
     H100, name="h200", hbm_gbps=4800.0, elementwise_gbps=0.8 * 4800.0, copy_gbps=0.8 * 4800.0

@@ -1,16 +1,16 @@
-"""Step time from the runtime's schedule: compute per bucket from its parameters'
-FLOPs plus the non-GEMM work of its share of the blocks (ops dispatched and bytes
-moved, counted by ``opcount``), the copy-in / copy-out of its all-gather and
-reduce-scatter buffers on the compute stream, collectives from their bytes and a
-ring's cost (a fixed cost per call + latency per step + bytes over the link's
-bandwidth) on one communication queue per rank, overlapped exactly as the hooks
-overlap them: in forward, the next bucket's all-gather is issued when a bucket
+"""Step time from the runtime's schedule: compute per bucket from its parameters' FLOPs
+(causal attention's at its own rate) plus the non-GEMM work of its share of the blocks
+(ops dispatched and bytes moved, counted by ``opcount``), the copy-in / copy-out of
+its all-gather and reduce-scatter buffers on the compute stream, collectives from
+their bytes and a ring's cost (a fixed cost per call + latency per step + bytes over
+the link's bandwidth) on one communication queue per rank, overlapped exactly as the
+hooks overlap them: in forward, the next bucket's all-gather is issued when a bucket
 starts (prefetch depth 1); in backward, the previous one's, a bucket's reduce-scatter
-is issued when its gradients are complete and the oldest is waited for once more
-than ``MAX_PENDING_REDUCTIONS`` are in flight; the end of backward waits for all.
-What compute does not cover is exposed communication; of what it covers, the share
-``1 - hw.overlap`` still takes the compute's time (CPU: gloo's threads share the
-cores). The optimizer step (with gradient clipping) is counted op by op as well."""
+is issued when its gradients are complete and the oldest is waited for once more than
+``MAX_PENDING_REDUCTIONS`` are in flight; the end of backward waits for all. What
+compute does not cover is exposed communication; of what it covers, the share ``1 -
+hw.overlap`` still takes the compute's time (CPU: gloo's threads share the cores). The
+optimizer step (with gradient clipping) is counted op by op as well."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ MUON_BYTES = 20  # one momentum buffer
 class StepTime:
     step_s: float
     compute_s: float  # forward + backward (+ pipeline bubble) on the busiest path
-    gemm_s: float  # of compute_s (no bubble), the GEMMs; the rest are non-GEMM ops
+    gemm_s: float  # of compute_s (no bubble), GEMMs and attention; the rest: non-GEMM ops
     copy_s: float  # copy-in / copy-out of the all-gather and reduce-scatter buffers
     optimizer_s: float
     exposed_dp_s: float  # data-parallel all-gather / reduce-scatter not hidden by compute
@@ -73,7 +73,16 @@ class BucketCost:
     reduce_scatter: float
     gather_copy: float = 0.0
     reduce_copy: float = 0.0
-    gemm: float = 0.0  # of forward + backward, the GEMMs' (the rest: non-GEMM ops)
+    gemm: float = 0.0  # of forward + backward, GEMMs' and attention's (the rest: non-GEMM)
+
+
+def attention_flops(info: BucketInfo, cfg: Config, tokens: int) -> float:
+    """Of ``bucket_flops``, causal attention's (timed at ``hw.attention_tflops``)."""
+    return sum(
+        4.0 * p.shape[0] * cfg.training.seq_len / 2 * tokens
+        for p in info.layout.params
+        if p.fqn.endswith("attention.wq.weight") and len(p.shape) >= 2
+    )
 
 
 def bucket_flops(info: BucketInfo, cfg: Config, tokens: int) -> float:
@@ -183,7 +192,9 @@ def bucket_costs(
     per_node = min(dims.world_size, hw.devices_per_node)
     slowdown = hw.compute_slowdown(per_node)
     rate = hw.peak_tflops * 1e12 * hw.gemm_efficiency / slowdown
+    attention_rate = hw.attention_tflops * 1e12 / slowdown if hw.attention_tflops else rate
     flops = {id(b): bucket_flops(b, cfg, tokens) for b in buckets}
+    attention = {id(b): attention_flops(b, cfg, tokens) for b in buckets}
     ops = model_ops(cfg, tokens // (cfg.training.seq_len // dims.cp))
     share = tp_share(cfg)  # a tp rank moves its share of a block's activations
     layers = cfg.model.n_layers // dims.pp
@@ -221,14 +232,16 @@ def bucket_costs(
         gather_copy = 0.0 if b.layout.replicated else copies(b, 2 * b.gathered_bytes)
         # copy-in of the gradients (W shards) and out of the reduced shard
         reduce_copy = copies(b, 2 * b.unsharded_grad_bytes + b.shard_numel * b.reduce_itemsize)
+        # forward seconds of the GEMMs and attention; backward: twice their FLOPs
+        gemm = (flops[id(b)] - attention[id(b)]) / rate + attention[id(b)] / attention_rate
         out[id(b)] = BucketCost(
-            forward=flops[id(b)] / rate + fwd,
-            backward=2 * flops[id(b)] / rate + bwd,
+            forward=gemm + fwd,
+            backward=2 * gemm + bwd,
             all_gather=ag,
             reduce_scatter=rs,
             gather_copy=gather_copy,
             reduce_copy=reduce_copy,
-            gemm=3 * flops[id(b)] / rate,
+            gemm=3 * gemm,
         )
     return out
 
@@ -262,7 +275,14 @@ def step_time(
     copies = _copy_time(buckets, cost, micro, keep)
     exposed_dp = total - compute_micro * micro - copies
     optimizer = _optimizer_time(
-        cfg, buckets, hw, muon, link(hw, dims.tp, dims.dp_shard), backend == "fsdp2"
+        cfg,
+        buckets,
+        hw,
+        muon,
+        link(hw, dims.tp, dims.dp_shard),
+        # the optimizer steps DTensors: FSDP2's, and flexshard's own (sharded_param)
+        # except under TP, where flexshard hands it the plain local shards
+        backend == "fsdp2" or dims.tp == 1,
     )
     step = total + bubble + other + optimizer
     global_tokens = dims.dp_size * t.batch_size * t.grad_accum * t.seq_len
@@ -301,7 +321,7 @@ def _optimizer_time(
     dtensors: bool,
 ) -> float:
     """Clipping and AdamW counted op by op on each bucket's busiest rank's shards (on
-    FSDP2's DTensors each op costs DTensor's dispatch too); Muon: its momentum's
+    DTensors each op costs DTensor's dispatch too); Muon: its momentum's
     bytes, Newton–Schulz FLOPs and all-to-all."""
     slowdown = hw.compute_slowdown(min(max(b.world for b in buckets), hw.devices_per_node))
     if cfg.training.optimizer != "muon" or muon is None:

@@ -8,7 +8,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from flexshard.trainer.config import Config, ConfigError, validate
+from flexshard.trainer.config import Config, ConfigError
+from flexshard.trainer.config_validation import validate
 
 from .hardware import Hardware
 from .report import make_plan

@@ -36,7 +36,7 @@ ROWS = (
     ),
     ("step time (ms)", lambda p: f"{p['step']['step_s'] * 1e3:,.1f}"),
     ("compute (ms)", lambda p: f"{p['step']['compute_s'] * 1e3:,.1f}"),
-    ("  of it GEMMs", lambda p: f"{p['step']['gemm_s'] * 1e3:,.1f}"),
+    ("  of it GEMMs + attention", lambda p: f"{p['step']['gemm_s'] * 1e3:,.1f}"),
     ("buffer copy-in / copy-out (ms)", lambda p: f"{p['step']['copy_s'] * 1e3:,.1f}"),
     ("exposed DP comm (ms)", lambda p: f"{p['step']['exposed_dp_s'] * 1e3:,.1f}"),
     ("  of it waiting on all-gathers", lambda p: f"{p['step']['exposed_all_gather_s'] * 1e3:,.1f}"),

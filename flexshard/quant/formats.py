@@ -8,7 +8,7 @@ the tile's rows x columns.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -43,6 +43,8 @@ class FP8Blockwise:
     little precision is lost but ``x / scale`` becomes an exact exponent shift.
     """
 
+    #: the runtime collective of a bucket quantized with this format (by name)
+    collective: ClassVar[str] = "quantized"
     block: tuple[int, int] = (128, 128)
     pow2_scale: bool = False
 
@@ -71,6 +73,8 @@ class MXFP8:
     the layout MXFP8 GEMMs read; square ``(32, 32)`` tiles serve both W and W^T.
     """
 
+    #: the runtime collective of a bucket quantized with this format (by name)
+    collective: ClassVar[str] = "quantized"
     block: tuple[int, int] = (32, 32)
     rounding: Literal["floor", "rceil"] = "floor"
 

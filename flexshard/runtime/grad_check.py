@@ -56,19 +56,19 @@ def check_finite_grads(buckets: Sequence[Bucket]) -> None:
     """Raise FloatingPointError on every rank if any checked bucket's gradient of this
     backward is not finite on any rank. One all-gather per process group (two for
     HSDP); every rank builds the message from the same rows, so all raise alike."""
-    checked = [b for b in buckets if b.check_finite]
+    checked = [b for b in buckets if b.grads.check_finite]
     by_group: dict[tuple[int, int], list[Bucket]] = {}
     for bucket in checked:  # buckets over other groups exchange among their own ranks
         key = (id(bucket.comm.shard_group), id(bucket.comm.replicate_group))
         by_group.setdefault(key, []).append(bucket)
     found: list[str] = []
     for group_buckets in by_group.values():
-        codes = [c for b in group_buckets for c in b.nonfinite]
+        codes = [c for b in group_buckets for c in b.grads.nonfinite]
         device = group_buckets[0].storage.device
         row = torch.tensor([dist.get_rank(), *codes], dtype=torch.int64, device=device)
         rows = _exchange(group_buckets, row).cpu()
         for bucket in group_buckets:
-            bucket.nonfinite = [0] * len(bucket.params)
+            bucket.grads.clear_nonfinite()
         if not rows[:, 1:].any():
             continue
         slots = [(b, p.fqn) for b in group_buckets for p in b.params]

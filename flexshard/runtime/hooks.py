@@ -54,7 +54,7 @@ class StepState:
         self.in_backward = False
         self._end_of_backward_eager = eager(self._end_of_backward)
         for bucket in buckets:
-            bucket.step_state = self
+            bucket.step.state = self
 
     # ---------------------------------------------------------------- forward
     def before_forward(self, bucket: Bucket) -> None:
@@ -66,10 +66,11 @@ class StepState:
     def _prefetch(self, bucket: Bucket, step: int) -> None:
         """Start gathering the bucket that runs next, so it lands while this one computes
         (or those ``set_modules_to_forward/backward_prefetch`` named)."""
-        explicit = bucket.forward_prefetch if step > 0 else bucket.backward_prefetch
+        schedule = bucket.schedule
+        explicit = schedule.forward_prefetch if step > 0 else schedule.backward_prefetch
         if explicit is not None:
             for other in explicit:
-                if step > 0 or other.unshard_in_backward:
+                if step > 0 or other.schedule.unshard_in_backward:
                     self._unshard_async(other)
             return
         if not self.order_known or bucket not in self.forward_order:
@@ -77,7 +78,7 @@ class StepState:
         index = self.forward_order.index(bucket) + step
         if 0 <= index < len(self.forward_order):
             following = self.forward_order[index]
-            if step > 0 or following.unshard_in_backward:
+            if step > 0 or following.schedule.unshard_in_backward:
                 self._unshard_async(following)
 
     def _unshard_async(self, bucket: Bucket) -> None:
@@ -105,7 +106,7 @@ class StepState:
     def before_backward(self, bucket: Bucket) -> None:
         self._backward_begins()
         with self._abort_step_on_error():
-            if bucket.unshard_in_backward:
+            if bucket.schedule.unshard_in_backward:
                 bucket.unshard()
             self._prefetch(bucket, -1)
 
@@ -127,18 +128,18 @@ class StepState:
         gradient, so every rank reaches it at the same place in its sequence of
         collectives, even when some parameters go unused on some ranks."""
         self._backward_begins()
-        bucket.ready = True
+        bucket.step.ready = True
         with self._abort_step_on_error():
             # launch strictly in queue order, so every rank issues the same sequence
             queue = self._launch_queue
-            while self._launched < len(queue) and queue[self._launched].ready:
+            while self._launched < len(queue) and queue[self._launched].step.ready:
                 self._launch(queue[self._launched])
                 self._launched += 1
-            if bucket.reshard_after_backward:
+            if bucket.schedule.reshard_after_backward:
                 bucket.reshard()
 
     def _launch(self, bucket: Bucket) -> None:
-        if not bucket.requires_grad_sync:
+        if not bucket.schedule.requires_grad_sync:
             bucket.hold_grads()
             return
         bucket.launch_reduce()
@@ -157,17 +158,16 @@ class StepState:
             for bucket in self.buckets:
                 bucket.join_reductions()  # CUDA: compute waits on the gradient copies
             for bucket in self.buckets:
-                if bucket.reshard_after_backward:
+                if bucket.schedule.reshard_after_backward:
                     bucket.reshard()
-            if any(bucket.check_finite for bucket in self.buckets):
+            if any(bucket.grads.check_finite for bucket in self.buckets):
                 check_finite_grads(self.buckets)  # every rank raises alike, or none
         finally:
             self._reset_step()
 
     def _reset_step(self) -> None:
         for bucket in self.buckets:
-            bucket.ready = False
-            bucket.reset_step_counts()
+            bucket.step.reset()
         self._in_flight.clear()
         self._gathers.clear()
         self._launched = len(self._launch_queue)
@@ -255,7 +255,7 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
 
     @eager
     def pre_forward(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        state = bucket.step_state
+        state = bucket.step.state
         if policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
         if state.in_backward:  # activation checkpointing recomputes inside backward
@@ -263,10 +263,10 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
             return args, kwargs
         state.before_forward(bucket)
         if torch.is_grad_enabled():
-            bucket.forwards_started += 1
+            bucket.step.forwards_started += 1
             wrapped = _wrap_inputs(args, kwargs, post_backward)
             if wrapped is not None:
-                bucket.forwards_wrapped += 1
+                bucket.step.forwards_wrapped += 1
                 args, kwargs = wrapped
         return args, kwargs
 
@@ -274,25 +274,25 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
     def post_backward() -> None:
         # complete once every forward call of this step has run its backward; a call
         # whose inputs need no gradient never reports, so the end of backward decides
-        state = bucket.step_state
-        bucket.backwards_done += 1
-        if bucket.backwards_done == bucket.forwards_wrapped == bucket.forwards_started:
-            state.after_backward(bucket)
+        step = bucket.step
+        step.backwards_done += 1
+        if step.backwards_done == step.forwards_wrapped == step.forwards_started:
+            step.state.after_backward(bucket)
 
     @eager
     def before_backward(_grads: Any) -> None:
-        bucket.step_state.before_backward(bucket)
+        bucket.step.state.before_backward(bucket)
 
     @eager
     def post_forward(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        state = bucket.step_state
+        state = bucket.step.state
         if state.in_backward:  # a recompute: backward of this module comes right after
             return _cast_floats(output, policy.output_dtype)
-        bucket.forwards_done += 1
-        reshard = bucket.reshard_after_forward
+        bucket.step.forwards_done += 1
+        reshard = bucket.schedule.reshard_after_forward
         if reshard is None:  # FSDP2's default: backward needs the root's params at once
             reshard = state.root is not mod
-        last = bucket.forwards_done % len(modules) == 0
+        last = bucket.step.forwards_done % len(modules) == 0
         if (reshard and last) or not torch.is_grad_enabled():
             bucket.reshard()
         tensors = [

@@ -14,11 +14,17 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from .bucket import Bucket
 
 
+def own_buckets(module: nn.Module) -> list[Bucket]:
+    """The buckets ``flex_shard``/``fully_shard`` attached to ``module`` itself (none:
+    not sharded by flexshard)."""
+    return list(getattr(module, "_flexshard_buckets", ()))
+
+
 def subtree_buckets(module: nn.Module) -> Iterator[Bucket]:
     """Every bucket below ``module`` once (``fully_shard([a, b])`` lists one on both)."""
     seen: set[int] = set()
     for m in module.modules():
-        for bucket in getattr(m, "_flexshard_buckets", ()):
+        for bucket in own_buckets(m):
             if id(bucket) not in seen:
                 seen.add(id(bucket))
                 yield bucket
@@ -130,7 +136,7 @@ class FlexShardModule(FSDPModule, nn.Module):
         _check_bool("set_requires_gradient_sync", "recurse", recurse)
         buckets = subtree_buckets(self) if recurse else self._flexshard_buckets
         for bucket in buckets:
-            bucket.requires_grad_sync = requires_gradient_sync
+            bucket.schedule.requires_grad_sync = requires_gradient_sync
 
     def set_reshard_after_forward(
         self, reshard_after_forward: bool, *, recurse: bool = True
@@ -139,7 +145,7 @@ class FlexShardModule(FSDPModule, nn.Module):
         _check_bool("set_reshard_after_forward", "recurse", recurse)
         buckets = subtree_buckets(self) if recurse else self._flexshard_buckets
         for bucket in buckets:
-            bucket.reshard_after_forward = reshard_after_forward
+            bucket.schedule.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -151,7 +157,7 @@ class FlexShardModule(FSDPModule, nn.Module):
         _check_bool("set_reshard_after_backward", "recurse", recurse)
         buckets = subtree_buckets(self) if recurse else self._flexshard_buckets
         for bucket in buckets:
-            bucket.reshard_after_backward = reshard_after_backward
+            bucket.schedule.reshard_after_backward = reshard_after_backward
 
     def set_check_finite_grads(self, check_finite_grads: bool, *, recurse: bool = True) -> None:
         """True: after every backward, raise FloatingPointError on every rank if a
@@ -162,7 +168,7 @@ class FlexShardModule(FSDPModule, nn.Module):
         _check_bool("set_check_finite_grads", "recurse", recurse)
         buckets = subtree_buckets(self) if recurse else self._flexshard_buckets
         for bucket in buckets:
-            bucket.check_finite = check_finite_grads
+            bucket.grads.check_finite = check_finite_grads
 
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, int]]:
         """Per bucket: collectives issued and bytes this rank sent and received since
@@ -195,19 +201,20 @@ class FlexShardModule(FSDPModule, nn.Module):
         return self
 
     # ------------------------------------------------------------ FSDP2's setters
-    def _set_on_buckets(self, attr: str, value: object, recurse: bool) -> None:
+    def _set_on_buckets(self, part: str, attr: str, value: object, recurse: bool) -> None:
+        """``attr`` of each bucket's ``part`` (its schedule, reduction, or the bucket)."""
         buckets = subtree_buckets(self) if recurse else self._flexshard_buckets
         for bucket in buckets:
-            setattr(bucket, attr, value)
+            setattr(getattr(bucket, part) if part else bucket, attr, value)
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather these modules' buckets (asynchronously) when this module's forward
         starts, instead of the next bucket of the recorded forward order."""
-        self._set_on_buckets("forward_prefetch", _buckets_of(modules), recurse=False)
+        self._set_on_buckets("schedule", "forward_prefetch", _buckets_of(modules), recurse=False)
 
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather these modules' buckets when this module's backward starts."""
-        self._set_on_buckets("backward_prefetch", _buckets_of(modules), recurse=False)
+        self._set_on_buckets("schedule", "backward_prefetch", _buckets_of(modules), recurse=False)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 code: flexshard completes every reduction it launched at
@@ -218,38 +225,38 @@ class FlexShardModule(FSDPModule, nn.Module):
         """HSDP: False reduce-scatters but skips the all-reduce across replicas (the
         gradient accumulates per replica); the next True all-reduces the sum."""
         _check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
-        self._set_on_buckets("requires_all_reduce", requires_all_reduce, recurse)
+        self._set_on_buckets("reduction", "requires_all_reduce", requires_all_reduce, recurse)
 
     def set_post_optim_event(self, event: Any) -> None:
         """The next all-gathers wait on ``event`` (an optimizer run on another stream)
         besides the current stream, which they always follow (no-op on CPU)."""
-        self._set_on_buckets("post_optim_event", event, recurse=True)
+        self._set_on_buckets("", "post_optim_event", event, recurse=True)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel size."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor!r}")
-        self._set_on_buckets("divide_factor", float(factor), recurse=True)
+        self._set_on_buckets("reduction", "divide_factor", float(factor), recurse=True)
 
     set_reduce_scatter_divide_factor = set_gradient_divide_factor
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with SUM and divide afterwards (instead of AVG in the collective)."""
         _check_bool("set_force_sum_reduction_for_comms", "enable", enable)
-        self._set_on_buckets("force_sum", enable, recurse=True)
+        self._set_on_buckets("reduction", "force_sum", enable, recurse=True)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: do not all-gather this module's buckets in backward (for parameters
         its backward does not use)."""
         _check_bool("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
-        self._set_on_buckets("unshard_in_backward", unshard_in_backward, recurse=False)
+        self._set_on_buckets("schedule", "unshard_in_backward", unshard_in_backward, recurse=False)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
         """Call ``hook(reduced)`` on each bucket's reduced gradient buffer (after the
         HSDP all-reduce), before it becomes the parameters' ``.grad``."""
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook: hook must be callable, got {hook!r}")
-        self._set_on_buckets("all_reduce_hook", hook, recurse=False)
+        self._set_on_buckets("reduction", "all_reduce_hook", hook, recurse=False)
 
     def reset_iter_state(self) -> None:
         """Forget the step in progress (after an exception in forward or backward)."""
@@ -288,11 +295,11 @@ class _PipelineState:
 
     def _root_post_backward_final_callback(self) -> None:
         for bucket in subtree_buckets(self.module):  # the same order on every rank
-            if bucket.requires_grad_sync:
+            if bucket.schedule.requires_grad_sync:
                 bucket.launch_reduce()
                 bucket.finish_reduce()
                 bucket.join_reductions()
-            if bucket.reshard_after_backward:
+            if bucket.schedule.reshard_after_backward:
                 bucket.reshard()
 
 

@@ -1,16 +1,30 @@
 """The quantized all-gather of a BlockShard bucket: each rank quantizes only its own
-tiles, and one uint8 all-gather carries ``[fp8 payload | pad | scales]`` of every rank."""
+tiles, and one uint8 all-gather carries every rank's payload: ``quant.pack``'s
+``[fp8 data | pad | scales]`` of each run of its tiles (the one pack/unpack format of
+flexshard, so the codec and the wire agree by construction)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..placements import BucketLayout, CopyBlock, Region
-from ..placements.packing import full_view, storage_shape, storage_view
-from ..quant import QuantFormat, QuantizedTensor, dequantize, quantize, scale_shape
+from ..placements import CopyBlock, Region
+from ..placements.packing import full_view, storage_shape
+from ..quant import (
+    QuantFormat,
+    QuantizedTensor,
+    dequantize,
+    pack,
+    packed_nbytes,
+    quantize,
+    scale_shape,
+    unpack,
+)
+from .gather import ShardedCollective
+from .storage import BucketStorage
 
 ALIGN = 16
 
@@ -47,86 +61,119 @@ def _count_step(*_args: object) -> None:
     _optimizer_steps[0] += 1
 
 
-class QuantizedGather:
-    """Encodes this rank's storage into its payload and decodes every rank's payload
-    into full parameters. The payload is cached until the storage may have changed
-    (``version``, from the bucket), so the backward re-gather sends exactly the bytes
-    the forward sent: one quantization per step, no drift."""
+@dataclass(frozen=True)
+class _Run:
+    """Consecutive copy blocks of one rank with one tile shape: quantized as one batch
+    of tiles (bit for bit as block by block: tiles are independent) and sent as one
+    ``quant.pack`` buffer at byte ``start`` of the rank's payload."""
 
-    def __init__(self, layout: BucketLayout, fmt: QuantFormat, rank: int) -> None:
+    offset: int  # in the rank's storage
+    numel: int
+    tile: tuple[int, ...]
+    start: int
+    members: tuple[tuple[int, CopyBlock], ...]  # (parameter index, block), in order
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.numel // math.prod(self.tile), *self.tile)
+
+    def tiles(self, block: CopyBlock) -> slice:
+        """Which of the run's tiles are ``block``'s."""
+        size = math.prod(self.tile)
+        first = (block.offset - self.offset) // size
+        return slice(first, first + block.numel // size)
+
+
+class QuantizedGather(ShardedCollective):
+    """The collective of a quantized bucket (a ``Collective``): encodes this rank's
+    storage into its payload and decodes every rank's payload into full parameters.
+    A payload is ``quant.pack`` of each run of tiles, one after the other, zero padded
+    to the same size on every rank. It is cached until the storage may have changed
+    (``version``, from the bucket), so the backward re-gather sends exactly the bytes
+    the forward sent: one quantization per step, no drift. Gradients and state dicts
+    stay full precision."""
+
+    fixed_dtype = True  # the fp8 codes are of this dtype's values
+
+    def __init__(self, store: BucketStorage, fmt: QuantFormat) -> None:
+        super().__init__(store)
+        layout = store.layout
         self.layout = layout
         self.fmt = fmt
-        self.rank = rank
-        # per rank, per parameter, per copy block: first scale in the rank's scale section
-        self._scale_offsets: list[list[list[int]]] = []
-        counts = []
-        for r in range(layout.world_size):
-            cursor, per_param = 0, []
-            for param in layout.params:
-                offsets = []
-                for block in param.copy_blocks[r]:
-                    offsets.append(cursor)
-                    cursor += math.prod(scale_shape(storage_shape(block), fmt))
-                per_param.append(offsets)
-            self._scale_offsets.append(per_param)
-            counts.append(cursor)
+        self.rank = store.rank
         self._runs = [self._plan_runs(r) for r in range(layout.world_size)]
+        ends = [
+            runs[-1].start + packed_nbytes(runs[-1].shape, fmt) if runs else 0
+            for runs in self._runs
+        ]
+        # the fp8 data of the largest shard and the most scales of any rank, so the
+        # payload of a bucket whose tiles divide W carries nothing else
         scale_size = torch.empty(0, dtype=fmt.scale_dtype).element_size()
-        self.data_nbytes = _align(layout.shard_numel)
-        self.nbytes = _align(self.data_nbytes + max(counts, default=0) * scale_size)
+        scales = max((self._scale_count(runs) for runs in self._runs), default=0)
+        least = _align(layout.shard_numel) + scales * scale_size
+        self.nbytes = _align(max([least, *ends]))
         self._cached: tuple[object, torch.Tensor] | None = None
         self.encodes = 0  # quantizations done (a test counts one per step)
 
-    def _plan_runs(self, rank: int) -> list[tuple[int, int, tuple[int, ...], int, list]]:
-        """Per run of consecutive copy blocks of ``rank`` with one tile shape: (storage
-        offset, numel, tile shape, first scale, its (parameter index, block)s). A run
-        quantizes as one batch of tiles, bit for bit as block by block (tiles are
-        independent) and with one set of ops."""
-        runs: list[list] = []
+    # ------------------------------------------------------------ Collective
+    def gather_buffer(self) -> torch.Tensor | None:
+        world = self.layout.world_size
+        return torch.empty(world * self.nbytes, dtype=torch.uint8, device=self.store.buffer.device)
+
+    def full_base(self, index: int, gathered: torch.Tensor | None) -> torch.Tensor | None:
+        return None  # the gathered buffer is bytes: each parameter decodes its own
+
+    def payload(self, version: object) -> torch.Tensor:
+        return self.encode(self.store.buffer, version)
+
+    def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
+        assert gathered is not None
+        self.decode(gathered.view(self.layout.world_size, -1), owned)
+        return False  # kept while unsharded: ``quantized`` reads the fp8 codes from it
+
+    # ------------------------------------------------------------ codec
+    def _plan_runs(self, rank: int) -> list[_Run]:
+        """The runs of ``rank``'s copy blocks, in storage order, and where each run's
+        packed bytes start in the rank's payload."""
+        runs: list[list] = []  # [offset, numel, tile, members]
         for i, param in enumerate(self.layout.params):
-            for k, block in enumerate(param.copy_blocks[rank]):
+            for block in param.copy_blocks[rank]:
                 if not block.numel:
                     continue
                 tile = storage_shape(block)[-2:]  # quantized weights are 2-D or batched
                 last = runs[-1] if runs else None
                 if last is not None and last[2] == tile and last[0] + last[1] == block.offset:
-                    last[1] += block.numel  # its scales follow the run's, in the same order
-                    last[4].append((i, block))
+                    last[1] += block.numel
+                    last[3].append((i, block))
                 else:
-                    first = self._scale_offsets[rank][i][k]
-                    runs.append([block.offset, block.numel, tile, first, [(i, block)]])
-        return [tuple(run) for run in runs]
+                    runs.append([block.offset, block.numel, tile, [(i, block)]])
+        planned, cursor = [], 0
+        for offset, numel, tile, members in runs:
+            run = _Run(offset, numel, tile, cursor, tuple(members))
+            cursor += packed_nbytes(run.shape, self.fmt)
+            planned.append(run)
+        return planned
 
-    def _sections(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        data = payload[: self.layout.shard_numel].view(torch.float8_e4m3fn)
-        scales = payload[self.data_nbytes :].view(self.fmt.scale_dtype)
-        return data, scales
+    def _scale_count(self, runs: list[_Run]) -> int:
+        return sum(math.prod(scale_shape(run.shape, self.fmt)) for run in runs)
+
+    def _unpack(self, payload: torch.Tensor, run: _Run) -> QuantizedTensor:
+        """The run's tiles and scales in a rank's payload (views of it)."""
+        size = packed_nbytes(run.shape, self.fmt)
+        return unpack(payload[run.start : run.start + size], run.shape, self.fmt)
 
     def encode(self, storage: torch.Tensor, version: object) -> torch.Tensor:
         """This rank's payload: its tiles quantized in place of the full tensor."""
         if self._cached is not None and self._cached[0] == version:
             return self._cached[1]
         payload = torch.zeros(self.nbytes, dtype=torch.uint8, device=storage.device)
-        data, scales = self._sections(payload)
-        for offset, numel, tile, first, _ in self._runs[self.rank]:
-            q = quantize(storage[offset : offset + numel].view(-1, *tile), self.fmt)
-            data[offset : offset + numel].copy_(q.data.view(-1))
-            scales[first : first + q.scale.numel()].copy_(q.scale.reshape(-1))
+        for run in self._runs[self.rank]:
+            q = quantize(storage[run.offset : run.offset + run.numel].view(run.shape), self.fmt)
+            packed = pack(q)
+            payload[run.start : run.start + packed.numel()].copy_(packed)
         self._cached = (version, payload)
         self.encodes += 1
         return payload
-
-    def _rank_blocks(self, gathered: torch.Tensor, index: int):
-        """Per rank and copy block of parameter ``index``: (block, its QuantizedTensor)."""
-        param = self.layout.params[index]
-        for rank in range(self.layout.world_size):
-            data, scales = self._sections(gathered[rank])
-            for k, block in enumerate(param.copy_blocks[rank]):
-                tiles = storage_view(block, data)
-                shape = scale_shape(tiles.shape, self.fmt)
-                offset = self._scale_offsets[rank][index][k]
-                scale = scales[offset : offset + math.prod(shape)].view(shape)
-                yield block, QuantizedTensor(tiles, scale, self.fmt)
 
     def decode(self, gathered: torch.Tensor, fulls: list[torch.Tensor | None]) -> None:
         """Dequantize every rank's payload ([W, nbytes]) into the full parameters: one
@@ -138,15 +185,11 @@ class QuantizedGather:
         dtype = present[0].dtype
         dsts, srcs = [], []
         for rank in range(self.layout.world_size):
-            data, scales = self._sections(gathered[rank])
-            for offset, numel, tile, first, members in self._runs[rank]:
-                tiles = data[offset : offset + numel].view(-1, *tile)
-                shape = scale_shape(tiles.shape, self.fmt)
-                scale = scales[first : first + math.prod(shape)].view(shape)
-                values = dequantize(QuantizedTensor(tiles, scale, self.fmt), dtype).view(-1)
-                for i, block in members:
+            for run in self._runs[rank]:
+                values = dequantize(self._unpack(gathered[rank], run), dtype).reshape(-1)
+                for i, block in run.members:
                     if fulls[i] is not None:
-                        start = block.offset - offset
+                        start = block.offset - run.offset
                         piece = values[start : start + block.numel].view(storage_shape(block))
                         dsts.append(full_view(block, fulls[i]))
                         srcs.append(piece)
@@ -160,7 +203,16 @@ class QuantizedGather:
         device = gathered.device
         data = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
         scale = torch.empty(scale_shape(shape, self.fmt), dtype=self.fmt.scale_dtype, device=device)
-        for block, q in self._rank_blocks(gathered, index):
-            full_view(block, data.view(torch.uint8)).copy_(q.data.view(torch.uint8))
-            full_view(_scale_block(block, self.fmt), scale).copy_(q.scale)
+        for rank in range(self.layout.world_size):
+            for run in self._runs[rank]:
+                q = self._unpack(gathered[rank], run)
+                for i, block in run.members:
+                    if i != index:
+                        continue
+                    tiles = run.tiles(block)
+                    block_shape = storage_shape(block)
+                    codes = q.data[tiles].reshape(block_shape).view(torch.uint8)
+                    full_view(block, data.view(torch.uint8)).copy_(codes)
+                    scales = q.scale[tiles].reshape(scale_shape(block_shape, self.fmt))
+                    full_view(_scale_block(block, self.fmt), scale).copy_(scales)
         return QuantizedTensor(data, scale, self.fmt)

@@ -5,15 +5,18 @@ safetensors export of the final model; Hugging Face folders in and out
 
 from __future__ import annotations
 
+import datetime
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from flexshard.checkpoint.bounded import bounded_group, in_flight
 from flexshard.checkpoint.frames import framed_state, unframed
 
 from .config import ConfigError
+from .exchange import configured_timeout
 
 if TYPE_CHECKING:
     from .train import Job
@@ -95,6 +98,20 @@ def _frames(job: Job) -> dict[str, Any]:
     return {k: v for m in job.parallel.modules for k, v in expert_frames(m).items()}
 
 
+def _io_group(job: Job) -> tuple[dist.ProcessGroup, datetime.timedelta]:
+    """The world's ranks on a group bounded by ``parallelism.timeout_s``: every
+    checkpoint collective (DCP's, the barriers) waits at most that, then raises a
+    CollectiveError naming the step (made once, on first use, by every rank)."""
+    timeout = configured_timeout(job.cfg.parallelism.timeout_s)
+    return bounded_group(dist.group.WORLD, timeout), timeout
+
+
+def _barrier(job: Job, what: str, path: Path) -> None:
+    group, timeout = _io_group(job)
+    with in_flight(what, str(path), group, timeout):
+        dist.barrier(group=group)
+
+
 def check_available(job: Job) -> None:
     """Fail before training, not at the first save."""
     c = job.cfg.checkpoint
@@ -108,13 +125,24 @@ def save(job: Job, step: int) -> Path:
         import torch.distributed.checkpoint as dcp
 
         state = framed_state(_fsdp2_state(job, job.dims.pp > 1), _frames(job))
-        dcp.save({**state, SCHEDULER: job.lr_scheduler.state_dict()}, checkpoint_id=str(path))
+        group, timeout = _io_group(job)
+        with in_flight("dcp.save", str(path), group, timeout):
+            dcp.save(
+                {**state, SCHEDULER: job.lr_scheduler.state_dict()},
+                checkpoint_id=str(path),
+                process_group=group,
+            )
     else:
         extra = {"step": step, SCHEDULER: job.lr_scheduler.state_dict()}
         _flexshard_checkpoint().save(
-            str(path), _logical_model(job), job.optimizer, extra=extra, frames=_frames(job)
+            str(path),
+            _logical_model(job),
+            job.optimizer,
+            extra=extra,
+            frames=_frames(job),
+            timeout=configured_timeout(job.cfg.parallelism.timeout_s),
         )
-    dist.barrier()
+    _barrier(job, "barrier after the save", path)
     return path
 
 
@@ -138,7 +166,9 @@ def maybe_resume(job: Job) -> int:
         if any(key[0] == SCHEDULER for key in saved.values()):
             state[SCHEDULER] = job.lr_scheduler.state_dict()
         loaded = framed_state(state, _frames(job))
-        dcp.load(loaded, checkpoint_id=str(path))
+        group, timeout = _io_group(job)
+        with in_flight("dcp.load", str(path), group, timeout):
+            dcp.load(loaded, checkpoint_id=str(path), process_group=group)
         state = unframed(loaded, state)
         set_state_dict(
             _logical_model(job),
@@ -150,7 +180,10 @@ def maybe_resume(job: Job) -> int:
         scheduler = state.get(SCHEDULER)
     else:
         ckpt = _flexshard_checkpoint()
-        extra = ckpt.load(str(path), _logical_model(job), job.optimizer, frames=_frames(job))
+        timeout = configured_timeout(job.cfg.parallelism.timeout_s)
+        extra = ckpt.load(
+            str(path), _logical_model(job), job.optimizer, frames=_frames(job), timeout=timeout
+        )
         extra = extra or {}
         step = int(extra.get("step", step))
         scheduler = extra.get(SCHEDULER)
@@ -189,10 +222,19 @@ def initial_load(job: Job) -> None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         state = {"model": get_model_state_dict(_logical_model(job))}
-        dcp.load(framed_state(state, _frames(job)), checkpoint_id=c.initial_load_path)
+        group, timeout = _io_group(job)
+        with in_flight("dcp.load", c.initial_load_path, group, timeout):
+            dcp.load(
+                framed_state(state, _frames(job)),
+                checkpoint_id=c.initial_load_path,
+                process_group=group,
+            )
     else:
         frames = _frames(job)
-        _flexshard_checkpoint().load(c.initial_load_path, _logical_model(job), frames=frames)
+        timeout = configured_timeout(job.cfg.parallelism.timeout_s)
+        _flexshard_checkpoint().load(
+            c.initial_load_path, _logical_model(job), frames=frames, timeout=timeout
+        )
     if job.rank == 0:
         print(f"initial weights from {c.initial_load_path}", flush=True)
 
@@ -220,4 +262,4 @@ def _write_full(job: Job, full: dict[str, Any], path: Path) -> None:
 
     if job.rank == 0:
         save_file({k: v.detach().cpu().contiguous() for k, v in full.items()}, str(path))
-    dist.barrier()
+    _barrier(job, "barrier after the export", path)

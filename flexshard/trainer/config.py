@@ -61,7 +61,7 @@ class ParallelismConfig:
     # "allgather": K/V all-gathered (O(seq) per rank); "ring": K/V blocks passed around
     cp_method: Literal["allgather", "ring"] = "allgather"
     ep: int = 1  # expert parallel, borrowed from the dp_shard * cp ranks
-    sequence_parallel: bool = True  # with tp > 1 and pp = 1: norms on sequence shards
+    sequence_parallel: bool = True  # with tp > 1: norms and stage sends on sequence shards
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     pp_microbatches: int = 0  # 0: pp (one microbatch per stage)
     pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b)
@@ -71,6 +71,9 @@ class ParallelismConfig:
     reshard_after_forward: bool = True
     # explicit buckets replace the defaults: [{patterns=[..], placement="owned", name=".."}]
     buckets: list[dict[str, Any]] = field(default_factory=list)
+    # seconds any one collective may wait (flexshard's buckets, clipping, EP / CP
+    # exchanges, checkpoint I/O) before it raises a CollectiveError naming it
+    timeout_s: float = 300.0
 
 
 @dataclass
@@ -243,184 +246,6 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-PLACEMENT_NAMES = ("shard0", "flat", "owned", "block", "mixed")
-
-
-def _check_bucket_entry(where: str, entry: Any) -> None:
-    """One explicit bucket: {patterns = [...], placement = "owned", name = "..", block = [R, C]}."""
-    if not isinstance(entry, dict):
-        raise ConfigError(f'{where}: a table like {{patterns = ["layers.*"], placement = ..}}')
-    unknown = set(entry) - {"patterns", "placement", "name", "block"}
-    if unknown:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
-    patterns = entry.get("patterns")
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    if not patterns or not all(isinstance(x, str) for x in patterns):
-        raise ConfigError(f"{where}.patterns: a list of FQN glob patterns is required")
-    if entry.get("placement", "shard0") not in PLACEMENT_NAMES:
-        raise ConfigError(
-            f"{where}.placement = {entry['placement']!r}: must be one of {PLACEMENT_NAMES}"
-        )
-    block = entry.get("block", [1, 1])
-    if not (
-        isinstance(block, list)
-        and len(block) == 2
-        and all(isinstance(b, int) for b in block)
-        and min(block) >= 1
-    ):
-        raise ConfigError(f"{where}.block = {block!r}: must be two positive sizes [R, C]")
-
-
-def validate(cfg: Config) -> None:
-    """Values that type-check but make no sense."""
-    m, t, p = cfg.model, cfg.training, cfg.parallelism
-    positive = {
-        "model.vocab_size": m.vocab_size,
-        "model.dim": m.dim,
-        "model.n_layers": m.n_layers,
-        "model.n_heads": m.n_heads,
-        "model.n_kv_heads": m.n_kv_heads,
-        "training.steps": t.steps,
-        "training.seq_len": t.seq_len,
-        "training.batch_size": t.batch_size,
-        "training.grad_accum": t.grad_accum,
-        "parallelism.dp_replicate": p.dp_replicate,
-        "job.log_every": cfg.job.log_every,
-        "checkpoint.interval": cfg.checkpoint.interval,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key} = {value}: must be at least 1")
-    if m.vocab_size < 256 and m.tokenizer == "bytes":
-        raise ConfigError(f"model.vocab_size = {m.vocab_size}: the byte tokenizer needs 256")
-    v = cfg.validation
-    if v.enable and (v.freq < 1 or v.steps < 1 or not 0 < v.fraction < 1):
-        raise ConfigError("validation.freq and steps must be >= 1, validation.fraction in (0, 1)")
-    if cfg.checkpoint.initial_load_in_hf and not cfg.checkpoint.initial_load_path:
-        raise ConfigError("checkpoint.initial_load_in_hf needs checkpoint.initial_load_path")
-    if p.dp_shard < 1 and p.dp_shard != -1:
-        raise ConfigError(f"parallelism.dp_shard = {p.dp_shard}: must be -1 (auto) or >= 1")
-    if m.dim % m.n_heads:
-        raise ConfigError(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}")
-    if (m.dim // m.n_heads) % 2:
-        raise ConfigError(f"head dim {m.dim // m.n_heads} must be even for RoPE")
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(
-            f"model.n_heads = {m.n_heads} is not a multiple of model.n_kv_heads = {m.n_kv_heads}"
-        )
-    moe = m.moe
-    if moe.num_experts and not 1 <= moe.top_k <= moe.num_experts:
-        raise ConfigError(
-            f"model.moe.top_k = {moe.top_k}: must be in 1..num_experts ({moe.num_experts})"
-        )
-    if moe.bias_update_rate < 0 or moe.aux_loss_coef < 0:
-        raise ConfigError("model.moe.bias_update_rate and aux_loss_coef must be >= 0")
-    if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
-        raise ConfigError("training.lr must be > 0 and training.min_lr_ratio in [0, 1]")
-    if t.warmup_steps < 0 or t.max_norm < 0 or t.weight_decay < 0:
-        raise ConfigError("training.warmup_steps, max_norm and weight_decay must be >= 0")
-    if len(t.betas) != 2:
-        raise ConfigError(f"training.betas = {t.betas}: must be two numbers")
-    if len(p.block) != 2 or min(p.block) < 1:
-        raise ConfigError(f"parallelism.block = {p.block}: must be two positive sizes [R, C]")
-    check_parallel_layout(cfg)
-    for i, entry in enumerate(p.buckets):
-        _check_bucket_entry(f"parallelism.buckets[{i}]", entry)
-    if cfg.data.source == "files" and not cfg.data.paths:
-        raise ConfigError('data.source = "files" needs data.paths (text files or globs)')
-    if cfg.data.source == "hf_disk" and not cfg.data.hf_path:
-        raise ConfigError('data.source = "hf_disk" needs data.hf_path (a save_to_disk folder)')
-
-
-def check_parallel_layout(cfg: Config) -> None:
-    """Start-up errors of the tp / pp / cp / ep degrees against the model and the batch
-    (the world size is checked by ``ParallelDims.from_config``)."""
-    m, t, p = cfg.model, cfg.training, cfg.parallelism
-    for dim in ("tp", "pp", "cp", "ep", "pp_virtual_stages"):
-        if getattr(p, dim) < 1:
-            raise ConfigError(f"parallelism.{dim} = {getattr(p, dim)}: must be at least 1")
-    if p.pp_microbatches < 0:
-        raise ConfigError(f"parallelism.pp_microbatches = {p.pp_microbatches}: must be >= 0")
-    if m.n_heads % p.tp or m.n_kv_heads % p.tp:
-        raise ConfigError(
-            f"parallelism.tp = {p.tp} must divide model.n_heads = {m.n_heads} and "
-            f"model.n_kv_heads = {m.n_kv_heads}: every tp rank holds whole heads"
-        )
-    stages = p.pp * p.pp_virtual_stages
-    if m.n_layers % stages:
-        raise ConfigError(
-            f"parallelism.pp = {p.pp} x pp_virtual_stages = {p.pp_virtual_stages} = {stages} "
-            f"stages do not divide model.n_layers = {m.n_layers}"
-        )
-    if p.pp_virtual_stages > 1 and p.pp_schedule != "interleaved_1f1b":
-        raise ConfigError(
-            f"parallelism.pp_virtual_stages = {p.pp_virtual_stages} needs "
-            'parallelism.pp_schedule = "interleaved_1f1b"'
-        )
-    micro = p.pp_microbatches or p.pp
-    if p.pp > 1 and t.batch_size % micro:
-        raise ConfigError(
-            f"training.batch_size = {t.batch_size} is not divisible by "
-            f"parallelism.pp_microbatches = {micro}"
-        )
-    if p.pp > 1 and p.pp_schedule == "1f1b" and micro < p.pp:
-        raise ConfigError(f"parallelism.pp_microbatches = {micro}: 1f1b needs at least pp = {p.pp}")
-    if p.pp > 1 and p.pp_schedule == "interleaved_1f1b" and micro % max(1, micro // p.pp):
-        raise ConfigError(
-            f"parallelism.pp_microbatches = {micro}: interleaved_1f1b needs a multiple of "
-            f"max(1, pp_microbatches // pp) = {max(1, micro // p.pp)}"
-        )
-    if p.pp > 1 and t.grad_accum != 1:
-        raise ConfigError(
-            "training.grad_accum must be 1 with parallelism.pp > 1: the pipeline's "
-            "microbatches (parallelism.pp_microbatches) accumulate instead"
-        )
-    if t.seq_len % (2 * p.cp):
-        raise ConfigError(
-            f"training.seq_len = {t.seq_len} is not divisible by 2 * parallelism.cp = "
-            f"{2 * p.cp}: context parallelism cuts every sequence into 2 * cp zig-zag chunks"
-        )
-    if p.tp > 1 and p.pp == 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
-        raise ConfigError(
-            f"training.seq_len / cp = {t.seq_len // p.cp} is not divisible by parallelism.tp "
-            f"= {p.tp}: sequence parallelism splits each rank's sequence across tp"
-        )
-    if p.ep > 1:
-        if not m.moe.num_experts:
-            raise ConfigError(
-                f"parallelism.ep = {p.ep} needs a mixture-of-experts model "
-                "(model.moe.num_experts > 0)"
-            )
-        if m.moe.num_experts % p.ep:
-            raise ConfigError(
-                f"model.moe.num_experts = {m.moe.num_experts} is not divisible by "
-                f"parallelism.ep = {p.ep}"
-            )
-        if p.dp_shard != -1 and (p.dp_shard * p.cp) % p.ep:
-            raise ConfigError(
-                f"parallelism.ep = {p.ep} must divide dp_shard * cp = {p.dp_shard * p.cp}: "
-                "expert parallelism borrows its ranks from the data and context parallel ranks"
-            )
-    composed = p.tp * p.pp * p.ep > 1
-    if composed and (p.buckets or p.placement == "muon"):
-        raise ConfigError(
-            'parallelism.buckets and placement = "muon" are for data parallelism alone; '
-            "with tp, pp or ep > 1 use a named placement"
-        )
-    if composed and cfg.training.optimizer != "adamw":
-        raise ConfigError(
-            f'training.optimizer = "{cfg.training.optimizer}" is not wired with tp, pp or ep > 1'
-        )
-    c = cfg.checkpoint
-    if p.pp * p.ep > 1 and (c.initial_load_in_hf or c.last_save_in_hf):
-        raise ConfigError(
-            "checkpoint.initial_load_in_hf / last_save_in_hf: Hugging Face folders are not "
-            "wired with parallelism.pp or ep > 1 yet (DCP checkpoints and export_safetensors "
-            "are)"
-        )
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the TOML file, then ``--section.key value`` overrides; validated."""
     table: dict[str, Any] = {}
@@ -435,6 +260,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = Config()
     _fill(cfg, table, "")
     _vocab_from_tokenizer(cfg, table)
+    from .config_validation import validate  # it imports this module
+
     validate(cfg)
     return cfg
 
@@ -444,6 +271,8 @@ def config_from_dict(table: dict[str, Any]) -> Config:
     cfg = Config()
     _fill(cfg, table, "")
     _vocab_from_tokenizer(cfg, table)
+    from .config_validation import validate  # it imports this module
+
     validate(cfg)
     return cfg
 

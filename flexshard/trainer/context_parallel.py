@@ -18,12 +18,18 @@ The integrator calls ``check_cp``, ``apply_cp(model, cp_mesh, method)`` and, on 
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from flexshard.runtime.collectives import DEFAULT_TIMEOUT
+
+from .exchange import Exchange
+from .layout_checks import check_cp
 
 Group = DeviceMesh | dist.ProcessGroup
 CPMethod = Literal["allgather", "ring"]
@@ -38,17 +44,6 @@ def as_group(cp: Group) -> dist.ProcessGroup:
     if isinstance(cp, dist.ProcessGroup):
         return cp
     raise TypeError(f"cp_mesh must be a 1-D DeviceMesh or a ProcessGroup, got {type(cp)}")
-
-
-def check_cp(seq_len: int, cp: int) -> None:
-    """Start-up check: the zig-zag split needs ``2 * cp`` equal chunks."""
-    if cp < 1:
-        raise ValueError(f"parallelism.cp must be >= 1, got {cp}")
-    if seq_len % (2 * cp):
-        raise ValueError(
-            f"training.seq_len = {seq_len} is not divisible by 2 * parallelism.cp = {2 * cp}: "
-            "context parallelism splits every sequence into 2 * cp equal zig-zag chunks"
-        )
 
 
 def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
@@ -90,43 +85,55 @@ def split_sequence(tensor: torch.Tensor, cp_mesh: Group, dim: int = 1) -> torch.
 class _GatherSequence(torch.autograd.Function):
     """All-gather [batch, local_len, heads, head_dim] from every CP rank into the full
     sequence in global order; the backward reduce-scatters (sums) the gradient, since
-    every rank's queries read every rank's keys and values."""
+    every rank's queries read every rank's keys and values. Both are bounded by the
+    exchange's timeout (a CollectiveError naming the layer and ``what``)."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        cp = dist.get_world_size(group)
+    def forward(ctx: Any, local: torch.Tensor, exchange: Exchange, what: str) -> torch.Tensor:
+        cp = exchange.size
         b, s, *rest = local.shape
-        ctx.group, ctx.shape = group, local.shape
+        ctx.exchange, ctx.shape, ctx.what = exchange, local.shape, what
         gathered = local.new_empty(cp * local.numel())
-        dist.all_gather_single(gathered, local.contiguous().view(-1), group=group)
+        exchange.all_gather(gathered, local.contiguous().view(-1), f"CP {what} all-gather")
         # [cp, b, 2, chunk, ...] -> [b, 2 * cp slots, chunk, ...] -> chunks in global order
         slots = gathered.view(cp, b, 2, s // 2, *rest).transpose(0, 1).reshape(b, 2 * cp, -1)
         ordered = slots[:, _slot_of_chunk(cp)]
         return ordered.reshape(b, cp * s, *rest)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        group, shape = ctx.group, ctx.shape
-        cp = dist.get_world_size(group)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        exchange, shape = ctx.exchange, ctx.shape
+        cp = exchange.size
         b, s, *rest = shape
         by_chunk = grad.reshape(b, 2 * cp, -1)
         slots = torch.empty_like(by_chunk)
         slots[:, _slot_of_chunk(cp)] = by_chunk
         full = slots.view(b, cp, 2, -1).transpose(0, 1).contiguous()
         local = grad.new_empty(shape)
-        dist.reduce_scatter_single(local.view(-1), full.view(-1), group=group)
-        return local, None
+        what = f"CP {ctx.what} gradient reduce-scatter (backward)"
+        exchange.reduce_scatter(local.view(-1), full.view(-1), what)
+        return local, None, None
 
 
 class ContextParallel:
-    """What the model's attention and RoPE need to run on a zig-zag sequence shard."""
+    """What the model's attention and RoPE need to run on a zig-zag sequence shard;
+    one per attention layer (``name``, its FQN, in the errors of its exchanges)."""
 
-    def __init__(self, cp_mesh: Group, method: CPMethod = "allgather") -> None:
+    def __init__(
+        self,
+        cp_mesh: Group,
+        method: CPMethod = "allgather",
+        name: str = "attention",
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        masks: dict[tuple[int, torch.device], torch.Tensor] | None = None,
+    ) -> None:
         if method not in CP_METHODS:
             raise ValueError(f"parallelism.cp_method = {method!r}: must be one of {CP_METHODS}")
         self.group, self.method = as_group(cp_mesh), method
+        self.exchange = Exchange(self.group, name, "cp", timeout)
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
+        # the causal masks depend on the length alone: the layers share one cache
+        self._masks = masks if masks is not None else {}
 
     def global_len(self, local_len: int) -> int:
         if local_len % 2:
@@ -140,7 +147,10 @@ class ContextParallel:
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [b, local, kv_heads, d] of the whole sequence, global order."""
-        return _GatherSequence.apply(k, self.group), _GatherSequence.apply(v, self.group)
+        return (
+            _GatherSequence.apply(k, self.exchange, "key"),
+            _GatherSequence.apply(v, self.exchange, "value"),
+        )
 
     def causal_mask(self, local_len: int, device: torch.device) -> torch.Tensor:
         """[local, global] booleans, True where a local query may see a key."""
@@ -152,15 +162,23 @@ class ContextParallel:
         return self._masks[key]
 
 
-def apply_cp(model: nn.Module, cp_mesh: Group, method: CPMethod = "allgather") -> ContextParallel:
+def apply_cp(
+    model: nn.Module,
+    cp_mesh: Group,
+    method: CPMethod = "allgather",
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> ContextParallel:
     """Switch the model's RoPE and attention into CP mode: from now on it takes this
-    rank's ``split_sequence`` part of every sequence. Collective-free."""
-    cp = ContextParallel(cp_mesh, method)
+    rank's ``split_sequence`` part of every sequence; each layer's exchanges wait at
+    most ``timeout``. Returns the root's ContextParallel (positions, masks); every
+    attention layer gets its own, named by its FQN. Collective-free."""
+    root = ContextParallel(cp_mesh, method, type(model).__name__, timeout)
     hooked = 0
-    for module in model.modules():
+    for fqn, module in model.named_modules():
         if hasattr(module, "context_parallel"):
+            cp = root if not fqn else ContextParallel(cp_mesh, method, fqn, timeout, root._masks)
             module.context_parallel = cp
             hooked += 1
     if not hooked:
         raise ValueError(f"{type(model).__name__} has no attention that supports CP")
-    return cp
+    return root

@@ -16,11 +16,13 @@ the way back; with that every weight gets the gradient of the global mean loss.
 
 The integrator calls ``check_ep`` at start-up and ``apply_ep(model, ep_mesh)`` before
 data parallelism; the expert weights then need their own flexshard mesh, and the
-gradient norm ``clip_grad_norm_`` (``fs.clip_grad_norm_`` wants one shard group).
+gradient norm sums them over the EP group too (``fs.clip_grad_norm_(...,
+extra_groups=[(expert_params, ep_group)])``).
 """
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,36 +30,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flexshard.clip import scale_grads
-from flexshard.runtime.module import subtree_buckets
+from flexshard.runtime.bucket import slot_of
+from flexshard.runtime.collectives import DEFAULT_TIMEOUT, check_timeout
 
 from .context_parallel import Group, as_group
-
-
-def check_ep(num_experts: int, ep: int, dp_shard_cp: int) -> None:
-    """Start-up check of an EP degree against the MoE and the data-parallel degree."""
-    if ep < 1:
-        raise ValueError(f"parallelism.ep must be >= 1, got {ep}")
-    if ep == 1:
-        return
-    if num_experts == 0:
-        raise ValueError(
-            f"parallelism.ep = {ep} needs a mixture-of-experts model (model.moe.num_experts > 0)"
-        )
-    if num_experts % ep:
-        raise ValueError(
-            f"model.moe.num_experts = {num_experts} is not divisible by parallelism.ep = {ep}: "
-            "every EP rank keeps the same number of whole experts"
-        )
-    if dp_shard_cp % ep:
-        raise ValueError(
-            f"parallelism.ep = {ep} must divide dp_shard * cp = {dp_shard_cp}: EP borrows its "
-            "ranks from the data-parallel and context-parallel ranks"
-        )
+from .exchange import Exchange
+from .layout_checks import check_ep as check_ep  # re-exported: the start-up check
 
 
 class _AllToAll(torch.autograd.Function):
-    """Rows exchanged with uneven splits; the backward sends the gradients home."""
+    """Rows exchanged with uneven splits; the backward sends the gradients home. Both
+    are bounded by the exchange's timeout (a CollectiveError naming the layer)."""
 
     @staticmethod
     def forward(
@@ -65,19 +48,20 @@ class _AllToAll(torch.autograd.Function):
         rows: torch.Tensor,
         out_splits: list[int],
         in_splits: list[int],
-        group: dist.ProcessGroup,
+        exchange: Exchange,
+        what: str,
     ) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+        ctx.splits, ctx.exchange, ctx.what = (out_splits, in_splits), exchange, what
         out = rows.new_empty(sum(out_splits), *rows.shape[1:])
-        dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
-        return out
+        return exchange.all_to_all(out, rows, f"EP {what} all-to-all", out_splits, in_splits)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         out_splits, in_splits = ctx.splits
         back = grad.new_empty(sum(in_splits), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
+        what = f"EP {ctx.what} all-to-all (backward)"
+        ctx.exchange.all_to_all(back, grad, what, in_splits, out_splits)
+        return back, None, None, None, None
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -94,10 +78,18 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class ExpertParallel:
-    """The EP group and this rank's share of the experts of one MoE layer."""
+    """The EP group and this rank's share of the experts of one MoE layer (``name``,
+    its FQN, in the errors of its exchanges)."""
 
-    def __init__(self, group: dist.ProcessGroup, num_experts: int) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_experts: int,
+        name: str = "experts",
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
         self.group = group
+        self.exchange = Exchange(group, name, "ep", timeout)
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_experts = num_experts
         self.local = num_experts // self.size
@@ -108,7 +100,7 @@ class ExpertParallel:
     ) -> torch.Tensor:
         """The routed experts' weighted sum for this rank's tokens ``flat`` [N, dim],
         given the router's ``weights`` and ``chosen`` experts [N, top_k]."""
-        ep, local, group = self.size, self.local, self.group
+        ep, local, exchange = self.size, self.local, self.exchange
         # one row per (token, choice), sorted by expert (stable: tokens stay in order),
         # hence grouped by the EP rank that owns the expert
         expert_of = chosen.reshape(-1)
@@ -118,11 +110,11 @@ class ExpertParallel:
         )[order]
         sent = torch.bincount(expert_of, minlength=self.num_experts)
         received = torch.empty_like(sent)  # [source rank, my local expert], flattened
-        dist.all_to_all_single(received, sent, group=group)
+        exchange.all_to_all(received, sent, "EP token-count all-to-all")
         send_splits = sent.view(ep, local).sum(1).tolist()
         recv_counts = received.view(ep, local)
         recv_splits = recv_counts.sum(1).tolist()
-        inbound = _AllToAll.apply(flat[token_of], recv_splits, send_splits, group)
+        inbound = _AllToAll.apply(flat[token_of], recv_splits, send_splits, exchange, "dispatch")
 
         # rows arrive by source rank, then by expert: group them by expert to compute
         expert_of_row = torch.arange(local, device=flat.device).repeat(ep)
@@ -131,7 +123,7 @@ class ExpertParallel:
         w1, w2, w3 = (_ScaleGrad.apply(w, 1.0 / ep) for w in (experts.w1, experts.w2, experts.w3))
         computed = experts.swiglu(inbound[by_expert], recv_counts.sum(0).tolist(), (w1, w2, w3))
         outbound = _AllToAll.apply(
-            computed[torch.argsort(by_expert)], send_splits, recv_splits, group
+            computed[torch.argsort(by_expert)], send_splits, recv_splits, exchange, "combine"
         )
 
         # combine as the single process does: expert by expert, tokens in order
@@ -139,11 +131,15 @@ class ExpertParallel:
         return torch.zeros_like(flat).index_add(0, token_of, routed)
 
 
-def apply_ep(model: nn.Module, ep_mesh: Group) -> list[str]:
+def apply_ep(
+    model: nn.Module, ep_mesh: Group, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+) -> list[str]:
     """Keep this rank's ``E / ep`` experts of every MoE layer (works on a meta-built
     model; ``init_module`` then draws all experts and keeps the slice) and route the
-    tokens through the EP group. Returns the FQNs of the sliced expert modules, for
-    the data-parallel wrapper to shard on their own mesh. Collective-free."""
+    tokens through the EP group, each exchange waited at most ``timeout``. Returns the
+    FQNs of the sliced expert modules, for the data-parallel wrapper to shard on their
+    own mesh. Collective-free."""
+    check_timeout(timeout)
     group = as_group(ep_mesh)
     ep = dist.get_world_size(group)
     sliced = []
@@ -153,7 +149,7 @@ def apply_ep(model: nn.Module, ep_mesh: Group) -> list[str]:
         total = experts.w1.shape[0]
         if experts.ep_range is not None:
             raise ValueError(f"{fqn}: experts already split by apply_ep")
-        if any(getattr(p, "_flexshard_slot", None) is not None for p in experts.parameters()):
+        if any(slot_of(p) is not None for p in experts.parameters()):
             raise ValueError(
                 f"{fqn}: the experts are already sharded for data parallelism; apply_ep "
                 "comes first (TP -> EP -> CP -> DP)"
@@ -163,7 +159,7 @@ def apply_ep(model: nn.Module, ep_mesh: Group) -> list[str]:
                 f"{fqn}: {total} experts are not divisible by the EP degree {ep}; every EP "
                 "rank keeps the same number of whole experts"
             )
-        parallel = ExpertParallel(group, total)
+        parallel = ExpertParallel(group, total, fqn, timeout)
         keep = slice(parallel.first, parallel.first + parallel.local)
         for name, param in list(experts.named_parameters(recurse=False)):
             piece = nn.Parameter(param.detach()[keep].clone(), requires_grad=param.requires_grad)
@@ -207,7 +203,8 @@ def gather_expert_weights(
             key = f"{fqn}.{name}"
             local = state_dict[key].contiguous()
             whole = local.new_empty(parallel.size * local.numel())
-            dist.all_gather_single(whole, local.view(-1), group=parallel.group)
+            what = "EP expert-weight all-gather"
+            parallel.exchange.all_gather(whole, local.view(-1), what, counted=False)
             out[key] = whole.view(parallel.num_experts, *local.shape[1:])
     return out
 
@@ -228,26 +225,3 @@ def slice_expert_weights(
                 )
             out[key] = state_dict[key][parallel.first : parallel.first + parallel.local]
     return out
-
-
-def clip_grad_norm_(model: nn.Module, max_norm: float, dp_group: dist.ProcessGroup) -> torch.Tensor:
-    """``fs.clip_grad_norm_`` for a model whose buckets sit on different shard groups
-    (experts on dp_shard_mod_ep, the rest on dp_shard_cp): the squares of every local
-    gradient shard summed over ``dp_group`` (dp_shard_cp), on which each gradient
-    element lives exactly once (EP x dp_shard_mod_ep = dp_shard_cp; HSDP replicas are
-    outside it). Returns the full model's 2-norm; scales the shards to ``max_norm``."""
-    buckets = list(subtree_buckets(model))
-    if not buckets:
-        raise ValueError("clip_grad_norm_ needs a model sharded by flexshard")
-    partial = torch.zeros((), dtype=torch.float32, device=buckets[0].storage.device)
-    for bucket in buckets:
-        if bucket.layout.replicated and bucket.rank != 0:
-            continue  # a Replicate bucket's ranks hold the same gradient: count it once
-        for i in range(len(bucket.params)):
-            grad = bucket.local_grad(i)
-            if grad is not None and grad.numel():
-                partial += torch.linalg.vector_norm(grad.float()) ** 2
-    dist.all_reduce(partial, group=dp_group)
-    total = partial.sqrt()
-    scale_grads(buckets, max_norm, total)
-    return total

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
+from flexshard.runtime.module import own_buckets
 
 from .config import Config, ConfigError, config_from_dict, load_config
 from .hf_adapter import hf_keys, model_fields, read_config
@@ -69,8 +70,8 @@ def gathered(model: nn.Module, bucket: str) -> Iterator[None]:
     """The whole weights of flexshard bucket ``bucket`` inside (a plain model: as is).
     The blocks are called piece by piece here, not through the forward hooks that
     gather them in training."""
-    buckets = getattr(model, "_flexshard_buckets", None)
-    if buckets is None:
+    buckets = own_buckets(model)
+    if not buckets:
         yield
         return
     found = [b for b in buckets if b.name == bucket]
@@ -117,7 +118,7 @@ def generate(
 ) -> torch.Tensor:
     """``prompt`` (1-D ids) followed by up to ``max_new_tokens`` new ids."""
     generator = torch.Generator().manual_seed(seed)
-    sharded = dist.is_initialized() and hasattr(model, "_flexshard_buckets")
+    sharded = dist.is_initialized() and bool(own_buckets(model))
     cache: Cache = []
     out = []
     with gathered(model, "outer"):

@@ -87,7 +87,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
         cp, mask = self.context_parallel, None
         if cp is not None and cp.method == "ring":  # K/V blocks travel the CP ring
-            return self.wo(ring_attention(q, k, v, cp.group).reshape(b, s, -1))
+            return self.wo(ring_attention(q, k, v, cp.exchange).reshape(b, s, -1))
         if cp is not None:  # local queries attend to the whole sequence's keys and values
             k, v = cp.gather_kv(k, v)
             mask = cp.causal_mask(s, x.device)
@@ -216,6 +216,9 @@ class Transformer(nn.Module):
         # model then needs no buffer re-initialisation after to_empty
         self._rope: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self.context_parallel: ContextParallel | None = None  # set by apply_cp
+        # sequence-parallel TP (set by apply_tp): the hidden states a later pipeline
+        # stage receives hold 1 / sequence_shards of the sequence RoPE must cover
+        self.sequence_shards = 1
 
     def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         cp = self.context_parallel
@@ -231,7 +234,9 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
-        cos, sin = self.rope(tokens.shape[1], tokens.device)
+        hidden = tokens.is_floating_point()  # a pipeline stage after the embedding's
+        seq = tokens.shape[1] * (self.sequence_shards if hidden else 1)
+        cos, sin = self.rope(seq, tokens.device)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.output(self.norm(x))

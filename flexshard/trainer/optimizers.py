@@ -4,6 +4,9 @@ learning-rate schedule is ``lr_schedule``'s LambdaLR."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -14,6 +17,27 @@ def muon_row_blocks(model_cfg: ModelConfig) -> dict[str, int]:
     """Muon orthogonalises attention projections per head: rows per block by FQN glob."""
     head_dim = model_cfg.dim // model_cfg.n_heads
     return {"*.wq.weight": head_dim, "*.wk.weight": head_dim, "*.wv.weight": head_dim}
+
+
+def muon_head_placement(base: Any, model_cfg: ModelConfig) -> Any:
+    """``base`` (a placement or an ``(fqn, param) -> placement`` function) with the
+    parameters of :func:`muon_row_blocks` in whole-head row blocks
+    (``BlockShard((head_dim, C))``): per-head Muon needs every head whole on a rank, which
+    Shard(0) or FlatShard over a dp group larger than the heads per piece would cut
+    (the single process, and so the loss parity, is per head whatever the layout)."""
+    import fnmatch
+
+    import flexshard as fs
+
+    rows = muon_row_blocks(model_cfg)
+
+    def placement(fqn: str, param: nn.Parameter) -> Any:
+        for pattern, head_rows in rows.items():
+            if param.ndim == 2 and fnmatch.fnmatchcase(fqn, pattern):
+                return fs.BlockShard((head_rows, param.shape[-1]))
+        return base if isinstance(base, fs.Placement) else base(fqn, param)
+
+    return placement
 
 
 def _third_party(name: str) -> type[torch.optim.Optimizer]:
@@ -36,10 +60,35 @@ def matrix_optimizer_buckets(model: nn.Module, dp_shard: int) -> list:
     return matrix_buckets(model, dp_shard)
 
 
+class StageView(nn.Module):
+    """This rank's pipeline stage modules seen as one model by name, for the Muon/AdamW
+    split: the stages keep the whole model's FQNs, so names are not prefixed (param
+    groups, and the checkpoints that record them, read the same under every layout).
+    Nothing is registered: the stages stay owned by the pipeline."""
+
+    def __init__(self, stages: Iterable[nn.Module]) -> None:
+        super().__init__()
+        self._stages = list(stages)
+
+    def modules(self) -> Iterator[nn.Module]:
+        for stage in self._stages:
+            yield from stage.modules()
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        for stage in self._stages:
+            yield from stage.named_parameters(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for _, param in self.named_parameters(recurse=recurse):
+            yield param
+
+
 def build_optimizer(
-    model: nn.Module, cfg: TrainingConfig, model_cfg: ModelConfig
+    model: nn.Module | Any, cfg: TrainingConfig, model_cfg: ModelConfig
 ) -> torch.optim.Optimizer:
-    """Built after sharding: it sees this rank's local shards (flexshard) or DTensors."""
+    """Built after sharding: it sees this rank's local shards (flexshard) or DTensors.
+    ``model`` is one module, or an object with ``.modules`` (the trainer's
+    ``Parallelized``: this rank's pipeline stages), whose optimizer covers them all."""
     betas = (cfg.betas[0], cfg.betas[1])
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(
@@ -60,12 +109,17 @@ def build_optimizer(
             'training.optimizer = "muon" needs flexshard.optim (DistMuon), which is not in '
             'this installation; use optimizer = "adamw"'
         ) from None
+    stages = getattr(model, "modules", None)  # Parallelized: a list; a module: a method
     return muon_and_adamw(
-        model,
+        StageView(stages) if isinstance(stages, list) else model,
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         adamw_betas=betas,
         row_blocks=muon_row_blocks(model_cfg),
+        # the LM head by its name, not as the last Linear: a pipeline stage without the
+        # head would hand its own last matrix to AdamW
+        adamw_patterns=("output.weight",),
+        detect_head=False,
         # Moonlight's scaling: Muon's update RMS matches AdamW's, so one lr serves both
         adjust_lr_fn="match_rms_adamw",
     )

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .config import ConfigError, ParallelismConfig
+from .layout_checks import check_ep_ranks
 
 # outermost first, as torchtitan orders them: pipeline stages are the slowest links,
 # tensor parallel ranks the fastest
@@ -54,11 +55,7 @@ class ParallelDims:
                 f"dp_shard={dp_shard} x cp={cfg.cp} x tp={cfg.tp} x pp={cfg.pp}) but the world "
                 f"size is {world_size}; make them equal"
             )
-        if dims.ep > 1 and (dims.dp_shard * dims.cp) % dims.ep:
-            raise ConfigError(
-                f"parallelism.ep = {dims.ep} must divide dp_shard * cp = "
-                f"{dims.dp_shard * dims.cp}: expert parallelism borrows its ranks from them"
-            )
+        check_ep_ranks(dims.ep, dims.dp_shard * dims.cp)  # dp_shard may be inferred only now
         return dims
 
     def degree(self, name: str) -> int:

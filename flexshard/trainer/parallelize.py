@@ -9,6 +9,7 @@ over dp_replicate x (dp_shard * cp).
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,16 +17,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 import flexshard as fs
-from flexshard.runtime.module import subtree_buckets
-from flexshard.runtime.tp_params import tp_sharded
 
 from .config import Config
 from .context_parallel import apply_cp, split_sequence
+from .exchange import configured_timeout
 from .expert_parallel import apply_ep
 from .model import Transformer, init_module, init_weights
+from .optimizers import muon_head_placement
 from .parallel import Meshes, ParallelDims
 from .pipeline import PipelineRunner, build_pipeline, init_stage_params
 from .sharding import OUTER_PATTERNS, mp_policy, named_placement
@@ -81,8 +82,11 @@ def apply_dp(module: nn.Module, cfg: Config, meshes: Meshes, expert_fqns: list[s
             fully_shard(layer, mesh=meshes.dp, mp_policy=policy, reshard_after_forward=reshard)
         return fully_shard(module, mesh=meshes.dp, mp_policy=policy, reshard_after_forward=reshard)
     placement = named_placement(cfg.parallelism.placement, cfg)
+    if cfg.training.optimizer == "muon":  # per-head Muon: q/k/v stored in whole heads
+        placement = muon_head_placement(placement, cfg.model)
     if present:  # buckets on two meshes: fully_shard style, one call per module
-        return _flexshard_per_module(module, placement, meshes, present, policy, reshard)
+        timeout = configured_timeout(cfg.parallelism.timeout_s)
+        return _flexshard_per_module(module, placement, meshes, present, policy, reshard, timeout)
     specs = [
         fs.BucketSpec(f"layers.{name}.*", placement, name=f"layers.{name}")
         for name in _layer_names(module)
@@ -91,7 +95,12 @@ def apply_dp(module: nn.Module, cfg: Config, meshes: Meshes, expert_fqns: list[s
     if outer:
         specs.append(fs.BucketSpec(outer, placement, name="outer"))
     return fs.flex_shard(
-        module, meshes.dp, buckets=specs, mp_policy=policy, reshard_after_forward=reshard
+        module,
+        meshes.dp,
+        buckets=specs,
+        mp_policy=policy,
+        reshard_after_forward=reshard,
+        timeout=configured_timeout(cfg.parallelism.timeout_s),
     )
 
 
@@ -102,6 +111,7 @@ def _flexshard_per_module(
     expert_fqns: list[str],
     policy: Any,
     reshard: bool,
+    timeout: datetime.timedelta,
 ) -> Any:
     """fs.fully_shard on the experts (their own mesh), then each block, then the root:
     flex_shard's buckets share one mesh, EP's experts need another."""
@@ -120,6 +130,7 @@ def _flexshard_per_module(
             mesh=meshes.experts_dp,
             mp_policy=policy,
             shard_placement_fn=place,
+            timeout=timeout,
         )
     for layer in module.layers:  # type: ignore[union-attr]
         fs.fully_shard(
@@ -128,6 +139,7 @@ def _flexshard_per_module(
             mp_policy=policy,
             reshard_after_forward=reshard,
             shard_placement_fn=place,
+            timeout=timeout,
         )
     return fs.fully_shard(
         module,
@@ -135,6 +147,7 @@ def _flexshard_per_module(
         mp_policy=policy,
         reshard_after_forward=reshard,
         shard_placement_fn=place,
+        timeout=timeout,
     )
 
 
@@ -160,14 +173,16 @@ def parallelize(
         model = Transformer(cfg.model)
     if not on_meta:
         init_weights(model, cfg.training.seed)
+    sequence_parallel = meshes.tp is not None and par.sequence_parallel
     if meshes.tp is not None:
-        # stages exchange whole hidden states, so sequence parallelism stays inside pp = 1
-        apply_tp(model, meshes.tp, sequence_parallel=par.sequence_parallel and dims.pp == 1)
-    expert_fqns = apply_ep(model, meshes.ep) if meshes.ep is not None else []
+        # under PP too: stages then exchange the [b, s / tp, d] sequence shards
+        apply_tp(model, meshes.tp, sequence_parallel=sequence_parallel)
+    timeout = configured_timeout(par.timeout_s)
+    expert_fqns = apply_ep(model, meshes.ep, timeout) if meshes.ep is not None else []
 
     def finish(module: nn.Module) -> nn.Module:
         if meshes.cp is not None:
-            apply_cp(module, meshes.cp, par.cp_method)
+            apply_cp(module, meshes.cp, par.cp_method, timeout)
         if cfg.compile.enable:
             apply_compile(module, cfg)
         return apply_dp(module, cfg, meshes, expert_fqns)
@@ -189,6 +204,7 @@ def parallelize(
         shard_fn=finish,
         virtual_stages=par.pp_virtual_stages,
         activation_dtype=param_dtype or torch.float32,
+        sequence_shards=dims.tp if sequence_parallel else 1,
     )
     if on_meta:  # each stage continues the single process's random stream
         for module in runner.modules:
@@ -204,74 +220,6 @@ def local_batch(
     if meshes.cp is None:
         return inputs, targets
     return split_sequence(inputs, meshes.cp), split_sequence(targets, meshes.cp)
-
-
-# ------------------------------------------------------------------ gradient norm
-def _counted_here(dims: ParallelDims, meshes: Meshes, tp_split: bool) -> bool:
-    """Whether this rank's copy of a gradient counts: HSDP replicas hold the same
-    reduced gradients (count replica 0), and a weight not split over tp is the same on
-    every tp rank (count tp rank 0)."""
-    world = meshes.world
-    if dims.dp_replicate > 1 and world.get_local_rank("dp_replicate") != 0:
-        return False
-    return tp_split or dims.tp == 1 or world.get_local_rank("tp") == 0
-
-
-def _flexshard_squares(module: nn.Module, dims: ParallelDims, meshes: Meshes) -> torch.Tensor:
-    squares = torch.zeros((), dtype=torch.float32)
-    for bucket in subtree_buckets(module):
-        if bucket.layout.replicated and bucket.rank != 0:
-            continue  # a Replicate bucket: every shard rank holds the same gradient
-        for i, param in enumerate(bucket.params):
-            grad = bucket.local_grad(i)
-            if grad is None or not grad.numel():
-                continue
-            if _counted_here(dims, meshes, tp_sharded(param.tp_spec)):
-                squares += grad.float().pow(2).sum().cpu()
-    return squares
-
-
-def _dtensor_squares(module: nn.Module, dims: ParallelDims, meshes: Meshes) -> torch.Tensor:
-    """FSDP2: each gradient a DTensor; a mesh dim it is replicated on counts once."""
-    squares = torch.zeros((), dtype=torch.float32)
-    for param in module.parameters():
-        grad = param.grad
-        if grad is None:
-            continue
-        if isinstance(grad, DTensor):
-            mesh, names = grad.device_mesh, grad.device_mesh.mesh_dim_names or ()
-            if any(
-                isinstance(p, Replicate) and mesh.get_local_rank(i) != 0
-                for i, p in enumerate(grad.placements)
-            ):
-                continue
-            if "tp" not in names and dims.tp > 1 and meshes.world.get_local_rank("tp") != 0:
-                continue
-            grad = grad.to_local()
-        squares += grad.float().pow(2).sum().cpu()
-    return squares
-
-
-def clip_grad_norm_(parallel: Parallelized, dims: ParallelDims, meshes: Meshes, max_norm: float):
-    """The whole model's gradient 2-norm over every dimension (each element counted
-    once: stages over pp, shards over dp_shard * cp and ep, TP pieces over tp), the
-    same on every rank; gradients scaled to ``max_norm`` when it is exceeded."""
-    squares = torch.zeros((), dtype=torch.float32)
-    for module in parallel.modules:
-        if isinstance(module, fs.FlexShardModule):
-            squares += _flexshard_squares(module, dims, meshes)
-        else:
-            squares += _dtensor_squares(module, dims, meshes)
-    device = next(parallel.parameters()).device
-    squares = squares.to(device)
-    dist.all_reduce(squares)  # the world: every rank adds what it alone counts
-    total = float(squares.sqrt())
-    coef = min(max_norm / (total + 1e-6), 1.0)
-    if coef < 1.0:
-        for param in parallel.parameters():
-            if param.grad is not None:
-                param.grad.mul_(coef)
-    return total
 
 
 # ------------------------------------------------------------------ full parameters

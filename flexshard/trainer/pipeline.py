@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -29,11 +28,15 @@ from torch.distributed.pipelining import (
 
 import flexshard as fs
 
+from .layout_checks import SCHEDULE_NAMES, check_pipeline
+from .pipeline_stage import FlexShardStage
+
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
 }
+assert tuple(SCHEDULES) == SCHEDULE_NAMES  # checked by name in layout_checks
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -53,43 +56,6 @@ def stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:
 def stage_layers(n_layers: int, n_stages: int, stage: int) -> range:
     per_stage = n_layers // n_stages
     return range(stage * per_stage, (stage + 1) * per_stage)
-
-
-def check_pipeline(
-    n_layers: int, pp: int, virtual: int, schedule: str, n_microbatches: int
-) -> None:
-    """Layout errors, raised before any module is cut or any collective runs."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline schedule '{schedule}': must be one of {', '.join(SCHEDULES)}")
-    for name, value in (
-        ("pp", pp),
-        ("virtual_stages", virtual),
-        ("n_microbatches", n_microbatches),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"pipeline: {name} must be a positive int, got {value!r}")
-    if virtual > 1 and schedule != "interleaved_1f1b":
-        raise ValueError(
-            f"pipeline: virtual_stages = {virtual} needs schedule 'interleaved_1f1b'; "
-            f"'{schedule}' runs one stage per rank"
-        )
-    stages = pp * virtual
-    if n_layers % stages:
-        raise ValueError(
-            f"pipeline: n_layers = {n_layers} is not divisible by pp * virtual_stages = "
-            f"{pp} * {virtual} = {stages} stages"
-        )
-    if schedule == "1f1b" and n_microbatches < pp:
-        raise ValueError(
-            f"pipeline: 1f1b needs n_microbatches >= pp stages ({n_microbatches} < {pp})"
-        )
-    if schedule == "interleaved_1f1b":
-        rounds = max(1, n_microbatches // pp)
-        if n_microbatches % rounds:
-            raise ValueError(
-                f"pipeline: interleaved_1f1b needs n_microbatches ({n_microbatches}) to be a "
-                f"multiple of its rounds max(1, n_microbatches // pp) = {rounds}"
-            )
 
 
 def split_model(model: nn.Module, n_stages: int, ids: list[int]) -> list[nn.Module]:
@@ -116,40 +82,6 @@ def split_model(model: nn.Module, n_stages: int, ids: list[int]) -> list[nn.Modu
             module.norm, module.output = parts["norm"], parts["output"]
         modules.append(module)
     return modules
-
-
-class FlexShardStage(PipelineStage):
-    """A PipelineStage that turns flexshard's gradient sync and reshard-after-backward
-    on only for the last microbatch's backward (torch does this for FSDP2 modules
-    only), and checks its
-    output against the static shape and dtype the next stage receives into."""
-
-    def __init__(self, *args: Any, expected_output: torch.Tensor, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.expected_output = expected_output
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        want = self.expected_output
-        if output.shape != want.shape or output.dtype != want.dtype:
-            # a mismatch would not fail in torch: the receiver would read garbage
-            raise ValueError(
-                f"pipeline stage {self.stage_index}: output {output.dtype} "
-                f"{tuple(output.shape)}, but the stages were built for {want.dtype} "
-                f"{tuple(want.shape)} (activation_dtype / sequence_shards)"
-            )
-        return output
-
-    def backward_maybe_with_nosync(
-        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
-    ) -> Any:
-        if isinstance(self.submod, fs.FlexShardModule):
-            self.submod.set_requires_gradient_sync(last_backward)
-            # gathered parameters serve the next microbatch; the last one frees them
-            self.submod.set_reshard_after_backward(last_backward)
-        return super().backward_maybe_with_nosync(
-            backward_type, bwd_kwargs, last_backward=last_backward
-        )
 
 
 class PipelineRunner:
@@ -183,6 +115,7 @@ class PipelineRunner:
         self.activation_dtype = activation_dtype
         self.sequence_shards = sequence_shards
         self._schedule: Any = None
+        self._stages: list[FlexShardStage] = []
         self._batch_shape: tuple[int, ...] | None = None
 
     @property
@@ -221,6 +154,7 @@ class PipelineRunner:
                     expected_output=outputs,
                 )
             )
+        self._stages = stages
         kind = SCHEDULES[self.schedule_name]
         if kind is ScheduleInterleaved1F1B:
             self._schedule = kind(stages, self.n_microbatches, loss_fn=self.loss_fn)
@@ -265,34 +199,18 @@ class PipelineRunner:
         dist.broadcast(loss, group_src=last_rank, group=self.pp_group)
         return float(loss)
 
+    def sent_bytes(self) -> dict[str, int]:
+        """Bytes this rank's stages have sent to neighbouring stages so far, forward
+        (hidden states) and backward (their gradients); 1 / tp of the whole hidden
+        states' under sequence parallelism."""
+        return {
+            way: sum(stage.sent_bytes[way] for stage in self._stages)
+            for way in ("forward", "backward")
+        }
+
     def parameters(self) -> Iterator[nn.Parameter]:
         for module in self.modules:
             yield from module.parameters()
-
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """The whole model's gradient norm (all stages, all data-parallel shards), every
-        rank alike; gradients scaled down to ``max_norm`` when it is exceeded. Stages
-        sharded by flexshard or by torch (FSDP2's DTensors) or not at all."""
-        squares = torch.zeros((), dtype=torch.float32)
-        for module in self.modules:
-            if isinstance(module, fs.FlexShardModule):  # norm over the dp group, no clip
-                norm = fs.clip_grad_norm_(module, float("inf"))
-            else:
-                norm = torch.nn.utils.get_total_norm(
-                    [p.grad for p in module.parameters() if p.grad is not None]
-                )
-                norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            squares += norm.detach().float().cpu() ** 2
-        device = next(self.parameters()).device
-        squares = squares.to(device)
-        dist.all_reduce(squares, group=self.pp_group)  # stages on other pipeline ranks
-        total = float(squares.sqrt())
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for param in self.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(coef)
-        return total
 
 
 def init_stage_params(
@@ -348,20 +266,31 @@ def build_pipeline(
     shard_fn: Callable[[nn.Module], nn.Module] | None = None,
     virtual_stages: int = 1,
     activation_dtype: torch.dtype = torch.float32,
-    sequence_shards: int = 1,
+    sequence_shards: int | None = None,
 ) -> PipelineRunner:
     """Split ``model`` (consumed) into this rank's stages, shard each with
     ``shard_fn(stage_module)`` (e.g. flexshard over the data-parallel mesh) and return
     the runner. ``activation_dtype``: dtype of the hidden states and logits stages
     exchange (the mixed-precision param dtype when one is set); ``sequence_shards``: how
     many pieces the hidden states' sequence is cut into between stages beyond the
-    tokens given to ``step`` (the tp degree under sequence parallelism, else 1)."""
+    tokens given to ``step``: the model's (the tp degree after ``apply_tp`` with
+    sequence parallelism, else 1), which a value given must equal."""
     if pp_mesh.ndim != 1:
         raise ValueError(f"build_pipeline: pp_mesh must be 1-D, got {pp_mesh.ndim} dims")
+    model_shards = getattr(model, "sequence_shards", 1)
+    if sequence_shards is None:
+        sequence_shards = model_shards
     if isinstance(sequence_shards, bool) or not isinstance(sequence_shards, int):
         raise TypeError(f"build_pipeline: sequence_shards must be an int, got {sequence_shards!r}")
     if sequence_shards < 1:
         raise ValueError(f"build_pipeline: sequence_shards must be >= 1, got {sequence_shards}")
+    if sequence_shards != model_shards:
+        # the stages would receive into buffers of another shape than the blocks emit
+        raise ValueError(
+            f"build_pipeline: sequence_shards = {sequence_shards}, but the model's blocks "
+            f"emit hidden states cut into {model_shards} sequence shard(s) (apply_tp with "
+            "sequence_parallel cuts them into tp)"
+        )
     if not isinstance(activation_dtype, torch.dtype) or not activation_dtype.is_floating_point:
         raise TypeError(
             f"build_pipeline: activation_dtype must be a floating torch.dtype, "

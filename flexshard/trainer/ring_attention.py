@@ -26,30 +26,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flexshard.runtime.collectives import Pending
+
+from .exchange import Exchange
+
 
 class _Ring:
-    """The CP group's ring neighbours (global ranks, as the P2P ops want them)."""
+    """The CP group's ring neighbours (global ranks, as the P2P ops want them); every
+    send and receive is bounded by the exchange's timeout (a CollectiveError naming the
+    layer and the message)."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+    def __init__(self, exchange: Exchange, stage: str) -> None:
+        self.exchange, self.stage = exchange, stage
+        group = exchange.group
+        self.size, self.rank = exchange.size, exchange.rank
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def start(self, send: torch.Tensor, tag: int = 0) -> tuple[torch.Tensor, list[dist.Work]]:
+    def start(self, send: torch.Tensor, tag: int = 0) -> tuple[torch.Tensor, list[Pending]]:
         """Send ``send`` to the next rank, receive the previous rank's into a new buffer
         (``tag``: the backward's K/V and gradient messages are in flight together)."""
         recv = torch.empty_like(send)
-        ops = [
-            dist.P2POp(dist.isend, send, self.next, self.group, tag),
-            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
-        ]
-        return recv, dist.batch_isend_irecv(ops)
+        what = "K/V gradient" if tag else "K/V block"
+        collective = f"CP ring {what} send/recv ({self.stage})"
+        return recv, self.exchange.send_recv(send, recv, self.next, self.prev, tag, collective)
 
-
-def _wait(works: list[dist.Work]) -> None:
-    for work in works:
-        work.wait()
+    def wait(self, pending: list[Pending]) -> None:
+        for one in pending:
+            self.exchange.wait(one)
 
 
 def _rows_and_keys(src: int, rank: int, half: int) -> tuple[slice, slice, bool]:
@@ -114,9 +118,9 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exchange: Exchange
     ) -> torch.Tensor:
-        ring = _Ring(group)
+        ring = _Ring(exchange, "forward")
         repeat, half = q.shape[1] // k.shape[1], q.shape[2] // 2
         scale = q.shape[-1] ** -0.5
         qf = q.float()
@@ -141,16 +145,16 @@ class _RingAttention(torch.autograd.Function):
                 )
                 lse_rows[:, :, tile] = new_lse
             if step < ring.size - 1:
-                _wait(works)
+                ring.wait(works)
                 kv = kv_next
-        ctx.group = group
+        ctx.exchange = exchange
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        ring = _Ring(ctx.group)
+        ring = _Ring(ctx.exchange, "backward")
         repeat, half = q.shape[1] // k.shape[1], q.shape[2] // 2
         scale = q.shape[-1] ** -0.5
         qf, dout = q.float(), grad_out.float()
@@ -159,7 +163,7 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         # fp32 dk, dv accumulators of the block in hand; they follow it around the ring
         dkv_recv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        dkv_works: list[dist.Work] = []
+        dkv_works: list[Pending] = []
         for step in range(ring.size):
             if step < ring.size - 1:
                 kv_next, kv_works = ring.start(kv)
@@ -175,26 +179,29 @@ class _RingAttention(torch.autograd.Function):
                 dscores = probs * (d_t @ v_blk.transpose(-1, -2) - delta_rows[:, :, tile, None])
                 dq_rows[:, :, tile] += (dscores @ k_blk) * scale
                 dk_blk += (dscores.transpose(-1, -2) @ q_t) * scale
-            _wait(dkv_works)  # block src's accumulators arrive behind its k and v
+            ring.wait(dkv_works)  # block src's accumulators arrive behind its k and v
             dkv = dkv_recv
             dkv[0][:, :, keys] += _unrepeat(dk_blk, repeat)
             dkv[1][:, :, keys] += _unrepeat(dv_blk, repeat)
             dkv_recv, dkv_works = ring.start(dkv, tag=1)  # to the next holder, finally home
             if step < ring.size - 1:
-                _wait(kv_works)
+                ring.wait(kv_works)
                 kv = kv_next
-        _wait(dkv_works)
+        ring.wait(dkv_works)
         dk, dv = dkv_recv
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Exchange | dist.ProcessGroup
 ) -> torch.Tensor:
     """Exact causal attention of this rank's zig-zag shard, [b, local, heads, d] in and
     out (k and v with their kv heads; GQA's repeat happens per block, so only the kv
-    heads travel)."""
+    heads travel). ``ring``: a layer's CP exchange (its timeout, name, byte count), or
+    a bare CP group (the default timeout)."""
     if q.shape[1] % 2:
         raise ValueError(f"ring attention: a CP rank holds two equal chunks, got {q.shape[1]}")
-    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group)
+    if isinstance(ring, dist.ProcessGroup):
+        ring = Exchange(ring, "ring attention", "cp")
+    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ring)
     return out.transpose(1, 2)

@@ -3,6 +3,7 @@ bucket by default, a placement per bucket) or torch FSDP2 for comparison."""
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from typing import Any
 
@@ -108,6 +109,7 @@ def apply_flexshard(model: nn.Module, cfg: Config, dp_mesh: DeviceMesh) -> Any:
         buckets=bucket_specs(cfg, model, dp_shard),
         mp_policy=mp_policy(cfg.training.mixed_precision),
         reshard_after_forward=cfg.parallelism.reshard_after_forward,
+        timeout=datetime.timedelta(seconds=cfg.parallelism.timeout_s),
     )
 
 

@@ -9,6 +9,9 @@ every unshard.
 With ``sequence_parallel`` the activations between blocks are split along the
 sequence across tp (norms run on their sequence shard, weights replicated), and each
 attention / feed-forward gathers the sequence on entry and reduce-scatters it on exit.
+They stay split between pipeline stages too: a block's output is the local
+``[b, s / tp, d]`` of a Shard(1) DTensor, which is what a stage sends and the next
+stage's first norm takes as its sequence shard.
 
 MoE layers keep the router and the experts replicated over tp: every tp rank routes
 the whole sequence and runs every expert on it (the work is duplicated over tp; expert
@@ -30,22 +33,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from .config import ConfigError, ModelConfig
+from .layout_checks import check_tp
 from .model import Attention, FeedForward, MoE, Transformer
-
-
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Start-up errors: every tp rank must hold whole attention heads."""
-    if cfg.n_heads % tp:
-        raise ConfigError(
-            f"model.n_heads = {cfg.n_heads} is not divisible by parallelism.tp = {tp}; "
-            "tensor parallelism gives every tp rank whole attention heads"
-        )
-    if cfg.n_kv_heads % tp:
-        raise ConfigError(
-            f"model.n_kv_heads = {cfg.n_kv_heads} is not divisible by parallelism.tp = {tp}; "
-            "tensor parallelism gives every tp rank whole key/value heads"
-        )
 
 
 def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, object]:
@@ -102,6 +91,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
     if sequence_parallel:
         outer["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, outer)  # type: ignore[arg-type]
+    # the embedding hands its output over sequence-split (SP): later pipeline stages
+    # then receive [b, s / tp, d] and must know the sequence is tp times longer
+    model.sequence_shards = tp if sequence_parallel else 1
     for block in model.layers:
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))  # type: ignore[arg-type]
         attention = block.attention

@@ -21,6 +21,7 @@ import flexshard as fs
 from . import checkpointing
 from .config import Config, ConfigError
 from .data import DPSampler, ValidationBatches, load_tokens, split_tokens
+from .exchange import exchange_bytes
 from .lr_schedule import build_lr_scheduler, current_lr
 from .metrics import (
     MetricsWriter,
@@ -36,7 +37,6 @@ from .moe_balance import step_balance, tokens_per_expert
 from .optimizers import build_optimizer
 from .parallel import Meshes, ParallelDims, init_distributed, pick_device
 from .parallelize import Parallelized, apply_compile, local_batch, parallelize
-from .parallelize import clip_grad_norm_ as clip_parallel
 from .sharding import apply_flexshard, apply_fsdp2
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -80,17 +80,26 @@ def build_model(cfg: Config, dp_mesh: DeviceMesh, device: torch.device) -> nn.Mo
 
 def clip_gradients(job: Job) -> float:
     """The full model's gradient norm; gradients clipped to ``max_norm`` when > 0
-    (with max_norm = inf the scale is exactly 1.0, so nothing changes). flexshard and
-    torch (on DTensors) sum the norm in different orders: the norms agree to an ulp or
-    two, and a step where clipping acts is then not bit-equal between the backends."""
-    cfg, model = job.cfg, job.model
-    max_norm = cfg.training.max_norm or float("inf")
-    if job.dims.composed:  # gradients spread over tp, pp, ep too
-        return clip_parallel(job.parallel, job.dims, job.meshes, max_norm)
-    if cfg.parallelism.dp_backend == "fsdp2":
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    return float(fs.clip_grad_norm_(model, max_norm))
+    (with max_norm = inf the scale is exactly 1.0, so nothing changes). One call for
+    every layout and both backends: the DTensor meshes cover dp, cp and tp; the other
+    pipeline stages come over pp, EP's expert slices over the EP group."""
+    parallel, meshes = job.parallel, job.meshes
+    max_norm = job.cfg.training.max_norm or float("inf")
+    experts = set(parallel.expert_fqns)
+    expert_params = [
+        param
+        for module in parallel.modules
+        for fqn, sub in module.named_modules()
+        if fqn in experts
+        for param in sub.parameters()
+    ]
+    norm = fs.clip_grad_norm_(
+        list(parallel.parameters()),
+        max_norm,
+        pp_group=meshes.pp,
+        extra_groups=[(expert_params, meshes.ep)] if meshes.ep is not None else (),
+    )
+    return float(norm)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -217,14 +226,23 @@ def validate(job: Job) -> float:
 
 
 def _comm_bytes(parallel: Parallelized) -> dict[str, int] | None:
-    """Bytes this rank sent per bucket since the last call (flexshard only)."""
+    """Bytes this rank sent since the last call: per flexshard bucket and their
+    ``total`` (over every stage module; flexshard only), and as ``ep`` / ``cp`` the
+    expert- and context-parallel exchanges (any backend; not in ``total``)."""
+    exchanged = exchange_bytes(parallel.modules)
     sent: dict[str, int] = {}
     for module in parallel.modules:
         if not isinstance(module, fs.FlexShardModule):
-            return None
+            return exchanged or None
         stats = module.comm_stats(reset=True)
-        sent.update({name: entry["bytes_sent"] for name, entry in stats.items()})
-    return sent
+        total = sent.pop("total", 0) + stats.pop("total")["bytes_sent"]
+        for name, entry in stats.items():  # stages may share a bucket name ("outer")
+            sent[name] = sent.get(name, 0) + entry["bytes_sent"]
+        sent["total"] = total
+    clash = sorted(set(sent) & set(exchanged))
+    if clash:
+        raise ConfigError(f"bucket name(s) {clash} clash with the EP / CP entries of comm_bytes")
+    return {**sent, **exchanged}
 
 
 def run(cfg: Config) -> list[dict[str, Any]]:

@@ -1,0 +1,194 @@
+"""How a bucket moves its parameters and gradients: the ``Collective`` protocol and the
+built-in kinds (plain all-gather, bytes of a mixed-dtype bucket, replicated).
+
+A bucket picks its collective once, when it is built (runtime/strategies.py), from
+its placements' or quantization format's ``collective`` name; every all-gather and
+gradient reduction then goes through that object, so the bucket never asks which
+kind it is. A placement or format with its own wire format brings its own class.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from ..placements import BucketLayout, gathered_alias, pack_all, pack_rank, unpack
+from .collectives import BucketComm, Pending
+from .device import DeviceRuntime
+from .storage import BucketStorage
+
+
+@runtime_checkable
+class Collective(Protocol):
+    """One bucket's parameter all-gather and gradient reduction. Built with the
+    bucket's ``BucketStorage`` (its buffer, layouts and dtypes)."""
+
+    #: the storage keeps its dtype: ``module.to(dtype)`` on it raises (bytes, fp8 codes)
+    fixed_dtype: bool
+
+    def gather_buffer(self) -> torch.Tensor | None:
+        """A fresh all-gather output (None: nothing to fetch, the storage is full)."""
+        ...
+
+    def full_base(self, index: int, gathered: torch.Tensor | None) -> torch.Tensor | None:
+        """Full parameter ``index`` as a view of ``gathered`` or the storage (None: it
+        gets a buffer of its own, filled by ``copy_out``)."""
+        ...
+
+    def payload(self, version: object) -> torch.Tensor:
+        """What this rank sends in the all-gather; ``version`` changes whenever the
+        storage may have (a collective may cache its encoding on it)."""
+        ...
+
+    def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
+        """Fill the full parameters with a buffer of their own (``owned``, None for the
+        others) from the landed all-gather; True: ``gathered`` may be freed now."""
+        ...
+
+    def gather_storage(self, comm: BucketComm) -> torch.Tensor:
+        """Every rank's storage as ``[W, shard_numel]`` (a blocking collective; for
+        state dicts, so always the full-precision storage)."""
+        ...
+
+    def launch_reduce(
+        self,
+        comm: BucketComm,
+        layout: BucketLayout,
+        grads: list[torch.Tensor | None],
+        dtype: torch.dtype,
+        op: dist.ReduceOp,
+        runtime: DeviceRuntime,
+    ) -> tuple[Pending, torch.Tensor]:
+        """Start reducing the unsharded ``grads`` (laid out by ``layout``, in ``dtype``):
+        the pending collective and the buffer this rank's reduced shard lands in."""
+        ...
+
+
+class ShardedCollective:
+    """What every sharded kind shares: all-gather the storage for state dicts,
+    reduce-scatter the gradients (copy-in on compute, as FSDP2; CUDA: the collective
+    on the reduce-scatter stream, its input kept from reuse until that stream is past it)."""
+
+    fixed_dtype = False
+
+    def __init__(self, store: BucketStorage) -> None:
+        self.store = store
+
+    def gather_storage(self, comm: BucketComm) -> torch.Tensor:
+        store, layout = self.store, self.store.storage_layout
+        gathered = torch.empty(
+            layout.world_size, layout.shard_numel, dtype=store.dtype, device=store.buffer.device
+        )
+        comm.all_gather(gathered.view(-1), store.buffer).wait()
+        return gathered
+
+    def launch_reduce(
+        self,
+        comm: BucketComm,
+        layout: BucketLayout,
+        grads: list[torch.Tensor | None],
+        dtype: torch.dtype,
+        op: dist.ReduceOp,
+        runtime: DeviceRuntime,
+    ) -> tuple[Pending, torch.Tensor]:
+        device = self.store.buffer.device
+        stream = runtime.reduce_scatter_stream
+        full = torch.empty(layout.world_size, layout.shard_numel, dtype=dtype, device=device)
+        pack_all(layout, grads, full)
+        runtime.protect(full, stream)
+        with runtime.on(stream):
+            out = torch.empty(layout.shard_numel, dtype=dtype, device=device)
+            # the pending collective keeps ``full`` until it completed (gloo: at once)
+            return comm.reduce_scatter(out, full.view(-1), op), out
+
+
+class PlainGather(ShardedCollective):
+    """Sharded parameters of one dtype: all-gather the storage (cast to the policy's
+    ``param_dtype``); a full parameter whose pieces sit in order in the gathered
+    buffer is a view of it, the others are copied out."""
+
+    def gather_buffer(self) -> torch.Tensor | None:
+        store, layout = self.store, self.store.storage_layout
+        return torch.empty(
+            layout.world_size * layout.shard_numel,
+            dtype=store.param_dtype,
+            device=store.buffer.device,
+        )
+
+    def full_base(self, index: int, gathered: torch.Tensor | None) -> torch.Tensor | None:
+        layout = self.store.storage_layout
+        assert gathered is not None
+        return gathered_alias(layout, index, gathered.view(layout.world_size, layout.shard_numel))
+
+    def payload(self, version: object) -> torch.Tensor:
+        store = self.store
+        if store.param_dtype == store.dtype:
+            return store.buffer
+        return store.buffer.to(store.param_dtype)
+
+    def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
+        assert gathered is not None
+        layout = self.store.storage_layout
+        gathered_2d = gathered.view(layout.world_size, layout.shard_numel)
+        unpack(layout, gathered_2d, self.store.as_units(owned))
+        # every parameter was copied out: free the buffer now, as FSDP2 frees its
+        # all-gather output, so an unsharded bucket costs one copy, not two
+        return all(full is not None for full in owned)
+
+
+class BytesGather(PlainGather):
+    """A bucket of mixed dtypes: the storage is bytes (no cast: ``flex_shard`` refuses
+    a ``param_dtype`` for it), each parameter decodes its own bytes."""
+
+    fixed_dtype = True
+
+    def full_base(self, index: int, gathered: torch.Tensor | None) -> torch.Tensor | None:
+        return None
+
+
+class ReplicatedGather:
+    """Replicate (DDP): every rank stores everything, so there is nothing to gather;
+    gradients are all-reduced."""
+
+    fixed_dtype = False
+
+    def __init__(self, store: BucketStorage) -> None:
+        self.store = store
+
+    def gather_buffer(self) -> torch.Tensor | None:
+        return None
+
+    def full_base(self, index: int, gathered: torch.Tensor | None) -> torch.Tensor | None:
+        store = self.store  # without a cast the storage already is the full bucket
+        return store.view(index) if store.param_dtype == store.dtype else None
+
+    def payload(self, version: object) -> torch.Tensor:
+        return self.store.buffer
+
+    def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
+        for i, full in enumerate(owned):  # with a cast: each parameter from the storage
+            if full is not None:
+                full.copy_(self.store.view(i).view(full.shape))
+        return False
+
+    def gather_storage(self, comm: BucketComm) -> torch.Tensor:
+        layout = self.store.storage_layout
+        return self.store.buffer.view(1, -1).expand(layout.world_size, -1)
+
+    def launch_reduce(
+        self,
+        comm: BucketComm,
+        layout: BucketLayout,
+        grads: list[torch.Tensor | None],
+        dtype: torch.dtype,
+        op: dist.ReduceOp,
+        runtime: DeviceRuntime,
+    ) -> tuple[Pending, torch.Tensor]:
+        stream = runtime.reduce_scatter_stream
+        out = torch.zeros(layout.shard_numel, dtype=dtype, device=self.store.buffer.device)
+        pack_rank(layout, self.store.rank, grads, out)
+        runtime.protect(out, stream)
+        with runtime.on(stream):
+            return comm.all_reduce(out, op=op), out

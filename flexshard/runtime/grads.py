@@ -1,0 +1,50 @@
+"""A bucket's unsharded gradients between backward and reduction: what no-sync steps
+hold back, and the opt-in record of which of them hold a NaN or an inf."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+from .grad_check import nonfinite_codes
+from .tp_params import local_grad
+
+
+class GradAccumulator:
+    """Per parameter of a bucket: the gradient held back by ``set_requires_gradient_sync
+    (False)`` steps (in ``reduce_dtype``), and the non-finite codes of the last backward
+    when ``check_finite`` is on."""
+
+    def __init__(self, count: int) -> None:
+        self.held: list[torch.Tensor | None] = [None] * count
+        self.check_finite = False  # opt-in: each backward records NaN/inf per gradient
+        self.nonfinite = [0] * count
+
+    def take(
+        self, fulls: Sequence[torch.Tensor], tp_specs: Sequence[DTensorSpec | None]
+    ) -> list[torch.Tensor | None]:
+        """Unsharded gradients of this backward (taken off the full parameters) plus
+        those held back by no-sync steps."""
+        grads = []
+        for i, (full, spec) in enumerate(zip(fulls, tp_specs)):
+            grad, full.grad = local_grad(full.grad, spec), None
+            held = self.held[i]
+            self.held[i] = None
+            if held is not None and grad is not None:
+                held += grad
+            grads.append(held if held is not None else grad)
+        if self.check_finite:
+            self.nonfinite = nonfinite_codes(grads)
+        return grads
+
+    def hold(self, grads: list[torch.Tensor | None], dtype: torch.dtype) -> None:
+        """Gradient sync is off: keep ``grads`` for the next backward, in ``dtype``."""
+        for i, grad in enumerate(grads):
+            if grad is not None and grad.dtype != dtype:
+                grad = grad.to(dtype)
+            self.held[i] = grad
+
+    def clear_nonfinite(self) -> None:
+        self.nonfinite = [0] * len(self.held)

@@ -1,0 +1,117 @@
+"""A bucket's gradient reduction: the reduce-scatter (or all-reduce) in flight, the
+FSDP2 options that shape it (divide factor, forced sums, HSDP all-reduce, hook), and
+the landing of the reduced shards on the local parameters' ``.grad``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+from ..placements import BucketLayout
+from .collectives import BucketComm, Pending
+from .device import DeviceRuntime
+from .gather import Collective
+from .region_dtensor import wrap
+from .tp_params import local_of
+
+
+class GradReduction:
+    """Launches and lands one bucket's gradient reductions over ``layout`` (the
+    bucket's layout without its frozen parameters, as FSDP2 leaves them out)."""
+
+    def __init__(self, comm: BucketComm, layout: BucketLayout, rank: int) -> None:
+        self.comm = comm
+        self.layout = layout
+        self.rank = rank
+        # FlexShardModule's setters (runtime/module.py) tune these
+        self.requires_all_reduce = True  # HSDP: False skips the all-reduce over replicas
+        self.divide_factor: float | None = None  # None: average over the dp ranks
+        self.force_sum = False
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self._skipped_all_reduce = False  # the gradients hold unreduced replica sums
+        self._pending: tuple[Pending, torch.Tensor] | None = None  # and its output
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    @property
+    def op(self) -> dist.ReduceOp:
+        """SUM when the division is done afterwards (a divide factor, forced sums)."""
+        summed = self.divide_factor is not None or self.force_sum
+        return dist.ReduceOp.SUM if summed else dist.ReduceOp.AVG
+
+    def launch(
+        self,
+        collective: Collective,
+        grads: list[torch.Tensor | None],
+        dtype: torch.dtype,
+        runtime: DeviceRuntime,
+    ) -> None:
+        if self.layout.shard_numel == 0:  # every parameter frozen: nothing to reduce
+            return
+        self._pending = collective.launch_reduce(
+            self.comm, self.layout, grads, dtype, self.op, runtime
+        )
+
+    def _divide(self, out: torch.Tensor) -> None:
+        if self.op == dist.ReduceOp.SUM:
+            replicas = self.comm.replicate_group
+            size = self.layout.world_size * (dist.get_world_size(replicas) if replicas else 1)
+            out.div_(self.divide_factor or size)
+
+    def view(self, reduced: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's part of parameter ``index`` in a reduced gradient (elements)."""
+        param = self.layout.params[index]
+        offset = param.offsets[self.rank]
+        return reduced[offset : offset + param.local_numel(self.rank)].view(
+            param.local_shape(self.rank)
+        )
+
+    def finish(
+        self,
+        local_params: Sequence[nn.Parameter],
+        specs: Sequence[DTensorSpec],
+        cast_to: torch.dtype | None,
+    ) -> None:
+        """Wait for the reduction, finish it (HSDP all-reduce, division, hook) and
+        add this rank's shards to ``local_params``' gradients (``cast_to``: one cast
+        of the whole buffer first, so the gradients stay views of one buffer)."""
+        assert self._pending is not None
+        pending, out = self._pending
+        self._pending = None
+        pending.wait()
+        replicas = self.comm.replicate_group is not None
+        if replicas and self.requires_all_reduce and not self._skipped_all_reduce:
+            self.comm.all_reduce(out, replicas=True, op=self.op).wait()
+        self._divide(out)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(out)
+        if cast_to is not None and out.dtype != cast_to:
+            out = out.to(cast_to)
+        for i, local in enumerate(local_params):
+            if not local.requires_grad:
+                continue
+            grad = self.view(out, i)
+            if grad.dtype != local.dtype:
+                grad = grad.to(local.dtype)
+            if local.grad is None:
+                local.grad = wrap(grad, specs[i])
+            else:
+                local_of(local.grad).add_(grad)
+        if replicas and self.requires_all_reduce and self._skipped_all_reduce:
+            self._all_reduce_accumulated(local_params)
+        self._skipped_all_reduce = replicas and not self.requires_all_reduce
+
+    def _all_reduce_accumulated(self, local_params: Sequence[nn.Parameter]) -> None:
+        """HSDP after steps without the replica all-reduce: average the whole
+        accumulated gradient over the replicas (one all-reduce per parameter)."""
+        op = dist.ReduceOp.SUM if self.op == dist.ReduceOp.SUM else dist.ReduceOp.AVG
+        for local in local_params:
+            grad = None if local.grad is None else local_of(local.grad)
+            if grad is not None and grad.numel():
+                self.comm.all_reduce(grad, replicas=True, op=op).wait()

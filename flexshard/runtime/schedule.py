@@ -1,0 +1,38 @@
+"""A bucket's scheduling state: the FSDP2 options that say when it gathers, reshards
+and reduces, and this step's counts of its hook modules' forward and backward calls
+(runtime/hooks.py reads and writes them)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .bucket import Bucket
+    from .hooks import StepState
+
+
+class BucketSchedule:
+    """When a bucket moves; set by ``flex_shard`` and FlexShardModule's setters."""
+
+    def __init__(self, reshard_after_forward: bool | None) -> None:
+        self.reshard_after_forward = reshard_after_forward  # None: all but the root
+        self.reshard_after_backward = True  # False: stay gathered for the next microbatch
+        self.requires_grad_sync = True  # False: hold the gradients (accumulation)
+        self.unshard_in_backward = True
+        self.forward_prefetch: list[Bucket] | None = None  # None: the recorded order
+        self.backward_prefetch: list[Bucket] | None = None
+
+
+class StepCounts:
+    """Where the bucket is in the current step: its hook modules' forward and backward
+    calls, whether its gradients are complete, and the StepState of its model (shared
+    with the model's other buckets; set when the root's first forward builds it)."""
+
+    def __init__(self) -> None:
+        self.state: StepState | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.forwards_started = self.forwards_wrapped = 0
+        self.forwards_done = self.backwards_done = 0
+        self.ready = False  # this backward's gradients are complete

@@ -1,0 +1,99 @@
+"""A bucket's storage: one flat buffer per rank, its layouts and dtypes, views into it."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from ..placements import BucketLayout, pack_rank
+from ..placements.bytes import as_bytes, byte_view
+
+
+def free(tensor: torch.Tensor) -> None:
+    """Release ``tensor``'s memory, keeping the tensor object (and views' metadata)."""
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def alloc(tensor: torch.Tensor) -> None:
+    """Give a ``free``d tensor its memory back (contents undefined)."""
+    storage = tensor.untyped_storage()
+    needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+    if storage.size() < needed:
+        storage.resize_(needed)
+
+
+def own_version_counter(view: torch.Tensor) -> torch.Tensor:
+    """A tensor on the same memory as ``view`` but with a version counter of its own:
+    the collective writing the shared buffer (on gloo's thread, whenever it lands)
+    must not look to autograd like an in-place change of a saved parameter."""
+    alias = torch.empty(0, dtype=view.dtype, device=view.device)
+    alias.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+    return alias
+
+
+class BucketStorage:
+    """This rank's flat buffer of a bucket and the dtypes around it.
+
+    Parameters of several dtypes share one uint8 buffer (``packed``), each region as
+    its bytes; ``storage_layout`` then counts bytes while ``layout`` counts elements.
+    ``param_dtype``/``reduce_dtype`` are what the mixed-precision policy makes of them.
+    """
+
+    def __init__(
+        self,
+        layout: BucketLayout,
+        rank: int,
+        dtypes: list[torch.dtype],
+        element_sizes: list[int],
+        policy: MixedPrecisionPolicy,
+        device: torch.device,
+    ) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.policy = policy
+        self.dtypes = list(dtypes)
+        self.packed = len(set(dtypes)) > 1
+        self.storage_layout = as_bytes(layout, element_sizes) if self.packed else layout
+        self._set_dtype(torch.uint8 if self.packed else dtypes[0])
+        self.buffer = torch.zeros(self.storage_layout.shard_numel, dtype=self.dtype, device=device)
+
+    def _set_dtype(self, dtype: torch.dtype) -> None:
+        policy = self.policy
+        self.dtype = dtype  # the buffer's
+        self.param_dtype = policy.param_dtype or dtype
+        self.full_dtypes = [policy.param_dtype or d for d in self.dtypes]
+        widest = functools.reduce(torch.promote_types, self.dtypes)
+        self.reduce_dtype = policy.reduce_dtype or policy.param_dtype or widest
+
+    def recast(self, buffer: torch.Tensor) -> None:
+        """Adopt ``buffer`` (the storage moved or cast by ``module.to(...)``); a cast
+        gives every parameter the new dtype (an unpacked bucket has one dtype)."""
+        if buffer.dtype != self.dtype:
+            self.dtypes = [buffer.dtype] * len(self.dtypes)
+            self._set_dtype(buffer.dtype)
+        self.buffer = buffer
+
+    def view(self, index: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's part of parameter ``index`` in ``buffer`` (the storage by default)."""
+        buffer = self.buffer if buffer is None else buffer
+        param = self.storage_layout.params[index]
+        offset = param.offsets[self.rank]
+        piece = buffer[offset : offset + param.local_numel(self.rank)]
+        if self.packed:
+            piece = piece.view(self.dtypes[index])
+        return piece.view(self.layout.params[index].local_shape(self.rank))
+
+    def as_units(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Full tensors as ``pack``/``unpack`` on the storage layout read them."""
+        if not self.packed:
+            return tensors
+        return [None if t is None else byte_view(t.contiguous()) for t in tensors]
+
+    def load(self, fulls: list[torch.Tensor | None]) -> None:
+        """Copy this rank's regions of full parameters (None: keep) into the buffer."""
+        with torch.no_grad():
+            pack_rank(self.storage_layout, self.rank, self.as_units(fulls), self.buffer)

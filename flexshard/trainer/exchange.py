@@ -1,0 +1,197 @@
+"""The trainer's own collectives: expert parallelism's all-to-alls, context
+parallelism's K/V all-gathers and reduce-scatters, ring attention's sends.
+
+Each is waited at most the configured timeout (``parallelism.timeout_s``, the model's
+flexshard timeout too) through the runtime's ``Pending``: a peer that stalls, dies or
+skips the exchange makes the others raise flexshard's ``CollectiveError`` naming the
+layer and the exchange, instead of hanging for the backend's 30 minutes. On CUDA/NCCL
+the wait is stream-ordered and the runtime's watchdog enforces the timeout.
+
+Each ``Exchange`` also counts the bytes this rank sent (the part of a message that
+leaves the rank: all-gathers and reduce-scatters by the ring algorithm's ``(W - 1)``
+chunks, as ``fs.CommStats``; an all-to-all's rows for other ranks; a ring send whole),
+which the trainer reports per step as ``comm_bytes["ep"]`` and ``["cp"]``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Callable, Iterable
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flexshard.runtime.collectives import DEFAULT_TIMEOUT, CollectiveError, Pending, check_timeout
+from flexshard.runtime.device import device_runtime
+
+Kind = Literal["ep", "cp"]
+
+
+class Exchange:
+    """The collectives one layer issues on one group (an MoE layer's EP group, an
+    attention layer's CP group), named ``name`` in errors."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        name: str,
+        kind: Kind,
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
+        check_timeout(timeout)
+        self.group, self.name, self.kind, self.timeout = group, name, kind, timeout
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.bytes_sent = 0
+        self._side: torch.cuda.Stream | None = None  # CUDA/NCCL: ring sends' stream
+
+    def _launch(
+        self,
+        start: Callable[[], dist.Work | None],
+        collective: str,
+        tensor: torch.Tensor,
+        sent: int,
+        wait_ignores_timeout: bool = False,
+    ) -> Pending:
+        pending = Pending.launch(
+            start,
+            collective,
+            self.name,
+            self.timeout,
+            self.group,
+            wait_ignores_timeout,
+            device_runtime(tensor.device, self.group),
+        )
+        pending.keep = (tensor,)  # the input stays alive until the collective completed
+        self.bytes_sent += sent
+        return pending
+
+    def wait(self, pending: Pending) -> None:
+        """``pending.wait()``, its error naming the layer rather than a bucket."""
+        try:
+            pending.wait()
+        except CollectiveError as err:
+            message = str(err).replace(f" of bucket '{err.bucket}'", f" of layer '{err.bucket}'")
+            raise CollectiveError(
+                message, bucket=err.bucket, collective=err.collective, rank=err.rank
+            ) from err
+
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        rows: torch.Tensor,
+        collective: str,
+        out_splits: list[int] | None = None,
+        in_splits: list[int] | None = None,
+    ) -> torch.Tensor:
+        """``all_to_all_single`` (rows ``in_splits[r]`` go to rank ``r``), waited."""
+        group = self.group
+        rows = rows.contiguous()
+        row_bytes = math.prod(rows.shape[1:]) * rows.element_size()  # no rows: still known
+        counts = in_splits if in_splits is not None else [rows.shape[0] // self.size] * self.size
+        sent = (sum(counts) - counts[self.rank]) * row_bytes
+        self.wait(
+            self._launch(
+                lambda: dist.all_to_all_single(
+                    out, rows, out_splits, in_splits, group=group, async_op=True
+                ),
+                collective,
+                rows,
+                sent,
+            )
+        )
+        return out
+
+    def all_gather(
+        self, out: torch.Tensor, local: torch.Tensor, collective: str, counted: bool = True
+    ) -> torch.Tensor:
+        """``counted=False``: outside a training step (a state-dict gather), not in the
+        step's bytes."""
+        group = self.group
+        sent = (self.size - 1) * local.numel() * local.element_size() if counted else 0
+        self.wait(
+            self._launch(
+                lambda: dist.all_gather_single(out, local, group=group, async_op=True),
+                collective,
+                local,
+                sent,
+            )
+        )
+        return out
+
+    def reduce_scatter(
+        self, out: torch.Tensor, full: torch.Tensor, collective: str
+    ) -> torch.Tensor:
+        """Sum ``full`` over the group, this rank's ``1 / W`` of it into ``out``."""
+        group = self.group
+        sent = (self.size - 1) * out.numel() * out.element_size()
+        self.wait(
+            self._launch(
+                lambda: dist.reduce_scatter_single(out, full, group=group, async_op=True),
+                collective,
+                full,
+                sent,
+                wait_ignores_timeout=dist.get_backend(group) == "gloo",  # its wait ignores it
+            )
+        )
+        return out
+
+    def send_recv(
+        self,
+        send: torch.Tensor,
+        recv: torch.Tensor,
+        to: int,
+        source: int,
+        tag: int,
+        collective: str,
+    ) -> list[Pending]:
+        """Send ``send`` to global rank ``to`` and receive ``recv`` from ``source`` in one
+        batch (NCCL needs the pair grouped, or a ring of sends deadlocks); not waited:
+        the caller computes meanwhile and then ``wait``s each."""
+        ops = [
+            dist.P2POp(dist.isend, send, to, self.group, tag),
+            dist.P2POp(dist.irecv, recv, source, self.group, tag),
+        ]
+        works: list[dist.Work] = []
+
+        def start() -> dist.Work | None:
+            works.extend(dist.batch_isend_irecv(ops))
+            return works[0] if works else None
+
+        sent = send.numel() * send.element_size()
+        runtime = device_runtime(send.device, self.group)
+        if runtime.streams and self._side is None:
+            self._side = torch.cuda.Stream(runtime.device, priority=-1)
+        # stream-ordered: the launch makes the current stream wait on the transfer, so
+        # it runs on a side stream (after the compute that made ``send``) and compute
+        # waits on its event only in ``wait``: the next block travels during this one
+        with runtime.on(self._side if runtime.streams else None):
+            first = self._launch(start, collective, send, sent)
+            rest = [self._launch(lambda w=w: w, collective, send, 0) for w in works[1:]]
+        return [first, *rest]
+
+
+def exchange_bytes(modules: Iterable[nn.Module], reset: bool = True) -> dict[str, int]:
+    """Bytes this rank sent in the EP and CP exchanges of ``modules`` (and their
+    submodules) since the last reset, by kind: ``{"ep": ..., "cp": ...}`` for the
+    kinds present."""
+    seen: set[int] = set()
+    total: dict[str, int] = {}
+    for module in modules:
+        for sub in module.modules():
+            for attr in ("expert_parallel", "context_parallel"):
+                exchange = getattr(getattr(sub, attr, None), "exchange", None)
+                if not isinstance(exchange, Exchange) or id(exchange) in seen:
+                    continue
+                seen.add(id(exchange))
+                total[exchange.kind] = total.get(exchange.kind, 0) + exchange.bytes_sent
+                if reset:
+                    exchange.bytes_sent = 0
+    return total
+
+
+def configured_timeout(seconds: float) -> datetime.timedelta:
+    """``parallelism.timeout_s`` as the timedelta flexshard and the exchanges take."""
+    return datetime.timedelta(seconds=seconds)

@@ -1,0 +1,171 @@
+"""Every layout check of the trainer, written once: tp / pp / cp / ep degrees against the
+model, the batch and each other. The config validation runs them all at start-up
+(``check_parallel_layout``); ``apply_tp``, ``build_pipeline``, ``split_sequence`` and
+``ParallelDims`` call the piece they need, so a library user gets the same message.
+
+Each raises a ConfigError (a ValueError) naming the keys, before any module is cut or
+any collective runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .config import ConfigError
+
+if TYPE_CHECKING:
+    from .config import Config, ModelConfig
+
+#: the pipeline schedules (``pipeline.SCHEDULES`` maps them to torch's classes)
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Every tp rank must hold whole attention heads."""
+    for key, heads, kind in (
+        ("n_heads", cfg.n_heads, "attention heads"),
+        ("n_kv_heads", cfg.n_kv_heads, "key/value heads"),
+    ):
+        if heads % tp:
+            raise ConfigError(
+                f"model.{key} = {heads} is not divisible by parallelism.tp = {tp}; "
+                f"parallelism.tp = {tp} must divide model.n_heads = {cfg.n_heads} and "
+                f"model.n_kv_heads = {cfg.n_kv_heads}: tensor parallelism gives every tp "
+                f"rank whole {kind}"
+            )
+
+
+def check_pipeline(
+    n_layers: int, pp: int, virtual: int, schedule: str, n_microbatches: int
+) -> None:
+    """The stages, the schedule and the microbatches fit together."""
+    if schedule not in SCHEDULE_NAMES:
+        raise ConfigError(
+            f"pipeline schedule '{schedule}': must be one of {', '.join(SCHEDULE_NAMES)}"
+        )
+    for name, value in (
+        ("pp", pp),
+        ("virtual_stages", virtual),
+        ("n_microbatches", n_microbatches),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"pipeline: {name} must be a positive int, got {value!r}")
+    if virtual > 1 and schedule != "interleaved_1f1b":
+        raise ConfigError(
+            f"parallelism.pp_virtual_stages = {virtual} needs schedule 'interleaved_1f1b' "
+            f"(parallelism.pp_schedule); '{schedule}' runs one stage per rank"
+        )
+    stages = pp * virtual
+    if n_layers % stages:
+        raise ConfigError(
+            f"model.n_layers = {n_layers} is not divisible by pp * virtual_stages = "
+            f"{pp} * {virtual}: parallelism.pp x pp_virtual_stages = {stages} stages do not "
+            f"divide model.n_layers = {n_layers}"
+        )
+    if schedule == "1f1b" and n_microbatches < pp:
+        raise ConfigError(
+            f"parallelism.pp_microbatches = {n_microbatches}: 1f1b needs at least pp = {pp} "
+            "(n_microbatches >= pp stages)"
+        )
+    if schedule == "interleaved_1f1b":
+        rounds = max(1, n_microbatches // pp)
+        if n_microbatches % rounds:
+            raise ConfigError(
+                f"parallelism.pp_microbatches = {n_microbatches}: interleaved_1f1b needs "
+                f"n_microbatches to be a multiple of its rounds max(1, n_microbatches // pp) "
+                f"= {rounds}"
+            )
+
+
+def check_cp(seq_len: int, cp: int) -> None:
+    """The zig-zag split needs ``2 * cp`` equal chunks."""
+    if cp < 1:
+        raise ConfigError(f"parallelism.cp must be >= 1, got {cp}")
+    if seq_len % (2 * cp):
+        raise ConfigError(
+            f"training.seq_len = {seq_len} is not divisible by 2 * parallelism.cp = {2 * cp}: "
+            "context parallelism splits every sequence into 2 * cp equal zig-zag chunks"
+        )
+
+
+def check_ep_ranks(ep: int, dp_shard_cp: int) -> None:
+    """EP borrows its ranks from the data- and context-parallel ranks."""
+    if dp_shard_cp % ep:
+        raise ConfigError(
+            f"parallelism.ep = {ep} must divide dp_shard * cp = {dp_shard_cp}: expert "
+            "parallelism borrows its ranks from the data-parallel and context-parallel ranks"
+        )
+
+
+def check_ep(num_experts: int, ep: int, dp_shard_cp: int | None) -> None:
+    """An EP degree against the MoE and (when known: dp_shard may be inferred from the
+    world size later) the data-parallel degree."""
+    if ep < 1:
+        raise ConfigError(f"parallelism.ep must be >= 1, got {ep}")
+    if ep == 1:
+        return
+    if num_experts == 0:
+        raise ConfigError(
+            f"parallelism.ep = {ep} needs a mixture-of-experts model (model.moe.num_experts > 0)"
+        )
+    if num_experts % ep:
+        raise ConfigError(
+            f"model.moe.num_experts = {num_experts} is not divisible by parallelism.ep = {ep}: "
+            "every EP rank keeps the same number of whole experts"
+        )
+    if dp_shard_cp is not None:
+        check_ep_ranks(ep, dp_shard_cp)
+
+
+def check_parallel_layout(cfg: Config) -> None:
+    """Start-up errors of the tp / pp / cp / ep degrees against the model and the batch
+    (the world size is checked by ``ParallelDims.from_config``)."""
+    m, t, p = cfg.model, cfg.training, cfg.parallelism
+    for dim in ("tp", "pp", "cp", "ep", "pp_virtual_stages"):
+        if getattr(p, dim) < 1:
+            raise ConfigError(f"parallelism.{dim} = {getattr(p, dim)}: must be at least 1")
+    if p.pp_microbatches < 0:
+        raise ConfigError(f"parallelism.pp_microbatches = {p.pp_microbatches}: must be >= 0")
+    check_tp(m, p.tp)
+    micro = p.pp_microbatches or p.pp
+    check_pipeline(m.n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, micro)
+    if p.pp > 1 and t.batch_size % micro:
+        raise ConfigError(
+            f"training.batch_size = {t.batch_size} is not divisible by "
+            f"parallelism.pp_microbatches = {micro}"
+        )
+    if p.pp > 1 and t.grad_accum != 1:
+        raise ConfigError(
+            "training.grad_accum must be 1 with parallelism.pp > 1: the pipeline's "
+            "microbatches (parallelism.pp_microbatches) accumulate instead"
+        )
+    check_cp(t.seq_len, p.cp)
+    # sequence parallelism cuts each rank's sequence across tp, and pipeline stages
+    # send those shards
+    if p.tp > 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError(
+            f"training.seq_len / cp = {t.seq_len // p.cp} is not divisible by parallelism.tp "
+            f"= {p.tp}: sequence parallelism splits each rank's sequence across tp"
+        )
+    check_ep(m.moe.num_experts, p.ep, p.dp_shard * p.cp if p.dp_shard != -1 else None)
+    composed = p.tp * p.pp * p.ep > 1
+    if composed and (p.buckets or p.placement == "muon"):
+        raise ConfigError(
+            'parallelism.buckets and placement = "muon" are for data parallelism alone; '
+            "with tp, pp or ep > 1 use a named placement"
+        )
+    # Muon runs on every layout (DistMuon: tp matrices have one owner per tp group,
+    # each pipeline stage its own matrices, experts one matrix each); SOAP/Shampoo's
+    # MatrixOptimizer is not wired with pp stages or EP's expert meshes
+    if composed and t.optimizer not in ("adamw", "muon"):
+        raise ConfigError(
+            f'training.optimizer = "{t.optimizer}" is not wired with tp, pp or ep > 1'
+            ' (use "adamw" or "muon")'
+        )
+    c = cfg.checkpoint
+    if p.pp * p.ep > 1 and (c.initial_load_in_hf or c.last_save_in_hf):
+        raise ConfigError(
+            "checkpoint.initial_load_in_hf / last_save_in_hf: Hugging Face folders are not "
+            "wired with parallelism.pp or ep > 1 yet (DCP checkpoints and export_safetensors "
+            "are)"
+        )
