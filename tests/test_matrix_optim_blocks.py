@@ -76,8 +76,8 @@ def _join(name: str, ps: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _steps(model: nn.Module, comm_free: bool) -> tuple[list[str], list]:
-    """Three SOAP steps; (parameters that differ from one process's, the row blocks
-    this rank keeps state for)."""
+    """Three SOAP steps; (parameters that differ from one process's beyond fp32
+    rounding, the row blocks this rank keeps state for)."""
     opt = MatrixOptimizer(_groups(dict(model.named_parameters())), pytorch_optimizer.SOAP, **SOAP)
     for step in range(STEPS):
         set_grads(model, full_grads(NAMES, step))
@@ -86,7 +86,10 @@ def _steps(model: nn.Module, comm_free: bool) -> tuple[list[str], list]:
     blocks = sorted((n, k) for n in BLOCKS for k in opt.state[named[n]] if k.startswith("rows"))
     full = fs.full_state_dict(model) if slot_of(named["a"]) else named
     expected = _reference()
-    return [n for n in NAMES if not torch.equal(full[n].detach(), expected[n])], blocks
+    # to fp32 rounding: MKL's results depend on a block's memory alignment (a row block stepped
+    # as a view at an unaligned offset differs from a fresh tensor by ~3e-7 on some CPUs)
+    differ = [n for n in NAMES if not torch.allclose(full[n].detach(), expected[n], 1e-5, 1e-6)]
+    return differ, blocks
 
 
 def _blocks_case(rank: int, world_size: int) -> tuple[tuple, tuple]:
