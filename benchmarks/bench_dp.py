@@ -73,6 +73,9 @@ def options(args: argparse.Namespace) -> BenchOptions:
     unknown = sorted(set(configs) - set(names))
     if unknown:
         raise SystemExit(f"unknown configurations {unknown}; choose from {list(names)}")
+    for config, reference in REFERENCES.items():  # a row's own FSDP2 layout runs too
+        if config in configs and reference not in configs:
+            configs = (*configs, reference)
     if "fsdp2" not in configs:
         configs = ("fsdp2", *configs)  # every ratio is against FSDP2
     return BenchOptions(cfg, args.batch, args.warmup, args.steps, args.reps, configs, block)
@@ -81,6 +84,10 @@ def options(args: argparse.Namespace) -> BenchOptions:
 # ---------------------------------------------------------------- aggregation
 STEP_TARGET = 0.95  # issue 11: flexshard's step <= 0.95x FSDP2's
 MEMORY_TARGET = 1.00  # and its peak memory <= FSDP2's
+#: rows compared with FSDP2 in their own grouping rather than one group per block: one
+#: Owned bucket over all blocks gathers them all at once by design, as FSDP2 does when
+#: ``fully_shard`` is given the list of blocks (one group, one all-gather)
+REFERENCES = {"flex/owned_all_layers": "fsdp2/all_layers"}
 
 
 def _slowest_rank(per_rank: list[list[list[float]]]) -> list[list[float]]:
@@ -120,6 +127,7 @@ def summarize(name: str, reps_by_rank: list[list[dict[str, Any]]], world: int) -
         "sampled_rss_mb": _peak_over_ranks(reps_by_rank, "sampled_peak_mb"),
         "live_tensor_mb": _peak_over_ranks(reps_by_rank, "live_tensor_mb"),
         "peak_source": memory[0]["peak_source"],
+        **_live_peak(reps_by_rank),
         "local_param_mb": [r["local_param_mb"] for r in reps[0]],
         "comm": worst_comm,
         "comm_constant": all(r["comm_constant"] for ranks in reps for r in ranks),
@@ -137,17 +145,46 @@ def _peak_over_ranks(reps_by_rank: list[list[dict[str, Any]]], key: str) -> floa
     return max(min(rep["memory"][key] for rep in reps) for reps in reps_by_rank)
 
 
+def _live_peak(reps_by_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """The live-tensor step of the rank with the highest peak (min over repetitions:
+    the count is deterministic, so the repetitions agree to allocator-free bytes)."""
+    per_rank = [
+        min((rep["live"] for rep in reps), key=lambda x: x["peak_mb"]) for reps in reps_by_rank
+    ]
+    worst = max(per_rank, key=lambda x: x["peak_mb"])
+    return {
+        "peak_live_mb": worst["peak_mb"],
+        "peak_live_phase": worst["phase"],
+        "at_peak_mb": worst["at_peak_mb"],
+    }
+
+
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Per row, against FSDP2's run of the same repetition: the step-time and peak-RSS
-    ratios, their spread over repetitions and the verdict against issue 11's targets."""
-    base = next(r for r in rows if r["config"] == "fsdp2")
+    """Per row, against FSDP2's run of the same repetition (in the row's grouping,
+    ``REFERENCES``): the step-time and peak-RSS ratios, their spread over repetitions
+    and the verdict against issue 11's targets; the peak-live-tensor ratio."""
+    by_name = {r["config"]: r for r in rows}
     for row in rows:
-        own = row is base  # FSDP2 against itself: 1.0, no verdict
+        base = by_name.get(REFERENCES.get(row["config"], "fsdp2"), by_name["fsdp2"])
+        row["reference"] = base["config"]
+        own = row["config"].startswith("fsdp2")  # FSDP2 rows: no verdict
         step = paired_ratios(row["median_ms_per_rep"], base["median_ms_per_rep"])
         rss = paired_ratios(row["peak_rss_mb_per_rep"], base["peak_rss_mb_per_rep"])
         row["step_vs_fsdp2"] = summary(step, None if own else STEP_TARGET)
         row["rss_vs_fsdp2"] = summary(rss, None if own else MEMORY_TARGET)
         row["ratio_vs_fsdp2"] = row["step_vs_fsdp2"]["median"]
+        row["live_vs_fsdp2"] = row["peak_live_mb"] / base["peak_live_mb"]
+        if base is not by_name["fsdp2"]:  # the same three against per-block FSDP2 too
+            block = by_name["fsdp2"]
+            row["vs_per_block_fsdp2"] = {
+                "step": summary(
+                    paired_ratios(row["median_ms_per_rep"], block["median_ms_per_rep"])
+                )["median"],
+                "rss": summary(
+                    paired_ratios(row["peak_rss_mb_per_rep"], block["peak_rss_mb_per_rep"])
+                )["median"],
+                "live": row["peak_live_mb"] / block["peak_live_mb"],
+            }
 
 
 def run_world(opts: BenchOptions, world: int, timeout: float) -> list[dict[str, Any]]:

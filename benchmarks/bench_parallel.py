@@ -7,14 +7,20 @@ per rank on CPU (gloo).
     .venv/bin/python -m benchmarks.bench_parallel --quick    # two 4-rank layouts, 2 reps
     .venv/bin/python -m benchmarks.bench_parallel --variants # ring vs all-gather CP,
                                                    # grouped_mm vs loop MoE experts
+    .venv/bin/python -m benchmarks.bench_parallel --muon     # Muon under tp / pp vs
+                                                   # AdamW on flexshard and FSDP2
 
 Per world size, all layouts and both backends run inside the same processes, same
 model, data and seed; only ``parallelism.dp_backend`` differs. Per layout the two
 backends run ``--reps`` times (5 by default), their order flipped every repetition;
 the ratio is flexshard's step time over FSDP2's per repetition, then the median with
 its spread and a verdict (benchmarks/stats.py).
+``--only NAME`` (repeatable) picks layouts, or with ``--variants`` / ``--muon`` their
+comparisons / layouts.
 Results: benchmarks/results/parallel_bench.{json,md,png}; ``--variants`` (see
-benchmarks/parallel_variants.py): parallel_variants.{json,md}.
+benchmarks/parallel_variants.py): parallel_variants.{json,md}; ``--muon`` (see
+benchmarks/parallel_muon.py): parallel_muon.{json,md}; a run of some rows only (``--only``,
+``--quick``) writes ``<stem>_quick``, keeping the full results.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import argparse
 import datetime
 import os
 import platform
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -34,6 +41,7 @@ from flexshard.testing import run_distributed
 
 from .bench_trainer import compare, measured_run, per_rep, trainer_table
 from .output import write_results
+from .parallel_muon import MUON_LAYOUTS, muon_markdown, muon_rank, summarise_muon
 from .parallel_variants import VARIANTS, summarise_variants, variant_rank, variants_markdown
 from .stats import RULE, alternating, cell, range_cell, spread, verdict_cell
 
@@ -77,22 +85,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="instead: ring vs all-gather CP and grouped_mm vs loop MoE experts (flexshard)",
     )
+    p.add_argument(
+        "--muon",
+        action="store_true",
+        help="instead: Muon (flexshard) under tp / pp vs AdamW on flexshard and on FSDP2",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    if args.variants and args.muon:
+        p.error("--variants and --muon are two separate benchmarks: pick one")
     if args.quick:
         args.steps, args.warmup, args.reps = 5, 2, 2
     return args
 
 
-def chosen_layouts(args: argparse.Namespace) -> list[str]:
-    unknown = [n for n in args.only if n not in LAYOUTS]
+def chosen(args: argparse.Namespace, table: dict[str, tuple], quick: list[str]) -> list[str]:
+    """The rows of ``table`` (name: (world size, ...)) this run measures: ``--only``'s,
+    ``quick`` with ``--quick``, else all (the 16-rank ones only with ``--with-5d``)."""
+    unknown = [n for n in args.only if n not in table]
     if unknown:
-        raise SystemExit(f"--only {unknown}: not among the layouts {list(LAYOUTS)}")
+        raise SystemExit(f"--only {unknown}: not among {list(table)}")
     if args.only:
         return list(args.only)
     if args.quick:
-        return ["dp2 x tp2", "hsdp 2 x 2"]
-    return [n for n, (w, _, _) in LAYOUTS.items() if w < 16 or args.with_5d]
+        return quick
+    return [n for n, (w, *_) in table.items() if w < 16 or args.with_5d]
+
+
+def chosen_layouts(args: argparse.Namespace) -> list[str]:
+    return chosen(args, LAYOUTS, ["dp2 x tp2", "hsdp 2 x 2"])
 
 
 def layout_table(args: argparse.Namespace, name: str, backend: str, folder: str) -> dict:
@@ -173,7 +194,7 @@ def markdown(rows: list[dict], meta: dict[str, Any]) -> str:
         "# 5-D layouts: flexshard vs torch FSDP2 as the data-parallel backend (CPU, gloo)",
         "",
         f"`{meta['command']}` on {meta['machine']}, torch {meta['torch']}, {meta['date']}, "
-        f"load average {meta['load']}.",
+        f"load average {meta['load_start']} at start, {meta['load']} at end.",
         f"Model: dim {meta['dim']}, {meta['layers']} layers, 4 heads / 2 kv heads (MoE: 4 "
         f"routed experts, top 2, + 1 shared); {meta['batch']} sequences x {meta['seq_len']} "
         f"tokens per data-parallel rank per step; AdamW, fp32; {meta['steps']} steps per run, "
@@ -255,36 +276,57 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _meta(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+def _load() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _meta(args: argparse.Namespace, argv: list[str] | None, load_start: str) -> dict[str, Any]:
     return {
-        "command": " ".join(["python -m benchmarks.bench_parallel", *(argv or sys.argv[1:])]),
+        "command": " ".join(
+            ["python -m benchmarks.bench_parallel", *map(shlex.quote, argv or sys.argv[1:])]
+        ),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "load": ", ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "load_start": load_start,
+        "load": _load(),  # at the end
         **{k: getattr(args, k) for k in ("dim", "layers", "seq_len", "batch", "steps")},
         **{k: getattr(args, k) for k in ("warmup", "reps")},
     }
 
 
-def main_variants(args: argparse.Namespace, argv: list[str] | None) -> None:
-    """Each world size's comparisons in one launch (its ratios are within that launch)."""
+def _stem(args: argparse.Namespace, stem: str) -> str:
+    return f"{stem}_quick" if args.quick or args.only else stem  # partial runs keep the full
+
+
+def main_compared(args: argparse.Namespace, argv: list[str] | None, load_start: str) -> None:
+    """``--variants`` or ``--muon``: each world size's rows in one launch (its ratios
+    are within that launch)."""
+    if args.muon:
+        table, rank_fn, summarise_fn = MUON_LAYOUTS, muon_rank, summarise_muon
+        stem, write_md, quick = "parallel_muon", muon_markdown, ["tp2"]
+    else:
+        table, rank_fn, summarise_fn = VARIANTS, variant_rank, summarise_variants
+        stem, write_md = "parallel_variants", variants_markdown
+        quick = list(VARIANTS)
+    names = chosen(args, table, quick)
     rows = []
-    for world_size in sorted({w for w, *_ in VARIANTS.values()}):
-        names = [n for n, (w, *_) in VARIANTS.items() if w == world_size]
-        folder = f"/tmp/bench_parallel_{os.getpid()}/variants_w{world_size}"
-        per_rank = run_distributed(variant_rank, world_size, args, names, folder, timeout=3000)
-        rows += summarise_variants(world_size, per_rank)
-    meta = _meta(args, argv)
-    text = variants_markdown(rows, meta)
-    write_results(args.out, "parallel_variants", meta, rows, text)
+    for world_size in sorted({table[n][0] for n in names}):
+        here = [n for n in names if table[n][0] == world_size]
+        folder = f"/tmp/bench_parallel_{os.getpid()}/{stem}_w{world_size}"
+        per_rank = run_distributed(rank_fn, world_size, args, here, folder, timeout=3000)
+        rows += summarise_fn(world_size, per_rank)
+    meta = _meta(args, argv, load_start)
+    text = write_md(rows, meta)
+    write_results(args.out, _stem(args, stem), meta, rows, text)
     print(text)
 
 
 def main(argv: list[str] | None = None) -> None:
+    load_start = _load()
     args = parse_args(argv)
-    if args.variants:
-        main_variants(args, argv)
+    if args.variants or args.muon:
+        main_compared(args, argv, load_start)
         return
     chosen = chosen_layouts(args)
     sizes = sorted({LAYOUTS[n][0] for n in chosen})
@@ -298,9 +340,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{r['layout']:>40} {r['backend']:>9}: {r['tokens_per_s']:8.0f} tok/s", flush=True
             )
-    meta = _meta(args, argv)
-    # partial runs keep the real results
-    stem = "parallel_bench_quick" if args.quick or args.only else "parallel_bench"
+    meta = _meta(args, argv, load_start)
+    stem = _stem(args, "parallel_bench")
     text = markdown(rows, meta)
     write_results(args.out, stem, meta, rows, text)
     try:

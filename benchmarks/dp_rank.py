@@ -20,6 +20,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import flexshard as fs
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches
 
+from .live_memory import MB, LiveTensors
 from .measure import (
     BucketInfo,
     CollectiveCounter,
@@ -27,6 +28,7 @@ from .measure import (
     MemoryTracker,
     flexshard_buckets,
     fsdp2_buckets,
+    held_tensors,
     minimum_bytes,
 )
 from .stats import alternating, centred
@@ -86,6 +88,14 @@ def _owned_all_layers(model: TinyTransformer, mesh: DeviceMesh) -> nn.Module:
     return fs.flex_shard(model, mesh, buckets=buckets)
 
 
+def _fsdp2_all_layers(model: TinyTransformer, mesh: DeviceMesh) -> nn.Module:
+    """FSDP2 with one group over every block (``fully_shard`` of the list of blocks):
+    owned_all_layers' layout, one all-gather and one reduce-scatter for all blocks."""
+    torch_fully_shard(list(model.layers), mesh=mesh)
+    torch_fully_shard(model, mesh=mesh)
+    return model
+
+
 def sharders(opts: BenchOptions) -> dict[str, Callable[[TinyTransformer, DeviceMesh], nn.Module]]:
     """Every configuration by name: (model, mesh) -> the sharded model."""
     cfg, block = opts.cfg, opts.block
@@ -102,6 +112,7 @@ def sharders(opts: BenchOptions) -> dict[str, Callable[[TinyTransformer, DeviceM
     }
     out.update({name: functools.partial(_flex, p) for name, p in placements.items()})
     out["flex/owned_all_layers"] = _owned_all_layers
+    out["fsdp2/all_layers"] = _fsdp2_all_layers
     return out
 
 
@@ -141,6 +152,31 @@ def _train_step(
     return [t1 - t0, t2 - t1, t3 - t2], loss.item()
 
 
+def live_step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple, base: int) -> dict:
+    """One more (untimed) step under ``LiveTensors``: the peak bytes of live tensors above
+    ``base`` (before the model existed), the phase it fell in and what was alive then."""
+    tokens, targets = batch
+    with LiveTensors() as live:
+        live.phase = "forward"  # activations (and what the forward gathers)
+        loss = model.loss(tokens, targets)
+        live.phase = "backward"  # unsharded gradients, reduce buffers, temporaries
+        loss.backward()
+        live.name(held_tensors(model, opt)["sharded grads"], "sharded grads")
+        live.phase = "optimizer"
+        opt.step()
+        for what, tensors in held_tensors(model, opt).items():
+            if what != "sharded grads":
+                live.name(tensors, what)
+    opt.zero_grad()
+    parts = live.breakdown()
+    parts["before the step"] = parts.pop("before", 0) - base  # batches etc. not counted
+    return {
+        "peak_mb": (live.peak_bytes - base) / MB,
+        "phase": live.peak_phase,
+        "at_peak_mb": {k: v / MB for k, v in sorted(parts.items())},
+    }
+
+
 def run_config(
     name: str,
     shard: Callable[[TinyTransformer, DeviceMesh], nn.Module],
@@ -156,7 +192,7 @@ def run_config(
     torch.manual_seed(opts.seed)
     model = shard(TinyTransformer(opts.cfg), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    is_flex = name != "fsdp2"
+    is_flex = not name.startswith("fsdp2")
     tracker.model_built()
     phases, losses, comms, flex_sent = [], [], [], []
     buckets: list[BucketInfo] = []
@@ -178,7 +214,12 @@ def run_config(
         comms.append(_comm_summary(records, buckets, world_size))
         if is_flex:
             flex_sent.append(model.comm_stats(reset=True)["total"]["bytes_sent"])
-    memory = tracker.finish()
+    memory = tracker.finish()  # RSS before the live step: its bookkeeping is not counted
+    dist.barrier()
+    live = live_step(
+        model, opt, batches[(opts.warmup + opts.steps) * world_size + rank], tracker.base_live
+    )
+    counter.take()
     del model, opt
     return {
         "phases_s": phases,
@@ -190,6 +231,7 @@ def run_config(
         if is_flex
         else None,
         "memory": memory,
+        "live": live,
         "buckets": [_bucket_dict(b) for b in buckets],
         "local_param_mb": sum(b.rank_numels[rank] for b in buckets) * 4 / 2**20,  # fp32 model
     }
@@ -208,7 +250,9 @@ def run_rank(rank: int, world_size: int, opts: BenchOptions) -> dict[str, list[d
     before it in the next: drift in machine load favours neither side."""
     warnings.filterwarnings("ignore", category=FutureWarning)  # deprecated c10d spellings
     mesh = init_device_mesh("cpu", (world_size,))
-    batches = make_batches(opts.cfg, (opts.warmup + opts.steps) * world_size, opts.batch, opts.seed)
+    batches = make_batches(
+        opts.cfg, (opts.warmup + opts.steps + 1) * world_size, opts.batch, opts.seed
+    )  # the last step's batches feed the live-tensor step
     table = sharders(opts)
     counter = CollectiveCounter()
     counter.install()

@@ -115,6 +115,45 @@ class MemoryTracker:
         }
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (the memory), a plain tensor itself."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def held_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list]:
+    """What a sharded model and its optimizer hold, by role (for ``LiveTensors.name``):
+    sharded parameters (flexshard: each bucket's whole storage, padding included),
+    unsharded parameters (flexshard: each bucket's all-gather buffer and full parameters;
+    FSDP2: each parameter's all-gather outputs and unsharded parameter; freed or not),
+    sharded gradients and optimizer state."""
+    from torch.distributed.fsdp import FSDPModule
+
+    params = [_local(p) for p in model.parameters()]
+    unsharded: list[torch.Tensor | None] = []
+    for module in model.modules():
+        for bucket in own_buckets(module):
+            params.append(bucket.storage)
+            unsharded += [bucket.full.gathered, *map(_local, bucket.full_params)]
+        if isinstance(module, FSDPModule):  # fs.fully_shard's modules are FSDPModules too
+            group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                unsharded += fsdp_param.all_gather_outputs
+                unsharded.append(getattr(fsdp_param, "_unsharded_param", None))
+    state = [
+        _local(t)
+        for s in optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    ]
+    grads = [None if p.grad is None else _local(p.grad) for p in model.parameters()]
+    return {
+        "unsharded params": unsharded,
+        "sharded params": params,
+        "sharded grads": grads,
+        "optimizer state": state,
+    }
+
+
 # ---------------------------------------------------------------- collectives
 @dataclass
 class CommRecord:
@@ -224,13 +263,14 @@ def flexshard_buckets(model: nn.Module) -> list[BucketInfo]:
 def fsdp2_buckets(model: nn.Module, world_size: int) -> list[BucketInfo]:
     from torch.distributed.fsdp import FSDPModule
 
-    infos = []
+    infos, seen = [], set()
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
         group = module._get_fsdp_state()._fsdp_param_group
-        if group is None:
+        if group is None or id(group) in seen:  # grouped fully_shard: one group, many modules
             continue
+        seen.add(id(group))
         numels = [math.prod(p._orig_size) for p in group.fsdp_params]
         padded = [math.prod(p.padded_sharded_param_size) for p in group.fsdp_params]
         locals_ = [p.sharded_param.to_local().numel() for p in group.fsdp_params]

@@ -139,7 +139,7 @@ def variants_markdown(rows: list[dict], meta: dict[str, Any]) -> str:
         "# 5-D trainer pieces: ring vs all-gather CP, grouped_mm vs loop MoE experts (CPU)",
         "",
         f"`{meta['command']}` on {meta['machine']}, torch {meta['torch']}, {meta['date']}, "
-        f"load average {meta['load']}.",
+        f"load average {meta['load_start']} at start, {meta['load']} at end.",
         f"Model: dim {meta['dim']}, {meta['layers']} layers, 4 heads / 2 kv heads (MoE: 4 "
         f"routed experts, top 2, + 1 shared); {meta['batch']} sequences x {meta['seq_len']} "
         f"tokens per data-parallel rank per step; flexshard backend, AdamW, fp32; "

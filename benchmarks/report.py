@@ -18,7 +18,11 @@ How to read it:
   step in the same repetition (the order of the configurations is reversed on every
   other repetition, so each runs after FSDP2 in one and before it in the next); the
   median over repetitions [interquartile range], and min–max. **step verdict**: against
-  issue 11's target flexshard step <= 0.95x FSDP2.
+  issue 11's target flexshard step <= 0.95x FSDP2. A row marked "(vs fsdp2/all_layers)"
+  is compared with FSDP2 in its own grouping: `flex/owned_all_layers` (one Owned bucket,
+  one all-gather, for all blocks) against `fsdp2/all_layers` (`fully_shard` given the
+  list of blocks: one FSDP2 group for all of them); its ratios against per-block FSDP2
+  are in the JSON (`vs_per_block_fsdp2`).
 - **peak RSS MB**: per rank, VmHWM (reset through `/proc/self/clear_refs` once the model is
   sharded and glibc's free pages are trimmed) minus the RSS before the model was built;
   max over ranks, median over repetitions. It includes glibc's cached free memory and
@@ -26,6 +30,17 @@ How to read it:
   same per-repetition pairing, target <= 1.00. **live MB**: distinct CPU tensor storages
   reachable from Python after the last step (parameters, gradients, optimizer state and
   whatever the library keeps), minus the same count before the model was built.
+- **peak live MB** (memory table): one extra, untimed step after the timed ones under
+  `benchmarks/live_memory.py`'s `LiveTensors` (a `TorchDispatchMode` that counts every
+  CPU tensor storage an op produces or `UntypedStorage.resize_` sizes, until it dies):
+  the peak bytes of live tensors minus those before the model was built, on the rank
+  with the highest peak. At that peak, the storages are named by role: sharded params
+  (flexshard: the bucket storage, padding included), optimizer state, unsharded params
+  (flexshard: the all-gather buffer and full parameters; FSDP2: all-gather outputs and
+  unsharded parameters), sharded grads; the rest by the phase that allocated them (fwd:
+  activations and the flat all-gather output FSDP2 copies out of; bwd: unsharded
+  gradients, reduce-scatter buffers, temporaries). gloo's internal copies and the
+  allocator's cache are not tensors: RSS minus peak live is where they show.
 - **coll/step**, **MB sent/step**: collectives one rank issues per step and the bytes it
   sends, ring algorithm (`(W-1) x` per-rank chunk for all-gather / reduce-scatter,
   flexshard's `CommStats` formula), counted by wrapping `torch.distributed` for every
@@ -42,11 +57,18 @@ How to read it:
 """
 
 
+def _config(r: dict[str, Any]) -> str:
+    """The row's name, and its reference when that is not per-block FSDP2."""
+    if r.get("reference", "fsdp2") == "fsdp2" or r["config"] == r["reference"]:
+        return r["config"]
+    return f"{r['config']} (vs {r['reference']})"
+
+
 def time_row(r: dict[str, Any]) -> str:
     step, rss = r["step_vs_fsdp2"], r["rss_vs_fsdp2"]
     cells = [
         r["world_size"],
-        r["config"],
+        _config(r),
         f"{r['median_ms']:.1f}",
         cell(step),
         range_cell(step),
@@ -91,11 +113,48 @@ COMM_HEADER = (
 )
 
 
+#: what was alive at the live-tensor peak, in the memory table's column order
+AT_PEAK = (
+    "sharded params",
+    "optimizer state",
+    "unsharded params",
+    "sharded grads",
+    "forward",
+    "backward",
+    "optimizer",
+)
+
+
+def memory_row(r: dict[str, Any]) -> str:
+    parts = dict(r["at_peak_mb"])
+    named = [parts.pop(k, 0.0) for k in AT_PEAK]
+    cells = [
+        r["world_size"],
+        _config(r),
+        f"{r['peak_rss_mb']:.1f}",
+        f"{r['rss_vs_fsdp2']['median']:.3f}",
+        f"{r['peak_live_mb']:.1f}",
+        f"{r['live_vs_fsdp2']:.3f}",
+        r["peak_live_phase"],
+        *(f"{v:.1f}" for v in named),
+        f"{sum(parts.values()):.1f}",
+    ]
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+MEMORY_HEADER = (
+    "| W | config | peak RSS MB | RSS / FSDP2 | peak live MB | live / FSDP2 | peak in "
+    "| sharded params | optim. state | unsharded params | sharded grads "
+    "| fwd allocs | bwd allocs | optim. allocs | other |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
 def verdict_counts(rows: list[dict[str, Any]]) -> list[str]:
     """Per W, which flexshard rows meet the step and the memory targets."""
     lines = []
     for world in sorted({r["world_size"] for r in rows}):
-        mine = [r for r in rows if r["world_size"] == world and r["config"] != "fsdp2"]
+        mine = [r for r in rows if r["world_size"] == world and not r["config"].startswith("fsdp2")]
         for key, label in (("step_vs_fsdp2", "step <= 0.95x"), ("rss_vs_fsdp2", "RSS <= 1.00x")):
             groups: dict[str, list[str]] = {}
             for r in mine:
@@ -183,6 +242,12 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "",
         COMM_HEADER,
         *(comm_row(r) for r in rows),
+        "",
+        "Memory: peak RSS against the peak of live tensors over one extra untimed step, and "
+        "what was alive at that peak (MB, rank with the highest peak):",
+        "",
+        MEMORY_HEADER,
+        *(memory_row(r) for r in rows),
         "",
         *_padding_table(rows),
         "",

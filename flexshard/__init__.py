@@ -17,6 +17,7 @@ from .init import init_params
 from .placements import BlockShard, FlatShard, Owned, Placement, Replicate, Shard
 from .runtime.collectives import CollectiveError
 from .runtime.module import FlexShardModule
+from .runtime.traffic import TrafficStats, attach_traffic
 from .state_dict import full_state_dict, load_full_state_dict
 
 __all__ = [
@@ -33,7 +34,9 @@ __all__ = [
     "Placement",
     "Replicate",
     "Shard",
+    "TrafficStats",
     "UnshardHandle",
+    "attach_traffic",
     "clip_grad_norm_",
     "flex_shard",
     "full_state_dict",

@@ -31,7 +31,7 @@ from flexshard.runtime.bucket import slot_of as fs_slot_of
 from flexshard.runtime.collectives import DEFAULT_TIMEOUT
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 from flexshard.testing.collectives import record_collectives
-from flexshard.testing.launch import start_ranks
+from flexshard.testing.launch import next_result, start_ranks
 
 W = 3
 VICTIM = 2
@@ -55,7 +55,7 @@ def run_tolerant(fn: Callable, world_size: int, *args: Any, timeout: float) -> l
             if len(out) + sum(not p.is_alive() and p.exitcode != 0 for p in procs) >= world_size:
                 break  # every rank reported or died
             try:
-                rank, status, value = results.get(timeout=0.5)
+                rank, status, value = next_result(results, 0.5)
             except queue.Empty:
                 continue
             if status == "error":

@@ -7,6 +7,10 @@ step and path) within the configured timeout, not the backend's 30 minutes.
 One spawn of W = 3 ranks, each scenario on a fresh process group (the one it broke
 stays broken): rank 2 sleeps past the timeout before the forward or before the
 backward, then abandons the scenario (as tests/test_faults.py does for the buckets).
+
+Then the trainer's own waits (TP's DTensor collectives, the pipeline's sends and
+receives, the MoE load and loss all-reduces), through ``setup`` and ``train_step`` on
+2 ranks with ``parallelism.timeout_s = 2``: see below.
 """
 
 from __future__ import annotations
@@ -198,3 +202,151 @@ def test_a_rank_stalled_in_checkpoint_io_makes_the_others_raise_naming_the_step(
         assert f"on rank {rank}" in message and "stalled" in message, message
         if scenario != "checkpoint_load":
             assert got["complete"] is False  # nothing renamed into place
+
+
+# --- The trainer's own waits on its mesh (groups made with parallelism.timeout_s):
+# TP's DTensor collectives (forward, backward), the pipeline's sends and receives, the
+# MoE load all-reduce and the step's loss all-reduce. One spawn of 2 ranks running
+# train_step; rank 1 stalls before the step, before its backward, before the optimizer
+# step (the MoE load all-reduce follows it) or before the lr step (the loss all-reduce
+# follows it). The loss all-reduce runs on the world group: its scenario comes last.
+
+STEP_W = 2
+STEP_VICTIM = 1
+TIMEOUT_S = 2.0
+STEP_MOE = {"num_experts": 2, "top_k": 1, "expert_hidden": 16, "first_dense_layers": 1}
+# name: (parallelism, model.moe or None, where the victim stalls)
+STEP_SCENARIOS: dict[str, tuple[dict, dict | None, str]] = {
+    "tp_forward": ({"dp_shard": 1, "tp": 2}, None, "step"),
+    "tp_backward": ({"dp_shard": 1, "tp": 2}, None, "backward"),
+    "pp_send_recv": ({"dp_shard": 1, "pp": 2, "pp_schedule": "gpipe"}, None, "step"),
+    "moe_balance": ({"dp_shard": 2}, STEP_MOE, "optimizer"),
+    "loss_all_reduce": ({"dp_shard": 2}, None, "lr_scheduler"),
+}
+FAST_STEP_SCENARIO = "pp_send_recv"
+
+
+def _step_config(folder: str, name: str):
+    from tests.test_parallel_layouts import layout_config
+
+    parallelism, moe, _ = STEP_SCENARIOS[name]
+    parallelism = {**parallelism, "timeout_s": TIMEOUT_S}
+    return layout_config(f"{folder}/{name}", parallelism, moe, training={"steps": 1})
+
+
+def _step_scenario(name: str, victim: bool, folder: str) -> float:
+    """Set the job up on every rank, then one train_step; the seconds it took here."""
+    from flexshard.trainer.train import setup, train_step
+
+    # the ranks set up together: a rank slower than timeout_s (a loaded machine) would
+    # fail the creation of the mesh's groups, or the first collective, before the stall
+    dist.barrier()
+    job = setup(_step_config(folder, name))
+    dist.barrier()
+    where = STEP_SCENARIOS[name][2]
+    backward = torch.Tensor.backward
+    if victim:
+        if where == "step":
+            _stall()
+        if where == "backward":
+            torch.Tensor.backward = lambda *args, **kwargs: _stall()  # type: ignore[method-assign]
+        if where == "optimizer":
+            job.optimizer.step = _stall  # type: ignore[method-assign]
+        if where == "lr_scheduler":
+            job.lr_scheduler.step = _stall  # type: ignore[method-assign]
+    started = time.monotonic()
+    try:
+        train_step(job, 0)
+    finally:
+        torch.Tensor.backward = backward  # type: ignore[method-assign]
+    return time.monotonic() - started
+
+
+def _step_stalls(rank: int, world_size: int, folder: str, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        err, seconds = None, None
+        started = time.monotonic()
+        try:
+            seconds = _step_scenario(name, rank == STEP_VICTIM, folder)
+        except _Stalled:
+            continue
+        except Exception as caught:
+            err, seconds = caught, time.monotonic() - started
+        out[name] = {
+            "type": type(err).__name__,
+            "message": str(err),
+            "notes": list(getattr(err, "__notes__", [])),
+            "of": getattr(err, "bucket", None),
+            "collective": getattr(err, "collective", None),
+            "is_collective_error": isinstance(err, CollectiveError),
+            "seconds": seconds,
+        }
+    return out
+
+
+# torch's collectives (TP, the pipeline): the backend's timeout error, the mesh group's
+# timeout named (not gloo's 30 minutes)
+TORCH_TIMEOUT = "; timeout 2 s): "
+# name: (what was in flight, of what, a fragment of the message)
+STEP_EXPECTED = {
+    "tp_forward": (
+        "forward and backward",
+        "training step 1",
+        "tp group ranks [0, 1]" + TORCH_TIMEOUT,
+    ),
+    "tp_backward": (
+        "forward and backward",
+        "training step 1",
+        "tp group ranks [0, 1]" + TORCH_TIMEOUT,
+    ),
+    "pp_send_recv": (
+        "gpipe schedule run 1 (sends/receives, loss broadcast)",
+        "pipeline stage(s) [0]",
+        "pp group ranks [0, 1]" + TORCH_TIMEOUT,
+    ),
+    "moe_balance": (
+        "MoE load all-reduce",
+        "layer 'layers.1.feed_forward'",
+        "did not complete within the timeout (2 s)",
+    ),
+    "loss_all_reduce": (
+        "loss all-reduce",
+        "training step 1",
+        "did not complete within the timeout (2 s)",
+    ),
+}
+
+
+def _check_step_stall(results: list[dict], name: str) -> None:
+    assert results[STEP_VICTIM] is not None and name not in results[STEP_VICTIM]  # it stalled
+    got = results[1 - STEP_VICTIM][name]
+    collective, of, fragment = STEP_EXPECTED[name]
+    assert got["is_collective_error"], got
+    assert (got["collective"], got["of"]) == (collective, of), got
+    message = got["message"]
+    assert message.startswith(f"flexshard: {collective} of {of} "), message
+    assert fragment in message and "on rank 0" in message and "stalled" in message, message
+    if name == "pp_send_recv":  # the step that ran the schedule is named too
+        assert got["notes"] == ["flexshard: raised in forward and backward of training step 1"]
+    # it waited the configured timeout, not the backend's 30 minutes
+    assert TIMEOUT_S - 0.1 <= got["seconds"] < 30, got
+
+
+@pytest.fixture(scope="module")
+def step_stalls(tmp_path_factory) -> list[dict]:
+    folder = str(tmp_path_factory.mktemp("stalled_steps"))
+    return run_tolerant(_step_stalls, STEP_W, folder, list(STEP_SCENARIOS), timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(STEP_SCENARIOS))
+def test_a_rank_stalled_in_a_train_step_makes_the_other_raise_within_timeout_s(step_stalls, name):
+    _check_step_stall(step_stalls, name)
+
+
+def test_a_rank_stalled_in_the_pipeline_makes_the_other_raise_within_timeout_s(tmp_path):
+    """Fast: the pipeline's send/recv alone (a spawn of its own)."""
+    names = [FAST_STEP_SCENARIO]
+    results = run_tolerant(_step_stalls, STEP_W, str(tmp_path), names, timeout=120)
+    _check_step_stall(results, FAST_STEP_SCENARIO)

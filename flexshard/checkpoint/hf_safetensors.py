@@ -14,6 +14,12 @@ pair's halves ``head_dim / 2`` rows apart. A rank's rows need not be whole heads
 (``Shard(0)`` over W = 3, FlatShard, BlockShard), so the permutation is applied where
 whole heads are at hand: on save to each consolidated tensor, on load to a per-rank
 read of the head-aligned rows around the rank's own rows.
+
+A rank may hold part of the model only: pipeline stages (``shapes`` names the whole
+model, so every rank plans the same files) and expert slices (``frames``: a slice's
+offset in the whole ``[E, ...]`` stack, as ``frames.py``). An ``HFKey`` with
+``experts`` stores such a stack as one tensor per expert (Mixtral's
+``experts.{e}.w1.weight``): each expert's chunks are views of the stack's.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import os
 import shutil
 import struct
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ..runtime.dcp_chunks import Box, RegionTensor, chunks_of
+from .frames import Frames, framed
 
 SHARDED_DIR = "sharded"  # per-rank chunk files, removed once consolidated
 INDEX_FILE = "model.safetensors.index.json"
@@ -53,6 +60,13 @@ class HFKey:
 
     name: str
     rope_heads: int = 0  # > 0: a RoPE projection of this many heads (rows permuted per head)
+    # > 0: a stack [experts, ...] kept as one tensor per expert, named name.format(e)
+    experts: int = 0
+
+    def names(self) -> list[str]:
+        if not self.experts:
+            return [self.name]
+        return [self.name.format(e) for e in range(self.experts)]
 
 
 # ---------------------------------------------------------------------- RoPE row order
@@ -94,22 +108,54 @@ def _chunks(value: torch.Tensor) -> RegionTensor:
     return chunks
 
 
+def _framed_chunks(fqn: str, value: torch.Tensor, frames: Frames | None) -> RegionTensor:
+    """``_chunks``, placed at the value's offset in its whole tensor when framed."""
+    chunks = _chunks(value)
+    frame = frames.get(fqn) if frames else None
+    return chunks if frame is None else framed(chunks, frame, fqn)
+
+
+def _by_name(chunks: RegionTensor, key: HFKey) -> dict[str, RegionTensor]:
+    """HF name -> chunks: one entry, or one per expert of a stack (views of its pieces)."""
+    if not key.experts:
+        return {key.name: chunks}
+    if chunks.shape[0] != key.experts:
+        raise ValueError(
+            f"'{key.name}': a stack of {chunks.shape[0]} experts, the Hugging Face names "
+            f"{key.experts}"
+        )
+    out = {}
+    for e, name in enumerate(key.names()):
+        pieces = [
+            ((offsets[1:], sizes[1:]), t[e - offsets[0]])
+            for (offsets, sizes), t in chunks.pieces
+            if offsets[0] <= e < offsets[0] + sizes[0]
+        ]
+        out[name] = RegionTensor(
+            chunks.shape[1:], pieces, chunks.writer, chunks.dtype, chunks.device
+        )
+    return out
+
+
 def _shard_files(
-    state: Mapping[str, torch.Tensor],
+    shapes: Mapping[str, Sequence[int]],
     keys: Mapping[str, HFKey],
     dtype: torch.dtype,
     max_shard_bytes: int,
 ) -> dict[str, int]:
-    """HF key -> output file index (1..N): keys in state-dict order, a new file when the
-    next tensor would pass ``max_shard_bytes`` (the same answer on every rank)."""
+    """HF name -> output file index (1..N): tensors in state-dict order (a stack's
+    experts in turn), a new file when the next would pass ``max_shard_bytes`` (the same
+    answer on every rank)."""
     mapping, index, used = {}, 1, 0
     size = torch.empty((), dtype=dtype).element_size()
-    for fqn, value in state.items():
-        nbytes = math.prod(value.shape) * size
-        if used and used + nbytes > max_shard_bytes:
-            index, used = index + 1, 0
-        mapping[keys[fqn].name] = index
-        used += nbytes
+    for fqn, shape in shapes.items():
+        key = keys[fqn]
+        per_name = math.prod(shape[1:] if key.experts else shape) * size
+        for name in key.names():
+            if used and used + per_name > max_shard_bytes:
+                index, used = index + 1, 0
+            mapping[name] = index
+            used += per_name
     return mapping
 
 
@@ -185,24 +231,43 @@ def save_hf_safetensors(
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 2**31,
     process_group: dist.ProcessGroup | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    frames: Frames | None = None,
 ) -> dict[str, int]:
     """Write ``state`` (a sharded ``model.state_dict()``: DTensors of any placement,
     or plain tensors in one process) as ``model-0000i-of-0000N.safetensors`` plus
     ``model.safetensors.index.json`` under ``path``, keys renamed by ``keys``. Every
-    rank calls it; returns the key -> file index map."""
-    missing = [fqn for fqn in state if fqn not in keys]
+    rank calls it; returns the HF name -> file index map.
+
+    ``shapes``: every FQN of the whole model and its whole shape, in file order, when
+    ``state`` is this rank's part (pipeline stages; the same on every rank; ``keys``
+    names them all). ``frames``: FQN -> (whole shape, offset) of values that are
+    slices of a larger tensor (expert parallelism)."""
+    if shapes is None:
+        shapes = {
+            fqn: frames[fqn][0] if frames and fqn in frames else tuple(v.shape)
+            for fqn, v in state.items()
+        }
+    missing = [fqn for fqn in list(state) + list(shapes) if fqn not in keys]
     if missing:
         raise KeyError(f"no Hugging Face name for state-dict key(s) {missing[:5]}")
+    outside = [fqn for fqn in state if fqn not in shapes]
+    if outside:
+        raise KeyError(f"state-dict key(s) {outside[:5]} are not in the whole model's shapes")
     rank, world, no_dist = _ranks(process_group)
     root = os.path.abspath(os.fspath(path))
     sharded = os.path.join(root, SHARDED_DIR)
-    mapping = _shard_files(state, keys, dtype, max_shard_bytes)
+    mapping = _shard_files(shapes, keys, dtype, max_shard_bytes)
     if rank == 0:
         shutil.rmtree(sharded, ignore_errors=True)
         os.makedirs(sharded)
     if not no_dist:
         dist.barrier(process_group)
-    export = {keys[fqn].name: _export_chunks(value, dtype) for fqn, value in state.items()}
+    export = {
+        name: _export_chunks(chunks, dtype)
+        for fqn, value in state.items()
+        for name, chunks in _by_name(_framed_chunks(fqn, value, frames), keys[fqn]).items()
+    }
     writer = _ChunkFileWriter(sharded, fqn_to_index_mapping=mapping, save_distributed=True)
     with warnings.catch_warnings():  # one process: DCP warns that it assumes so
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -213,7 +278,7 @@ def save_hf_safetensors(
         consolidate_safetensors_files(sharded, root, mapping)
     else:
         consolidate_safetensors_files_on_every_rank(sharded, root, mapping, 1, process_group)
-    rope = {k.name: k.rope_heads for k in keys.values() if k.rope_heads}
+    rope = {keys[f].name: keys[f].rope_heads for f in shapes if keys[f].rope_heads}
     last = max(mapping.values())
     for index in sorted(set(mapping.values())):
         if index % world == rank:
@@ -288,28 +353,35 @@ def load_hf_safetensors(
     state: Mapping[str, torch.Tensor],
     keys: Mapping[str, HFKey],
     process_group: dist.ProcessGroup | None = None,
+    frames: Frames | None = None,
 ) -> None:
     """Read a Hugging Face safetensors folder into ``state`` (a sharded
     ``model.state_dict()``, or plain tensors) in place: every rank reads the slices it
     stores (RoPE projections: the whole heads around them). Several state-dict keys
-    may read the same HF key (tied embeddings). Every rank calls it."""
+    may read the same HF key (tied embeddings). ``state`` may be this rank's part of
+    the model (pipeline stages); ``frames`` places slices in their whole tensors
+    (expert parallelism). Every rank calls it."""
     _, _, no_dist = _ranks(process_group)
     root = os.path.abspath(os.fspath(path))
     # one dcp.load per round: a key read twice (tied weights) goes in a second round
     rounds: list[dict[str, tuple[RegionTensor, RegionTensor | None, int]]] = []
     for fqn, value in state.items():
         key = keys[fqn]
-        chunks = _chunks(value)
-        target = _rope_target(chunks, key.rope_heads) if key.rope_heads else chunks
-        entry = (chunks, target, key.rope_heads)
-        for round_ in rounds:
-            if key.name not in round_:
-                round_[key.name] = entry
-                break
-        else:
-            rounds.append({key.name: entry})
-    for fqn, value in state.items():
-        _check_writes_through(fqn, value, _chunks(value))
+        whole = _framed_chunks(fqn, value, frames)
+        _check_writes_through(fqn, value, whole)
+        for name, chunks in _by_name(whole, key).items():
+            target = _rope_target(chunks, key.rope_heads) if key.rope_heads else chunks
+            entry = (chunks, target, key.rope_heads)
+            for round_ in rounds:
+                if name not in round_:
+                    round_[name] = entry
+                    break
+            else:
+                rounds.append({name: entry})
+    if not no_dist:  # dcp.load is collective: ranks holding other parts agree on rounds
+        counts: list[Any] = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(counts, len(rounds), group=process_group)
+        rounds += [{} for _ in range(max(counts) - len(rounds))]
     reader = HuggingFaceStorageReader(root)
     _check_against(reader, {name: e[0] for r in rounds for name, e in r.items()}, root)
     for round_ in rounds:

@@ -66,8 +66,9 @@ class Bucket:
 
     Life cycle per step: ``unshard`` (all-gather, then full parameters are set on the
     modules) -> forward -> ``reshard`` (full storage freed) -> ``unshard`` in backward ->
-    gradients land on the full parameters -> ``launch_reduce`` (reduce-scatter, async)
-    -> ``finish_reduce`` (gradient shards land on the local parameters' ``.grad``).
+    gradients land on the full parameters -> ``reshard`` -> ``launch_reduce``
+    (reduce-scatter, async) -> ``finish_reduce`` (gradient shards land on the local
+    parameters' ``.grad``). The parts it is made of are listed in docs/architecture.md.
     """
 
     def __init__(
@@ -85,17 +86,13 @@ class Bucket:
     ) -> None:
         self.name = name
         self.mesh = mesh
-        self.layout = layout
         self.params = params
         self.comm = comm
-        self.rank = rank
-        self.mp_policy = mp_policy
         self.schedule = BucketSchedule(reshard_after_forward)
         self.step = StepCounts()
-        self.post_optim_event: Any = None  # set_post_optim_event: the next gather waits on it
         # ``initial`` are the unsharded parameters: copy this rank's regions, keep no reference
         first = initial[0]
-        self.store = BucketStorage(
+        self.store = BucketStorage(  # also the bucket's layout, rank and mp_policy
             layout,
             rank,
             [t.dtype for t in initial],
@@ -116,13 +113,34 @@ class Bucket:
             )
         self.reduction = GradReduction(comm, grad_layout, rank)
         self.grads = GradAccumulator(len(params))
-        self.unsharded = False
-        self._gather: Pending | None = None
         if first.device.type != "meta":
-            self.load_full(initial)
+            self.store.load(initial)
         self._build_params()
 
     # ------------------------------------------------------------- accessors
+    @property
+    def layout(self) -> BucketLayout:
+        """Which part of each parameter every rank stores (elements)."""
+        return self.store.layout
+
+    @property
+    def rank(self) -> int:
+        return self.store.rank
+
+    @property
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        return self.store.policy
+
+    @property
+    def unsharded(self) -> bool:
+        """The full parameters are on the modules."""
+        return self.full.unsharded
+
+    @property
+    def post_optim_event(self) -> Any:
+        """``set_post_optim_event``'s event, until the next all-gather waits on it."""
+        return self.schedule.post_optim_event
+
     @property
     def storage(self) -> torch.Tensor:
         """This rank's flat buffer (the local parameters are views of it)."""
@@ -265,50 +283,51 @@ class Bucket:
     @property
     def gather_in_flight(self) -> bool:
         """An all-gather was launched and has not landed yet."""
-        return self._gather is not None
+        return self.full.pending is not None
 
     def unshard(self, async_op: bool = False) -> None:
         if self.unsharded:
             return
-        if self._gather is None:
+        if self.full.pending is None:
             self._launch_gather()
         if not async_op:
             self._finish_gather()
 
     def _launch_gather(self) -> None:
-        gathered = self.full.gathered
-        if gathered is None:  # the collective fetches nothing (replicated)
-            self._gather = Pending(None, "all-gather", self.name, self.comm.timeout)
+        full = self.full
+        if full.gathered is None:  # the collective fetches nothing (replicated)
+            full.pending = Pending(None, "all-gather", self.name, self.comm.timeout)
             return
         runtime = self.runtime()
         # CUDA: copy-in and collective on the all-gather stream, after it waited on
         # compute (the optimizer's writes; reads of the buffer it may reuse)
         with self._span("all_gather"), runtime.on(runtime.all_gather_stream):
-            runtime.wait(self.post_optim_event)
-            self.post_optim_event = None
-            alloc(gathered)
+            runtime.wait(self.schedule.post_optim_event)
+            self.schedule.post_optim_event = None
+            alloc(full.gathered)
             send = self.collective.payload(self._data_version())
-            with torch.autograd._unsafe_preserve_version_counter(self.full.guarded):
-                self._gather = self.comm.all_gather(gathered, send)  # keeps ``send``
+            with torch.autograd._unsafe_preserve_version_counter(full.guarded):
+                full.pending = self.comm.all_gather(full.gathered, send)  # keeps ``send``
 
     def _finish_gather(self) -> None:
-        assert self._gather is not None
+        full = self.full
+        assert full.pending is not None
         # the parameters are saved for backward: refilling them must not look like an
         # in-place change to autograd (completing the gather bumps the version too).
-        # A failed wait leaves ``_gather`` set: it raises again, and the buffer gloo may
+        # A failed wait leaves ``pending`` set: it raises again, and the buffer gloo may
         # still write into is never freed or read
         with (
             self._span("all_gather_copy_out"),
             torch.no_grad(),
-            torch.autograd._unsafe_preserve_version_counter(self.full.guarded),
+            torch.autograd._unsafe_preserve_version_counter(full.guarded),
         ):
-            self._gather.wait()  # CUDA: compute waits on the gather's event, the CPU not
-            self._gather = None
-            owned = self.full.alloc_owned()
-            if self.collective.copy_out(self.full.gathered, owned):
-                self.runtime().release(self.full.gathered)
+            full.pending.wait()  # CUDA: compute waits on the gather's event, the CPU not
+            full.pending = None
+            owned = full.alloc_owned()
+            if self.collective.copy_out(full.gathered, owned):
+                self.runtime().release(full.gathered)
         self._set_on_modules(self.full_params)
-        self.unsharded = True
+        full.unsharded = True
 
     def _data_version(self) -> tuple[int, int, int]:
         """Changes whenever the storage may have: a direct write bumps its version
@@ -327,13 +346,13 @@ class Bucket:
         return {p.fqn: quant.quantized(gathered, i) for i, p in enumerate(self.params)}
 
     def reshard(self) -> None:
-        if self._gather is not None:  # a prefetch nobody used: let it land first
+        if self.full.pending is not None:  # a prefetch nobody used: let it land first
             self._finish_gather()
         if not self.unsharded:
             return
         self._set_on_modules(self.local_params)
         self.full.free()
-        self.unsharded = False
+        self.full.unsharded = False
 
     # ---------------------------------------------------------------- gradients
     def _take_grads(self) -> list[torch.Tensor | None]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..placements import BucketLayout
+from .collectives import Pending
 from .gather import Collective
 from .storage import alloc, free, own_version_counter
 from .tp_params import full_parameter, local_of
@@ -18,10 +19,13 @@ if TYPE_CHECKING:
 
 
 class FullParams:
-    """Full-size parameters of one bucket. Their memory is freed when resharded but the
-    objects live on, so autograd's saved references to them stay valid across the
-    backward re-gather. A parameter either aliases a buffer (the gathered one, or the
-    storage of a replicated bucket) or owns memory the collective copies into."""
+    """Full-size parameters of one bucket and whether they are filled. Their memory is
+    freed when resharded but the objects live on, so autograd's saved references to
+    them stay valid across the backward re-gather. A parameter either aliases a buffer
+    (the gathered one, or the storage of a replicated bucket) or owns memory the
+    collective copies into. ``pending`` (the all-gather filling them, while in flight)
+    and ``unsharded`` (they are on the modules) are set by the bucket's ``unshard`` and
+    ``reshard``."""
 
     def __init__(
         self,
@@ -49,6 +53,8 @@ class FullParams:
         self.guarded = tuple(self.params) + tuple(
             local for local, full in zip(self.locals, self.params) if local is not full
         )
+        self.pending: Pending | None = None
+        self.unsharded = False
         self.free()
 
     def _owned(self) -> list[torch.Tensor]:

@@ -106,8 +106,19 @@ class ShardedCollective:
 
 class PlainGather(ShardedCollective):
     """Sharded parameters of one dtype: all-gather the storage (cast to the policy's
-    ``param_dtype``); a full parameter whose pieces sit in order in the gathered
-    buffer is a view of it, the others are copied out."""
+    ``param_dtype``). When every full parameter's pieces sit in order in the gathered
+    buffer, the parameters are views of it; otherwise all are copied out and the
+    buffer freed, as FSDP2 does: a buffer kept for some views would be held whole (its
+    padding too) beside the others' copies."""
+
+    def __init__(self, store: BucketStorage) -> None:
+        super().__init__(store)
+        layout = store.storage_layout
+        probe = torch.empty(layout.world_size, layout.shard_numel, device="meta")
+        self.aliases = all(
+            param.numel == 0 or gathered_alias(layout, i, probe) is not None
+            for i, param in enumerate(layout.params)
+        )
 
     def gather_buffer(self) -> torch.Tensor | None:
         store, layout = self.store, self.store.storage_layout
@@ -120,6 +131,8 @@ class PlainGather(ShardedCollective):
     def full_base(self, index: int, gathered: torch.Tensor | None) -> torch.Tensor | None:
         layout = self.store.storage_layout
         assert gathered is not None
+        if not self.aliases:
+            return None
         return gathered_alias(layout, index, gathered.view(layout.world_size, layout.shard_numel))
 
     def payload(self, version: object) -> torch.Tensor:

@@ -130,15 +130,19 @@ class StepState:
         self._backward_begins()
         bucket.step.ready = True
         with self._abort_step_on_error():
+            # the gradients are off to the side: free the gathered parameters before the
+            # reduction's buffers are made (FSDP2 reshards before its reduce-scatter too)
+            if bucket.schedule.reshard_after_backward:
+                bucket.reshard()
             # launch strictly in queue order, so every rank issues the same sequence
             queue = self._launch_queue
             while self._launched < len(queue) and queue[self._launched].step.ready:
                 self._launch(queue[self._launched])
                 self._launched += 1
-            if bucket.schedule.reshard_after_backward:
-                bucket.reshard()
 
     def _launch(self, bucket: Bucket) -> None:
+        if bucket.schedule.reshard_after_backward:
+            bucket.reshard()  # a bucket whose modules never reported: free it first too
         if not bucket.schedule.requires_grad_sync:
             bucket.hold_grads()
             return

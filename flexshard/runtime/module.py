@@ -12,6 +12,7 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from .bucket import Bucket
+from .traffic import subtree_traffic, summed
 
 
 def own_buckets(module: nn.Module) -> list[Bucket]:
@@ -172,7 +173,9 @@ class FlexShardModule(FSDPModule, nn.Module):
 
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, int]]:
         """Per bucket: collectives issued and bytes this rank sent and received since
-        the last reset, plus a ``"total"`` entry."""
+        the last reset; per kind of traffic attached below this module
+        (``attach_traffic``: e.g. ``"ep"``, ``"cp"``, which also count ``all_to_all``
+        and ``send_recv`` calls); and a ``"total"`` entry summing them all."""
         _check_bool("comm_stats", "reset", reset)
         stats: dict[str, dict[str, int]] = {}
         total: dict[str, int] = {}
@@ -183,10 +186,21 @@ class FlexShardModule(FSDPModule, nn.Module):
                 copy += 1
                 key = f"{bucket.name}#{copy}"
             stats[key] = entry
-            for key, value in entry.items():
-                total[key] = total.get(key, 0) + value
             if reset:
                 bucket.comm.reset_stats()
+        for kind, entries in subtree_traffic(self).items():
+            if kind in stats:
+                raise ValueError(
+                    f"comm_stats: bucket '{kind}' has the name of the '{kind}' traffic "
+                    "entry (attach_traffic); give the bucket another name"
+                )
+            stats[kind] = summed(entries)
+            if reset:
+                for one in entries:
+                    one.reset()
+        for entry in stats.values():
+            for key, value in entry.items():
+                total[key] = total.get(key, 0) + value
         stats["total"] = total
         return stats
 
@@ -202,10 +216,10 @@ class FlexShardModule(FSDPModule, nn.Module):
 
     # ------------------------------------------------------------ FSDP2's setters
     def _set_on_buckets(self, part: str, attr: str, value: object, recurse: bool) -> None:
-        """``attr`` of each bucket's ``part`` (its schedule, reduction, or the bucket)."""
+        """``attr`` of each bucket's ``part`` (its schedule or reduction)."""
         buckets = subtree_buckets(self) if recurse else self._flexshard_buckets
         for bucket in buckets:
-            setattr(getattr(bucket, part) if part else bucket, attr, value)
+            setattr(getattr(bucket, part), attr, value)
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather these modules' buckets (asynchronously) when this module's forward
@@ -230,7 +244,7 @@ class FlexShardModule(FSDPModule, nn.Module):
     def set_post_optim_event(self, event: Any) -> None:
         """The next all-gathers wait on ``event`` (an optimizer run on another stream)
         besides the current stream, which they always follow (no-op on CPU)."""
-        self._set_on_buckets("", "post_optim_event", event, recurse=True)
+        self._set_on_buckets("schedule", "post_optim_event", event, recurse=True)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel size."""
@@ -295,12 +309,12 @@ class _PipelineState:
 
     def _root_post_backward_final_callback(self) -> None:
         for bucket in subtree_buckets(self.module):  # the same order on every rank
+            if bucket.schedule.reshard_after_backward:
+                bucket.reshard()  # before the reduction's buffers, as in StepState._launch
             if bucket.schedule.requires_grad_sync:
                 bucket.launch_reduce()
                 bucket.finish_reduce()
                 bucket.join_reductions()
-            if bucket.schedule.reshard_after_backward:
-                bucket.reshard()
 
 
 def _register_pipeline_state(module: nn.Module) -> None:

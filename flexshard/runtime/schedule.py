@@ -4,7 +4,7 @@ and reduces, and this step's counts of its hook modules' forward and backward ca
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .bucket import Bucket
@@ -21,6 +21,7 @@ class BucketSchedule:
         self.unshard_in_backward = True
         self.forward_prefetch: list[Bucket] | None = None  # None: the recorded order
         self.backward_prefetch: list[Bucket] | None = None
+        self.post_optim_event: Any = None  # the next all-gather waits on it, then drops it
 
 
 class StepCounts:

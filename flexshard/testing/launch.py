@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -13,11 +15,40 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+#: how the ranks start: "spawn" (a fresh interpreter each; the default) or "forkserver"
+#: (forked from one server process that imported ``PRELOAD`` once: the same fresh
+#: module state as spawn, without every rank's seconds of imports; the test suite sets
+#: it in tests/conftest.py). A forkserver's ranks get the environment the server
+#: started with (the first launch's), not the parent's at each launch.
+START_METHOD_ENV = "FLEXSHARD_START_METHOD"
+START_METHODS = ("spawn", "forkserver")
+PRELOAD = ["torch", "torch.distributed", "flexshard", "flexshard.trainer"]
+
+
+def start_context() -> Any:
+    """The multiprocessing context the ranks start in (see ``START_METHOD_ENV``)."""
+    method = os.environ.get(START_METHOD_ENV, "spawn")
+    if method not in START_METHODS:
+        raise ValueError(f"{START_METHOD_ENV}={method!r}: must be one of {START_METHODS}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _wait_for_the_others() -> None:
+    """Rank 0's process holds the group's store: leaving before the other ranks are
+    done with it (a rank still making a group) resets their connections."""
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+    except Exception:  # a peer failed or broke the group: its own report says why
+        pass
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
@@ -28,7 +59,10 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, res
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
         try:
-            results.put((rank, "ok", fn(rank, world_size, *args)))
+            # by value: a tensor put as is travels as a file descriptor its process
+            # must still be alive to hand over, and the rank exits right after this
+            results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+            _wait_for_the_others()
         finally:
             dist.destroy_process_group()
     except BaseException:  # report anything, including a failed assert, to the parent
@@ -38,7 +72,7 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, res
 def start_ranks(fn: Callable, world_size: int, args: tuple) -> tuple[list[Any], Any]:
     """Spawn ``world_size`` processes running ``fn`` on a fresh gloo group; each puts
     ``(rank, "ok" | "error", value)`` on the returned queue."""
-    ctx = mp.get_context("spawn")
+    ctx = start_context()
     results = ctx.Queue()
     port = free_port()
     procs = [
@@ -48,6 +82,13 @@ def start_ranks(fn: Callable, world_size: int, args: tuple) -> tuple[list[Any], 
     for proc in procs:
         proc.start()
     return procs, results
+
+
+def next_result(results: Any, timeout: float) -> tuple[int, str, Any]:
+    """The next ``(rank, "ok" | "error", value)`` a rank put on ``results`` (raises
+    ``queue.Empty`` after ``timeout`` seconds)."""
+    rank, status, value = results.get(timeout=timeout)
+    return rank, status, pickle.loads(value) if status == "ok" else value
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
@@ -62,7 +103,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     try:
         for _ in range(world_size):
             try:
-                rank, status, value = results.get(timeout=timeout)
+                rank, status, value = next_result(results, timeout)
             except queue.Empty:
                 raise TimeoutError(
                     f"{fn.__name__} on {world_size} ranks gave no result within {timeout}s; "
@@ -77,6 +118,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             proc.join(timeout=5 if not errors else 1)
             if proc.is_alive():
                 proc.kill()
-    if errors:
+    if errors:  # a rank that died without a word (a signal) is often the cause
+        died = [f"rank {r} exit code {p.exitcode}" for r, p in enumerate(procs) if r not in out]
+        errors.append("ranks without a result: " + ", ".join(died))
         raise RuntimeError(f"{fn.__name__} failed on {world_size} ranks:\n" + "\n".join(errors))
     return [out[r] for r in range(world_size)]

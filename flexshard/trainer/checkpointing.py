@@ -243,9 +243,10 @@ def export(job: Job) -> Path:
     """The final model, unsharded, as ``model.safetensors`` in the dump folder."""
     path = job.folder / "model.safetensors"
     if job.dims.pp * job.dims.ep > 1:  # stages and expert slices gathered into one model
-        from .parallelize import full_parameters
+        from .parallelize import full_buffers, full_parameters
 
-        _write_full(job, full_parameters(job.parallel, job.meshes), path)
+        full = full_parameters(job.parallel, job.meshes)
+        _write_full(job, {**full, **full_buffers(job.parallel, job.meshes)}, path)
     elif not _is_fsdp2(job):
         _flexshard_checkpoint().export_safetensors(job.model, str(path))
     else:

@@ -170,14 +170,16 @@ def apply_cp(
 ) -> ContextParallel:
     """Switch the model's RoPE and attention into CP mode: from now on it takes this
     rank's ``split_sequence`` part of every sequence; each layer's exchanges wait at
-    most ``timeout``. Returns the root's ContextParallel (positions, masks); every
-    attention layer gets its own, named by its FQN. Collective-free."""
+    most ``timeout`` and count in flexshard's ``comm_stats()["cp"]``. Returns the
+    root's ContextParallel (positions, masks); every attention layer gets its own,
+    named by its FQN. Collective-free."""
     root = ContextParallel(cp_mesh, method, type(model).__name__, timeout)
     hooked = 0
     for fqn, module in model.named_modules():
         if hasattr(module, "context_parallel"):
             cp = root if not fqn else ContextParallel(cp_mesh, method, fqn, timeout, root._masks)
             module.context_parallel = cp
+            cp.exchange.attach(module)  # comm_stats()["cp"] of the sharded model
             hooked += 1
     if not hooked:
         raise ValueError(f"{type(model).__name__} has no attention that supports CP")

@@ -7,10 +7,14 @@ skips the exchange makes the others raise flexshard's ``CollectiveError`` naming
 layer and the exchange, instead of hanging for the backend's 30 minutes. On CUDA/NCCL
 the wait is stream-ordered and the runtime's watchdog enforces the timeout.
 
-Each ``Exchange`` also counts the bytes this rank sent (the part of a message that
-leaves the rank: all-gathers and reduce-scatters by the ring algorithm's ``(W - 1)``
-chunks, as ``fs.CommStats``; an all-to-all's rows for other ranks; a ring send whole),
-which the trainer reports per step as ``comm_bytes["ep"]`` and ``["cp"]``.
+Each ``Exchange`` also counts its calls and the bytes this rank sent and received (the
+part of a message that leaves or reaches the rank: all-gathers and reduce-scatters by
+the ring algorithm's ``(W - 1)`` chunks, as the buckets' ``CommStats``; an
+all-to-all's rows for and from other ranks; a ring message whole) in a
+``fs.TrafficStats`` that ``attach`` hangs on the module it serves: flexshard's
+``comm_stats()`` then reports it as ``"ep"`` / ``"cp"`` and in its ``"total"``, and the
+trainer's per-step ``comm_bytes`` with it (``exchange_bytes`` reads the same counts
+where the model is not flexshard's, as under the FSDP2 backend).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch import nn
 
 from flexshard.runtime.collectives import DEFAULT_TIMEOUT, CollectiveError, Pending, check_timeout
 from flexshard.runtime.device import device_runtime
+from flexshard.runtime.traffic import TrafficStats, attach_traffic
 
 Kind = Literal["ep", "cp"]
 
@@ -44,17 +49,28 @@ class Exchange:
         check_timeout(timeout)
         self.group, self.name, self.kind, self.timeout = group, name, kind, timeout
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.bytes_sent = 0
+        self.traffic = TrafficStats()  # this rank's calls and bytes, reset by its reader
         self._side: torch.cuda.Stream | None = None  # CUDA/NCCL: ring sends' stream
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.traffic.bytes_sent
+
+    def attach(self, module: nn.Module) -> None:
+        """Count this exchange in ``comm_stats()[kind]`` of the flexshard modules at or
+        above ``module`` (the layer it serves)."""
+        attach_traffic(module, self.kind, self.traffic)
 
     def _launch(
         self,
         start: Callable[[], dist.Work | None],
         collective: str,
         tensor: torch.Tensor,
-        sent: int,
+        counted: tuple[str, int, int] | None,
         wait_ignores_timeout: bool = False,
     ) -> Pending:
+        """``counted``: (kind of collective, bytes sent, bytes received) to record once
+        launched; None: not in the counts."""
         pending = Pending.launch(
             start,
             collective,
@@ -65,7 +81,8 @@ class Exchange:
             device_runtime(tensor.device, self.group),
         )
         pending.keep = (tensor,)  # the input stays alive until the collective completed
-        self.bytes_sent += sent
+        if counted is not None:
+            self.traffic.record(*counted)
         return pending
 
     def wait(self, pending: Pending) -> None:
@@ -92,6 +109,8 @@ class Exchange:
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()  # no rows: still known
         counts = in_splits if in_splits is not None else [rows.shape[0] // self.size] * self.size
         sent = (sum(counts) - counts[self.rank]) * row_bytes
+        arriving = out_splits if out_splits is not None else [out.shape[0] // self.size] * self.size
+        received = (sum(arriving) - arriving[self.rank]) * row_bytes
         self.wait(
             self._launch(
                 lambda: dist.all_to_all_single(
@@ -99,7 +118,7 @@ class Exchange:
                 ),
                 collective,
                 rows,
-                sent,
+                ("all_to_all", sent, received),
             )
         )
         return out
@@ -110,13 +129,13 @@ class Exchange:
         """``counted=False``: outside a training step (a state-dict gather), not in the
         step's bytes."""
         group = self.group
-        sent = (self.size - 1) * local.numel() * local.element_size() if counted else 0
+        moved = (self.size - 1) * local.numel() * local.element_size()  # each way (ring)
         self.wait(
             self._launch(
                 lambda: dist.all_gather_single(out, local, group=group, async_op=True),
                 collective,
                 local,
-                sent,
+                ("all_gather", moved, moved) if counted else None,
             )
         )
         return out
@@ -126,13 +145,13 @@ class Exchange:
     ) -> torch.Tensor:
         """Sum ``full`` over the group, this rank's ``1 / W`` of it into ``out``."""
         group = self.group
-        sent = (self.size - 1) * out.numel() * out.element_size()
+        moved = (self.size - 1) * out.numel() * out.element_size()  # each way (ring)
         self.wait(
             self._launch(
                 lambda: dist.reduce_scatter_single(out, full, group=group, async_op=True),
                 collective,
                 full,
-                sent,
+                ("reduce_scatter", moved, moved),
                 wait_ignores_timeout=dist.get_backend(group) == "gloo",  # its wait ignores it
             )
         )
@@ -160,7 +179,11 @@ class Exchange:
             works.extend(dist.batch_isend_irecv(ops))
             return works[0] if works else None
 
-        sent = send.numel() * send.element_size()
+        counted = (
+            "send_recv",
+            send.numel() * send.element_size(),
+            recv.numel() * recv.element_size(),
+        )
         runtime = device_runtime(send.device, self.group)
         if runtime.streams and self._side is None:
             self._side = torch.cuda.Stream(runtime.device, priority=-1)
@@ -168,15 +191,16 @@ class Exchange:
         # it runs on a side stream (after the compute that made ``send``) and compute
         # waits on its event only in ``wait``: the next block travels during this one
         with runtime.on(self._side if runtime.streams else None):
-            first = self._launch(start, collective, send, sent)
-            rest = [self._launch(lambda w=w: w, collective, send, 0) for w in works[1:]]
+            first = self._launch(start, collective, send, counted)
+            rest = [self._launch(lambda w=w: w, collective, send, None) for w in works[1:]]
         return [first, *rest]
 
 
 def exchange_bytes(modules: Iterable[nn.Module], reset: bool = True) -> dict[str, int]:
     """Bytes this rank sent in the EP and CP exchanges of ``modules`` (and their
     submodules) since the last reset, by kind: ``{"ep": ..., "cp": ...}`` for the
-    kinds present."""
+    kinds present. The counts flexshard's ``comm_stats()`` reports (and resets) too:
+    read each model one way."""
     seen: set[int] = set()
     total: dict[str, int] = {}
     for module in modules:
@@ -188,7 +212,7 @@ def exchange_bytes(modules: Iterable[nn.Module], reset: bool = True) -> dict[str
                 seen.add(id(exchange))
                 total[exchange.kind] = total.get(exchange.kind, 0) + exchange.bytes_sent
                 if reset:
-                    exchange.bytes_sent = 0
+                    exchange.traffic.reset()
     return total
 
 

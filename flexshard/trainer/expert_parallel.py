@@ -166,6 +166,7 @@ def apply_ep(
             setattr(experts, name, piece)
         experts.ep_range = (parallel.first, total)
         experts.expert_parallel = parallel
+        parallel.exchange.attach(experts)  # comm_stats()["ep"] of the sharded model
         sliced.append(fqn)
     if not sliced:
         raise ValueError(f"{type(model).__name__} has no MoE layer to split across EP ranks")

@@ -162,10 +162,13 @@ def check_parallel_layout(cfg: Config) -> None:
             f'training.optimizer = "{t.optimizer}" is not wired with tp, pp or ep > 1'
             ' (use "adamw" or "muon")'
         )
+    # Hugging Face folders work on every layout; an MoE needs a Mixtral twin (refused
+    # here, not after training)
     c = cfg.checkpoint
-    if p.pp * p.ep > 1 and (c.initial_load_in_hf or c.last_save_in_hf):
-        raise ConfigError(
-            "checkpoint.initial_load_in_hf / last_save_in_hf: Hugging Face folders are not "
-            "wired with parallelism.pp or ep > 1 yet (DCP checkpoints and export_safetensors "
-            "are)"
-        )
+    if c.initial_load_in_hf or c.last_save_in_hf:
+        from .hf_adapter import hf_format
+
+        if c.initial_load_in_hf:
+            hf_format(m, "checkpoint.initial_load_in_hf")
+        if c.last_save_in_hf:
+            hf_format(m, "checkpoint.last_save_in_hf", export=True)

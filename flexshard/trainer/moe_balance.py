@@ -6,9 +6,13 @@
   to the scores for the top-k *selection* only (the weights stay the unbiased scores);
   after every optimizer step ``bias += rate * sign(mean_load - load)``, with the load
   counted over the step's global batch (every micro-batch, every data-parallel and
-  context-parallel rank), so every rank keeps the same bias. The bias is training
-  state outside the model's parameters and is not in the checkpoints: a resumed run
-  starts it again from zero.
+  context-parallel rank), so every rank keeps the same bias. The bias is a persistent
+  buffer of the layer (``layers.<i>.feed_forward.balance.bias``, fp32 ``[E]``, equal on
+  every rank, never sliced by EP): it is in the model's state dict, hence in every
+  checkpoint (DCP, both trainer backends, pipeline stages under their global FQNs) and
+  in the safetensors export, since it changes which experts a token reaches; a resumed
+  run continues with the saved bias. The other modes hold no buffer (their state dicts
+  are unchanged).
 - ``"aux"``: the Switch/DeepSeek auxiliary loss ``coef * E * sum_e f_e * P_e`` (f: the
   fraction of this micro-batch's routed rows that chose expert e, P: the mean router
   probability of e). Its gradient is added in the backward of the layer's output
@@ -17,17 +21,23 @@
 
 Every mode counts the tokens routed to each expert in training; ``step_balance``
 (called by the trainer after each optimizer step) sums them over the data-parallel
-groups, updates the biases and keeps the counts for the metrics.
+groups, updates the biases and keeps the counts for the metrics; ``tokens_per_expert``
+gathers them over the pipeline stages, so the metrics cover every MoE layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import datetime
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from flexshard.runtime.collectives import DEFAULT_TIMEOUT
+
+from .bounded_waits import all_reduce
 
 BALANCE_MODES = ("none", "bias", "aux")
 
@@ -47,24 +57,43 @@ class _AddAuxGrad(torch.autograd.Function):
         return grad, torch.ones_like(aux)
 
 
-class LoadBalance:
-    """One MoE layer's routing choice and load counter (plain state, not parameters)."""
+class LoadBalance(nn.Module):
+    """One MoE layer's routing choice and load counter: no parameters; in mode
+    ``"bias"`` the bias is a persistent buffer (model state, fp32 whatever the module
+    is cast to), the counts are not."""
+
+    bias: torch.Tensor | None
 
     def __init__(self, mode: str, num_experts: int, bias_rate: float, aux_coef: float) -> None:
         if mode not in BALANCE_MODES:
             raise ValueError(f"model.moe.balance = {mode!r}: must be one of {BALANCE_MODES}")
+        super().__init__()
         self.mode, self.num_experts = mode, num_experts
         self.bias_rate, self.aux_coef = bias_rate, aux_coef
-        self.bias: torch.Tensor | None = None  # "bias": fp32 [E], created on first use
+        # "bias": fp32 [E] (on the device the model is built on); None: not in the state
+        self.register_buffer("bias", torch.zeros(num_experts) if mode == "bias" else None)
         self.load: torch.Tensor | None = None  # tokens per expert since the last step
         self.last_load: list[int] | None = None  # the last step's global counts
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        # a meta-built model's ``to_empty`` leaves the buffer uninitialised, and
+        # ``fs.init_params`` visits modules with parameters only: start from zero, as an
+        # eagerly built model does (a checkpoint loaded afterwards overwrites it)
+        was_meta = self.bias is not None and self.bias.is_meta
+        super()._apply(fn, recurse)
+        if self.bias is None:
+            return self
+        if self.bias.dtype != torch.float32:  # model.to(bf16): updates of 1e-3 would vanish
+            self.bias = self.bias.float()
+        if was_meta and not self.bias.is_meta:
+            with torch.no_grad():
+                self.bias.zero_()
+        return self
+
     def select(self, scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, chosen experts) [N, top_k] from the router's scores [N, E]."""
-        if self.mode != "bias":
-            return scores.topk(top_k, dim=-1)
         if self.bias is None:
-            self.bias = torch.zeros(self.num_experts, device=scores.device)
+            return scores.topk(top_k, dim=-1)
         chosen = (scores + self.bias).topk(top_k, dim=-1).indices
         return scores.gather(-1, chosen), chosen
 
@@ -82,16 +111,22 @@ class LoadBalance:
         aux = self.aux_coef * self.num_experts * (fraction * scores.mean(0)).sum()
         return _AddAuxGrad.apply(out, aux)
 
-    def step(self, groups: list[dist.ProcessGroup]) -> None:
+    def step(
+        self,
+        groups: list[dist.ProcessGroup],
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        layer: str = "",
+    ) -> None:
         """After an optimizer step: the global load, the bias update, a fresh counter."""
         if self.load is None:
             return
         load = self.load
         for group in groups:  # e.g. dp_replicate, then dp_shard_cp
-            dist.all_reduce(load, group=group)
+            all_reduce(load, group, "MoE load all-reduce", f"layer '{layer}'", timeout)
         self.last_load, self.load = load.tolist(), None
-        if self.mode == "bias" and self.bias is not None:
-            self.bias += self.bias_rate * torch.sign(load.float().mean() - load.float())
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias += self.bias_rate * torch.sign(load.float().mean() - load.float())
 
 
 def _balances(modules: Iterable[nn.Module]) -> Iterable[tuple[str, LoadBalance]]:
@@ -102,14 +137,43 @@ def _balances(modules: Iterable[nn.Module]) -> Iterable[tuple[str, LoadBalance]]
                 yield fqn, balance
 
 
-def step_balance(modules: Iterable[nn.Module], groups: list[dist.ProcessGroup]) -> None:
+def step_balance(
+    modules: Iterable[nn.Module],
+    groups: list[dist.ProcessGroup],
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> None:
     """Every MoE layer of ``modules``: see ``LoadBalance.step``. Collective over
-    ``groups`` (the data-parallel mesh's groups); every rank of them must call it."""
-    for _, balance in _balances(modules):
-        balance.step(groups)
+    ``groups`` (the data-parallel mesh's groups); every rank of them must call it.
+    Each all-reduce waits at most ``timeout``, then raises a CollectiveError naming it."""
+    for fqn, balance in _balances(modules):
+        balance.step(groups, timeout, fqn)
 
 
-def tokens_per_expert(modules: Iterable[nn.Module]) -> dict[str, list[int]]:
+def tokens_per_expert(
+    modules: Iterable[nn.Module], pp_group: dist.ProcessGroup | None = None
+) -> dict[str, list[int]]:
     """The last step's global tokens per expert, by MoE layer FQN (routed rows: each
-    token counts once for each of its top-k experts); {} for a dense model."""
-    return {fqn: b.last_load for fqn, b in _balances(modules) if b.last_load is not None}
+    token counts once for each of its top-k experts), in layer order; {} for a dense
+    model. ``pp_group``: this rank holds some pipeline stages only; the counts of every
+    stage are gathered (a collective: every rank of the group calls it), so each rank
+    gets every MoE layer's. Stage modules keep the whole model's FQNs, so the layers of
+    different stages never share a key."""
+    mine = {fqn: b.last_load for fqn, b in _balances(modules) if b.last_load is not None}
+    if pp_group is None or dist.get_world_size(pp_group) == 1:
+        return mine
+    stages: list[Any] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(stages, mine, group=pp_group)
+    merged: dict[str, list[int]] = {}
+    for stage in stages:
+        for fqn, counts in stage.items():
+            if merged.setdefault(fqn, counts) != counts:
+                raise ValueError(
+                    f"tokens_per_expert: MoE layer '{fqn}' is on two pipeline ranks with "
+                    "different counts; the pp group must hold each layer once"
+                )
+    return {fqn: merged[fqn] for fqn in sorted(merged, key=_layer_order)}
+
+
+def _layer_order(fqn: str) -> list[tuple[int, int, str]]:
+    """ "layers.10.x" after "layers.9.x": numeric parts compare as numbers."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in fqn.split(".")]

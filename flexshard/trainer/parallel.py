@@ -7,12 +7,20 @@ left out, except ``dp_shard``). flexshard's data-parallel mesh spans dp_replicat
 dp ranks. EP borrows its ranks from dp_shard * cp (as torchtitan): that dimension is
 viewed as (dp_shard_mod_ep, ep), the experts split across ``ep`` and their weights
 sharded by flexshard over ``dp_shard_mod_ep``.
+
+Every group of these meshes (and the world group ``init_distributed`` joins) is made
+with ``parallelism.timeout_s``: the collectives torch issues on them itself (TP's
+DTensor redistributions, the pipeline schedule's sends and receives, FSDP2's, the
+state-dict gathers) fail after it instead of the backend's 30 minutes (gloo honours a
+group's timeout for collectives and point-to-point alike; NCCL's watchdog aborts).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +43,8 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
+    #: how long a collective on the mesh's groups may take (None: the backend's default)
+    timeout_s: float | None = None
 
     @classmethod
     def from_config(cls, cfg: ParallelismConfig, world_size: int) -> ParallelDims:
@@ -47,7 +57,9 @@ class ParallelDims:
                     f"= {others}; cannot infer parallelism.dp_shard"
                 )
             dp_shard = world_size // others
-        dims = cls(cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size)
+        dims = cls(
+            cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, cfg.timeout_s
+        )
         product = others * dp_shard
         if product != world_size:
             raise ConfigError(
@@ -76,7 +88,22 @@ class ParallelDims:
         which is always there (the data-parallel mesh needs at least one dimension)."""
         names = [n for n in MESH_ORDER if self.degree(n) > 1 or n == "dp_shard"]
         shape = tuple(self.degree(n) for n in names)
-        return init_device_mesh(device_type, shape, mesh_dim_names=tuple(names))
+        forget_earlier_meshes()
+        override = self._bounded(len(names))
+        return init_device_mesh(
+            device_type,
+            shape,
+            mesh_dim_names=tuple(names),
+            backend_override=dict(enumerate(override)) if override else None,
+        )
+
+    def _bounded(self, ndim: int) -> tuple[Any, ...] | None:
+        """Per mesh dimension: (backend, options) that give its groups ``timeout_s``
+        (torch's DeviceMesh passes the options' timeout to ``new_group``). One options
+        object per dimension: new_group writes the group's ranks and name into it."""
+        if self.timeout_s is None or group_options(self.timeout_s) is None:
+            return None
+        return tuple((None, group_options(self.timeout_s)) for _ in range(ndim))
 
     def meshes(self, mesh: DeviceMesh) -> Meshes:
         """Every sub-mesh the parallel pieces take. The flattened dims are views of the
@@ -84,7 +111,12 @@ class ParallelDims:
         alike, so the groups agree)."""
         grid = mesh.mesh.reshape(self.pp, self.dp_replicate, self.dp_shard * self.cp, self.tp)
         dp_names = ("pp", "dp_replicate", "dp_shard_cp", "tp")
-        dp_view = DeviceMesh(mesh.device_type, grid, mesh_dim_names=dp_names)
+        dp_view = DeviceMesh(
+            mesh.device_type,
+            grid,
+            mesh_dim_names=dp_names,
+            backend_override=self._bounded(len(dp_names)),
+        )
         dp = dp_view["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else None
         dp = dp if dp is not None else dp_view["dp_shard_cp"]
         found = Meshes(
@@ -99,7 +131,12 @@ class ParallelDims:
             outer = self.dp_shard * self.cp // self.ep
             ep_grid = grid.reshape(self.pp, self.dp_replicate, outer, self.ep, self.tp)
             names = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
-            ep_view = DeviceMesh(mesh.device_type, ep_grid, mesh_dim_names=names)
+            ep_view = DeviceMesh(
+                mesh.device_type,
+                ep_grid,
+                mesh_dim_names=names,
+                backend_override=self._bounded(len(names)),
+            )
             found.ep = ep_view["ep"]
             found.experts_dp = (
                 ep_view["dp_replicate", "dp_shard_mod_ep"]
@@ -145,9 +182,42 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device) -> None:
-    """Join the process group torchrun (or the launcher) described in the environment."""
+def forget_earlier_meshes() -> None:
+    """Empty DTensor's sharding-propagation cache. DeviceMeshes of the same ranks and
+    dim names compare equal whatever their groups, so a cached op answers a new mesh's
+    DTensors with specs on an earlier mesh: its ops would then run on the earlier
+    job's groups (broken ones, after a failure). Cheap: the caches refill."""
+    try:  # torch 2.13: the C++ fast path's cache and Python's
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # another torch: its caches stay (the earlier groups still work)
+        return
+    _clear_sharding_prop_cache()
+
+
+def group_options(timeout_s: float) -> Any:
+    """Options for a new group of the world's backend whose collectives time out after
+    ``timeout_s``: gloo's (it reads only their timeout), NCCL's (read, not run: this
+    machine has no GPU); None for another backend (the planner's fake one), whose
+    groups keep their default."""
+    backend = dist.get_backend()
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
+    else:
+        return None
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return options
+
+
+def init_distributed(device: torch.device, timeout_s: float | None = None) -> None:
+    """Join the process group torchrun (or the launcher) described in the environment;
+    with ``timeout_s`` its collectives (the world's barriers) and the rendezvous wait at
+    most that. A group made already (a test's launcher) is kept as it is."""
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend)
+    if timeout_s is None:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))

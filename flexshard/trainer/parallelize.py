@@ -249,3 +249,24 @@ def full_parameters(parallel: Parallelized, meshes: Meshes) -> dict[str, torch.T
         for stage in stages:
             params.update(stage)
     return {name: params[name] for name in sorted(params)}
+
+
+def full_buffers(parallel: Parallelized, meshes: Meshes) -> dict[str, torch.Tensor]:
+    """The persistent buffers of every stage module (the MoE ``"bias"`` balance's
+    biases), gathered over pp: with ``full_parameters``, the single process's state
+    dict. No data-, tensor- or expert-parallel wrapper shards a buffer."""
+    buffers: dict[str, torch.Tensor] = {}
+    for module in parallel.modules:
+        params = {name for name, _ in module.named_parameters()}
+        for name, value in module.state_dict().items():
+            if name not in params and isinstance(value, torch.Tensor):
+                full = value.full_tensor() if isinstance(value, DTensor) else value
+                buffers[name] = full.detach()
+    if meshes.pp is not None:
+        stages: list[Any] = [None] * meshes.pp.size()
+        dist.all_gather_object(
+            stages, {k: v.cpu() for k, v in buffers.items()}, group=meshes.pp.get_group()
+        )
+        for stage in stages:
+            buffers.update(stage)
+    return {name: buffers[name] for name in sorted(buffers)}

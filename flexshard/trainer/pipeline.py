@@ -28,6 +28,7 @@ from torch.distributed.pipelining import (
 
 import flexshard as fs
 
+from .bounded_waits import in_flight
 from .layout_checks import SCHEDULE_NAMES, check_pipeline
 from .pipeline_stage import FlexShardStage
 
@@ -117,6 +118,7 @@ class PipelineRunner:
         self._schedule: Any = None
         self._stages: list[FlexShardStage] = []
         self._batch_shape: tuple[int, ...] | None = None
+        self._runs = 0  # schedule runs so far, for errors
 
     @property
     def has_first(self) -> bool:
@@ -191,12 +193,17 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = (tokens,) if self.has_first else ()
         target = labels if self.has_last else None
-        self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        loss = torch.zeros((), dtype=torch.float32, device=tokens.device)
-        if self.has_last:
-            loss = torch.stack([item.detach().float() for item in losses]).mean()
-        last_rank = (self.n_stages - 1) % self.pp_group.size()
-        dist.broadcast(loss, group_src=last_rank, group=self.pp_group)
+        self._runs += 1
+        # the sends and receives wait as long as the pp group's timeout (the trainer's
+        # mesh: parallelism.timeout_s); a stalled neighbour raises a CollectiveError
+        what = f"{self.schedule_name} schedule run {self._runs} (sends/receives, loss broadcast)"
+        with in_flight(what, f"pipeline stage(s) {self.stage_ids}", {"pp": self.pp_group}):
+            self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            loss = torch.zeros((), dtype=torch.float32, device=tokens.device)
+            if self.has_last:
+                loss = torch.stack([item.detach().float() for item in losses]).mean()
+            last_rank = (self.n_stages - 1) % self.pp_group.size()
+            dist.broadcast(loss, group_src=last_rank, group=self.pp_group)
         return float(loss)
 
     def sent_bytes(self) -> dict[str, int]:

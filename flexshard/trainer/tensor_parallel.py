@@ -17,6 +17,10 @@ MoE layers keep the router and the experts replicated over tp: every tp rank rou
 the whole sequence and runs every expert on it (the work is duplicated over tp; expert
 parallelism is the axis that splits experts). Their gradients come out identical on
 every tp rank, so no tp reduction is needed.
+
+DTensor's collectives run on the tp mesh's group and wait as long as its timeout: the
+trainer makes that group with ``parallelism.timeout_s`` (``ParallelDims.build_mesh``)
+and names the step in the error (``bounded_waits.step_in_flight``).
 """
 
 from __future__ import annotations

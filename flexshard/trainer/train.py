@@ -18,10 +18,10 @@ from torch.optim.lr_scheduler import LRScheduler
 
 import flexshard as fs
 
-from . import checkpointing
+from . import bounded_waits, checkpointing
 from .config import Config, ConfigError
 from .data import DPSampler, ValidationBatches, load_tokens, split_tokens
-from .exchange import exchange_bytes
+from .exchange import configured_timeout, exchange_bytes
 from .lr_schedule import build_lr_scheduler, current_lr
 from .metrics import (
     MetricsWriter,
@@ -129,7 +129,7 @@ class Job:
 def setup(cfg: Config) -> Job:
     check_backend_options(cfg)
     device = pick_device(cfg.training.device)
-    init_distributed(device)
+    init_distributed(device, cfg.parallelism.timeout_s)  # the world's waits bounded too
     dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
     # torch 2.13 renamed the tensor collectives; the old names warn once per process
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")
@@ -187,26 +187,30 @@ def train_step(job: Job, step: int) -> tuple[float, float, float]:
     accum = cfg.training.grad_accum
     lr = current_lr(job.lr_scheduler)
     local_loss = torch.zeros((), device=job.device)
-    runner = job.parallel.runner
-    for micro in range(accum):
-        inputs, targets = job.sampler.batch(step, micro)
-        inputs, targets = local_batch(inputs.to(job.device), targets.to(job.device), job.meshes)
-        if runner is not None:  # the schedule syncs gradients on the last microbatch
-            local_loss += runner.step(inputs, targets)
-            continue
-        # reduce gradients only after the last micro-batch (they accumulate unsharded)
-        model.set_requires_gradient_sync(micro == accum - 1)  # type: ignore[operator]
-        loss = loss_fn(model(inputs), targets) / accum
-        loss.backward()
-        local_loss += loss.detach()
+    runner, timeout = job.parallel.runner, configured_timeout(cfg.parallelism.timeout_s)
+    # TP's DTensor collectives and the pipeline's sends wait at most the mesh groups'
+    # timeout; a failure raises a CollectiveError naming the step
+    with bounded_waits.step_in_flight(job.meshes, step + 1, timeout):
+        for micro in range(accum):
+            inputs, targets = job.sampler.batch(step, micro)
+            inputs, targets = local_batch(inputs.to(job.device), targets.to(job.device), job.meshes)
+            if runner is not None:  # the schedule syncs gradients on the last microbatch
+                local_loss += runner.step(inputs, targets)
+                continue
+            # reduce gradients only after the last micro-batch (they accumulate unsharded)
+            model.set_requires_gradient_sync(micro == accum - 1)  # type: ignore[operator]
+            loss = loss_fn(model(inputs), targets) / accum
+            loss.backward()
+            local_loss += loss.detach()
     grad_norm = clip_gradients(job)
     job.optimizer.step()
-    step_balance(job.parallel.modules, job.meshes.dp.get_all_groups())  # MoE load, bias
+    step_balance(job.parallel.modules, job.meshes.dp.get_all_groups(), timeout)  # MoE load
     job.lr_scheduler.step()
     job.optimizer.zero_grad(set_to_none=True)
     # the global batch's loss: mean over all ranks; tp and pp ranks hold the same value
     # and dp x cp ranks equal token counts, so that is the mean over the global batch
-    dist.all_reduce(local_loss, op=dist.ReduceOp.AVG)
+    of = f"training step {step + 1}"
+    bounded_waits.all_reduce(local_loss, None, "loss all-reduce", of, timeout, dist.ReduceOp.AVG)
     return float(local_loss), grad_norm, lr
 
 
@@ -217,32 +221,36 @@ def validate(job: Job) -> float:
     assert job.validation is not None
     total = torch.zeros((), device=job.device)
     steps = job.cfg.validation.steps
-    for index in range(steps):
-        inputs, targets = job.validation.batch(index)
-        inputs, targets = local_batch(inputs.to(job.device), targets.to(job.device), job.meshes)
-        total += loss_fn(job.model(inputs), targets) / steps
-    dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    timeout = configured_timeout(job.cfg.parallelism.timeout_s)
+    with bounded_waits.in_flight("validation forward", "validation", {"tp": _group(job.meshes.tp)}):
+        for index in range(steps):
+            inputs, targets = job.validation.batch(index)
+            inputs, targets = local_batch(inputs.to(job.device), targets.to(job.device), job.meshes)
+            total += loss_fn(job.model(inputs), targets) / steps
+    avg = dist.ReduceOp.AVG
+    bounded_waits.all_reduce(total, None, "validation loss all-reduce", "validation", timeout, avg)
     return float(total)
 
 
+def _group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
+    return mesh.get_group() if mesh is not None else None
+
+
 def _comm_bytes(parallel: Parallelized) -> dict[str, int] | None:
-    """Bytes this rank sent since the last call: per flexshard bucket and their
-    ``total`` (over every stage module; flexshard only), and as ``ep`` / ``cp`` the
-    expert- and context-parallel exchanges (any backend; not in ``total``)."""
-    exchanged = exchange_bytes(parallel.modules)
+    """Bytes this rank sent since the last call, over every stage module. flexshard:
+    its ``comm_stats()`` per bucket, ``ep`` / ``cp`` (the expert- and context-parallel
+    exchanges) and their ``total``. FSDP2: ``ep`` / ``cp`` alone (no ``total``)."""
+    flex = [m for m in parallel.modules if isinstance(m, fs.FlexShardModule)]
+    if len(flex) < len(parallel.modules):
+        return exchange_bytes(parallel.modules) or None
     sent: dict[str, int] = {}
-    for module in parallel.modules:
-        if not isinstance(module, fs.FlexShardModule):
-            return exchanged or None
+    for module in flex:
         stats = module.comm_stats(reset=True)
         total = sent.pop("total", 0) + stats.pop("total")["bytes_sent"]
         for name, entry in stats.items():  # stages may share a bucket name ("outer")
             sent[name] = sent.get(name, 0) + entry["bytes_sent"]
         sent["total"] = total
-    clash = sorted(set(sent) & set(exchanged))
-    if clash:
-        raise ConfigError(f"bucket name(s) {clash} clash with the EP / CP entries of comm_bytes")
-    return {**sent, **exchanged}
+    return sent
 
 
 def run(cfg: Config) -> list[dict[str, Any]]:
@@ -278,7 +286,8 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             "peak_memory_mb": peak_memory_mb(job.device),
             "comm_bytes": _comm_bytes(job.parallel),
         }
-        loads = tokens_per_expert(job.parallel.modules)
+        pp = job.meshes.pp.get_group() if job.meshes.pp is not None else None
+        loads = tokens_per_expert(job.parallel.modules, pp)  # every stage's layers
         if loads:  # MoE: the global batch's routed rows per expert, by layer
             record["tokens_per_expert"] = loads
         v = cfg.validation
