@@ -344,6 +344,7 @@ def main(argv: list[str] | None = None) -> None:
         result["published"] = published_rows()
         _write(result, args.out)
         return
+    args.out.mkdir(parents=True, exist_ok=True)  # before the runs: a missing folder wasted them
     samples, profiles, fits, loads = cpu_rows(args.worlds, args.steps, args.warmup, args.reps)
     hw = median_profile([p for per_world in profiles.values() for p in per_world])
     rows = compare(samples, profiles, args.steps)

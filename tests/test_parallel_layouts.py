@@ -20,7 +20,7 @@ from flexshard.trainer.model import Transformer, init_weights
 from flexshard.trainer.optimizers import build_optimizer
 from flexshard.trainer.parallel import ParallelDims
 from flexshard.trainer.parallelize import full_parameters
-from flexshard.trainer.train import loss_fn, run, setup, train_step
+from flexshard.trainer.train import Job, loss_fn, run, setup, train_step
 
 from .trainer_cases import set_lr
 
@@ -109,17 +109,22 @@ def single_process(cfg: Config, dp_size: int) -> tuple[list, list, dict]:
     return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def train_layout(folder: str, name: str) -> dict:
-    """The trainer's own setup and step on this layout; the gathered parameters."""
-    _, parallelism, moe = LAYOUTS[name]
-    job = setup(layout_config(f"{folder}/{name}", parallelism, moe))
+def trained(job: Job, steps: int = STEPS) -> dict:
+    """``steps`` of the trainer's own step on ``job``: losses, norms and the gathered
+    parameters."""
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         loss, norm, _ = train_step(job, step)
         losses.append(loss)
         norms.append(norm)
     params = full_parameters(job.parallel, job.meshes)
     return {"losses": losses, "norms": norms, "params": {k: v.numpy() for k, v in params.items()}}
+
+
+def train_layout(folder: str, name: str) -> dict:
+    """The trainer's own setup and step on this layout; the gathered parameters."""
+    _, parallelism, moe = LAYOUTS[name]
+    return trained(setup(layout_config(f"{folder}/{name}", parallelism, moe)))
 
 
 def _cases(rank: int, world_size: int, folder: str, names: list[str]) -> dict:

@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from flexshard.testing import run_distributed
-from flexshard.trainer.parallelize import full_parameters
-from flexshard.trainer.train import setup, train_step
+from flexshard.trainer.train import setup
 
-from .test_parallel_layouts import layout_config, single_process
+from .test_parallel_layouts import layout_config, single_process, trained
 from .test_trainer_muon_layouts import LOSS_RTOL, NORM_RTOL, PARAM_ATOL
 
 W = 8
@@ -33,16 +32,8 @@ def _train(rank: int, world_size: int, folder: str) -> dict:
     job = setup(_config(folder))
     runner = job.parallel.runner
     assert runner is not None
-    losses, norms = [], []
-    for step in range(STEPS):
-        loss, norm, _ = train_step(job, step)
-        losses.append(loss)
-        norms.append(norm)
-    params = full_parameters(job.parallel, job.meshes)
     return {
-        "losses": losses,
-        "norms": norms,
-        "params": {k: v.numpy() for k, v in params.items()},
+        **trained(job, STEPS),
         "sequence_shards": runner.sequence_shards,
         "optimizer": type(job.optimizer).__name__,
         "seconds": time.monotonic() - started,

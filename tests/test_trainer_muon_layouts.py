@@ -24,10 +24,9 @@ import torch.distributed as dist
 from flexshard.testing import run_distributed
 from flexshard.trainer.checkpointing import latest_step
 from flexshard.trainer.config import ConfigError
-from flexshard.trainer.parallelize import full_parameters
-from flexshard.trainer.train import run, setup, train_step
+from flexshard.trainer.train import run, setup
 
-from .test_parallel_layouts import MOE, layout_config, single_process
+from .test_parallel_layouts import MOE, layout_config, single_process, trained
 
 STEPS = 6
 MUON = {"optimizer": "muon", "steps": STEPS}
@@ -70,14 +69,7 @@ def _config(folder: str, name: str, **extra: dict):
 
 
 def _train(folder: str, name: str) -> dict:
-    job = setup(_config(f"{folder}/{name}", name))
-    losses, norms = [], []
-    for step in range(STEPS):
-        loss, norm, _ = train_step(job, step)
-        losses.append(loss)
-        norms.append(norm)
-    params = full_parameters(job.parallel, job.meshes)
-    return {"losses": losses, "norms": norms, "params": {k: v.numpy() for k, v in params.items()}}
+    return trained(setup(_config(f"{folder}/{name}", name)), STEPS)
 
 
 CKPT = {"enable": True, "interval": 3}

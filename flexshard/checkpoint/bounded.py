@@ -24,7 +24,12 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.collectives import CollectiveError, check_timeout
+from ..runtime.collectives import (
+    CollectiveError,
+    backend_cause,
+    check_timeout,
+    is_backend_failure,
+)
 from ..runtime.module import subtree_buckets
 
 _GROUPS: dict[tuple[tuple[int, ...], float, str], dist.ProcessGroup] = {}
@@ -59,12 +64,6 @@ def bounded_group(group: dist.ProcessGroup, timeout: datetime.timedelta) -> dist
     return made
 
 
-def _is_backend_failure(err: BaseException) -> bool:
-    """A collective that timed out or lost a peer (gloo's errors name its sources)."""
-    text = str(err)
-    return isinstance(err, dist.DistError) or "gloo" in text or "Timed out" in text
-
-
 @contextlib.contextmanager
 def in_flight(
     step: str, path: str, group: dist.ProcessGroup | None, timeout: datetime.timedelta | None
@@ -74,12 +73,12 @@ def in_flight(
     try:
         yield
     except RuntimeError as err:
-        if group is None or not _is_backend_failure(err):
+        if group is None or not is_backend_failure(err):
             raise
         rank = dist.get_rank()
         members = dist.get_process_group_ranks(group)
         limit = f"timeout {timeout.total_seconds():g} s" if timeout is not None else "no timeout"
-        cause = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        cause = backend_cause(err)
         message = (
             f"flexshard: {step} of checkpoint '{path}' failed on rank {rank} (group ranks "
             f"{members}, {limit}): a rank of the group died, stalled or skipped it; the "

@@ -80,6 +80,25 @@ class CollectiveError(RuntimeError):
         self.rank = rank
 
 
+#: what gloo's and NCCL's failures say (a timeout, a peer that closed its pair)
+_BACKEND_SIGNS = ("gloo", "Timed out", "timed out", "pair closure", "Connection closed", "NCCL")
+
+
+def is_backend_failure(err: BaseException) -> bool:
+    """A collective torch ran itself that timed out or lost a peer (flexshard's own
+    CollectiveErrors are not: they already name what failed)."""
+    if isinstance(err, CollectiveError):
+        return False
+    text = str(err)
+    return isinstance(err, dist.DistError) or any(sign in text for sign in _BACKEND_SIGNS)
+
+
+def backend_cause(err: BaseException) -> str:
+    """The first line of a backend failure, for a CollectiveError's message."""
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
+
+
 class Pending:
     """An in-flight collective; ``wait`` raises a CollectiveError naming the bucket and
     the collective if it fails or does not complete within ``timeout``.

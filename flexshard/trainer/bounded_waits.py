@@ -23,23 +23,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from flexshard.runtime.collectives import DEFAULT_TIMEOUT, CollectiveError, Pending
+from flexshard.runtime.collectives import (
+    DEFAULT_TIMEOUT,
+    CollectiveError,
+    Pending,
+    backend_cause,
+    is_backend_failure,
+)
 
 if TYPE_CHECKING:
     from .parallel import Meshes
 
-#: what gloo's and NCCL's failures say (a timeout, a peer that closed its pair)
-_BACKEND_SIGNS = ("gloo", "Timed out", "timed out", "pair closure", "Connection closed", "NCCL")
 #: what is left after a failed wait on a trainer group
 _AFTERWARDS = "the process group is unusable now: restart from the last complete checkpoint"
-
-
-def is_backend_failure(err: BaseException) -> bool:
-    """A collective of the backend that timed out or lost a peer (not flexshard's own)."""
-    if isinstance(err, CollectiveError):
-        return False
-    text = str(err)
-    return isinstance(err, dist.DistError) or any(sign in text for sign in _BACKEND_SIGNS)
 
 
 def all_reduce(
@@ -112,7 +108,7 @@ def in_flight(
         rank = dist.get_rank()
         timeout = timeout if timeout is not None else _timeout_of(groups)
         limit = f"timeout {timeout.total_seconds():g} s" if timeout is not None else "its timeout"
-        cause = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        cause = backend_cause(err)
         message = (
             f"flexshard: {what} of {of} failed on rank {rank} ({_ranks(groups)}; {limit}): "
             f"a rank of the group died, stalled or skipped a collective; {_AFTERWARDS} "
