@@ -39,7 +39,7 @@ import torch
 
 from flexshard.testing import run_distributed
 
-from .bench_trainer import compare, measured_run, per_rep, trainer_table
+from .bench_trainer import compare, measured_run, per_rep, timed_row, trainer_table
 from .output import write_results
 from .parallel_muon import MUON_LAYOUTS, muon_markdown, muon_rank, summarise_muon
 from .parallel_variants import VARIANTS, summarise_variants, variant_rank, variants_markdown
@@ -134,16 +134,12 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, names: list[str]
             for backend in alternating(BACKENDS, rep):
                 where = f"{folder}/{len(out)}"
                 records, peak_rss_mb = measured_run(args, layout_table(args, name, backend, where))
-                timed = records[args.warmup :]
                 out.append(
                     {
                         "layout": name,
                         "backend": backend,
                         "rep": rep,
-                        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-                        "step_ms": 1000 * statistics.median(r["step_time_s"] for r in timed),
-                        "peak_rss_mb": peak_rss_mb,
-                        "losses": [r["loss"] for r in records],
+                        **timed_row(records, peak_rss_mb, args.warmup),
                     }
                 )
     return out

@@ -111,6 +111,18 @@ def model_table(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def timed_row(records: list[dict], peak_rss_mb: float, warmup: int) -> dict[str, Any]:
+    """One run's figures: median tokens/s and step time over the steps after ``warmup``,
+    its peak RSS and every step's loss."""
+    timed = records[warmup:]
+    return {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "step_ms": 1000 * statistics.median(r["step_time_s"] for r in timed),
+        "peak_rss_mb": peak_rss_mb,
+        "losses": [r["loss"] for r in records],
+    }
+
+
 def measured_run(args: argparse.Namespace, table: dict[str, Any]) -> tuple[list[dict], float]:
     """Train with ``table``: every step's metrics and this rank's peak RSS (MB) above
     the RSS before the model was built."""
@@ -128,8 +140,13 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, folder: str) -> 
     # one-time allocations (~26 MB here) that would count against whichever runs first
     warm = argparse.Namespace(**{**vars(args), "steps": 2})
     for backend in BACKENDS:
-        run(config_from_dict(trainer_table(warm, model_table(args), {"dp_backend": backend},
-                                           f"{folder}/warm-{backend}")))
+        run(
+            config_from_dict(
+                trainer_table(
+                    warm, model_table(args), {"dp_backend": backend}, f"{folder}/warm-{backend}"
+                )
+            )
+        )
     out = []
     for rep in range(args.reps):
         for backend in alternating(BACKENDS, rep):

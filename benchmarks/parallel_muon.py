@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .bench_trainer import measured_run, per_rep, trainer_table
+from .bench_trainer import measured_run, per_rep, timed_row, trainer_table
 from .stats import RULE, alternating, cell, centred, paired_ratios, range_cell, summary
 
 MB = 2**20
@@ -101,17 +101,13 @@ def muon_rank(
                 table = _table(args, name, side, f"{folder}/m{len(out)}")
                 with captured_optimizer() as built:
                     records, peak_rss_mb = measured_run(args, table)
-                timed = records[args.warmup :]
                 buckets = (records[-1]["comm_bytes"] or {}).get("total", 0)
                 out.append(
                     {
                         "layout": name,
                         "side": side,
                         "rep": rep,
-                        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-                        "step_ms": 1000 * statistics.median(r["step_time_s"] for r in timed),
-                        "peak_rss_mb": peak_rss_mb,
-                        "losses": [r["loss"] for r in records],
+                        **timed_row(records, peak_rss_mb, args.warmup),
                         "bucket_mb_per_step": buckets / MB,
                         "optimizer": _optimizer_comm(built[-1], len(records)),
                     }

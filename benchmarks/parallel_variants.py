@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Iterator
 from typing import Any
 
-from .bench_trainer import measured_run, per_rep, trainer_table
+from .bench_trainer import measured_run, per_rep, timed_row, trainer_table
 from .stats import RULE, alternating, cell, range_cell, summary
 
 MOE = {"num_experts": 4, "top_k": 2, "expert_hidden": 64, "first_dense_layers": 1}
@@ -85,16 +85,12 @@ def variant_rank(
                 table = _table(args, name, side, f"{folder}/v{len(out)}")
                 with experts(side if what == "experts" else "grouped_mm"):
                     records, peak_rss_mb = measured_run(args, table)
-                timed = records[args.warmup :]
                 out.append(
                     {
                         "variant": name,
                         "side": side,
                         "rep": rep,
-                        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-                        "step_ms": 1000 * statistics.median(r["step_time_s"] for r in timed),
-                        "peak_rss_mb": peak_rss_mb,
-                        "losses": [r["loss"] for r in records],
+                        **timed_row(records, peak_rss_mb, args.warmup),
                     }
                 )
     return out

@@ -99,6 +99,10 @@ def backend_cause(err: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(err).__name__
 
 
+#: what a bucket's failed collective leaves: its error's last words
+SHARDS_UNCHANGED = "the process group is unusable now, the local shards are unchanged"
+
+
 class Pending:
     """An in-flight collective; ``wait`` raises a CollectiveError naming the bucket and
     the collective if it fails or does not complete within ``timeout``.
@@ -118,8 +122,13 @@ class Pending:
         timeout: datetime.timedelta,
         group: dist.ProcessGroup | None = None,
         wait_ignores_timeout: bool = False,
+        subject: str | None = None,
+        afterwards: str = SHARDS_UNCHANGED,
     ) -> None:
         self.work = work
+        #: what the error names as the collective's owner, and what it says is left
+        self.subject = subject if subject is not None else f"bucket '{bucket}'"
+        self.afterwards = afterwards
         self.wait_ignores_timeout = wait_ignores_timeout
         self.collective = collective
         self.bucket = bucket
@@ -143,11 +152,17 @@ class Pending:
         group: dist.ProcessGroup,
         wait_ignores_timeout: bool = False,
         runtime: DeviceRuntime = HOST,
+        subject: str | None = None,
+        afterwards: str = SHARDS_UNCHANGED,
     ) -> Pending:
         """Issue a collective; a group already broken can refuse it at once. On a
-        stream-ordered ``runtime`` the current stream is made to wait on it at once."""
+        stream-ordered ``runtime`` the current stream is made to wait on it at once.
+        ``subject``: what its error names (default: the bucket); ``afterwards``: what
+        that error says is left."""
         WATCHDOG.check()  # a collective that timed out earlier broke the group
-        pending = cls(None, collective, bucket, timeout, group, wait_ignores_timeout)
+        pending = cls(
+            None, collective, bucket, timeout, group, wait_ignores_timeout, subject, afterwards
+        )
         pending.runtime = runtime
         try:
             pending.work = start()
@@ -174,9 +189,9 @@ class Pending:
             else f"failed {elapsed:.1f} s after launch (timeout {seconds:g} s)"
         )
         message = (
-            f"flexshard: {self.collective} of bucket '{self.bucket}' {what} on rank {rank} "
+            f"flexshard: {self.collective} of {self.subject} {what} on rank {rank} "
             f"(group ranks {members}): a rank of the group died, stalled or skipped this "
-            "collective; the process group is unusable now, the local shards are unchanged"
+            f"collective; {self.afterwards}"
         )
         if cause is not None:
             message += f" [backend: {str(cause).strip().splitlines()[0][:300]}]"

@@ -51,21 +51,15 @@ def all_reduce(
     all-reduce of training step 3"). ``group`` None: the world."""
     group = group if group is not None else dist.group.WORLD
     assert group is not None
-    pending = Pending.launch(
+    Pending.launch(
         lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
         collective,
         of,
         timeout,
         group,
-    )
-    try:
-        pending.wait()
-    except CollectiveError as err:
-        message = str(err).replace(f" of bucket '{of}'", f" of {of}")
-        message = message.replace(
-            "the process group is unusable now, the local shards are unchanged", _AFTERWARDS
-        )
-        raise CollectiveError(message, bucket=of, collective=collective, rank=err.rank) from err
+        subject=of,
+        afterwards=_AFTERWARDS,
+    ).wait()
     return tensor
 
 

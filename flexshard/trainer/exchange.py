@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flexshard.runtime.collectives import DEFAULT_TIMEOUT, CollectiveError, Pending, check_timeout
+from flexshard.runtime.collectives import DEFAULT_TIMEOUT, Pending, check_timeout
 from flexshard.runtime.device import device_runtime
 from flexshard.runtime.traffic import TrafficStats, attach_traffic
 
@@ -79,6 +79,7 @@ class Exchange:
             self.group,
             wait_ignores_timeout,
             device_runtime(tensor.device, self.group),
+            subject=f"layer '{self.name}'",
         )
         pending.keep = (tensor,)  # the input stays alive until the collective completed
         if counted is not None:
@@ -86,14 +87,8 @@ class Exchange:
         return pending
 
     def wait(self, pending: Pending) -> None:
-        """``pending.wait()``, its error naming the layer rather than a bucket."""
-        try:
-            pending.wait()
-        except CollectiveError as err:
-            message = str(err).replace(f" of bucket '{err.bucket}'", f" of layer '{err.bucket}'")
-            raise CollectiveError(
-                message, bucket=err.bucket, collective=err.collective, rank=err.rank
-            ) from err
+        """``pending.wait()``: a failure raises a CollectiveError naming the layer."""
+        pending.wait()
 
     def all_to_all(
         self,

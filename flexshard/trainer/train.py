@@ -286,7 +286,9 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             "peak_memory_mb": peak_memory_mb(job.device),
             "comm_bytes": _comm_bytes(job.parallel),
         }
-        pp = job.meshes.pp.get_group() if job.meshes.pp is not None else None
+        # a dense model has no counts to gather: no pp collective for it every step
+        moe = cfg.model.moe.num_experts > 0
+        pp = job.meshes.pp.get_group() if job.meshes.pp is not None and moe else None
         loads = tokens_per_expert(job.parallel.modules, pp)  # every stage's layers
         if loads:  # MoE: the global batch's routed rows per expert, by layer
             record["tokens_per_expert"] = loads
