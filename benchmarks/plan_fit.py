@@ -9,13 +9,18 @@ this machine, each term from its own (none from the step times it is checked on)
   the ops' cost), kept in the detail either way for comparison (the chain has no
   attention: on CPU flash attention runs at a fraction of the GEMM rate);
 - memory: an in-place add over 64 MiB (the Muon path's bandwidth);
-- copies: a 4 MiB ``copy_`` into a new buffer (the collectives' copy-in / copy-out
-  land in freshly allocated buffers);
+- copies: a 4 MiB ``copy_`` from a cold source into a buffer whose memory was freed
+  and is given back (``runtime.storage.free`` / ``alloc``, as the runtime's
+  gathered buffers; caches flushed by writing 64 MiB before each run);
 - gloo: all-gather and reduce-scatter at W = 2, 3, 4 and four sizes (16 KiB - 4 MiB
-  per rank), the slowest rank's median of 13 runs; non-negative least squares (of
-  the relative error) of t = call + (W - 1) * ring step + sent / bandwidth;
+  per rank), issued as the runtime issues them (the all-gather into a buffer freed
+  and given back, the reduce-scatter from a fresh buffer just filled into a fresh
+  one, caches flushed; preallocated warm buffers ran about twice as fast as the
+  step's calls), the slowest rank's median of 13 runs; non-negative least squares
+  (of the relative error) of t = call + (W - 1) * ring step + sent / bandwidth;
 - the cores the W ranks find: the GEMM run by W ranks at once against one alone;
-- overlap: a GEMM loop with an all-gather in flight against each alone, per rank;
+- overlap: a GEMM loop with an all-gather in flight against each alone, per rank
+  (moot on CPU, where the runtime waits for every collective at launch);
 - DTensor: AdamW's kinds of in-place ops on a sharded DTensor against its local tensor
   (FSDP2's optimizer step runs on DTensors).
 """
@@ -36,6 +41,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from flexshard.plan.hardware import Hardware
 from flexshard.plan.opcount import OpCount, count_ops
+from flexshard.runtime.storage import alloc, free
 from flexshard.testing import run_distributed
 from flexshard.trainer.config import Config
 
@@ -111,19 +117,42 @@ def op_costs(reps: int = 30) -> tuple[float, float]:
     return per_op, big_ops.bytes / max(big - big_ops.ops * per_op, 1e-9)
 
 
+#: written over before each timed collective or copy: in the step, compute runs
+#: between them, so their buffers are not in the caches (L3 here: 32 MiB)
+_FLUSH = torch.empty(1 << 24)
+
+
+def flush_caches() -> None:
+    _FLUSH.fill_(1.0)
+
+
 def copy_gbps(numel: int = 1 << 20, reps: int = 20, fresh: bool = True) -> float:
-    """``fresh``: into a new buffer each time, as the runtime's gathered and reduced
-    buffers are (a large one comes from the OS each time: its pages fault in)."""
+    """``fresh``: as the runtime copies out of a landed all-gather: into a buffer whose
+    memory was freed and is given back (``runtime.storage.free`` / ``alloc``), from a
+    source not in the caches (flushed before each run). Otherwise: warm, preallocated."""
     src, dst = torch.randn(numel), torch.empty(numel)
-    if fresh:
-        return 2 * 4 * numel / _timed(lambda: torch.empty(numel).copy_(src), reps) / 1e9
-    return 2 * 4 * numel / _timed(lambda: dst.copy_(src), reps) / 1e9
-
-
-def _in_step(fn: Callable[[], object], reps: int, skip: int = 2) -> list[float]:
-    """Seconds of each run of ``fn``, started together on every rank (a barrier first)."""
+    if not fresh:
+        return 2 * 4 * numel / _timed(lambda: dst.copy_(src), reps) / 1e9
     times = []
     for _ in range(reps):
+        free(dst)
+        flush_caches()
+        begin = time.perf_counter()
+        alloc(dst)
+        dst.copy_(src)
+        times.append(time.perf_counter() - begin)
+    return 2 * 4 * numel / statistics.median(times) / 1e9
+
+
+def _in_step(
+    fn: Callable[[], object], reps: int, skip: int = 2, pre: Callable[[], object] | None = None
+) -> list[float]:
+    """Seconds of each run of ``fn``, started together on every rank (a barrier first;
+    ``pre`` before it, not timed)."""
+    times = []
+    for _ in range(reps):
+        if pre is not None:
+            pre()
         dist.barrier()
         begin = time.perf_counter()
         fn()
@@ -159,10 +188,27 @@ def _rank(rank: int, world: int) -> dict:
     running it, a GEMM loop with an all-gather in flight, DTensor's op overhead."""
     points = []
     for n in SIZES:
-        local, full = torch.randn(n), torch.empty(n * world)
+        # as the runtime issues them: the all-gather into a buffer whose memory was
+        # freed after the last use and is given back (``alloc``), the reduce-scatter
+        # from a new buffer the copy-in just filled into a new one; caches flushed
+        local, full, src = torch.randn(n), torch.empty(n * world), torch.randn(n * world)
         sent = (world - 1) * n * 4
-        gather = _in_step(lambda: dist.all_gather_single(full, local), REPS)  # noqa: B023
-        reduce = _in_step(lambda: dist.reduce_scatter_single(local, full), REPS)  # noqa: B023
+        inputs: list[torch.Tensor] = []
+
+        def gather_call() -> None:
+            free(full)  # noqa: B023
+            alloc(full)  # noqa: B023
+            dist.all_gather_single(full, local)  # noqa: B023
+
+        def fill() -> None:
+            flush_caches()
+            inputs[:] = [torch.empty(n * world).copy_(src)]  # noqa: B023
+
+        def reduce_call() -> None:
+            dist.reduce_scatter_single(torch.empty(n), inputs[0])  # noqa: B023
+
+        gather = _in_step(gather_call, REPS, pre=flush_caches)
+        reduce = _in_step(reduce_call, REPS, pre=fill)
         points += [("all_gather", world, sent, gather), ("reduce_scatter", world, sent, reduce)]
     gemm, _ = _gemm()
     dist.barrier()

@@ -10,7 +10,13 @@ measurement. What each term comes from (never a step time of the trainer):
   on this W's collectives of four sizes (``plan_fit.gloo_fit``);
 - overlap: a GEMM loop with an all-gather in flight against each alone;
 - DTensor's per-op cost, copy-in / copy-out bandwidth into new buffers, memory
-  bandwidth: ``plan_fit``'s micro-benchmarks.
+  bandwidth: ``plan_fit``'s micro-benchmarks;
+- contention (the ops run end to end on all ranks against their one-by-one
+  medians), the eager autograd cost per op and the runtimes' cost per parameter
+  gathered / reduced (a tiny-width copy of the model): ``plan_runtime``;
+- blocking collectives: not measured, the runtime's own rule on a device without
+  streams (``runtime.collectives.WAIT_AT_LAUNCH_WITHOUT_STREAMS``; FSDP2 on CPU
+  calls its all-gathers synchronously too).
 
 The compute rates are measured with the W ranks running at once, so the profile
 needs no core count (``cores = 0``: no further slowdown for W ranks on the host)."""
@@ -23,21 +29,34 @@ from typing import Any
 import torch.distributed as dist
 
 from flexshard.plan.hardware import Hardware
+from flexshard.runtime.collectives import WAIT_AT_LAUNCH_WITHOUT_STREAMS
 from flexshard.trainer.config import Config
 
 from .plan_fit import _overlap, _rank, _slowest, copy_gbps, gloo_fit, memory_gbps
 from .plan_ops import op_rates
+from .plan_runtime import op_window, runtime_costs
 
 RATES = ("gemm_tflops", "attention_tflops", "op_overhead_us", "elementwise_gbps")
+RUNTIME = (
+    "eager_op_us",
+    "collective_wait_us",
+    "flexshard_gather_param_us",
+    "flexshard_reduce_param_us",
+    "fsdp2_gather_param_us",
+    "fsdp2_reduce_param_us",
+)
 
 
 def calibrate(rank: int, world: int, op_configs: list[Config]) -> dict[str, Any]:
     """This rank's share of one calibration (every rank of the launch calls it)."""
     raw = _rank(rank, world)
     dist.barrier()
-    raw["rates"], _ = op_rates(op_configs, reps=2)
+    raw["rates"], detail = op_rates(op_configs, reps=2)
+    medians = detail["gemm_s"] + detail["attention_s"] + detail["non_gemm_s"]
+    raw["contention"] = op_window(op_configs, medians)
     raw["memory_gbps"] = memory_gbps()
     raw["copy_gbps"] = copy_gbps()
+    raw["runtime"] = runtime_costs(op_configs[0], world, raw["contention"])
     dist.barrier()
     return raw
 
@@ -70,10 +89,17 @@ def launch_profile(calibrations: list[list[dict[str, Any]]]) -> tuple[Hardware, 
         overlap=statistics.median(_overlap(t) for t in timings),
         dtensor_op_overhead_us=statistics.median(r["dtensor_s"] for r in everyone) * 1e6,
         attention_tflops=rate["attention_tflops"],
+        blocking_collectives=WAIT_AT_LAUNCH_WITHOUT_STREAMS,
+        contention=statistics.median(r["contention"] for r in everyone),
+        **{k: statistics.median(r["runtime"][k] for r in everyone) for k in RUNTIME},
     )
     detail = {
         "rates_per_calibration": [
-            {k: statistics.median(r["rates"][k] for r in per_rank) for k in RATES}
+            {
+                **{k: statistics.median(r["rates"][k] for r in per_rank) for k in RATES},
+                "contention": statistics.median(r["contention"] for r in per_rank),
+                **{k: statistics.median(r["runtime"][k] for r in per_rank) for k in RUNTIME},
+            }
             for per_rank in calibrations
         ],
         "overlap_timings": timings,

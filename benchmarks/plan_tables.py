@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+BLOCKING = {True: "are waited for at launch (CPU: nothing overlaps)", False: "run on streams"}
+
 
 def write_markdown(result: dict[str, Any], path: Path) -> None:
     hw = result["cpu_profile"]
@@ -28,8 +30,17 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         f"GB/s, reduce-scatter {hw['reduce_scatter_gbps']:.3f} GB/s, "
         f"{hw['intra_latency_us'] / 1e3:.2f} ms per ring step + "
         f"{hw['collective_overhead_us'] / 1e3:.2f} ms per call; collectives overlap "
-        f"compute by {hw['overlap']:.0%}; DTensor {hw['dtensor_op_overhead_us']:.1f} us "
-        f"per op. Each of {result['reps']} repetitions runs W = 2, 3, 4 (reversed every "
+        f"compute by {hw['overlap']:.0%} in the micro-benchmark, but "
+        f"{BLOCKING[bool(hw.get('blocking_collectives'))]}"
+        f"; DTensor {hw['dtensor_op_overhead_us']:.1f} us "
+        f"per op; contention x{hw.get('contention', 1.0):.2f} on what is timed op by op; "
+        f"eager autograd {hw.get('eager_op_us', 0.0):.1f} us per op; the runtimes' own "
+        f"cost per parameter gathered / reduced: flexshard "
+        f"{hw.get('flexshard_gather_param_us', 0.0):.0f} / "
+        f"{hw.get('flexshard_reduce_param_us', 0.0):.0f} us, FSDP2 "
+        f"{hw.get('fsdp2_gather_param_us', 0.0):.0f} / "
+        f"{hw.get('fsdp2_reduce_param_us', 0.0):.0f} us (`benchmarks/plan_runtime.py`). "
+        f"Each of {result['reps']} repetitions runs W = 2, 3, 4 (reversed every "
         "other one), each W one launch that calibrates its profile with all W ranks at "
         "once (`benchmarks/plan_launch.py`), measures the rows, calibrates again; each "
         "row is predicted on its own launch's profile. Measured: "
@@ -40,7 +51,7 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         "bench_dp's shapes (dim 256, ffn 1024, vocab 1024, seq 64, batch 4). fp32, AdamW.",
         "",
         "| W | model | backend | placement | measured ms | predicted ms | gap | "
-        "model: GEMM / non-GEMM / copies / optimizer / exposed comm ms |",
+        "model: GEMM / non-GEMM / copies + runtime / optimizer / exposed comm ms |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["cpu"]:

@@ -49,18 +49,26 @@ READINGS = [
     "attention's at the attention rate (both timed on the unsharded models' own ops at "
     "their shapes); the non-GEMM work of its share of the blocks (norms, RoPE, SiLU, "
     "casts, loss: aten ops counted under FakeTensorMode, each at the per-op cost, their "
-    "bytes at the non-GEMM bandwidth, both fitted on the same timed ops); the copy-in / "
-    "copy-out (into new buffers) of its all-gather and "
-    "reduce-scatter buffers on the compute stream; gloo collectives at the fitted cost "
-    "per call, per ring step and bandwidth (all-gather and reduce-scatter fitted apart) "
-    "on the hooks' schedule, with the fitted share of them that really runs beside "
-    "compute; clipping + AdamW counted op by op, each op also at DTensor's measured "
-    "dispatch cost (flexshard's parameters are DTensors too). Every constant is "
-    "calibrated in the launch that measures the row, all W ranks at once. Nothing is "
-    "fitted to the step times.",
-    "- Left out: the hooks' and modules' Python cost per call (flexshard's and FSDP2's "
-    "pre/post-forward and backward hooks), DTensor dispatch outside the optimizer, "
-    "and one bandwidth for every non-GEMM size (no cache model).",
+    "bytes at the non-GEMM bandwidth, both fitted on the same timed ops) and each "
+    "forward / backward op at the eager autograd cost (a tiny-width copy of the model "
+    "end to end against its ops one by one); what is timed op by op times the "
+    "contention of W ranks on the cores (the models' ops run end to end on all ranks "
+    "at once against their one-by-one medians); the copy-in / copy-out of its "
+    "all-gather and reduce-scatter buffers (into memory given back, from cold caches) "
+    "and the runtime's own cost per parameter gathered / reduced (hooks, bookkeeping, "
+    "copy loops: flexshard's and FSDP2's, each on the tiny model less its collectives) "
+    "on the compute stream; gloo collectives timed as the runtime issues them (fresh "
+    "buffers, caches flushed) at the fitted cost per call, per ring step and bandwidth, "
+    "each waited for at launch as the runtime does on CPU (FSDP2 too), so nothing "
+    "overlaps; clipping + AdamW counted op by op, each op also at DTensor's measured "
+    "dispatch cost. Every constant is calibrated in the launch that measures the row, "
+    "all W ranks at once. Nothing is fitted to the step times.",
+    "- Counted per collective call: its wait for the slower rank as the tiny model's "
+    "steps show it (~40 us at W = 2); a real step's longer compute segments drift "
+    "further apart. Left out: that longer drift, the runtimes' per-parameter cost at "
+    "real widths beyond the tiny model's (cache misses in the hooks' and copy "
+    "loops), DTensor dispatch outside the optimizer, and one bandwidth for every "
+    "non-GEMM size (no cache model beyond the contention factor).",
 ]
 TARGET = 0.25  # issue 17: predicted within 25% of measured
 

@@ -154,9 +154,11 @@ def fsdp2_equivalent(buckets: list[BucketInfo]) -> list[BucketInfo]:
                 replace(t, fqn=p.fqn) for t, p in zip(template.params, info.layout.params)
             )
             layout = replace(template, params=params)
-        # FSDP2's root keeps its parameters gathered from forward into backward
-        keep = info.reshard_after_forward and not info.is_root
-        out.append(replace(info, layout=layout, placements=shard0, reshard_after_forward=keep))
+        # FSDP2 keeps its root gathered from forward into backward only by default
+        # (reshard_after_forward=None); the trainer passes its bool to every
+        # fully_shard, root included (torch then reshards the root too, as flexshard
+        # does), and flexshard_buckets already maps None to "all but the root"
+        out.append(replace(info, layout=layout, placements=shard0))
     return out
 
 

@@ -34,6 +34,25 @@ class Hardware:
     overlap: float = 1.0  # share of a collective's time that truly runs beside compute
     dtensor_op_overhead_us: float = 0.0  # per op on a DTensor (the optimizer step)
     attention_tflops: float = 0.0  # causal attention's achieved rate (0: the GEMMs')
+    # the runtime's schedule on this device: without streams (CPU) each data-parallel
+    # collective is waited for at launch (runtime.collectives.WAIT_AT_LAUNCH_WITHOUT_STREAMS,
+    # and FSDP2's unshard_async_op = False): nothing overlaps, ``overlap`` is moot
+    blocking_collectives: bool = False
+    # eager autograd + nn.Module cost per forward / backward op beyond the op itself
+    eager_op_us: float = 0.0
+    # the sharding runtime's own cost on the compute stream, per parameter of a bucket:
+    # per all-gather (pre-forward / pre-backward hooks, unshard, copy-out loop, views)
+    # and per gradient reduction (post-backward hooks, pack loop, landing on .grad)
+    flexshard_gather_param_us: float = 0.0
+    flexshard_reduce_param_us: float = 0.0
+    fsdp2_gather_param_us: float = 0.0
+    fsdp2_reduce_param_us: float = 0.0
+    # compute time of a rank among W ranks sharing the host's cores over what the ops
+    # timed one by one (median) add up to: time slicing, shared caches, the slowest rank
+    contention: float = 1.0
+    # per data-parallel collective call, the wait for the slower rank (ranks drift
+    # apart between two collectives; the collectives' fit starts them together)
+    collective_wait_us: float = 0.0
 
     def compute_slowdown(self, ranks_per_node: int) -> float:
         """Ranks that share the host's cores run that much slower (CPU profiles)."""
@@ -41,10 +60,19 @@ class Hardware:
             return 1.0
         return max(1.0, ranks_per_node / self.cores)
 
-    def non_gemm_s(self, ops: int, moved: float) -> float:
-        """Seconds of ``ops`` dispatched ops moving ``moved`` non-GEMM bytes."""
+    def non_gemm_s(self, ops: int, moved: float, eager: bool = False) -> float:
+        """Seconds of ``ops`` dispatched ops moving ``moved`` non-GEMM bytes (``eager``:
+        ops of an autograd forward / backward, each at ``eager_op_us`` more)."""
         bw = self.elementwise_gbps or self.hbm_gbps
-        return ops * self.op_overhead_us * 1e-6 + moved / (bw * 1e9)
+        per_op = self.op_overhead_us + (self.eager_op_us if eager else 0.0)
+        return ops * per_op * 1e-6 + moved / (bw * 1e9)
+
+    def runtime_param_s(self, backend: str, kind: str) -> float:
+        """Seconds the sharding runtime spends per parameter per all-gather
+        (``kind="gather"``) or per gradient reduction (``"reduce"``)."""
+        if backend not in ("flexshard", "fsdp2") or kind not in ("gather", "reduce"):
+            raise ValueError(f"runtime_param_s: unknown backend {backend!r} or kind {kind!r}")
+        return getattr(self, f"{backend}_{kind}_param_us") * 1e-6
 
     def copy_s(self, moved: float) -> float:
         return moved / ((self.copy_gbps or self.elementwise_gbps or self.hbm_gbps) * 1e9)
@@ -64,7 +92,14 @@ class Hardware:
 # SMs NCCL's kernels take are not modelled); DTensor's per-op Python cost in FSDP2's
 # optimizer step runs ahead of the kernels as well (0); attention at the 335 TFLOP/s
 # FlashAttention-2 reports on H100 (forward + backward, Dao 2023), a third of the
-# GEMMs' peak. Estimates, not fitted.
+# GEMMs' peak. The terms fitted on CPU for what the CPU runs between kernels take
+# no time on top of the kernels here: NCCL runs on its own streams (no blocking
+# collectives); the eager autograd / nn.Module cost per op (~10-20 us of CPU) and
+# the runtimes' per-parameter hook / bookkeeping Python run ahead of kernels that
+# take longer (the 2 us gap per op above stays; the per-parameter copy kernels are
+# charged by the copies' per-op term); one GPU per rank (contention 1); no wait for
+# a slower rank per collective (stragglers are not modelled on GPUs). Estimates,
+# not fitted.
 H100 = Hardware(
     "h100",
     989.0,

@@ -111,18 +111,25 @@ def _simulate(
     reduce: bool,
     root_prefetches: bool,
     overlap: float = 1.0,
+    blocking: bool = False,
 ) -> tuple[float, float]:
     """One microbatch's forward (all-gathers when ``gather``) and backward (re-gathers
-    what forward resharded); returns (time, time spent waiting on all-gathers)."""
+    what forward resharded); returns (time, time spent waiting on all-gathers).
+    ``blocking``: compute waits for each collective where it is issued (CPU: the
+    runtime waits at launch), so a prefetch hides nothing."""
     root = [b for b in order if b.is_root]
     blocks = [b for b in order if not b.is_root]
     t = comm = waited = idle = busy = 0.0
     done: dict[int, float] = {}
 
-    def issue(b: BucketInfo, at: float, seconds: float) -> float:
-        nonlocal comm, busy
+    def issue(b: BucketInfo, at: float, seconds: float, gathering: bool = True) -> float:
+        nonlocal comm, busy, t, waited, idle
         comm = max(at, comm) + seconds
         busy += seconds
+        if blocking and comm > t:  # waited for at launch, before compute goes on
+            idle += comm - t
+            waited += comm - t if gathering else 0.0
+            t = comm
         return comm
 
     def wait(until: float, gathered: BucketInfo | None = None) -> None:
@@ -170,13 +177,13 @@ def _simulate(
         t += cost[id(b)].backward
         if reduce:
             t += cost[id(b)].reduce_copy
-            pending.append(issue(b, t, cost[id(b)].reduce_scatter))
+            pending.append(issue(b, t, cost[id(b)].reduce_scatter, False))
             if len(pending) > MAX_PENDING_REDUCTIONS:
                 wait(pending.pop(0))
     if reduce:
         for b in root:
             t += cost[id(b)].reduce_copy
-            pending.append(issue(b, t, cost[id(b)].reduce_scatter))
+            pending.append(issue(b, t, cost[id(b)].reduce_scatter, False))
         wait(max([t, *pending]))
     # what compute covered of the collectives still took that share of its time
     hidden = max(0.0, busy - idle)
@@ -184,13 +191,21 @@ def _simulate(
 
 
 def bucket_costs(
-    cfg: Config, dims: ParallelDims, buckets: list[BucketInfo], hw: Hardware, tokens: int
+    cfg: Config,
+    dims: ParallelDims,
+    buckets: list[BucketInfo],
+    hw: Hardware,
+    tokens: int,
+    backend: str = "flexshard",
 ) -> dict[int, BucketCost]:
     """Per bucket, one microbatch of ``tokens`` tokens per rank: GEMMs from FLOPs, the
     blocks' non-GEMM ops split over the non-root buckets by their FLOPs, the root's
-    (embedding, norm, LM head, loss) on the root, copies, collectives."""
+    (embedding, norm, LM head, loss) on the root, copies and ``backend``'s own cost
+    per parameter, collectives."""
     per_node = min(dims.world_size, hw.devices_per_node)
-    slowdown = hw.compute_slowdown(per_node)
+    # what is timed op by op is slowed by the ranks sharing the cores; the eager and
+    # runtime costs are timed end to end with all ranks at once (already in them)
+    slowdown = hw.compute_slowdown(per_node) * hw.contention
     rate = hw.peak_tflops * 1e12 * hw.gemm_efficiency / slowdown
     attention_rate = hw.attention_tflops * 1e12 / slowdown if hw.attention_tflops else rate
     flops = {id(b): bucket_flops(b, cfg, tokens) for b in buckets}
@@ -201,17 +216,24 @@ def bucket_costs(
     block_flops = sum(flops[id(b)] for b in buckets if not b.is_root) or 1.0
 
     def non_gemm(count: OpCount, part: float) -> float:
-        return hw.non_gemm_s(round(count.ops * part), count.bytes * share * part) * slowdown
+        ops = round(count.ops * part)
+        eager = ops * hw.eager_op_us * 1e-6
+        return hw.non_gemm_s(ops, count.bytes * share * part) * slowdown + eager
 
-    def copies(info: BucketInfo, moved: int) -> float:
-        return hw.non_gemm_s(len(info.layout.params), 0) * slowdown + hw.copy_s(moved) * slowdown
+    def copies(info: BucketInfo, moved: int, kind: str) -> float:
+        params = len(info.layout.params)
+        runtime = hw.runtime_param_s(backend, kind)
+        if runtime:  # measured on the runtime itself: its per-parameter copies included
+            return params * runtime + hw.copy_s(moved) * slowdown
+        return (hw.non_gemm_s(params, 0) + hw.copy_s(moved)) * slowdown
 
     out = {}
     for b in buckets:
         # EP's expert buckets shard over dp_shard_mod_ep: ranks tp * ep apart
         experts = b.world != dims.dp_shard * dims.cp
         dp_link = link(hw, dims.tp * (dims.ep if experts else 1), b.world)
-        call = hw.collective_overhead_us * 1e-6
+        # a call's fixed cost and its wait for the slower rank
+        call = (hw.collective_overhead_us + hw.collective_wait_us) * 1e-6
         rs_link = (hw.reduce_scatter_gbps * 1e9 or dp_link[0], dp_link[1])
         ag = ring_time((b.world - 1) * b.shard_numel * b.gather_itemsize, b.world, dp_link, call)
         rs_bytes = (b.world - 1) * b.shard_numel * b.reduce_itemsize
@@ -229,9 +251,10 @@ def bucket_costs(
         else:
             part = layers * flops[id(b)] / block_flops
             fwd, bwd = non_gemm(ops.block_forward, part), non_gemm(ops.block_backward, part)
-        gather_copy = 0.0 if b.layout.replicated else copies(b, 2 * b.gathered_bytes)
+        gather_copy = 0.0 if b.layout.replicated else copies(b, 2 * b.gathered_bytes, "gather")
         # copy-in of the gradients (W shards) and out of the reduced shard
-        reduce_copy = copies(b, 2 * b.unsharded_grad_bytes + b.shard_numel * b.reduce_itemsize)
+        moved = 2 * b.unsharded_grad_bytes + b.shard_numel * b.reduce_itemsize
+        reduce_copy = copies(b, moved, "reduce")
         # forward seconds of the GEMMs and attention; backward: twice their FLOPs
         gemm = (flops[id(b)] - attention[id(b)]) / rate + attention[id(b)] / attention_rate
         out[id(b)] = BucketCost(
@@ -258,7 +281,7 @@ def step_time(
     micro = par.pp_microbatches or dims.pp if dims.pp > 1 else t.grad_accum
     seqs = t.batch_size // micro if dims.pp > 1 else t.batch_size
     tokens = seqs * t.seq_len // dims.cp  # per rank per microbatch
-    cost = bucket_costs(cfg, dims, buckets, hw, tokens)
+    cost = bucket_costs(cfg, dims, buckets, hw, tokens, backend)
     root_prefetches = backend == "fsdp2"
     compute_micro = sum(c.forward + c.backward for c in cost.values())
     keep = dims.pp > 1  # stages stay gathered after backward until the last microbatch
@@ -266,7 +289,9 @@ def step_time(
     for i in range(micro):
         gather = not keep or i == 0
         reduce = i == micro - 1
-        span, w = _simulate(buckets, cost, gather, reduce, root_prefetches, hw.overlap)
+        span, w = _simulate(
+            buckets, cost, gather, reduce, root_prefetches, hw.overlap, hw.blocking_collectives
+        )
         total += span
         waited += w
     bubble = (dims.pp - 1) / par.pp_virtual_stages * compute_micro if dims.pp > 1 else 0.0
@@ -324,6 +349,7 @@ def _optimizer_time(
     DTensors each op costs DTensor's dispatch too); Muon: its momentum's
     bytes, Newton–Schulz FLOPs and all-to-all."""
     slowdown = hw.compute_slowdown(min(max(b.world for b in buckets), hw.devices_per_node))
+    slowdown *= hw.contention
     if cfg.training.optimizer != "muon" or muon is None:
         shards = []
         for b in buckets:

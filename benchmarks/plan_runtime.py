@@ -1,0 +1,241 @@
+"""What a sharded eager step costs beyond its ops timed one by one, for the CPU
+profile (``plan_launch``), each from its own micro-benchmark, all W ranks at once:
+
+- ``contention``: the models' recorded ops (``plan_ops``) run end to end as one
+  window (each distinct op as often as the step runs it, inputs made first) on every
+  rank at once, the slowest rank's elapsed time over what the same ops' one-by-one
+  medians add up to: time slicing of W ranks on fewer cores, caches shared and
+  flushed by the context switches, the slowest rank setting the pace;
+- ``eager_op_us``: a tiny-width copy of the model (same layers, heads, op sequence;
+  widths of 32, a few tokens: the ops' own work is negligible) run forward +
+  backward end to end, less its ops timed one by one (x contention), per op
+  dispatched: autograd's graph and engine, nn.Module calls, Python between ops;
+- ``<backend>_gather_param_us`` / ``_reduce_param_us``: the same tiny model set up by
+  the trainer (``train.setup``, flexshard and FSDP2, the buckets of the real rows),
+  forward and backward timed against the unsharded tiny model's, less the time
+  spent inside the all-gather / reduce-scatter calls (timed around gloo's calls):
+  the hooks, unshard / reshard bookkeeping, copy-out and pack loops, gradient
+  landing, per parameter gathered (forward) and per parameter reduced (backward,
+  after its re-gathers at the forward's per-parameter cost);
+- ``collective_wait_us``: the same tiny steps' all-gather / reduce-scatter calls,
+  per call, against the same calls (the same mean size, fresh buffers) started
+  together after a barrier: what a step's collective waits for the slower rank
+  (the ranks drift apart between two collectives; every other micro-benchmark
+  starts its ranks together).
+
+None of this reads the rows ``plan_validation`` measures: the tiny model is not a
+validated row, and the op window is the unsharded models' ops on random inputs."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from flexshard.trainer.config import Config
+from flexshard.trainer.model import Transformer
+
+from .plan_ops import Meta, op_rates, record_model
+
+WINDOW_REPS = 3  # op windows per rank (the median is kept)
+TINY_STEPS = 12  # timed forward / backward passes of the tiny model (after 3 warm-up)
+
+
+def op_window(configs: list[Config], medians: float) -> float:
+    """``contention``: the slowest rank's median elapsed time of the models' recorded
+    ops run end to end, over ``medians`` (the same ops' one-by-one medians summed)."""
+    calls: list[tuple[Any, Any, Any, int]] = []
+    for cfg in configs:
+        recorder = record_model(cfg)
+        for key, (func, margs, mkwargs, _) in recorder.calls.items():
+            real = lambda m: m.real() if isinstance(m, Meta) else m  # noqa: E731
+            args, kwargs = pytree.tree_map(real, margs), pytree.tree_map(real, mkwargs)
+            try:
+                func(*args, **kwargs)
+            except Exception:  # as op_rates: an op that cannot run on random inputs
+                continue
+            calls.append((func, args, kwargs, recorder.counts[key]))
+
+    def window() -> None:
+        for func, args, kwargs, count in calls:
+            for _ in range(count):
+                func(*args, **kwargs)
+
+    times = []
+    for _ in range(WINDOW_REPS):
+        dist.barrier()
+        begin = time.perf_counter()
+        window()
+        times.append(time.perf_counter() - begin)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return max(1.0, float(slowest) / max(medians, 1e-9))
+
+
+def tiny_config(cfg: Config, backend: str) -> Config:
+    """``cfg``'s model at widths of 32 (same layers, heads and kv heads), 8 tokens, one
+    sequence, as ``backend`` shards it by its default layout."""
+    tiny = copy.deepcopy(cfg)
+    heads = tiny.model.n_heads
+    tiny.model.dim = 4 * heads  # head dim 4 (RoPE needs an even one)
+    tiny.model.ffn_hidden = 8 * heads
+    tiny.model.vocab_size = 256  # the byte tokenizer's ids
+    tiny.training.seq_len, tiny.training.batch_size = 8, 1
+    tiny.parallelism.dp_backend, tiny.parallelism.placement = backend, "shard0"
+    return tiny
+
+
+def _passes(model: torch.nn.Module, tokens: torch.Tensor, timers: dict[str, float]) -> dict:
+    """Median forward (+ loss) and backward seconds over TINY_STEPS, and in each the
+    seconds inside collectives and the all-gather / reduce-scatter calls made."""
+    from flexshard.trainer.train import loss_fn
+
+    keys = ("collective", "all_gather_single", "reduce_scatter_single")
+    rows = []
+    for step in range(TINY_STEPS + 3):
+        dist.barrier()
+        c0 = {k: timers[k] for k in keys}
+        a = time.perf_counter()
+        loss = loss_fn(model(tokens), tokens)
+        b = time.perf_counter()
+        c1 = {k: timers[k] for k in keys}
+        loss.backward()
+        c = time.perf_counter()
+        c2 = {k: timers[k] for k in keys}
+        model.zero_grad(set_to_none=True)
+        if step >= 3:
+            row = {"forward": b - a, "backward": c - b}
+            for k in keys:
+                row[f"forward {k}"] = c1[k] - c0[k]
+                row[f"backward {k}"] = c2[k] - c1[k]
+            rows.append(row)
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def _timed_collectives(timers: dict[str, float]) -> Callable[[], None]:
+    """Time gloo's all-gather / reduce-scatter calls to their completion (flexshard
+    issues them async and waits at launch; FSDP2 on CPU calls them synchronously)
+    and count them."""
+    names = ("all_gather_single", "reduce_scatter_single")
+    originals = {n: getattr(dist, n) for n in names}
+    timers.update(dict.fromkeys(("collective", "numel", *names), 0.0))
+
+    def timed(name: str, original: Callable) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            begin = time.perf_counter()
+            work = original(*args, **kwargs)
+            if work is not None:
+                work.wait()
+            timers["collective"] += time.perf_counter() - begin
+            timers[name] += 1
+            # the whole buffer (an all-gather's output, a reduce-scatter's input): the
+            # largest tensor passed, positionally (flexshard) or by name (FSDP2)
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            timers["numel"] += max(t.numel() for t in tensors)
+            return work
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, timed(name, fn))
+
+    def undo() -> None:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+    return undo
+
+
+def _barrier_call_s(numel: int, world: int, reps: int = 11) -> float:
+    """A collective of ``numel`` elements (the whole buffer) with every rank started
+    together (a barrier first), fresh buffers as the runtime uses them: the mean of
+    an all-gather's and a reduce-scatter's median."""
+    shard = max(1, numel // world)
+    local, src = torch.randn(shard), torch.randn(shard * world)
+    medians = []
+    for gather in (True, False):
+        times = []
+        for _ in range(reps):
+            full = torch.empty(shard * world) if gather else src.clone()
+            dist.barrier()
+            begin = time.perf_counter()
+            if gather:
+                dist.all_gather_single(full, local)
+            else:
+                dist.reduce_scatter_single(torch.empty(shard), full)
+            times.append(time.perf_counter() - begin)
+        medians.append(statistics.median(times[1:]))
+    return sum(medians) / 2
+
+
+def _params_per_bucket(model: torch.nn.Module, backend: str) -> float:
+    """Mean parameters per bucket (flexshard) or per FSDP2 parameter group."""
+    if backend == "flexshard":
+        from flexshard.runtime.module import subtree_buckets
+
+        sizes = [len(b.layout.params) for b in subtree_buckets(model)]
+    else:
+        sizes = []
+        for module in model.modules():
+            state = getattr(module, "_get_fsdp_state", None)
+            group = state()._fsdp_param_group if state is not None else None
+            if group is not None:
+                sizes.append(len(group.fsdp_params))
+    if not sizes:
+        raise RuntimeError(f"plan_runtime: no {backend} buckets found on the tiny model")
+    return sum(sizes) / len(sizes)
+
+
+def runtime_costs(cfg: Config, world: int, contention: float) -> dict[str, float]:
+    """``eager_op_us`` and the per-parameter runtime costs of both backends, on the
+    tiny copy of ``cfg``'s model (every rank of the launch calls it)."""
+    from flexshard.trainer.train import setup
+
+    torch.set_num_threads(1)
+    timers: dict[str, float] = {}
+    undo = _timed_collectives(timers)
+    keys = ("all_gather_single", "reduce_scatter_single")
+    in_step: list[tuple[float, float]] = []  # (seconds in collectives, calls) per backend
+    try:
+        plain_cfg = tiny_config(cfg, "flexshard")
+        torch.manual_seed(0)
+        tokens = torch.randint(0, plain_cfg.model.vocab_size, (1, plain_cfg.training.seq_len))
+        plain = _passes(Transformer(plain_cfg.model), tokens, timers)
+        _, detail = op_rates([plain_cfg], reps=3)
+        one_by_one = detail["gemm_s"] + detail["attention_s"] + detail["non_gemm_s"]
+        ops = sum(record_model(plain_cfg).counts.values())
+        wall = plain["forward"] + plain["backward"]
+        out = {"eager_op_us": max(0.0, wall - contention * one_by_one) / ops * 1e6}
+        for backend in ("flexshard", "fsdp2"):
+            tiny = tiny_config(cfg, backend)
+            job = setup(tiny)
+            s = _passes(job.model, tokens, timers)
+            per_bucket = _params_per_bucket(job.model, backend)
+            # parameters moved per phase: (calls) x (parameters per bucket)
+            forward = s["forward all_gather_single"] * per_bucket
+            again = s["backward all_gather_single"] * per_bucket
+            reduced = s["backward reduce_scatter_single"] * per_bucket
+            fwd = s["forward"] - s["forward collective"] - plain["forward"]
+            bwd = s["backward"] - s["backward collective"] - plain["backward"]
+            gather = max(0.0, fwd) / max(forward, 1.0)
+            reduce = max(0.0, bwd - gather * again) / max(reduced, 1.0)
+            out[f"{backend}_gather_param_us"] = gather * 1e6
+            out[f"{backend}_reduce_param_us"] = reduce * 1e6
+            out[f"{backend}_calls"] = (forward, again, reduced)  # type: ignore[assignment]
+            calls = sum(s[f"{p} {k}"] for p in ("forward", "backward") for k in keys)
+            in_step.append((s["forward collective"] + s["backward collective"], calls))
+            del job
+        # the same calls started together: what the step's calls wait on top is the
+        # ranks' drift between two collectives (the slower rank sets the start)
+        numel = round(timers["numel"] / max(sum(timers[k] for k in keys), 1.0))
+    finally:
+        undo()
+    per_call = sum(t for t, _ in in_step) / max(sum(c for _, c in in_step), 1.0)
+    out["collective_wait_us"] = max(0.0, per_call - _barrier_call_s(numel, world)) * 1e6
+    return out
