@@ -7,12 +7,15 @@ side by side with torch FSDP2 in bf16, same model and data, in one launch.
 Compute is bf16: on a CPU without AVX-512 BF16 / AMX torch's bf16 GEMM is an order of
 magnitude slower than fp32, and this benchmark takes ~15 minutes instead of ~2.
 
+The quantized rows compile their codec (``flexshard.quant.compiled``, "auto"); the
+``... eager`` configurations (not run by default) force the eager codec for comparison.
+
 Every configuration runs ``--reps`` times (5 by default), the order reversed on every
 other repetition; the time ratios to FSDP2 bf16 and to flex bf16 (the quantized rows'
 target: <= 1.00) are per repetition, then the median with its spread (benchmarks/stats.py).
 ``--configs`` runs a subset (flex bf16 is always added: every ratio needs it).
 
-Writes benchmarks/results/quant_bench.{json,md}.
+Writes benchmarks/results/quant_bench.{json,md} (or into ``--out``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import flexshard as fs
 from flexshard.quant import MXFP8, FP8Blockwise
+from flexshard.quant.compiled import set_compile_mode
+from flexshard.quant.compiled import stats as compile_stats
+from flexshard.runtime.gather import PlainGather
 from flexshard.runtime.module import own_buckets
+from flexshard.runtime.quantized import QuantizedGather
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
 from .measure import CollectiveCounter
@@ -60,7 +67,12 @@ CONFIGS: dict[str, Any] = {
     "flex bf16": (None, BF16),
     "flex fp8 128x128": (FP8Blockwise((128, 128)), BF16),
     "flex mxfp8 32x32": (MXFP8((32, 32)), BF16),
+    # the same with the codec forced eager (FLEXSHARD_QUANT_COMPILE=off): what compiling buys
+    "flex fp8 128x128 eager": (FP8Blockwise((128, 128)), BF16),
+    "flex mxfp8 32x32 eager": (MXFP8((32, 32)), BF16),
 }
+#: run when --configs is not given (the eager rows only on request)
+DEFAULT_CONFIGS = tuple(name for name in CONFIGS if not name.endswith(" eager"))
 
 
 def _fsdp2(model: TinyTransformer, mesh: DeviceMesh) -> nn.Module:
@@ -87,7 +99,53 @@ def _flex(model: TinyTransformer, mesh: DeviceMesh, quant: Any, policy: Any) -> 
     return fs.flex_shard(model, mesh, buckets=buckets, mp_policy=policy)
 
 
+class CodecClock:
+    """Main-thread CPU time in the gather's per-bucket work: the quantized buckets' encode
+    and decode, the plain buckets' cast (payload) and copy-out, wrapped while installed."""
+
+    METHODS = (
+        (QuantizedGather, "encode"),
+        (QuantizedGather, "decode"),
+        (PlainGather, "payload"),
+        (PlainGather, "copy_out"),
+    )
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(("encode", "decode", "payload", "copy_out"), 0.0)
+        self._saved: list[tuple[type, str, Any]] = []
+
+    def install(self) -> None:
+        for cls, name in self.METHODS:
+            original = cls.__dict__[name]
+            self._saved.append((cls, name, original))
+            setattr(cls, name, self._timed(original, name))
+
+    def uninstall(self) -> None:
+        for cls, name, original in reversed(self._saved):
+            setattr(cls, name, original)
+        self._saved.clear()
+
+    def _timed(self, fn: Any, name: str) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.thread_time() - start
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """Milliseconds per method since the last take."""
+        out = {k: v * 1e3 for k, v in self.seconds.items()}
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        return out
+
+
 def _run(name: str, rank: int, world_size: int, mesh: DeviceMesh, steps: int) -> dict:
+    # the quantized rows compile their codec ("auto": from its second call, in the warm-up
+    # steps; compiled functions are cached per bucket shape across runs of this process)
+    set_compile_mode("off" if name.endswith(" eager") else None)
     torch.manual_seed(0)
     model = TinyTransformer(CFG)
     spec = CONFIGS[name]
@@ -96,12 +154,15 @@ def _run(name: str, rank: int, world_size: int, mesh: DeviceMesh, steps: int) ->
     batches = make_batches(CFG, (steps + 2) * world_size, batch=4, seed=1)
     counter = CollectiveCounter()
     counter.install()
-    times, cpu_times, gathered = [], [], []
+    clock = CodecClock()
+    clock.install()
+    times, cpu_times, gathered, codec = [], [], [], []
     flex = spec != "fsdp2"
     try:
         for step in range(steps + 2):  # two warm-up steps
             dist.barrier()
             counter.take()
+            clock.take()
             if flex:
                 model.comm_stats(reset=True)
             start, cpu_start = time.perf_counter(), time.process_time()
@@ -112,11 +173,14 @@ def _run(name: str, rank: int, world_size: int, mesh: DeviceMesh, steps: int) ->
             elapsed = time.perf_counter() - start
             cpu = time.process_time() - cpu_start  # all of this rank's threads
             records = counter.take()
+            spent = clock.take()
             if step >= 2:
                 times.append(elapsed)
                 cpu_times.append(cpu)
                 gathered.append(sum(r.sent for r in records if r.kind == "all_gather"))
+                codec.append(spent)
     finally:
+        clock.uninstall()
         counter.uninstall()
     # over the tiled (quantizable) buckets: bytes per parameter element one rank receives
     per_element = None
@@ -132,6 +196,7 @@ def _run(name: str, rank: int, world_size: int, mesh: DeviceMesh, steps: int) ->
     return {
         "ms": [t * 1e3 for t in times],
         "cpu_ms": [t * 1e3 for t in cpu_times],
+        "codec_ms": {k: statistics.median(c[k] for c in codec) for k in codec[0]},
         "all_gather_bytes": gathered[-1],
         "per_element": per_element,
     }
@@ -144,6 +209,8 @@ def _rank(rank: int, world_size: int, steps: int, reps: int, names: tuple[str, .
     for rep in range(reps):  # the order reversed on every other repetition
         for name in alternating(centred(names, centre), rep):
             out[name].append(_run(name, rank, world_size, mesh, steps))
+    set_compile_mode(None)
+    out["_compiled"] = compile_stats()  # each compiled codec function, its first-call time
     return out
 
 
@@ -159,7 +226,17 @@ def _summarise(per_rank: list[dict], names: tuple[str, ...]) -> dict[str, dict]:
             total = [sum(r[name][repeat]["cpu_ms"][i] for r in per_rank) for i in steps]
             cpu_medians.append(statistics.median(total))
         run = per_rank[0][name][0]
+        # per rank, per timed step: medians over steps, then over repetitions and ranks
+        codec = {
+            k: statistics.median(
+                r[name][rep]["codec_ms"][k]
+                for r in per_rank
+                for rep in range(len(per_rank[0][name]))
+            )
+            for k in run["codec_ms"]
+        }
         rows[name] = {
+            "codec_ms": codec,
             "median_ms": statistics.median(medians),
             "ms_per_rep": medians,
             "cpu_ms": statistics.median(cpu_medians),
@@ -181,6 +258,11 @@ def _summarise(per_rank: list[dict], names: tuple[str, ...]) -> dict[str, dict]:
     return rows
 
 
+def _work_cell(ms: dict[str, float]) -> str:
+    parts = [ms[k] for k in ("encode", "decode", "payload", "copy_out")]
+    return f"{sum(parts):.1f} (" + " + ".join(f"{p:.1f}" for p in parts) + ")"
+
+
 def _load() -> str:
     return " / ".join(f"{v:.2f}" for v in os.getloadavg())
 
@@ -190,29 +272,45 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
     parser.add_argument("--reps", type=int, default=5, help="runs per configuration")
-    parser.add_argument("--configs", nargs="+", choices=tuple(CONFIGS), default=tuple(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=tuple(CONFIGS), default=DEFAULT_CONFIGS)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     names = tuple(n for n in CONFIGS if n in args.configs or n == "flex bf16")
     started, load_start = time.time(), _load()
-    results = {
-        w: _summarise(run_distributed(_rank, w, args.steps, args.reps, names, timeout=3600), names)
-        for w in args.world_sizes
-    }
+    results, compiled = {}, {}
+    for w in args.world_sizes:
+        per_rank = run_distributed(_rank, w, args.steps, args.reps, names, timeout=3600)
+        compiled[w] = [r.pop("_compiled") for r in per_rank]
+        results[w] = _summarise(per_rank, names)
     load_end = _load()
     args.out.mkdir(exist_ok=True)
-    (args.out / "quant_bench.json").write_text(json.dumps(results, indent=2))
+    (args.out / "quant_bench.json").write_text(
+        json.dumps({**results, "compiled_codec": compiled}, indent=2)
+    )
     notes = [
         "",
         "- B/elem: all-gather bytes per parameter element received in the tiled buckets (block",
         "  matrices, embedding, head), padding and scales included; norms and biases travel in",
         "  buckets of their own (bf16 or fp32). At W = 3 the embedding/head bucket's 32 tiles",
         "  do not divide W: the padding that costs shows in that row.",
-        "- On CPU the codecs run in eager PyTorch (no fp8 hardware), widening fp8 through",
-        "  fp16 bit operations (flexshard/quant/kernels.py): the quantized rows pay",
-        "  quantize/dequantize time that FP8 GEMMs on a GPU would not.",
+        "- On CPU (no fp8 hardware) the quantized rows pay quantize/dequantize time that FP8",
+        "  GEMMs on a GPU would not. Their codec is compiled (FLEXSHARD_QUANT_COMPILE=auto:",
+        "  from its second call, so in the warm-up steps; flexshard/quant/compiled.py); the",
+        '  "eager" rows force the eager codec (flexshard/quant/kernels.py) for comparison.',
+        "- gather work: rank CPU ms per step (median over steps, repetitions and ranks) in",
+        "  the quantized buckets' encode + decode and the plain buckets' cast + copy-out",
+        "  (norms and biases in every row; in the bf16 row all of it).",
     ]
-    configs = " ".join(f'"{n}"' for n in names) if names != tuple(CONFIGS) else ""
+    for w, per_rank in compiled.items():
+        firsts = [sum(e["compile_s"] for e in r["entries"]) for r in per_rank]
+        count = max(len(r["entries"]) for r in per_rank)
+        if count:
+            notes.append(
+                f"- W = {w}: {count} compiled codec functions per rank, first calls (compile"
+                f" and bit check) {max(firsts):.1f} s per rank, spent in the first warm-up"
+                " steps; inductor's on-disk cache makes later processes faster."
+            )
+    configs = " ".join(f'"{n}"' for n in names) if names != DEFAULT_CONFIGS else ""
     lines = [
         "# Quantized all-gather: bytes and step time",
         "",
@@ -231,8 +329,9 @@ def main() -> None:
         "",
         "| W | config | median ms | / FSDP2 bf16 [IQR] | min–max | / flex bf16 [IQR] | min–max "
         "| ≤ flex bf16 | CPU s/step | CPU / flex bf16 [IQR] | ≤ flex bf16 (CPU) "
-        "| all-gather MB/step | / bf16 bytes | B/elem |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| gather work ms (enc + dec + cast + copy) | all-gather MB/step | / bf16 bytes "
+        "| B/elem |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w, rows in results.items():
         for name, row in rows.items():
@@ -244,7 +343,7 @@ def main() -> None:
                 + (f"{cell(fsdp2)} | {range_cell(fsdp2)} | " if fsdp2 else "– | – | ")
                 + f"{cell(bf16)} | {range_cell(bf16)} | {verdict_cell(bf16)} | "
                 f"{row['cpu_ms'] / 1e3:.2f} | {cell(row['cpu_vs_bf16'])} | "
-                f"{verdict_cell(row['cpu_vs_bf16'])} | "
+                f"{verdict_cell(row['cpu_vs_bf16'])} | {_work_cell(row['codec_ms'])} | "
                 f"{row['all_gather_MB']:.3f} | {row['bytes_vs_bf16']:.3f} | "
                 + (f"{per_element:.4f} |" if per_element else "– |")
             )

@@ -1,4 +1,5 @@
-"""Block-quantization codecs (FP8 128x128 blockwise, OCP MXFP8) as pure tensor functions."""
+"""Block-quantization codecs (FP8 128x128 blockwise, OCP MXFP8) as pure tensor functions,
+eager (``codec``) and as fused graphs for ``torch.compile`` (``fused``; when: ``compiled``)."""
 
 from flexshard.quant.codec import (
     QuantizedTensor,
@@ -9,6 +10,7 @@ from flexshard.quant.codec import (
     scale_shape,
     unpack,
 )
+from flexshard.quant.compiled import compile_mode, set_compile_mode
 from flexshard.quant.formats import E4M3_MAX, MXFP8, FP8Blockwise, QuantFormat
 
 __all__ = [
@@ -17,10 +19,12 @@ __all__ = [
     "MXFP8",
     "QuantFormat",
     "QuantizedTensor",
+    "compile_mode",
     "dequantize",
     "pack",
     "packed_nbytes",
     "quantize",
     "scale_shape",
+    "set_compile_mode",
     "unpack",
 ]

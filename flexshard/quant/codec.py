@@ -24,7 +24,9 @@ Special values:
 Speed: each call is a handful of whole-tensor ops, most in place (``kernels.py``: tile maxima
 without an ``|x|`` temporary, fp8 widened through fp16 bit operations on CPU, NaN fix-ups
 skipped on CPU when a small tensor shows there is nothing to fix). The results are bit for bit
-those of the plain one-op-per-step formulation (``tests/test_quant_fast.py``).
+those of the plain one-op-per-step formulation (``tests/test_quant_fast.py``). The same codec
+as branch-free expressions for ``torch.compile`` is ``fused.py`` (the quantized all-gather
+compiles it where it pays: ``compiled.py``), bit for bit this one again.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ __all__ = [
     "quantize",
     "dequantize",
     "pack",
+    "pack_into",
     "unpack",
     "packed_nbytes",
     "scale_shape",
@@ -234,6 +237,13 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     the same bits as torch's scalar fp8 cast and ~10x faster; MXFP8 into bfloat16 skips
     float32 altogether (``kernels.mxfp8_to_bfloat16``), same bits again.
     """
+    return dequantized_values(q, dtype).to(dtype)
+
+
+def dequantized_values(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize(q, dtype)`` before its final cast: in ``dtype`` or in float32, whichever
+    the codec had at hand, so that a caller copying into a ``dtype`` tensor casts while it
+    copies (one pass fewer; a copy casts exactly as ``.to`` does)."""
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"q must be a QuantizedTensor, got {type(q).__name__}")
     lead, rows, cols = _matrix_dims(q.data.shape)
@@ -251,7 +261,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
         values = scale_tiles(e4m3_bytes_to_float32(codes), s)
     else:
         values = codes.view(_FP8).to(torch.float32).mul_(s)
-    return _untile(values.to(dtype), q.data.shape)
+    return _untile(values, q.data.shape)
 
 
 def _pad16(n: int) -> int:
@@ -272,10 +282,21 @@ def pack(q: QuantizedTensor) -> torch.Tensor:
 
     The 16-byte pad keeps the scales aligned for a zero-copy fp32 view after one all-gather.
     """
-    payload = q.data.contiguous().view(torch.uint8).reshape(-1)
-    scale = q.scale.contiguous().view(torch.uint8).reshape(-1)
-    pad = torch.zeros(_pad16(payload.numel()), dtype=torch.uint8, device=payload.device)
-    return torch.cat([payload, pad, scale])
+    out = torch.empty(packed_nbytes(q.shape, q.fmt), dtype=torch.uint8, device=q.data.device)
+    return pack_into(q, out)
+
+
+def pack_into(q: QuantizedTensor, out: torch.Tensor) -> torch.Tensor:
+    """``pack(q)`` written into ``out`` (a 1-D uint8 tensor of ``packed_nbytes`` bytes, e.g.
+    a slice of a larger payload), without a temporary; returns ``out``."""
+    numel = q.data.numel()
+    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != packed_nbytes(q.shape, q.fmt):
+        raise ValueError(f"out must be 1-D uint8 of {packed_nbytes(q.shape, q.fmt)} bytes")
+    out[:numel].copy_(q.data.view(torch.uint8).reshape(-1))
+    end = numel + _pad16(numel)
+    out[numel:end].zero_()
+    out[end:].copy_(q.scale.contiguous().view(torch.uint8).reshape(-1))
+    return out
 
 
 def unpack(buf: torch.Tensor, shape: Sequence[int], fmt: QuantFormat) -> QuantizedTensor:

@@ -16,14 +16,14 @@ from ..placements.packing import full_view, storage_shape
 from ..quant import (
     QuantFormat,
     QuantizedTensor,
-    dequantize,
-    pack,
     packed_nbytes,
     quantize,
     scale_shape,
     unpack,
 )
+from ..quant.codec import dequantized_values, pack_into
 from .gather import ShardedCollective
+from .quantized_compiled import CompiledCodec
 from .storage import BucketStorage
 
 ALIGN = 16
@@ -114,6 +114,7 @@ class QuantizedGather(ShardedCollective):
         self.nbytes = _align(max([least, *ends]))
         self._cached: tuple[object, torch.Tensor] | None = None
         self.encodes = 0  # quantizations done (a test counts one per step)
+        self.compiled = CompiledCodec(fmt, self._runs, self.rank, self.nbytes, layout.numel)
 
     # ------------------------------------------------------------ Collective
     def gather_buffer(self) -> torch.Tensor | None:
@@ -163,22 +164,35 @@ class QuantizedGather(ShardedCollective):
         return unpack(payload[run.start : run.start + size], run.shape, self.fmt)
 
     def encode(self, storage: torch.Tensor, version: object) -> torch.Tensor:
-        """This rank's payload: its tiles quantized in place of the full tensor."""
+        """This rank's payload: its tiles quantized in place of the full tensor (by the
+        compiled codec where it serves, else eagerly: the same bytes)."""
         if self._cached is not None and self._cached[0] == version:
             return self._cached[1]
-        payload = torch.zeros(self.nbytes, dtype=torch.uint8, device=storage.device)
-        for run in self._runs[self.rank]:
-            q = quantize(storage[run.offset : run.offset + run.numel].view(run.shape), self.fmt)
-            packed = pack(q)
-            payload[run.start : run.start + packed.numel()].copy_(packed)
+        payload = self.compiled.encode(storage, self.encode_eager)
         self._cached = (version, payload)
         self.encodes += 1
         return payload
 
+    def encode_eager(self, storage: torch.Tensor) -> torch.Tensor:
+        """``encode`` by the eager codec: each run quantized and packed into place."""
+        payload = torch.empty(self.nbytes, dtype=torch.uint8, device=storage.device)
+        cursor = 0
+        for run in self._runs[self.rank]:
+            q = quantize(storage[run.offset : run.offset + run.numel].view(run.shape), self.fmt)
+            cursor = run.start + packed_nbytes(run.shape, self.fmt)
+            pack_into(q, payload[run.start : cursor])
+        payload[cursor:].zero_()
+        return payload
+
     def decode(self, gathered: torch.Tensor, fulls: list[torch.Tensor | None]) -> None:
-        """Dequantize every rank's payload ([W, nbytes]) into the full parameters: one
-        dequantize per run of tiles, then one foreach copy of every block into place
-        (a quantized bucket has one dtype)."""
+        """Dequantize every rank's payload ([W, nbytes]) into the full parameters (by the
+        compiled codec where it serves, else eagerly: the same bits)."""
+        if any(full is not None for full in fulls):
+            self.compiled.decode(gathered, fulls, self.decode_eager)
+
+    def decode_eager(self, gathered: torch.Tensor, fulls: list[torch.Tensor | None]) -> None:
+        """``decode`` by the eager codec: one dequantize per run of tiles, then one foreach
+        copy of every block into place, casting as it copies (one dtype per bucket)."""
         present = [full for full in fulls if full is not None]
         if not present:
             return
@@ -186,7 +200,7 @@ class QuantizedGather(ShardedCollective):
         dsts, srcs = [], []
         for rank in range(self.layout.world_size):
             for run in self._runs[rank]:
-                values = dequantize(self._unpack(gathered[rank], run), dtype).reshape(-1)
+                values = dequantized_values(self._unpack(gathered[rank], run), dtype).reshape(-1)
                 for i, block in run.members:
                     if fulls[i] is not None:
                         start = block.offset - run.offset
