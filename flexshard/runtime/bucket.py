@@ -289,11 +289,12 @@ class Bucket:
         if self.unsharded:
             return
         if self.full.pending is None:
-            self._launch_gather()
+            state = self.step.state
+            self._launch_gather(async_op and not (state is not None and state.in_backward))
         if not async_op:
             self._finish_gather()
 
-    def _launch_gather(self) -> None:
+    def _launch_gather(self, forward_prefetch: bool = False) -> None:
         full = self.full
         if full.gathered is None:  # the collective fetches nothing (replicated)
             full.pending = Pending(None, "all-gather", self.name, self.comm.timeout)
@@ -307,7 +308,8 @@ class Bucket:
             alloc(full.gathered)
             send = self.collective.payload(self._data_version())
             with torch.autograd._unsafe_preserve_version_counter(full.guarded):
-                full.pending = self.comm.all_gather(full.gathered, send)  # keeps ``send``
+                # keeps ``send``
+                full.pending = self.comm.all_gather(full.gathered, send, forward_prefetch)
 
     def _finish_gather(self) -> None:
         full = self.full

@@ -23,6 +23,10 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 #: collective is waited for at launch, as FSDP2's block on CPU (its unshard_async_op is
 #: False); False overlaps them with compute at that cost. CUDA/NCCL: stream-ordered.
 WAIT_AT_LAUNCH_WITHOUT_STREAMS = True
+#: ...except forward's prefetches: the step's peak is in backward (every activation
+#: saved, gradients arriving), so a next bucket's all-gather in flight beside forward
+#: compute does not raise it, and forward stops waiting on the wire.
+OVERLAP_FORWARD_PREFETCH = True
 
 
 @dataclass
@@ -290,19 +294,23 @@ class BucketComm:
         tensor: torch.Tensor,
         wait_ignores_timeout: bool = False,
         keep: tuple[torch.Tensor, ...] = (),
+        overlap: bool = False,
     ) -> Pending:
         runtime = device_runtime(tensor.device, group)
         pending = Pending.launch(
             start, collective, self.bucket, self.timeout, group, wait_ignores_timeout, runtime
         )
         pending.keep = keep
-        if WAIT_AT_LAUNCH_WITHOUT_STREAMS and not runtime.streams:
+        if WAIT_AT_LAUNCH_WITHOUT_STREAMS and not runtime.streams and not overlap:
             # a failure stays on ``pending``: it raises where the bucket waits, as before
             with contextlib.suppress(CollectiveError):
                 pending.wait()
         return pending
 
-    def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> Pending:
+    def all_gather(
+        self, out: torch.Tensor, local: torch.Tensor, forward_prefetch: bool = False
+    ) -> Pending:
+        """``forward_prefetch``: left in flight on CPU too (OVERLAP_FORWARD_PREFETCH)."""
         group = self.shard_group
         pending = self._launch(
             lambda: dist.all_gather_single(out, local, group=group, async_op=True),
@@ -310,6 +318,7 @@ class BucketComm:
             group,
             out,
             keep=(local,),
+            overlap=forward_prefetch and OVERLAP_FORWARD_PREFETCH,
         )
         self._count("all_gather", (self.world_size - 1) * local.numel() * local.element_size())
         return pending
