@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks.plan_ops import record_model
 from benchmarks.plan_runtime import tiny_config
+from flexshard.plan import steptime
 from flexshard.plan.hardware import H100, Hardware, load_hardware
 from flexshard.plan.opcount import model_ops
 from flexshard.plan.report import build_stages, planning_config
@@ -62,6 +63,13 @@ def test_blocking_collectives_hide_nothing() -> None:
     # with streams and full overlap the prefetches hide some of it
     span, _ = _simulate(order, cost, True, True, False, 1.0)
     assert span < serial
+    # flexshard on CPU leaves forward's block prefetch in flight: with full overlap it
+    # hides behind compute; with none it costs what it did while blocking
+    kept = {"blocking": True, "forward_prefetch_blocks": False}
+    hidden, _ = _simulate(order, cost, True, True, False, 1.0, **kept)
+    assert hidden < serial
+    exposed, _ = _simulate(order, cost, True, True, False, 0.0, **kept)
+    assert exposed == pytest.approx(serial)
 
 
 def _plan(hw: Hardware, backend: str = "flexshard"):  # type: ignore[no-untyped-def]
@@ -135,10 +143,12 @@ def test_contention_scales_what_is_timed_op_by_op() -> None:
     assert _plan(streams)[2].step_s < a.step_s
 
 
-def test_collective_wait_is_per_call() -> None:
+def test_collective_wait_is_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """``collective_wait_us`` is added to every data-parallel collective call: with
     blocking collectives, calls x wait on the step (all-gathers forward and where a
-    bucket resharded again in backward, one reduce-scatter per bucket)."""
+    bucket resharded again in backward, one reduce-scatter per bucket; forward's
+    prefetches blocking too, or compute would hide some of it)."""
+    monkeypatch.setattr(steptime, "OVERLAP_FORWARD_PREFETCH", False)
     _, buckets, base = _plan(CPU)
     _, _, waited = _plan(dataclasses.replace(CPU, collective_wait_us=500.0))
     calls = sum(2 + b.reshard_after_forward for b in buckets)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from flexshard.runtime.collectives import OVERLAP_FORWARD_PREFETCH
 from flexshard.runtime.hooks import MAX_PENDING_REDUCTIONS
 from flexshard.trainer.config import Config
 from flexshard.trainer.parallel import ParallelDims
@@ -112,21 +113,26 @@ def _simulate(
     root_prefetches: bool,
     overlap: float = 1.0,
     blocking: bool = False,
+    forward_prefetch_blocks: bool = True,
 ) -> tuple[float, float]:
     """One microbatch's forward (all-gathers when ``gather``) and backward (re-gathers
     what forward resharded); returns (time, time spent waiting on all-gathers).
     ``blocking``: compute waits for each collective where it is issued (CPU: the
-    runtime waits at launch), so a prefetch hides nothing."""
+    runtime waits at launch), so a prefetch hides nothing; ``forward_prefetch_blocks``
+    False: forward's block prefetches are the exception (flexshard's
+    OVERLAP_FORWARD_PREFETCH), left in flight beside compute."""
     root = [b for b in order if b.is_root]
     blocks = [b for b in order if not b.is_root]
     t = comm = waited = idle = busy = 0.0
     done: dict[int, float] = {}
 
-    def issue(b: BucketInfo, at: float, seconds: float, gathering: bool = True) -> float:
+    def issue(
+        b: BucketInfo, at: float, seconds: float, gathering: bool = True, blocks: bool = True
+    ) -> float:
         nonlocal comm, busy, t, waited, idle
         comm = max(at, comm) + seconds
         busy += seconds
-        if blocking and comm > t:  # waited for at launch, before compute goes on
+        if blocking and blocks and comm > t:  # waited for at launch, before compute goes on
             idle += comm - t
             waited += comm - t if gathering else 0.0
             t = comm
@@ -154,7 +160,8 @@ def _simulate(
         if gather:
             wait(done[id(b)], b)
         if i + 1 < len(blocks) and gather:
-            done[id(blocks[i + 1])] = issue(blocks[i + 1], t, ag(blocks[i + 1]))
+            nxt = blocks[i + 1]
+            done[id(nxt)] = issue(nxt, t, ag(nxt), blocks=forward_prefetch_blocks)
         t += cost[id(b)].forward
     t += sum(cost[id(b)].forward for b in root)
     # backward: the root (LM head) first, then the blocks in reverse
@@ -290,7 +297,14 @@ def step_time(
         gather = not keep or i == 0
         reduce = i == micro - 1
         span, w = _simulate(
-            buckets, cost, gather, reduce, root_prefetches, hw.overlap, hw.blocking_collectives
+            buckets,
+            cost,
+            gather,
+            reduce,
+            root_prefetches,
+            hw.overlap,
+            hw.blocking_collectives,
+            forward_prefetch_blocks=backend != "flexshard" or not OVERLAP_FORWARD_PREFETCH,
         )
         total += span
         waited += w
