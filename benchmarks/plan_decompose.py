@@ -50,16 +50,7 @@ def _wrap(owner: Any, name: str, timers: Timers, label: str) -> Callable[[], Non
     """Time every call of ``owner.name`` (inclusive) into ``timers[label]``; returns
     the undo."""
     original = getattr(owner, name)
-
-    @functools.wraps(original)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        begin = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            timers[label] += time.perf_counter() - begin
-
-    setattr(owner, name, timed)
+    setattr(owner, name, functools.wraps(original)(_timed_hook(original, timers, label)))
     return lambda: setattr(owner, name, original)
 
 
@@ -107,6 +98,8 @@ def _instrument(model: torch.nn.Module, backend: str, timers: Timers) -> list[Ca
 
 
 def _timed_hook(hook: Callable, timers: Timers, label: str) -> Callable:
+    """``hook`` with the time of every call (inclusive) added to ``timers[label]``."""
+
     def call(*args: Any, **kwargs: Any) -> Any:
         begin = time.perf_counter()
         try:

@@ -55,6 +55,7 @@ __all__ = [
     "pack_into",
     "unpack",
     "packed_nbytes",
+    "packed_scale_offset",
     "scale_shape",
 ]
 
@@ -264,8 +265,10 @@ def dequantized_values(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
     return _untile(values, q.data.shape)
 
 
-def _pad16(n: int) -> int:
-    return -n % _PACK_ALIGN
+def packed_scale_offset(numel: int) -> int:
+    """Where a ``pack`` of ``numel`` fp8 codes keeps its scale bytes: after the codes and
+    their zero pad to 16 bytes."""
+    return numel + (-numel % _PACK_ALIGN)
 
 
 def packed_nbytes(shape: Sequence[int], fmt: QuantFormat) -> int:
@@ -274,7 +277,7 @@ def packed_nbytes(shape: Sequence[int], fmt: QuantFormat) -> int:
     numel = math.prod(int(s) for s in shape)
     n_scales = math.prod(scale_shape(shape, fmt))
     itemsize = torch.empty((), dtype=fmt.scale_dtype).element_size()
-    return numel + _pad16(numel) + n_scales * itemsize
+    return packed_scale_offset(numel) + n_scales * itemsize
 
 
 def pack(q: QuantizedTensor) -> torch.Tensor:
@@ -293,7 +296,7 @@ def pack_into(q: QuantizedTensor, out: torch.Tensor) -> torch.Tensor:
     if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != packed_nbytes(q.shape, q.fmt):
         raise ValueError(f"out must be 1-D uint8 of {packed_nbytes(q.shape, q.fmt)} bytes")
     out[:numel].copy_(q.data.view(torch.uint8).reshape(-1))
-    end = numel + _pad16(numel)
+    end = packed_scale_offset(numel)
     out[numel:end].zero_()
     out[end:].copy_(q.scale.contiguous().view(torch.uint8).reshape(-1))
     return out
@@ -311,7 +314,7 @@ def unpack(buf: torch.Tensor, shape: Sequence[int], fmt: QuantFormat) -> Quantiz
         raise ValueError(f"buf has {buf.numel()} bytes, {shape} in {fmt} packs to {want}")
     numel = math.prod(shape)
     data = buf[:numel].view(_FP8).reshape(shape)
-    raw = buf[numel + _pad16(numel) :]
+    raw = buf[packed_scale_offset(numel) :]
     try:
         scale = raw.view(fmt.scale_dtype)
     except RuntimeError:  # misaligned storage offset for a 4-byte view

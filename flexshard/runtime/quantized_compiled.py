@@ -25,6 +25,7 @@ import torch
 
 from ..placements.packing import full_view, storage_shape
 from ..quant import FP8Blockwise, QuantFormat, packed_nbytes, scale_shape
+from ..quant.codec import packed_scale_offset
 from ..quant.compiled import (
     AUTO_MIN_NUMEL,
     CompiledFn,
@@ -41,10 +42,6 @@ if TYPE_CHECKING:
     from .quantized import _Run
 
 _FP8 = torch.float8_e4m3fn
-
-
-def _pad16(n: int) -> int:
-    return -n % 16
 
 
 def _storage_id(t: torch.Tensor | None) -> tuple[int, int, tuple, tuple] | None:
@@ -84,7 +81,7 @@ def _encode_body(runs: Sequence[_Run], fmt: QuantFormat, nbytes: int) -> Callabl
         for run in runs:  # packed one after the other, as QuantizedGather plans them
             x = storage[run.offset : run.offset + run.numel].view(run.shape)
             data, scale = quantize_fused(x, fmt)
-            gap = _pad16(run.numel) + scale.numel() * scale.element_size()
+            gap = packed_scale_offset(run.numel) - run.numel + scale.numel() * scale.element_size()
             pieces += [data.reshape(-1), storage.new_zeros(gap, dtype=_FP8)]
             scales.append(scale)
         pieces.append(storage.new_zeros(tail, dtype=_FP8))
@@ -162,7 +159,7 @@ class CompiledCodec:
             run.tile[-2] % r == 0 and run.tile[-1] % c == 0 for rr in runs for run in rr
         )
         self._slices = tuple(  # per (rank, run): its data, scale bytes and end in the payload
-            (rank_, run, run.start, run.start + run.numel + _pad16(run.numel), end)
+            (rank_, run, run.start, run.start + packed_scale_offset(run.numel), end)
             for rank_, rank_runs in enumerate(runs)
             for run in rank_runs
             for end in [run.start + packed_nbytes(run.shape, fmt)]
