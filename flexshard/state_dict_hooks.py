@@ -20,6 +20,7 @@ from .runtime.bucket import Bucket
 from .runtime.dcp_chunks import RegionTensor, local_boxes, region_tensor, shifted
 from .runtime.module import own_buckets, subtree_buckets
 from .runtime.region_dtensor import wrap
+from .runtime.region_placement import RegionShard
 from .runtime.tp_params import local_of, tp_frame
 
 Slot = tuple[Bucket, int]
@@ -78,9 +79,12 @@ def to_local(value: torch.Tensor, bucket: Bucket, index: int, key: str) -> torch
     """This rank's local tensor of parameter ``index`` from a DTensor, a RegionTensor or
     a full tensor."""
     if isinstance(value, DTensor):
-        if value.placements == bucket.specs[index].placements:
+        if value.placements != bucket.specs[index].placements:
+            value = value.full_tensor()  # placed otherwise: every rank gathers, then cuts
+        elif _replicated_by_torch(value, bucket, index):
+            value = value.to_local()  # the whole tensor: cut this rank's regions below
+        else:
             return value.to_local()
-        value = value.full_tensor()  # placed otherwise: every rank gathers, then cuts
     param = bucket.layout.params[index]
     shape = param.local_shape(bucket.rank)
     boxes = local_boxes(param, bucket.rank)
@@ -105,6 +109,20 @@ def to_local(value: torch.Tensor, bucket: Bucket, index: int, key: str) -> torch
         return value.new_empty(shape)
     pieces = [value[tuple(slice(o, o + s) for o, s in zip(*box))].reshape(-1) for box in boxes]
     return torch.cat(pieces).view(shape)
+
+
+def _replicated_by_torch(value: DTensor, bucket: Bucket, index: int) -> bool:
+    """A DTensor on this parameter's RegionShard placement whose local tensor is the
+    whole tensor where this rank stores less: what torch's ``set_model_state_dict(...,
+    broadcast_from_rank0=True)`` builds for a meta-device parameter (its
+    ``compute_local_shape_and_global_offset`` reads a placement it does not know as
+    Replicate). Where this rank does store the whole tensor the two readings agree."""
+    if bucket.params[index].tp_spec is not None:
+        return False
+    if not any(isinstance(p, RegionShard) for p in value.placements):
+        return False
+    expected = tuple(bucket.layout.params[index].local_shape(bucket.rank))
+    return tuple(value.to_local().shape) == tuple(value.shape) != expected
 
 
 def _own_buckets(module: nn.Module) -> list[Bucket]:

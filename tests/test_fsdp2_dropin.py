@@ -340,3 +340,51 @@ def _frozen_traffic(rank: int, world: int) -> dict:
 def test_frozen_parameters_are_not_reduced():
     for stats in run_distributed(_frozen_traffic, 3):
         assert stats == {"layers.0": 0, "root": 1}
+
+
+# ----------------------------------------- the example's meta-device load, own placements
+def _broadcast_meta_load(rank: int, world: int) -> dict:
+    """The FSDP2 example's load on a meta-built model (``set_model_state_dict(...,
+    broadcast_from_rank0=True)``, no ``to_empty``) with FlatShard, Owned and BlockShard
+    buckets: the same parameters, and the same training step, as ``fs.load_full_state_dict``."""
+    torch.manual_seed(0)
+    full = Net().state_dict()
+    specs = [
+        fs.BucketSpec(["layers.0.*"], placement=fs.FlatShard()),
+        fs.BucketSpec(["layers.1.*"], placement=fs.Owned()),
+        fs.BucketSpec(["layers.2.*", "head.*"], placement=fs.BlockShard((8, 8))),
+    ]
+    mesh = init_device_mesh("cpu", (world,))
+    models = []
+    for via_torch in (True, False):
+        with torch.device("meta"):
+            model = Net()
+        fs.flex_shard(model, mesh, specs)
+        if via_torch:
+            set_model_state_dict(model, dict(full) if rank == 0 else {}, options=BROADCAST)
+        else:
+            model.to_empty(device="cpu")
+            fs.load_full_state_dict(model, full)
+        models.append(model)
+    out: dict = {
+        "loaded": [
+            k for k, p in models[0].named_parameters() if not torch.equal(p.full_tensor(), full[k])
+        ]
+    }
+    for model in models:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(_batch(0, rank)).pow(2).mean().backward()
+        opt.step()
+    params = [dict(m.named_parameters()) for m in models]
+    out["trained"] = [
+        k
+        for k in params[0]
+        if not torch.equal(params[0][k].full_tensor(), params[1][k].full_tensor())
+    ]
+    out["meta"] = [k for k, p in models[0].named_parameters() if p.is_meta]
+    return out
+
+
+def test_broadcast_load_of_a_meta_model_with_flexshard_placements():
+    for out in run_distributed(_broadcast_meta_load, 3):
+        assert out == {"loaded": [], "trained": [], "meta": []}
