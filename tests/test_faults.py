@@ -120,13 +120,7 @@ def _outcome(model, before, started: float, err: BaseException | None) -> dict:
 
 
 SCENARIOS = (
-    "set_up",
-    "forward",
-    "backward",
-    "end_of_backward",
-    "full_state_dict",
-    "clip",
-    "dist_muon",
+    "set_up", "forward", "backward", "end_of_backward", "full_state_dict", "clip", "dist_muon"
 )
 
 
@@ -169,8 +163,7 @@ def _stall_cases(rank: int, world_size: int) -> dict:
                     fs.clip_grad_norm_(model, 1.0)
                 else:  # layer0 is Shard(0): its matrices travel to their owners
                     matrices = [
-                        p
-                        for n, p in model.named_parameters()
+                        p for n, p in model.named_parameters()
                         if n.startswith("layers.0.") and p.ndim == 2
                     ]
                     DistMuon(matrices, lr=0.02).step()

@@ -312,12 +312,8 @@ def _muon_case(mesh: DeviceMesh) -> dict:
                 shape = local.to_local().shape
                 piece = rows[dp_rank].reshape(shape) if dp_rank < len(rows) else torch.zeros(shape)
                 local.grad = DTensor.from_local(
-                    piece,
-                    local.device_mesh,
-                    local.placements,
-                    shape=local.shape,
-                    stride=local.stride(),
-                    run_check=False,
+                    piece, local.device_mesh, local.placements, shape=local.shape,
+                    stride=local.stride(), run_check=False,
                 )
             opt.step()
         full = _full_params(model)

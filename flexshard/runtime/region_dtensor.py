@@ -176,8 +176,7 @@ class _ToReplicate(torch.autograd.Function):
         placements = list(spec.placements)
         placements[dim] = Replicate()
         return DTensor(
-            full,
-            DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta),
+            full, DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta),
             requires_grad=False,
         )
 
@@ -280,8 +279,7 @@ def _local_norm(tensor: DTensor, ord: float, dtype: Any) -> DTensor:
     spec = tensor._spec
     meta = TensorMeta(torch.Size([]), (), norm.dtype)
     return DTensor(
-        norm,
-        DTensorSpec(spec.mesh, _norm_placements(spec, ord), tensor_meta=meta),
+        norm, DTensorSpec(spec.mesh, _norm_placements(spec, ord), tensor_meta=meta),
         requires_grad=False,
     )
 
