@@ -4,6 +4,7 @@ tokens/s and peak memory per rank on CPU (gloo), W = 2 and 4, side by side.
     .venv/bin/python -m benchmarks.bench_trainer              # W = 2 and 4
     .venv/bin/python -m benchmarks.bench_trainer --quick      # W = 2, fewer steps
     .venv/bin/python -m benchmarks.bench_trainer --exact-rss  # peak RSS of live buffers only
+    .venv/bin/python -m benchmarks.bench_trainer --exact-rss --malloc-arenas 1  # and one arena
 
 Both backends run inside the same W processes, ``--reps`` times (5 by default), their
 order flipped every repetition (flexshard, fsdp2, fsdp2, flexshard, ...), on the same
@@ -69,6 +70,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="every buffer of 64 KiB or more its own mapping (MALLOC_MMAP_THRESHOLD_), "
         "returned to the OS when freed: peak RSS then follows the live buffers, not "
         "glibc's cache",
+    )
+    p.add_argument(
+        "--malloc-arenas",
+        type=int,
+        default=None,
+        help="glibc malloc arenas per rank (MALLOC_ARENA_MAX; default: glibc's, up to 8 per "
+        "core): 1 keeps gloo's threads, which allocate while compute runs, from growing "
+        "arenas of their own",
     )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -313,6 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.exact_rss:  # glibc reads it at start: the spawned ranks inherit it
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
+    if args.malloc_arenas is not None:
+        os.environ["MALLOC_ARENA_MAX"] = str(args.malloc_arenas)
     args.out.mkdir(parents=True, exist_ok=True)
     started, load_start = time.perf_counter(), os.getloadavg()
     rows = []
@@ -333,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     meta = {
         "command": "python -m benchmarks.bench_trainer"
         + (" --quick" if args.quick else "")
-        + (" --exact-rss" if args.exact_rss else ""),
+        + (" --exact-rss" if args.exact_rss else "")
+        + (f" --malloc-arenas {args.malloc_arenas}" if args.malloc_arenas is not None else ""),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
