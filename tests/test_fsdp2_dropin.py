@@ -343,7 +343,7 @@ def test_frozen_parameters_are_not_reduced():
 
 
 # ----------------------------------------- the example's meta-device load, own placements
-def _broadcast_meta_load(rank: int, world: int) -> dict:
+def _broadcast_meta_load(rank: int, world: int, hsdp: bool) -> dict:
     """The FSDP2 example's load on a meta-built model (``set_model_state_dict(...,
     broadcast_from_rank0=True)``, no ``to_empty``) with FlatShard, Owned and BlockShard
     buckets: the same parameters, and the same training step, as ``fs.load_full_state_dict``."""
@@ -354,7 +354,7 @@ def _broadcast_meta_load(rank: int, world: int) -> dict:
         fs.BucketSpec(["layers.1.*"], placement=fs.Owned()),
         fs.BucketSpec(["layers.2.*", "head.*"], placement=fs.BlockShard((8, 8))),
     ]
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (2, world // 2) if hsdp else (world,))
     models = []
     for via_torch in (True, False):
         with torch.device("meta"):
@@ -385,6 +385,7 @@ def _broadcast_meta_load(rank: int, world: int) -> dict:
     return out
 
 
-def test_broadcast_load_of_a_meta_model_with_flexshard_placements():
-    for out in run_distributed(_broadcast_meta_load, 3):
+@pytest.mark.parametrize("hsdp", [False, True], ids=["w3", "hsdp2x2"])
+def test_broadcast_load_of_a_meta_model_with_flexshard_placements(hsdp):
+    for out in run_distributed(_broadcast_meta_load, 4 if hsdp else 3, hsdp):
         assert out == {"loaded": [], "trained": [], "meta": []}
