@@ -20,7 +20,6 @@ from .runtime.bucket import Bucket
 from .runtime.dcp_chunks import RegionTensor, local_boxes, region_tensor, shifted
 from .runtime.module import own_buckets, subtree_buckets
 from .runtime.region_dtensor import wrap
-from .runtime.region_placement import RegionShard
 from .runtime.tp_params import local_of, tp_frame
 
 Slot = tuple[Bucket, int]
@@ -78,15 +77,15 @@ def fqn_slots(module: nn.Module) -> dict[str, Slot]:
 def to_local(value: torch.Tensor, bucket: Bucket, index: int, key: str) -> torch.Tensor:
     """This rank's local tensor of parameter ``index`` from a DTensor, a RegionTensor or
     a full tensor."""
+    param = bucket.layout.params[index]
+    shape = param.local_shape(bucket.rank)
     if isinstance(value, DTensor):
         if value.placements != bucket.specs[index].placements:
             value = value.full_tensor()  # placed otherwise: every rank gathers, then cuts
-        elif _replicated_by_torch(value, bucket, index):
+        elif _replicated_by_torch(value, shape, bucket.params[index].tp_spec is None):
             value = value.to_local()  # the whole tensor: cut this rank's regions below
         else:
             return value.to_local()
-    param = bucket.layout.params[index]
-    shape = param.local_shape(bucket.rank)
     boxes = local_boxes(param, bucket.rank)
     expected = tuple(param.shape)
     spec = bucket.params[index].tp_spec
@@ -111,18 +110,15 @@ def to_local(value: torch.Tensor, bucket: Bucket, index: int, key: str) -> torch
     return torch.cat(pieces).view(shape)
 
 
-def _replicated_by_torch(value: DTensor, bucket: Bucket, index: int) -> bool:
-    """A DTensor on this parameter's RegionShard placement whose local tensor is the
-    whole tensor where this rank stores less: what torch's ``set_model_state_dict(...,
-    broadcast_from_rank0=True)`` builds for a meta-device parameter (its
-    ``compute_local_shape_and_global_offset`` reads a placement it does not know as
-    Replicate). Where this rank does store the whole tensor the two readings agree."""
-    if bucket.params[index].tp_spec is not None:
-        return False
-    if not any(isinstance(p, RegionShard) for p in value.placements):
-        return False
-    expected = tuple(bucket.layout.params[index].local_shape(bucket.rank))
-    return tuple(value.to_local().shape) == tuple(value.shape) != expected
+def _replicated_by_torch(value: DTensor, shape: tuple[int, ...], whole_frame: bool) -> bool:
+    """A DTensor on this parameter's placement whose local tensor is the whole tensor
+    where this rank stores less (``shape``): what torch's ``set_model_state_dict(...,
+    broadcast_from_rank0=True)`` builds for a meta-device FlatShard/Owned/BlockShard
+    parameter (its ``compute_local_shape_and_global_offset`` reads a placement it does
+    not know as Replicate). torch's own placements always get their true local shape, and
+    where this rank does store the whole tensor the two readings agree."""
+    local = tuple(value.to_local().shape)
+    return whole_frame and local == tuple(value.shape) != tuple(shape)
 
 
 def _own_buckets(module: nn.Module) -> list[Bucket]:
