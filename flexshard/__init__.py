@@ -17,6 +17,7 @@ from .init import init_params
 from .placements import BlockShard, FlatShard, Owned, Placement, Replicate, Shard
 from .runtime.collectives import CollectiveError
 from .runtime.module import FlexShardModule
+from .runtime.region_distribute import distribute_tensor
 from .runtime.traffic import TrafficStats, attach_traffic
 from .state_dict import full_state_dict, load_full_state_dict
 
@@ -38,6 +39,7 @@ __all__ = [
     "UnshardHandle",
     "attach_traffic",
     "clip_grad_norm_",
+    "distribute_tensor",
     "flex_shard",
     "full_state_dict",
     "fully_shard",

@@ -82,8 +82,6 @@ def to_local(value: torch.Tensor, bucket: Bucket, index: int, key: str) -> torch
     if isinstance(value, DTensor):
         if value.placements != bucket.specs[index].placements:
             value = value.full_tensor()  # placed otherwise: every rank gathers, then cuts
-        elif _replicated_by_torch(value, shape, bucket.params[index].tp_spec is None):
-            value = value.to_local()  # the whole tensor: cut this rank's regions below
         else:
             return value.to_local()
     boxes = local_boxes(param, bucket.rank)
@@ -108,17 +106,6 @@ def to_local(value: torch.Tensor, bucket: Bucket, index: int, key: str) -> torch
         return value.new_empty(shape)
     pieces = [value[tuple(slice(o, o + s) for o, s in zip(*box))].reshape(-1) for box in boxes]
     return torch.cat(pieces).view(shape)
-
-
-def _replicated_by_torch(value: DTensor, shape: tuple[int, ...], whole_frame: bool) -> bool:
-    """A DTensor on this parameter's placement whose local tensor is the whole tensor
-    where this rank stores less (``shape``): what torch's ``set_model_state_dict(...,
-    broadcast_from_rank0=True)`` builds for a meta-device FlatShard/Owned/BlockShard
-    parameter (its ``compute_local_shape_and_global_offset`` reads a placement it does
-    not know as Replicate). torch's own placements always get their true local shape, and
-    where this rank does store the whole tensor the two readings agree."""
-    local = tuple(value.to_local().shape)
-    return whole_frame and local == tuple(value.shape) != tuple(shape)
 
 
 def _own_buckets(module: nn.Module) -> list[Bucket]:

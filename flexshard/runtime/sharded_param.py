@@ -17,6 +17,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..placements import ParamLayout, Placement, Replicate, Shard
+from . import region_distribute
 from .region_placement import RegionShard
 
 
@@ -34,6 +35,7 @@ def dp_placement(placement: Placement, layout: ParamLayout):
         return TorchShard(placement.dim % len(layout.shape))
     if isinstance(placement, Replicate):
         return TorchReplicate()
+    region_distribute.install()  # torch's full state-dict load must know RegionShard
     return RegionShard(type(placement).__name__, layout)
 
 
