@@ -1,9 +1,10 @@
 """torch's full state-dict load on flexshard's own placements (FlatShard, Owned,
-BlockShard, a mixed bucket; W = 3, HSDP 2x2, dp2 x tp2): ``set_model_state_dict`` and
-``set_optimizer_state_dict`` with ``full_state_dict=True``, with and without
-``broadcast_from_rank0``, on a trained model, restore the source model and optimizer bit
-for bit, and the next step equals the source's next step bit for bit. Also
-``fs.distribute_tensor`` + ``load_state_dict(assign=True)`` (the DTensor-API load)."""
+BlockShard, a mixed bucket; W = 3, HSDP 2x2, dp2 x tp2; AdamW, and DistMuon + AdamW on
+Muon's Owned buckets): ``set_model_state_dict`` and ``set_optimizer_state_dict`` with
+``full_state_dict=True``, with and without ``broadcast_from_rank0``, on a trained model,
+restore the source model and optimizer bit for bit, and the next step equals the
+source's next step bit for bit. Also ``fs.distribute_tensor`` +
+``load_state_dict(assign=True)`` (the DTensor-API load)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import flexshard as fs
+from flexshard.optim import muon_and_adamw, muon_buckets
 from flexshard.testing import run_distributed
 from tests import tp_cases as tc
 from tests.test_fsdp2_dropin import Net, _batch
@@ -35,18 +37,29 @@ SPECS = {
     "owned": lambda fqn, p: fs.Owned(),
     "block": lambda fqn, p: fs.BlockShard((8, 8)),
     "mixed": lambda fqn, p: fs.Owned() if fqn.endswith("up.weight") else fs.BlockShard((8, 8)),
+    "muon": None,  # muon_buckets (whole matrices Owned), DistMuon + AdamW
 }
 
 
-def _build(mesh, placement, meta: bool = False) -> Net:
+def _build(mesh, name: str, meta: bool = False) -> Net:
     torch.manual_seed(0)
     if meta:
         with torch.device("meta"):
             model = Net()
     else:
         model = Net()
-    fs.flex_shard(model, mesh, [fs.BucketSpec(["layers.*", "head.*"], placement=placement)])
+    if name == "muon":
+        buckets = muon_buckets(model, mesh.size(mesh.ndim - 1))
+    else:
+        buckets = [fs.BucketSpec(["layers.*", "head.*"], placement=SPECS[name])]
+    fs.flex_shard(model, mesh, buckets)
     return model
+
+
+def _optimizer(model: Net, name: str) -> torch.optim.Optimizer:
+    if name == "muon":
+        return muon_and_adamw(model, lr=0.02, adamw_lr=1e-2)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def _step(model, opt, step: int, rank: int) -> None:
@@ -92,8 +105,8 @@ def _load_case(rank: int, world: int, name: str, hsdp: bool, broadcast: bool) ->
     mesh = init_device_mesh("cpu", (2, world // 2) if hsdp else (world,))
     pair = []
     for steps in (3, 1):
-        model = _build(mesh, SPECS[name])
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model = _build(mesh, name)
+        opt = _optimizer(model, name)
         for step in range(steps):
             _step(model, opt, step, rank)
         pair.append((model, opt))
@@ -126,6 +139,7 @@ CASES = [
     pytest.param("mixed", False, True, id="mixed-w3-broadcast"),
     pytest.param("mixed", False, False, id="mixed-w3-everywhere"),
     pytest.param("block", True, True, id="block-hsdp-broadcast"),
+    pytest.param("muon", False, False, id="muon-w3-everywhere"),
     pytest.param("flat", False, True, id="flat-w3-broadcast", marks=pytest.mark.slow),
     pytest.param("owned", False, False, id="owned-w3-everywhere", marks=pytest.mark.slow),
     pytest.param("mixed", True, False, id="mixed-hsdp-everywhere", marks=pytest.mark.slow),
@@ -136,7 +150,10 @@ CASES = [
 def test_torch_full_state_dict_load_restores_model_and_optimizer(name, hsdp, broadcast):
     for out in run_distributed(_load_case, 4 if hsdp else 3, name, hsdp, broadcast):
         assert out["params"] == [] and out["state"] == [] and out["next"] == [], out
-        assert out["regional"] == ["RegionDTensor"]
+        # Muon's buckets keep norms and biases on torch's placements
+        assert (
+            out["regional"] == ["DTensor", "RegionDTensor"] if name == "muon" else ["RegionDTensor"]
+        )
         assert "RegionDTensor" in out["state_types"], out  # not full-shaped plain tensors
 
 
@@ -146,15 +163,15 @@ def _distribute_case(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(1)
     full = Net().state_dict()
-    model = _build(mesh, SPECS["mixed"], meta=True)
+    model = _build(mesh, "mixed", meta=True)
     cut = {}
     for key, param in model.named_parameters():
         cut[key] = fs.distribute_tensor(full[key], param.device_mesh, param.placements)
     model.load_state_dict(cut, assign=True)
     # torch's own API on a meta-built model, every rank holding the full state dict
-    by_torch = _build(mesh, SPECS["mixed"], meta=True)
+    by_torch = _build(mesh, "mixed", meta=True)
     set_model_state_dict(by_torch, dict(full), options=EVERYWHERE)
-    reference = _build(mesh, SPECS["mixed"])
+    reference = _build(mesh, "mixed")
     fs.load_full_state_dict(reference, full)
     expected = dict(reference.named_parameters())
     return {
