@@ -48,7 +48,9 @@ def _as_replicate(placements: Sequence[Placement], dim: int) -> list[Placement]:
     return [Replicate() if d == dim else p for d, p in enumerate(placements)]
 
 
-def local_regions(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]):
+def local_regions(
+    full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]
+) -> torch.Tensor:
     """This rank's local tensor of ``full`` placed on ``placements`` (a RegionShard on one
     mesh dim): a copy, no collective."""
     dim = _region_dim(placements)
@@ -76,9 +78,9 @@ def distribute_tensor(
     dim = None if placements is None else _region_dim(placements)
     if dim is None:
         return torch_distribute_tensor(tensor, device_mesh, placements, src_data_rank=src_data_rank)
-    mesh = device_mesh
     others = _as_replicate(placements, dim)
-    pieces = torch_distribute_tensor(tensor, mesh, others, src_data_rank=src_data_rank)
+    pieces = torch_distribute_tensor(tensor, device_mesh, others, src_data_rank=src_data_rank)
+    mesh = pieces.device_mesh  # torch's default mesh where none was given
     local = _regions_of_piece(pieces._local_tensor, mesh, placements, dim)
     return wrap(local, _spec(mesh, placements, tensor), requires_grad=tensor.requires_grad)
 
