@@ -227,7 +227,12 @@ def fully_shard(
         members = [(param_of[pid], fqns) for pid, fqns in locations.items()]
         placement = (lambda f, p: shard_placement_fn(p)) if shard_placement_fn else Shard(0)
         placements = [_resolve_placement(placement, fqns[0], p, name) for p, fqns in members]
-        layout = _plan(name, members, placements, groups.shard_size, 0, mp_policy)
+        # frozen parameters of other dtypes (fp8 or fp64 weights beside trainable ones,
+        # as FSDP2 takes them) travel packed as bytes, each in its own dtype; trainable
+        # ones of several dtypes are refused (by _plan), as FSDP2 refuses them
+        trained = {p.dtype for p, _ in members if p.requires_grad}
+        packed = len({p.dtype for p, _ in members}) > 1 and len(trained) <= 1
+        layout = _plan(name, members, placements, groups.shard_size, 0, mp_policy, packed)
         return [_Plan(name, members, placements, layout, modules, mp_policy, reshard)]
 
     built = _agree_and_build(_root_of(modules), plan, groups, timeout)

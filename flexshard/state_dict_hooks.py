@@ -79,22 +79,23 @@ def to_local(value: torch.Tensor, bucket: Bucket, index: int, key: str) -> torch
     a full tensor."""
     param = bucket.layout.params[index]
     shape = param.local_shape(bucket.rank)
-    if isinstance(value, DTensor):
-        if value.placements != bucket.specs[index].placements:
-            value = value.full_tensor()  # placed otherwise: every rank gathers, then cuts
-        else:
-            return value.to_local()
     boxes = local_boxes(param, bucket.rank)
     expected = tuple(param.shape)
     spec = bucket.params[index].tp_spec
     if spec is not None:  # a tensor-parallel piece: boxes in the whole tensor's coordinates
         expected, offset, _ = tp_frame(spec)
         boxes = shifted(boxes, offset)
+    # a DTensor's shape is global: checked before its local tensor is taken as the shard
     if tuple(value.shape) != expected:
         raise ValueError(
             f"state dict entry '{key}' has shape {tuple(value.shape)}, bucket "
             f"'{bucket.name}' expects {expected}"
         )
+    if isinstance(value, DTensor):
+        if value.placements != bucket.specs[index].placements:
+            value = value.full_tensor()  # placed otherwise: every rank gathers, then cuts
+        else:
+            return value.to_local()
     if isinstance(value, RegionTensor):
         if [box for box, _ in value.pieces] != boxes:
             raise ValueError(
@@ -128,18 +129,19 @@ def _load_post_hook(module: nn.Module, _incompatible: Any) -> None:
     """``load_state_dict(assign=True)`` put new parameter objects on the modules:
     move their values into the bucket storage and make them its views again."""
     for bucket in _own_buckets(module):
-        assigned = {}
-        for i, param in enumerate(bucket.params):
-            owner, attr = param.locations[0]
-            current = owner._parameters.get(attr)
-            if current is not None and current is not bucket.local_params[i]:
-                assigned[i] = current
-        if assigned:
-            bucket.adopt(assigned)
+        bucket.adopt_replaced()
+
+
+def _save_pre_hook(module: nn.Module, *_args: Any) -> None:
+    """``state_dict()`` gives the sharded parameters, also right after a forward that
+    kept them gathered (``reshard_after_forward=False``): reshard first, as FSDP2 does."""
+    for bucket in _own_buckets(module):
+        bucket.reshard()
 
 
 def install_state_dict_hooks(module: nn.Module) -> None:
-    """Make ``load_state_dict`` accept DTensors, RegionTensors and full tensors, and
-    re-adopt assigned parameters."""
+    """Make ``state_dict`` give the sharded parameters, ``load_state_dict`` accept
+    DTensors, RegionTensors and full tensors, and re-adopt assigned parameters."""
+    module.register_state_dict_pre_hook(_save_pre_hook)
     module.register_load_state_dict_pre_hook(_load_pre_hook)
     module.register_load_state_dict_post_hook(_load_post_hook)

@@ -21,7 +21,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.profiler import record_function
 
 from ..placements import BucketLayout, Placement, Shard, unpack
-from ..placements.layout import trainable_layout
 from ..quant import QuantFormat, QuantizedTensor
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime, device_runtime
@@ -99,19 +98,14 @@ class Bucket:
             [t.element_size() for t in initial],
             mp_policy,
             first.device,
+            [p.requires_grad for p in params],
         )
         self.collective = choose_collective(
             name, [p.fqn for p in params], [p.placement for p in params], quant, self.store
         )
-        # frozen parameters are left out of the reduce-scatter, as FSDP2 leaves them
-        grad_layout = layout
-        if not all(p.requires_grad for p in params):
-            grad_layout = trainable_layout(
-                layout,
-                [p.requires_grad for p in params],
-                [p.placement.uniform_slots for p in params],
-            )
-        self.reduction = GradReduction(comm, grad_layout, rank)
+        self.reduction = GradReduction(
+            comm, layout, rank, [p.placement.uniform_slots for p in params]
+        )
         self.grads = GradAccumulator(len(params))
         if first.device.type != "meta":
             self.store.load(initial)
@@ -230,14 +224,32 @@ class Bucket:
             sharded_spec(self.mesh, p.placement, layout, dtype, p.tp_spec)
             for p, layout, dtype in zip(self.params, self.layout.params, self.dtypes)
         ]
+        # remade (``.to(...)``): keep what ``requires_grad_`` said since sharding
+        previous = getattr(self, "local_params", None)
+        trainable = [p.requires_grad for p in previous or self.params]
         self.local_params = [
-            nn.Parameter(wrap(self.store.view(i), spec), p.requires_grad)
-            for i, (p, spec) in enumerate(zip(self.params, self.specs))
+            nn.Parameter(wrap(self.store.view(i), spec), flag)
+            for i, (spec, flag) in enumerate(zip(self.specs, trainable))
         ]
         for i, local in enumerate(self.local_params):
             _mark(local, self, i)
         self._build_full_params()
         self._set_on_modules(self.local_params)
+
+    def adopt_replaced(self) -> None:
+        """Adopt the parameters assigned on the modules since sharding (``load_state_dict(
+        assign=True)``, or ``module.weight = nn.Parameter(...)`` before the first
+        forward), as FSDP2 re-shards them at lazy init."""
+        if self.unsharded:
+            return  # the modules hold the full parameters: nothing was replaced
+        assigned = {}
+        for i, param in enumerate(self.params):
+            owner, attr = param.locations[0]
+            current = owner._parameters.get(attr)
+            if current is not None and current is not self.local_params[i]:
+                assigned[i] = current
+        if assigned:
+            self.adopt(assigned)
 
     def adopt(self, assigned: dict[int, nn.Parameter]) -> None:
         """Make the parameters ``load_state_dict(assign=True)`` put on the modules (by
@@ -328,6 +340,11 @@ class Bucket:
             owned = full.alloc_owned()
             if self.collective.copy_out(full.gathered, owned):
                 self.runtime().release(full.gathered)
+        # ``requires_grad_`` on a sharded parameter after sharding holds for the next
+        # forward, as in FSDP2: the full parameter follows it
+        for local, param in zip(self.local_params, self.full_params):
+            if param.requires_grad != local.requires_grad:
+                param.requires_grad_(local.requires_grad)
         self._set_on_modules(self.full_params)
         full.unsharded = True
 
@@ -368,7 +385,10 @@ class Bucket:
         # copy-in on compute, as FSDP2; the collective on the reduce-scatter stream
         with self._span("reduce_scatter"):
             grads = self._take_grads()
-            self.reduction.launch(self.collective, grads, self.reduce_dtype, self.runtime())
+            trainable = tuple(p.requires_grad for p in self.local_params)
+            self.reduction.launch(
+                self.collective, grads, self.reduce_dtype, self.runtime(), trainable
+            )
 
     def finish_reduce(self) -> None:
         """Land the reduced gradient shards on ``.grad``. CUDA: on the reduce-scatter

@@ -225,6 +225,7 @@ def install_root_hooks(module: nn.Module) -> None:
             for fqn, m in mod.named_modules():
                 for bucket in getattr(m, "_flexshard_buckets", ()):
                     bucket.rename(fqn or "root")  # fully_shard buckets are named by module
+                    bucket.adopt_replaced()  # parameters assigned since sharding
                     buckets.append(bucket)
             state = StepState(mod, buckets)
             for m in mod.modules():

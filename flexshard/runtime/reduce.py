@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..placements import BucketLayout
+from ..placements.layout import trainable_layout
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime
 from .gather import Collective
@@ -20,12 +21,18 @@ from .tp_params import local_of
 
 
 class GradReduction:
-    """Launches and lands one bucket's gradient reductions over ``layout`` (the
-    bucket's layout without its frozen parameters, as FSDP2 leaves them out)."""
+    """Launches and lands one bucket's gradient reductions over the bucket's layout
+    without its frozen parameters (as FSDP2 leaves them out). ``uniform``: per
+    parameter, whether its placement pads every rank to the largest slice (Shard)."""
 
-    def __init__(self, comm: BucketComm, layout: BucketLayout, rank: int) -> None:
+    def __init__(
+        self, comm: BucketComm, layout: BucketLayout, rank: int, uniform: Sequence[bool]
+    ) -> None:
         self.comm = comm
-        self.layout = layout
+        self.bucket_layout = layout
+        self.uniform = list(uniform)
+        self.layout = layout  # the last launch's: its trainable parameters' regions
+        self._trainable_layouts: dict[tuple[bool, ...], BucketLayout] = {}
         self.rank = rank
         # FlexShardModule's setters (runtime/module.py) tune these
         self.requires_all_reduce = True  # HSDP: False skips the all-reduce over replicas
@@ -45,13 +52,26 @@ class GradReduction:
         summed = self.divide_factor is not None or self.force_sum
         return dist.ReduceOp.SUM if summed else dist.ReduceOp.AVG
 
+    def _layout_of(self, trainable: tuple[bool, ...]) -> BucketLayout:
+        """The reduction's layout for the parameters that require grad now: it follows
+        ``requires_grad_`` after sharding, as FSDP2 reduces only those."""
+        if all(trainable):
+            return self.bucket_layout
+        if trainable not in self._trainable_layouts:
+            self._trainable_layouts[trainable] = trainable_layout(
+                self.bucket_layout, trainable, self.uniform
+            )
+        return self._trainable_layouts[trainable]
+
     def launch(
         self,
         collective: Collective,
         grads: list[torch.Tensor | None],
         dtype: torch.dtype,
         runtime: DeviceRuntime,
+        trainable: tuple[bool, ...],
     ) -> None:
+        self.layout = self._layout_of(trainable)
         if self.layout.shard_numel == 0:  # every parameter frozen: nothing to reduce
             return
         self._pending = collective.launch_reduce(

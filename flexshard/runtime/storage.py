@@ -40,7 +40,9 @@ class BucketStorage:
 
     Parameters of several dtypes share one uint8 buffer (``packed``), each region as
     its bytes; ``storage_layout`` then counts bytes while ``layout`` counts elements.
-    ``param_dtype``/``reduce_dtype`` are what the mixed-precision policy makes of them.
+    ``param_dtype``/``reduce_dtype`` are what the mixed-precision policy makes of them;
+    gradients are reduced in the widest dtype of the parameters that were ``trainable``
+    when sharded (FSDP2's rule: a frozen parameter's dtype does not count).
     """
 
     def __init__(
@@ -51,10 +53,12 @@ class BucketStorage:
         element_sizes: list[int],
         policy: MixedPrecisionPolicy,
         device: torch.device,
+        trainable: list[bool] | None = None,
     ) -> None:
         self.layout = layout
         self.rank = rank
         self.policy = policy
+        self.trainable = list(trainable) if trainable is not None else [True] * len(dtypes)
         self.dtypes = list(dtypes)
         self.packed = len(set(dtypes)) > 1
         self.storage_layout = as_bytes(layout, element_sizes) if self.packed else layout
@@ -66,7 +70,8 @@ class BucketStorage:
         self.dtype = dtype  # the buffer's
         self.param_dtype = policy.param_dtype or dtype
         self.full_dtypes = [policy.param_dtype or d for d in self.dtypes]
-        widest = functools.reduce(torch.promote_types, self.dtypes)
+        graded = [d for d, t in zip(self.dtypes, self.trainable) if t] or self.dtypes
+        widest = functools.reduce(torch.promote_types, graded)
         self.reduce_dtype = policy.reduce_dtype or policy.param_dtype or widest
 
     def recast(self, buffer: torch.Tensor) -> None:
