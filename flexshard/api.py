@@ -147,8 +147,9 @@ def _plan_flex(
 
 
 def _reshard_option(value: object, shard_size: int) -> bool | None:
-    """FSDP2's int ``reshard_after_forward`` (reshard to a smaller group) keeps the
-    parameters gathered here: the same numerics, no backward all-gather, more memory."""
+    """FSDP2's int ``reshard_after_forward``: 1 is False, the shard group's size True
+    (FSDP2's reading); a size between (reshard to a smaller group) keeps the parameters
+    gathered here: the same numerics, no backward all-gather, more memory."""
     if isinstance(value, bool) or value is None:
         return value
     if not isinstance(value, int):
@@ -156,7 +157,7 @@ def _reshard_option(value: object, shard_size: int) -> bool | None:
             f"fully_shard: reshard_after_forward must be a bool, an int or None, got {value!r}"
         )
     if 1 <= value <= shard_size and shard_size % value == 0:
-        return value == 1
+        return value != 1 and value == shard_size
     raise ValueError(
         f"fully_shard: reshard_after_forward={value!r} must be a bool, None or a divisor "
         f"of the shard group size {shard_size}"
@@ -192,6 +193,8 @@ def fully_shard(
     a list of modules, gathered together by whichever runs first) that no earlier call
     took. ``shard_placement_fn`` may return torch's ``Shard(dim)`` or any flexshard
     placement."""
+    if isinstance(module, nn.ModuleDict):  # a container without forward: its modules
+        module = list(module.values())
     modules = list(module) if isinstance(module, (list, tuple, nn.ModuleList)) else [module]
     if not modules:
         raise ValueError("fully_shard needs at least one module")
@@ -218,8 +221,8 @@ def fully_shard(
                 )
             prefix = _common_prefix(modules, m)
             for pid, fqns in _parameter_locations(m).items():
-                if pid not in ignored and pid not in locations:
-                    locations[pid] = [prefix + f for f in fqns]
+                if pid not in ignored:  # a tie between the modules: every name kept
+                    locations.setdefault(pid, []).extend(prefix + f for f in fqns)
             param_of.update({id(p): p for p in m.parameters()})
         if not locations:
             return []

@@ -51,9 +51,18 @@ class BucketSpec:
 
 
 def _parameter_locations(module: nn.Module) -> dict[int, list[str]]:
-    """Every FQN under which each not-yet-sharded parameter is reachable (ties share one)."""
+    """Every FQN under which each not-yet-sharded parameter is reachable (ties share one).
+    A parameter an earlier call sharded, still reachable here, is tied across two
+    buckets: refused, as FSDP2 refuses it (each bucket would train its own copy)."""
     locations: dict[int, list[str]] = {}
     for fqn, param in module.named_parameters(remove_duplicate=False):
+        taken = getattr(param, "_flexshard_sharded_in", None)
+        if taken is not None:
+            raise ValueError(
+                f"parameter '{fqn}' is shared with a parameter already sharded in bucket "
+                f"'{taken}'; shard the modules that share it in one call "
+                "(fully_shard([a, b]), or their common parent)"
+            )
         if slot_of(param) is None:
             locations.setdefault(id(param), []).append(fqn)
     return locations
@@ -229,6 +238,8 @@ def _agree_and_build(
             plan.quant,
             groups.mesh,
         )
+        for param, _ in plan.members:  # a tie left outside the bucket is refused later
+            param._flexshard_sharded_in = plan.name
         built.append((bucket, plan.hook_modules))
     return built
 

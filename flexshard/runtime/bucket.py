@@ -60,6 +60,15 @@ def _mark(param: nn.Parameter, bucket: Bucket, index: int) -> None:
     param._flexshard_slot = (bucket, index)  # type: ignore[attr-defined]
 
 
+def _follow_requires_grad(shown: list[nn.Parameter], hidden: list[nn.Parameter]) -> None:
+    """``requires_grad_`` after sharding holds, as in FSDP2: it lands on the parameters
+    the modules hold (full while unsharded, local otherwise); the others follow them
+    when the modules switch."""
+    for source, target in zip(shown, hidden):
+        if target.requires_grad != source.requires_grad:
+            target.requires_grad_(source.requires_grad)
+
+
 class Bucket:
     """Holds this rank's shard of a group of parameters and moves it.
 
@@ -340,11 +349,7 @@ class Bucket:
             owned = full.alloc_owned()
             if self.collective.copy_out(full.gathered, owned):
                 self.runtime().release(full.gathered)
-        # ``requires_grad_`` on a sharded parameter after sharding holds for the next
-        # forward, as in FSDP2: the full parameter follows it
-        for local, param in zip(self.local_params, self.full_params):
-            if param.requires_grad != local.requires_grad:
-                param.requires_grad_(local.requires_grad)
+        _follow_requires_grad(self.local_params, self.full_params)
         self._set_on_modules(self.full_params)
         full.unsharded = True
 
@@ -369,6 +374,7 @@ class Bucket:
             self._finish_gather()
         if not self.unsharded:
             return
+        _follow_requires_grad(self.full_params, self.local_params)
         self._set_on_modules(self.local_params)
         self.full.free()
         self.full.unsharded = False
@@ -385,7 +391,8 @@ class Bucket:
         # copy-in on compute, as FSDP2; the collective on the reduce-scatter stream
         with self._span("reduce_scatter"):
             grads = self._take_grads()
-            trainable = tuple(p.requires_grad for p in self.local_params)
+            shown = self.full_params if self.unsharded else self.local_params
+            trainable = tuple(p.requires_grad for p in shown)
             self.reduction.launch(
                 self.collective, grads, self.reduce_dtype, self.runtime(), trainable
             )

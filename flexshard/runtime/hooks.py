@@ -4,6 +4,7 @@ re-gather, gradient reductions launched as buckets complete, one end-of-backward
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -193,6 +194,19 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+def _tensors_in(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in a module's output: pytree containers and, as FSDP2 walks them,
+    dataclass fields."""
+    found = []
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            for field in dataclasses.fields(leaf):
+                found += _tensors_in(getattr(leaf, field.name))
+    return found
+
+
 def _cast_floats(tree: Any, dtype: torch.dtype | None) -> Any:
     if dtype is None:
         return tree
@@ -298,11 +312,9 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
         if reshard is None:  # FSDP2's default: backward needs the root's params at once
             reshard = state.root is not mod
         last = bucket.step.forwards_done % len(modules) == 0
-        if (reshard and last) or not torch.is_grad_enabled():
+        if reshard and last:  # a no_grad forward too: FSDP2 keeps what the option says
             bucket.reshard()
-        tensors = [
-            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, before_backward, mode="any")
         return _cast_floats(output, policy.output_dtype)

@@ -123,6 +123,11 @@ class GradReduction:
                 local.grad = wrap(grad, specs[i])
             else:
                 local_of(local.grad).add_(grad)
+            # the sharded parameter's gradient is complete: its post-accumulate-grad
+            # hooks run now (an optimizer stepped in backward), as FSDP2 runs them
+            hooks = getattr(local, "_post_accumulate_grad_hooks", None)
+            for hook in (hooks or {}).values():
+                hook(local)
         if replicas and self.requires_all_reduce and self._skipped_all_reduce:
             self._all_reduce_accumulated(local_params)
         self._skipped_all_reduce = replicas and not self.requires_all_reduce
