@@ -302,21 +302,7 @@ SCENARIOS: dict[str, Callable] = {
 #: scenarios whose extra sub-cases run with -m slow (the fast ones run a few)
 WITH_SLOW_CASES = {"frozen_bitfit", "grad_acc"}
 
-st.register(__name__)
 
-
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_fsdp2_state_scenario_w2(name, tmp_path_factory):
-    st.check(2, __name__, name, tmp_path_factory)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_fsdp2_state_scenario_w3(name, tmp_path_factory):
-    st.check(3, __name__, name, tmp_path_factory)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(WITH_SLOW_CASES))
-def test_fsdp2_state_scenario_more_cases_w2(name, tmp_path_factory):
-    st.check(2, __name__, name, tmp_path_factory, slow=True)
+@pytest.mark.parametrize("world,slow,name", st.cases(__name__))
+def test_fsdp2_state_scenario(world, slow, name, tmp_path_factory):
+    st.check(world, __name__, name, tmp_path_factory, slow)

@@ -400,15 +400,7 @@ SCENARIOS: dict[str, Callable] = {
     name[2:]: fn for name, fn in globals().items() if name.startswith("s_") and callable(fn)
 }
 
-st.register(__name__)
 
-
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_fsdp2_state_scenario_w2(name, tmp_path_factory):
-    st.check(2, __name__, name, tmp_path_factory)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_fsdp2_state_scenario_w3(name, tmp_path_factory):
-    st.check(3, __name__, name, tmp_path_factory)
+@pytest.mark.parametrize("world,slow,name", st.cases(__name__))
+def test_fsdp2_state_scenario(world, slow, name, tmp_path_factory):
+    st.check(world, __name__, name, tmp_path_factory, slow)

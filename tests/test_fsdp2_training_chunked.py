@@ -281,19 +281,6 @@ FAST = [
 ]
 
 
-ts.register(__name__)
-
-
-@pytest.mark.parametrize("name", ts.params(__name__, "fast"))
-def test_fsdp2_training_scenario_w2(name):
-    ts.check("fast", __name__, name)
-
-
-@pytest.mark.parametrize("name", ts.params(__name__, "slow_w2"))
-def test_fsdp2_training_scenario_w2_slow(name):
-    ts.check("slow_w2", __name__, name)
-
-
-@pytest.mark.parametrize("name", ts.params(__name__, "w3"))
-def test_fsdp2_training_scenario_w3(name):
-    ts.check("w3", __name__, name)
+@pytest.mark.parametrize("selection,name", ts.cases(__name__))
+def test_fsdp2_training_scenario(selection, name):
+    ts.check(selection, __name__, name)

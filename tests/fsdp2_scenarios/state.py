@@ -6,9 +6,9 @@ for CPU and run with torch's ``fully_shard`` and with flexshard's: every result 
 can see (losses, full gradients, parameters after optimizer steps, state-dict keys,
 values and types, which calls raise) must be bitwise equal, or both must raise.
 
-Each test file defines ``SCENARIOS`` (its ``s_*`` functions) and calls
-``register(__name__)``; all scenarios of one world size of all registered files run in
-one launch, and each test checks one scenario's comparison.
+Each test file defines ``SCENARIOS`` (its ``s_*`` functions) and parametrizes one test
+with ``cases(__name__)``, which registers it; all scenarios of one world size of all
+registered files run in one launch, and each test checks one scenario's comparison.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -316,3 +317,16 @@ def check(world: int, module: str, name: str, tmp_path_factory, slow: bool = Fal
     for rank, results in enumerate(_LAUNCHES[world, slow]):
         got = results[module, name]
         assert got == [], f"rank {rank}: {name}:\n" + "\n".join(got[:20])
+
+
+def cases(module: str) -> list:
+    """Register a test file's scenarios and give them as (world, slow, name) pytest
+    params: W = 2 in the fast suite, W = 3 and the extra sub-cases with -m slow."""
+    register(module)
+    m = sys.modules[module]
+    slow = [pytest.mark.slow]
+    out = [pytest.param(2, False, n, id=f"w2-{n}") for n in m.SCENARIOS]
+    out += [pytest.param(3, False, n, marks=slow, id=f"w3-{n}") for n in m.SCENARIOS]
+    more = sorted(getattr(m, "WITH_SLOW_CASES", ()))
+    out += [pytest.param(2, True, n, marks=slow, id=f"w2-more-{n}") for n in more]
+    return out

@@ -7,7 +7,8 @@ parameters after optimizer steps and raised exceptions must agree bit for bit (f
 both must raise.
 
 Each test file defines ``SCENARIOS`` (name -> (fn, kwargs)), ``FAST`` and optionally
-``SCENARIOS_W4`` and ``WORLD1``, and calls ``register(__name__)``. Every scenario of one
+``SCENARIOS_W4`` and ``WORLD1``, and parametrizes one test with ``cases(__name__)``,
+which registers it. Every scenario of one
 selection (fast on two ranks, slow on two, three ranks, HSDP on four, one rank) of all
 registered files runs in one ``run_distributed`` call (start-up is the cost); each rank
 compares the two runs itself and hands back which results differ."""
@@ -328,3 +329,15 @@ def params(module: str, selection: str) -> list:
     """pytest params for one test file's scenarios in a selection."""
     world = SELECTIONS[selection][0]
     return [param(n, selection != "fast", world) for n in names(module, selection)]
+
+
+def cases(module: str) -> list:
+    """Register a test file's scenarios and give them as (selection, name) pytest params,
+    every selection: one parametrized test per file."""
+    register(module)
+    out = []
+    for selection in SELECTIONS:
+        for p in params(module, selection):
+            name = p.values[0]
+            out.append(pytest.param(selection, name, marks=p.marks, id=f"{selection}-{name}"))
+    return out
