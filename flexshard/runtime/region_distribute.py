@@ -21,10 +21,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .region_dtensor import wrap
 from .region_placement import RegionShard
+from .tp_params import local_piece
 
 
 def _region_dim(placements: Sequence[Placement]) -> int | None:
@@ -54,9 +54,7 @@ def local_regions(
     """This rank's local tensor of ``full`` placed on ``placements`` (a RegionShard on one
     mesh dim): a copy, no collective."""
     dim = _region_dim(placements)
-    others = _as_replicate(placements, dim)
-    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, others)
-    piece = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+    piece = local_piece(full, DTensorSpec(mesh, tuple(_as_replicate(placements, dim))))
     return _regions_of_piece(piece, mesh, placements, dim)
 
 

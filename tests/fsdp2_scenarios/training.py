@@ -317,27 +317,16 @@ def _reason(name: str, world: int) -> str | None:
     return None
 
 
-def param(name: str, slow: bool, world: int) -> Any:
-    marks = [pytest.mark.slow] if slow else []
-    reason = _reason(name, world)
-    if reason:
-        marks.append(pytest.mark.xfail(strict=True, reason=f"flexshard: {reason}"))
-    return pytest.param(name, marks=marks, id=name)
-
-
-def params(module: str, selection: str) -> list:
-    """pytest params for one test file's scenarios in a selection."""
-    world = SELECTIONS[selection][0]
-    return [param(n, selection != "fast", world) for n in names(module, selection)]
-
-
 def cases(module: str) -> list:
     """Register a test file's scenarios and give them as (selection, name) pytest params,
     every selection: one parametrized test per file."""
     register(module)
     out = []
-    for selection in SELECTIONS:
-        for p in params(module, selection):
-            name = p.values[0]
-            out.append(pytest.param(selection, name, marks=p.marks, id=f"{selection}-{name}"))
+    for selection, (world, _) in SELECTIONS.items():
+        for name in names(module, selection):
+            marks = [pytest.mark.slow] if selection != "fast" else []
+            reason = _reason(name, world)
+            if reason:
+                marks.append(pytest.mark.xfail(strict=True, reason=f"flexshard: {reason}"))
+            out.append(pytest.param(selection, name, marks=marks, id=f"{selection}-{name}"))
     return out
