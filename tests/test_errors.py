@@ -401,12 +401,14 @@ def test_groups_registered_on_some_ranks_do_not_hang_a_later_flex_shard(results)
 def test_the_log_sees_the_collectives_flexshard_issues(results):
     """Positive control for the checks above: the same log records a valid flex_shard's
     agreement exchange, a forward and backward's all-gathers and reduce-scatters (one
-    per bucket), and the one exchange that finds a disagreement across ranks."""
+    per bucket) and the end-of-backward agreement on unused parameters (one all-reduce),
+    and the one exchange that finds a disagreement across ranks."""
     for per_rank in results:
         control = per_rank["control"]
         assert control["setup"] == ["all_gather_single"], control
         step = Counter(control["step"])
-        assert set(step) == {"all_gather_single", "reduce_scatter_single"}, control
+        assert set(step) == {"all_gather_single", "reduce_scatter_single", "all_reduce"}, control
         assert step["reduce_scatter_single"] == 3 and step["all_gather_single"] >= 3, control
+        assert step["all_reduce"] == 1, control
         for case in NEEDS_COLLECTIVE:
             assert per_rank[case]["collectives"] == ["all_gather_single"], case

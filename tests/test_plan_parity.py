@@ -20,6 +20,9 @@ from flexshard.trainer.train import setup, train_step
 
 from .trainer_cases import tiny_config
 
+#: comm_stats entries that are no bucket (the unused-parameter agreement, the sum)
+NOT_BUCKETS = ("total", "grad_agreement")
+
 W = 3
 CASES = {
     "shard0": {},
@@ -70,7 +73,7 @@ def _measure(rank: int, world: int, folder: str, names: tuple[str, ...]) -> dict
             if isinstance(t, torch.Tensor) and t.dim() > 0
         )
         out[name] = {
-            "bytes": {b: e["bytes_sent"] for b, e in stats.items() if b != "total"},
+            "bytes": {b: e["bytes_sent"] for b, e in stats.items() if b not in NOT_BUCKETS},
             "grads": grads,
             "state": state,
         }

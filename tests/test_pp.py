@@ -25,6 +25,9 @@ from flexshard.trainer.model import Transformer, init_module, init_weights
 from flexshard.trainer.pipeline import build_pipeline, check_pipeline, init_stage_params
 from flexshard.trainer.train import loss_fn
 
+#: comm_stats entries that are no bucket (the unused-parameter agreement, the sum)
+NOT_BUCKETS = ("total", "grad_agreement")
+
 STEPS = 3
 SEQ = 16
 SEED = 5
@@ -151,8 +154,9 @@ def pipeline_run(
         counts, gathered = {}, {}
         for module in runner.modules if backend == "flexshard" else ():
             stats = module.comm_stats(reset=True)
-            counts.update({k: v["reduce_scatter"] for k, v in stats.items() if k != "total"})
-            gathered.update({k: v["all_gather"] for k, v in stats.items() if k != "total"})
+            buckets = {k: v for k, v in stats.items() if k not in NOT_BUCKETS}
+            counts.update({k: v["reduce_scatter"] for k, v in buckets.items()})
+            gathered.update({k: v["all_gather"] for k, v in buckets.items()})
         reduces.append(counts)
         gathers.append(gathered)
         stage = list(runner.parameters())

@@ -408,6 +408,16 @@ class Bucket:
             cast_to = None if self.store.packed else self.dtype
             self.reduction.finish(self.local_params, self.specs, cast_to)
 
+    def settle_unused(self, used_anywhere: dict[int, bool]) -> None:
+        """The ranks agreed which parameters some rank used: land those this rank did
+        not (runtime/unused_grads.py), on the stream the other gradients landed on."""
+        if not self.reduction.unused_here:
+            self.reduction.settle(used_anywhere, self.local_params, self.specs)
+            return
+        runtime = self.runtime()
+        with self._span("grad_copy"), runtime.on(runtime.reduce_scatter_stream):
+            self.reduction.settle(used_anywhere, self.local_params, self.specs)
+
     def join_reductions(self) -> None:
         """Compute waits on every gradient copy queued so far (no-op on CPU)."""
         runtime = self.runtime()

@@ -353,6 +353,24 @@ class BucketComm:
         self._count("all_reduce", 2 * (size - 1) * tensor.numel() * tensor.element_size() // size)
         return pending
 
+    def agree(
+        self, flags: torch.Tensor, replicas: bool, record: Callable[[str, int, int], None]
+    ) -> Pending:
+        """The largest of every rank's ``flags`` (all-reduce MAX) over the shard group or
+        the replicas: the ranks' agreement on the parameters none of them used (see
+        runtime/unused_grads.py). Counted by ``record``, not in the bucket's stats."""
+        group = self.replicate_group if replicas else self.shard_group
+        size = dist.get_world_size(group)
+        pending = self._launch(
+            lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True),
+            "unused-parameter agreement all-reduce",
+            group,
+            flags,
+        )
+        moved = 2 * (size - 1) * flags.numel() * flags.element_size() // size
+        record("all_reduce", moved, moved)
+        return pending
+
     def gather_flags(self, out: torch.Tensor, local: torch.Tensor, replicas: bool) -> Pending:
         """All-gather a few small integers (the opt-in finite-gradient check); counted
         as an all-gather, not as parameter bytes."""

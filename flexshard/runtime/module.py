@@ -12,7 +12,8 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from .bucket import Bucket
-from .traffic import subtree_traffic, summed
+from .traffic import TrafficStats, subtree_traffic, summed
+from .unused_grads import agree_on_unused
 
 
 def own_buckets(module: nn.Module) -> list[Bucket]:
@@ -308,13 +309,17 @@ class _PipelineState:
         self.module = module
 
     def _root_post_backward_final_callback(self) -> None:
-        for bucket in subtree_buckets(self.module):  # the same order on every rank
+        buckets = list(subtree_buckets(self.module))  # the same order on every rank
+        for bucket in buckets:
             if bucket.schedule.reshard_after_backward:
                 bucket.reshard()  # before the reduction's buffers, as in StepState._launch
             if bucket.schedule.requires_grad_sync:
                 bucket.launch_reduce()
                 bucket.finish_reduce()
-                bucket.join_reductions()
+        state = buckets[0].step.state if buckets else None
+        agree_on_unused(buckets, state.agreement if state else TrafficStats())
+        for bucket in buckets:
+            bucket.join_reductions()
 
 
 def _register_pipeline_state(module: nn.Module) -> None:

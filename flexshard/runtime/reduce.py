@@ -41,6 +41,10 @@ class GradReduction:
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self._skipped_all_reduce = False  # the gradients hold unreduced replica sums
         self._pending: tuple[Pending, torch.Tensor] | None = None  # and its output
+        # which trainable parameters had a gradient here, when the ranks are to agree
+        # on those no rank used (runtime/unused_grads.py); None: every one is landed
+        self.used_here: dict[int, bool] | None = None  # by parameter index
+        self.unused_here: list[tuple[int, torch.Tensor]] = []  # (index, reduced grad)
 
     @property
     def in_flight(self) -> bool:
@@ -72,8 +76,15 @@ class GradReduction:
         trainable: tuple[bool, ...],
     ) -> None:
         self.layout = self._layout_of(trainable)
+        self.used_here, self.unused_here = None, []  # a step aborted may have left some
         if self.layout.shard_numel == 0:  # every parameter frozen: nothing to reduce
             return
+        # HSDP without the replica all-reduce (or right after it) lands every gradient:
+        # the replicas' per-parameter all-reduce needs the same parameters everywhere
+        replicas = self.comm.replicate_group is not None
+        if not replicas or (self.requires_all_reduce and not self._skipped_all_reduce):
+            used = zip(grads, trainable)
+            self.used_here = {i: g is not None for i, (g, t) in enumerate(used) if t}
         self._pending = collective.launch_reduce(
             self.comm, self.layout, grads, dtype, self.op, runtime
         )
@@ -119,18 +130,28 @@ class GradReduction:
             grad = self.view(out, i)
             if grad.dtype != local.dtype:
                 grad = grad.to(local.dtype)
-            if local.grad is None:
-                local.grad = wrap(grad, specs[i])
-            else:
-                local_of(local.grad).add_(grad)
-            # the sharded parameter's gradient is complete: its post-accumulate-grad
-            # hooks run now (an optimizer stepped in backward), as FSDP2 runs them
-            hooks = getattr(local, "_post_accumulate_grad_hooks", None)
-            for hook in (hooks or {}).values():
-                hook(local)
+            if self.used_here is not None and not self.used_here.get(i, True):
+                self.unused_here.append((i, grad))  # used elsewhere? the ranks agree
+                continue
+            _land(local, grad, specs[i])
         if replicas and self.requires_all_reduce and self._skipped_all_reduce:
             self._all_reduce_accumulated(local_params)
         self._skipped_all_reduce = replicas and not self.requires_all_reduce
+
+    def settle(
+        self,
+        used_anywhere: dict[int, bool],
+        local_params: Sequence[nn.Parameter],
+        specs: Sequence[DTensorSpec],
+    ) -> None:
+        """Land the gradients of the parameters this rank did not use that some rank
+        did (``used_anywhere``, keyed as ``used_here``); those no rank used keep
+        ``.grad`` as it was (None after ``zero_grad``), as FSDP2 leaves them."""
+        for i, grad in self.unused_here:
+            if used_anywhere[i]:
+                _land(local_params[i], grad, specs[i])
+        self.unused_here = []
+        self.used_here = None
 
     def _all_reduce_accumulated(self, local_params: Sequence[nn.Parameter]) -> None:
         """HSDP after steps without the replica all-reduce: average the whole
@@ -140,3 +161,16 @@ class GradReduction:
             grad = None if local.grad is None else local_of(local.grad)
             if grad is not None and grad.numel():
                 self.comm.all_reduce(grad, replicas=True, op=op).wait()
+
+
+def _land(local: nn.Parameter, grad: torch.Tensor, spec: DTensorSpec) -> None:
+    """Add this rank's reduced shard to ``local.grad`` and run its post-accumulate-grad
+    hooks: the sharded gradient is complete (an optimizer stepped in backward), as
+    FSDP2 runs them."""
+    if local.grad is None:
+        local.grad = wrap(grad, spec)
+    else:
+        local_of(local.grad).add_(grad)
+    hooks = getattr(local, "_post_accumulate_grad_hooks", None)
+    for hook in (hooks or {}).values():
+        hook(local)

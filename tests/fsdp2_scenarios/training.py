@@ -279,19 +279,7 @@ def check(selection: str, module: str, name: str) -> None:
 
 # Known differences, kept so the suite stays green while they are tracked (strict
 # xfail: fixing flexshard turns them into failures that ask for the mark's removal).
-NONE_GRAD = (
-    "a parameter that got no gradient in a backward (unused output, module that never "
-    "ran, backward through a non-root child only) gets a zero .grad instead of None, so "
-    "Adam still moves it (runtime/hooks.py _end_of_backward reduces every bucket; "
-    "runtime/reduce.py GradReduction.finish gives every trainable parameter a grad)"
-)
 XFAIL: dict[str, str] = {
-    "unused_forward_output[raf=True]": NONE_GRAD,
-    "unused_forward_output[raf=False]": NONE_GRAD,
-    "unused_forward_module[raf=True]": NONE_GRAD,
-    "unused_forward_module[raf=False]": NONE_GRAD,
-    "non_root_forward_backward": NONE_GRAD,
-    "double_partial_forward": NONE_GRAD,
     "chunked_grad_accum[raf=True,grouped=True]": (
         "rounding (7.6e-6 on body.weight): flexshard's grouped [norm, head] run equals "
         "its and torch's ungrouped runs; torch's grouped run alone differs (and equals a "
@@ -299,19 +287,13 @@ XFAIL: dict[str, str] = {
     ),
     "chunked_grad_accum[raf=False,grouped=True]": "rounding, as raf=True above",
 }
-# on two ranks an int reshard_after_forward of 2 is the shard size (torch: True)
-XFAIL_W2 = {
-    "unused_forward_output[raf=2]": NONE_GRAD,
-    "unused_forward_module[raf=2]": NONE_GRAD,
-}
 # torch refuses uneven Shard(dim > 0) (three ranks over even dims); flexshard's
 # fully_shard accepts it by design, so these do not apply on three ranks
 NOT_ON_W3 = {"single_group[largest_dim]", "shard_largest_dim", "shard1_contiguous"}
 
 
-def _reason(name: str, world: int) -> str | None:
-    table = {**XFAIL, **XFAIL_W2} if world == 2 else XFAIL
-    for prefix, reason in table.items():
+def _reason(name: str) -> str | None:
+    for prefix, reason in XFAIL.items():
         if name == prefix or (name.startswith(prefix) and not prefix.endswith("]")):
             return reason
     return None
@@ -322,10 +304,10 @@ def cases(module: str) -> list:
     every selection: one parametrized test per file."""
     register(module)
     out = []
-    for selection, (world, _) in SELECTIONS.items():
+    for selection in SELECTIONS:
         for name in names(module, selection):
             marks = [pytest.mark.slow] if selection != "fast" else []
-            reason = _reason(name, world)
+            reason = _reason(name)
             if reason:
                 marks.append(pytest.mark.xfail(strict=True, reason=f"flexshard: {reason}"))
             out.append(pytest.param(selection, name, marks=marks, id=f"{selection}-{name}"))
