@@ -44,7 +44,8 @@ How to read it:
 - **coll/step**, **MB sent/step**: collectives one rank issues per step and the bytes it
   sends, ring algorithm (`(W-1) x` per-rank chunk for all-gather / reduce-scatter,
   flexshard's `CommStats` formula), counted by wrapping `torch.distributed` for every
-  configuration (for flexshard it is checked against `model.comm_stats()`).
+  configuration (for flexshard it is checked against `model.comm_stats()`). flexshard's
+  one AR is the end-of-backward agreement on parameters no rank used (a few bytes).
 - **vs min**: bytes sent / the same collectives without padding (`(W-1)/W x` unpadded
   bucket bytes each). 1.00 means no padding is sent.
 - **x params**: bytes sent / `(W-1)/W x` all parameter bytes. Each block bucket moves
@@ -98,7 +99,8 @@ def comm_row(r: dict[str, Any]) -> str:
         r["world_size"],
         r["config"],
         f"{r['live_tensor_mb']:.1f}",
-        f"{comm['collectives']} ({comm['all_gather']} AG, {comm['reduce_scatter']} RS)",
+        f"{comm['collectives']} ({comm['all_gather']} AG, {comm['reduce_scatter']} RS"
+        + (f", {comm['all_reduce']} AR)" if comm.get("all_reduce") else ")"),
         f"{comm['bytes_sent'] / MB:.2f}",
         f"{r['bytes_vs_min']:.3f}",
         f"{r['bytes_vs_model']:.2f}",
