@@ -17,7 +17,9 @@ Checks, each reported ok / failed with its figures (one failing does not stop th
   compute kernels;
 * ``quantized_gather``: FP8 blockwise and MXFP8 BlockShard buckets gathered on the device
   equal the CPU codec's dequantize(quantize(x)) bit for bit, and train a few steps;
-* ``dist_muon``: DistMuon on flex_shard parameters against torch.optim.Muon on a replica.
+* ``dist_muon``: DistMuon on flex_shard parameters against torch.optim.Muon on a replica;
+* ``unused_grads``: a parameter no rank used keeps ``.grad`` None, one used on rank 0
+  only gets a gradient everywhere (the agreement on the device, W > 1).
 
 ``--dry-run`` runs the same code on CPU/gloo with tiny shapes (a fast test runs it).
 """
@@ -306,6 +308,28 @@ def dist_muon(ctx: Ctx) -> dict[str, Any]:
     return {"ok": diff <= 1e-6, "bitwise": equal, "max_abs_diff": diff}
 
 
+class _Heads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.b, self.c = (torch.nn.Linear(32, n) for n in (32, 8, 8))
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        h = self.body(x)
+        return h.square().mean() + (self.c(h).square().mean() if rank == 0 else 0)
+
+
+def unused_grads(ctx: Ctx) -> dict[str, Any]:
+    """Head b unused on every rank keeps ``.grad`` None; head c, run everywhere but used on
+    rank 0 only, gets a gradient on every rank (the agreement's all-reduce on the device)."""
+    torch.manual_seed(0)
+    model = fs.flex_shard(_Heads().to(ctx.device), ctx.mesh, [fs.BucketSpec("*", name="all")])
+    model(torch.randn(4, 32, device=ctx.device), ctx.rank).backward()
+    none = sorted(n for n, p in model.named_parameters() if p.grad is None)
+    agreed = model.comm_stats()["grad_agreement"]["all_reduce"]
+    ok = none == ["b.bias", "b.weight"] and agreed == (ctx.world > 1)
+    return {"ok": ok, "grad_none": none, "agreement_all_reduces": agreed}
+
+
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "parity_fp32": lambda ctx: parity(ctx, torch.float32),
     "parity_bf16": lambda ctx: parity(ctx, torch.bfloat16),
@@ -313,6 +337,7 @@ CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "trace": trace,
     "quantized_gather": quantized_gather,
     "dist_muon": dist_muon,
+    "unused_grads": unused_grads,
 }
 
 

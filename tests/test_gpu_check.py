@@ -20,6 +20,7 @@ def test_dry_run_writes_every_check(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_check_w1.json").read_text())["rows"][0]
     checks = ["parity_fp32", "parity_bf16", "speed", "trace", "quantized_gather", "dist_muon"]
+    checks.append("unused_grads")
     assert sorted(results) == sorted(checks)
     assert all(results[name]["ok"] for name in checks), results
     assert results["parity_bf16"]["losses_flexshard"] == results["parity_bf16"]["losses_fsdp2"]
