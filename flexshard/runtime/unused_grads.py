@@ -46,14 +46,17 @@ def agree_on_unused(buckets: Sequence[Bucket], stats: TrafficStats) -> None:
 
 
 def _agree(buckets: list[Bucket], stats: TrafficStats) -> None:
-    used = [dict(b.reduction.used_here or {}) for b in buckets]
+    used = [b.reduction.used_here or {} for b in buckets]
     flat = [u for per_bucket in used for u in per_bucket.values()]
     unused_here = not all(flat)
     comm = buckets[0].comm
     groups = [(False, comm.shard_group), (True, comm.replicate_group)]
     groups = [(r, g) for r, g in groups if g is not None and dist.get_world_size(g) > 1]
     if groups and flat:
-        flags = torch.tensor(flat, dtype=torch.int32, device=buckets[0].storage.device)
+        flags = torch.tensor(flat, dtype=torch.int32)
+        device = buckets[0].storage.device
+        if device.type != "cpu":  # a pageable copy would make the host wait for compute
+            flags = flags.pin_memory().to(device, non_blocking=True)
         for replicas, _ in groups:  # HSDP: the replicas combine their groups' flags
             comm.agree(flags, replicas, stats.record).wait()
         if unused_here:  # a host read: only where a gradient was missing
