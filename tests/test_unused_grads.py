@@ -127,9 +127,34 @@ def test_unused_everywhere_keeps_none_on_every_placement(world: int) -> None:
         assert per_rank == {name: [] for name in per_rank}
 
 
+def _replica_accumulation(rank: int, world: int, mesh) -> list[str]:
+    """HSDP with ``set_requires_all_reduce(False)`` on the first microbatch of each
+    step: b used on rank 0 only there (one replica) still gets its gradient everywhere
+    after the synced microbatch; b unused in both keeps None on every rank."""
+    model = _build("block", mesh)
+    torch.manual_seed(0)
+    reference = Heads()
+    problems = []
+    for step, whos in enumerate((("rank0", "none"), ("none", "none"), ("all", "rank0"))):
+        for micro, who in enumerate(whos):
+            model.set_requires_all_reduce(micro == len(whos) - 1)
+            model(_batch(10 * step + micro, rank), who, rank).backward()
+            for r in range(world):
+                (reference(_batch(10 * step + micro, r), who, r) / world).backward()
+        for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+            if (p.grad is None) != (q.grad is None):
+                problems.append(f"step {step} {whos}: {n}.grad is {p.grad}, expected {q.grad}")
+            elif q.grad is not None and not torch.allclose(p.grad.full_tensor(), q.grad, atol=1e-6):
+                problems.append(f"step {step} {whos}: {n}.grad differs")
+            p.grad = q.grad = None
+    return problems
+
+
 def _hsdp(rank: int, world: int) -> dict[str, list[str]]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    return {name: _train(rank, world, name, mesh) for name in ("fully_shard", "block")}
+    out = {name: _train(rank, world, name, mesh) for name in ("fully_shard", "block")}
+    out["replica_accumulation"] = _replica_accumulation(rank, world, mesh)
+    return out
 
 
 def test_unused_everywhere_hsdp() -> None:

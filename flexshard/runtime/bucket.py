@@ -411,11 +411,8 @@ class Bucket:
     def settle_unused(self, used_anywhere: dict[int, bool]) -> None:
         """The ranks agreed which parameters some rank used: land those this rank did
         not (runtime/unused_grads.py), on the stream the other gradients landed on."""
-        if not self.reduction.unused_here:
-            self.reduction.settle(used_anywhere, self.local_params, self.specs)
-            return
         runtime = self.runtime()
-        with self._span("grad_copy"), runtime.on(runtime.reduce_scatter_stream):
+        with runtime.on(runtime.reduce_scatter_stream):
             self.reduction.settle(used_anywhere, self.local_params, self.specs)
 
     def join_reductions(self) -> None:

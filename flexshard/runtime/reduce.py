@@ -40,6 +40,7 @@ class GradReduction:
         self.force_sum = False
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self._skipped_all_reduce = False  # the gradients hold unreduced replica sums
+        self._accumulated_due = False  # settle() all-reduces them over the replicas
         self._pending: tuple[Pending, torch.Tensor] | None = None  # and its output
         # which trainable parameters had a gradient here, when the ranks are to agree
         # on those no rank used (runtime/unused_grads.py); None: every one is landed
@@ -79,12 +80,8 @@ class GradReduction:
         self.used_here, self.unused_here = None, []  # a step aborted may have left some
         if self.layout.shard_numel == 0:  # every parameter frozen: nothing to reduce
             return
-        # HSDP without the replica all-reduce (or right after it) lands every gradient:
-        # the replicas' per-parameter all-reduce needs the same parameters everywhere
-        replicas = self.comm.replicate_group is not None
-        if not replicas or (self.requires_all_reduce and not self._skipped_all_reduce):
-            used = zip(grads, trainable)
-            self.used_here = {i: g is not None for i, (g, t) in enumerate(used) if t}
+        used = zip(grads, trainable)
+        self.used_here = {i: g is not None for i, (g, t) in enumerate(used) if t}
         self._pending = collective.launch_reduce(
             self.comm, self.layout, grads, dtype, self.op, runtime
         )
@@ -134,8 +131,8 @@ class GradReduction:
                 self.unused_here.append((i, grad))  # used elsewhere? the ranks agree
                 continue
             _land(local, grad, specs[i])
-        if replicas and self.requires_all_reduce and self._skipped_all_reduce:
-            self._all_reduce_accumulated(local_params)
+        # after the ranks agreed (settle): the same parameters hold a gradient everywhere
+        self._accumulated_due = replicas and self.requires_all_reduce and self._skipped_all_reduce
         self._skipped_all_reduce = replicas and not self.requires_all_reduce
 
     def settle(
@@ -146,12 +143,16 @@ class GradReduction:
     ) -> None:
         """Land the gradients of the parameters this rank did not use that some rank
         did (``used_anywhere``, keyed as ``used_here``); those no rank used keep
-        ``.grad`` as it was (None after ``zero_grad``), as FSDP2 leaves them."""
+        ``.grad`` as it was (None after ``zero_grad``), as FSDP2 leaves them. HSDP after
+        steps without the replica all-reduce: then all-reduce the accumulated gradients."""
         for i, grad in self.unused_here:
             if used_anywhere[i]:
                 _land(local_params[i], grad, specs[i])
         self.unused_here = []
         self.used_here = None
+        if self._accumulated_due:
+            self._accumulated_due = False
+            self._all_reduce_accumulated(local_params)
 
     def _all_reduce_accumulated(self, local_params: Sequence[nn.Parameter]) -> None:
         """HSDP after steps without the replica all-reduce: average the whole
