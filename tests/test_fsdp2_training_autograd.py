@@ -44,12 +44,15 @@ class TwoOut(nn.Module):
         return y, F.relu(self.lin2(y))
 
 
-def sc_unused_forward_output(rank, world, shard, mesh, raf):
-    """Some forward outputs (the root's lin2 path) are not used in later losses."""
+def sc_unused_forward_output(rank, world, shard, mesh, raf, reduce_unused=False):
+    """Some forward outputs (the root's lin2 path) are not used in later losses
+    (``reduce_unused``: ``set_reduce_scatter_unused_params(True)`` gives them zeros)."""
     torch.manual_seed(0)
     model = TwoOut()
     shard(model.lin1, mesh=mesh, reshard_after_forward=raf)
     shard(model, mesh=mesh, reshard_after_forward=raf)
+    if reduce_unused:
+        model.set_reduce_scatter_unused_params(True)
 
     calls = [0]
 
@@ -65,13 +68,17 @@ class SkipsLin2(TwoOut):
         return self.lin1(x)
 
 
-def sc_unused_forward_module(rank, world, shard, mesh, raf):
-    """A separately wrapped module that never runs forward: its gradient stays None."""
+def sc_unused_forward_module(rank, world, shard, mesh, raf, reduce_unused=False):
+    """A separately wrapped module that never runs forward: its gradient stays None
+    (with ``set_reduce_scatter_unused_params(True)`` too: FSDP2 gives zeros only in a
+    group unsharded at least once)."""
     torch.manual_seed(0)
     model = SkipsLin2()
     shard(model.lin1, mesh=mesh, reshard_after_forward=raf)
     shard(model.lin2, mesh=mesh, reshard_after_forward=raf)
     shard(model, mesh=mesh, reshard_after_forward=raf)
+    if reduce_unused:
+        model.set_reduce_scatter_unused_params(True)
     out = _train(model, 4, lambda i: (_randn(100 * i + rank, 2, 9),))
     out["grad_none"] = [k for k, p in model.named_parameters() if p.grad is None]
     return out
@@ -286,6 +293,10 @@ for _raf in (True, False, 2):
     _add(f"unused_forward_output[raf={_raf}]", sc_unused_forward_output, raf=_raf)
     _add(f"unused_forward_module[raf={_raf}]", sc_unused_forward_module, raf=_raf)
     _add(f"multi_forward_module[raf={_raf}]", sc_multi_forward_module, raf=_raf)
+for _raf in (True, False):
+    _name = f"unused_output[raf={_raf},reduce_unused]"
+    _add(_name, sc_unused_forward_output, raf=_raf, reduce_unused=True)
+_add("unused_forward_module[reduce_unused]", sc_unused_forward_module, raf=True, reduce_unused=True)
 for _kind in ("list", "namedtuple", "tuple", "dict", "dataclass"):
     _add(f"nontensor_activations[{_kind}]", sc_nontensor_activations, kind=_kind)
 _add("post_acc_grad_hook", sc_post_acc_grad_hook)
@@ -306,6 +317,8 @@ FAST = [
     "unused_forward_output[raf=True]",
     "unused_forward_output[raf=False]",
     "unused_forward_module[raf=True]",
+    "unused_forward_module[reduce_unused]",
+    "unused_output[raf=True,reduce_unused]",
     "multi_forward_module[raf=True]",
     "multi_forward_module[raf=False]",
     "nontensor_activations[namedtuple]",

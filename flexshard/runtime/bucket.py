@@ -116,6 +116,7 @@ class Bucket:
             comm, layout, rank, [p.placement.uniform_slots for p in params]
         )
         self.grads = GradAccumulator(len(params))
+        self.gathered_once = False  # unshard() ran: FSDP2's reduce_scatter_unused_params
         if first.device.type != "meta":
             self.store.load(initial)
         self._build_params()
@@ -307,6 +308,7 @@ class Bucket:
         return self.full.pending is not None
 
     def unshard(self, async_op: bool = False) -> None:
+        self.gathered_once = True
         if self.unsharded:
             return
         if self.full.pending is None:
@@ -393,8 +395,11 @@ class Bucket:
             grads = self._take_grads()
             shown = self.full_params if self.unsharded else self.local_params
             trainable = tuple(p.requires_grad for p in shown)
+            # set_reduce_scatter_unused_params(True): zeros for a missing gradient, as
+            # FSDP2 gives them in a group unsharded at least once (others keep None)
+            agree = not (self.reduction.reduce_unused and self.gathered_once)
             self.reduction.launch(
-                self.collective, grads, self.reduce_dtype, self.runtime(), trainable
+                self.collective, grads, self.reduce_dtype, self.runtime(), trainable, agree
             )
 
     def finish_reduce(self) -> None:

@@ -84,7 +84,6 @@ def _takes_kwargs(hook: Any) -> bool:
 _NOT_APPLICABLE = {
     "set_custom_all_gather": "a placement chooses its bucket's all-gather",
     "set_custom_reduce_scatter": "a placement chooses its bucket's reduce-scatter",
-    "set_reduce_scatter_unused_params": "flexshard reduces every trainable parameter",
     "set_reduce_scatter_max_input_buffers": "flexshard bounds reductions in flight itself",
     "set_separate_reduce_scatter_group": "a bucket reduces on its own shard group",
     "set_allocate_memory_from_process_group_for_comm": "no NCCL memory pools on this runtime",
@@ -241,6 +240,18 @@ class FlexShardModule(FSDPModule, nn.Module):
         gradient accumulates per replica); the next True all-reduces the sum."""
         _check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
         self._set_on_buckets("reduction", "requires_all_reduce", requires_all_reduce, recurse)
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """True: a parameter with no gradient on any rank gets a zero one, as FSDP2's
+        option gives it (no agreement needed). By default it keeps None, as FSDP2's
+        default does (runtime/unused_grads.py); flexshard reduces zeros for a parameter
+        unused on some ranks only either way, so no default can leave the ranks'
+        reduce-scatters out of step."""
+        name = "set_reduce_scatter_unused_params"
+        _check_bool(name, "reduce_scatter_unused_params", reduce_scatter_unused_params)
+        self._set_on_buckets("reduction", "reduce_unused", reduce_scatter_unused_params, recurse)
 
     def set_post_optim_event(self, event: Any) -> None:
         """The next all-gathers wait on ``event`` (an optimizer run on another stream)

@@ -39,6 +39,7 @@ class GradReduction:
         self.divide_factor: float | None = None  # None: average over the dp ranks
         self.force_sum = False
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.reduce_unused = False  # set_reduce_scatter_unused_params (Bucket.launch_reduce)
         self._skipped_all_reduce = False  # the gradients hold unreduced replica sums
         self._accumulated_due = False  # settle() all-reduces them over the replicas
         self._pending: tuple[Pending, torch.Tensor] | None = None  # and its output
@@ -75,13 +76,17 @@ class GradReduction:
         dtype: torch.dtype,
         runtime: DeviceRuntime,
         trainable: tuple[bool, ...],
+        agree: bool = True,
     ) -> None:
+        """``agree``: a parameter without a gradient on any rank gets none (the ranks
+        agree on it, runtime/unused_grads.py); False: it gets the reduced zeros."""
         self.layout = self._layout_of(trainable)
         self.used_here, self.unused_here = None, []  # a step aborted may have left some
         if self.layout.shard_numel == 0:  # every parameter frozen: nothing to reduce
             return
-        used = zip(grads, trainable)
-        self.used_here = {i: g is not None for i, (g, t) in enumerate(used) if t}
+        if agree:
+            used = zip(grads, trainable)
+            self.used_here = {i: g is not None for i, (g, t) in enumerate(used) if t}
         self._pending = collective.launch_reduce(
             self.comm, self.layout, grads, dtype, self.op, runtime
         )
