@@ -127,11 +127,13 @@ def test_unused_everywhere_keeps_none_on_every_placement(world: int) -> None:
         assert per_rank == {name: [] for name in per_rank}
 
 
-def _replica_accumulation(rank: int, world: int, mesh) -> list[str]:
+def _replica_accumulation(rank: int, world: int, mesh, reduce_unused: bool) -> list[str]:
     """HSDP with ``set_requires_all_reduce(False)`` on the first microbatch of each
     step: b used on rank 0 only there (one replica) still gets its gradient everywhere
-    after the synced microbatch; b unused in both keeps None on every rank."""
+    after the synced microbatch; b unused in both keeps None on every rank (zeros with
+    ``set_reduce_scatter_unused_params(True)``)."""
     model = _build("block", mesh)
+    model.set_reduce_scatter_unused_params(reduce_unused)
     torch.manual_seed(0)
     reference = Heads()
     problems = []
@@ -142,9 +144,14 @@ def _replica_accumulation(rank: int, world: int, mesh) -> list[str]:
             for r in range(world):
                 (reference(_batch(10 * step + micro, r), who, r) / world).backward()
         for (n, p), q in zip(model.named_parameters(), reference.parameters()):
-            if (p.grad is None) != (q.grad is None):
-                problems.append(f"step {step} {whos}: {n}.grad is {p.grad}, expected {q.grad}")
-            elif q.grad is not None and not torch.allclose(p.grad.full_tensor(), q.grad, atol=1e-6):
+            expected = q.grad
+            if expected is None and reduce_unused:
+                expected = torch.zeros_like(q)
+            if (p.grad is None) != (expected is None):
+                problems.append(f"step {step} {whos}: {n}.grad is {p.grad}, expected {expected}")
+            elif expected is not None and not torch.allclose(
+                p.grad.full_tensor(), expected, atol=1e-6
+            ):
                 problems.append(f"step {step} {whos}: {n}.grad differs")
             p.grad = q.grad = None
     return problems
@@ -153,7 +160,8 @@ def _replica_accumulation(rank: int, world: int, mesh) -> list[str]:
 def _hsdp(rank: int, world: int) -> dict[str, list[str]]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     out = {name: _train(rank, world, name, mesh) for name in ("fully_shard", "block")}
-    out["replica_accumulation"] = _replica_accumulation(rank, world, mesh)
+    out["replica_accumulation"] = _replica_accumulation(rank, world, mesh, False)
+    out["replica_accumulation_zeros"] = _replica_accumulation(rank, world, mesh, True)
     return out
 
 

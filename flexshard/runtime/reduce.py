@@ -139,6 +139,8 @@ class GradReduction:
         # after the ranks agreed (settle): the same parameters hold a gradient everywhere
         self._accumulated_due = replicas and self.requires_all_reduce and self._skipped_all_reduce
         self._skipped_all_reduce = replicas and not self.requires_all_reduce
+        if self.used_here is None:  # no agreement to wait for: every gradient landed
+            self.settle({}, local_params, specs)
 
     def settle(
         self,
