@@ -260,3 +260,45 @@ def test_clip_grad_norm_uses_the_full_gradient():
         for losses, ours in runs:  # sharded outer bucket, then a Replicate one
             assert ours == pytest.approx(norms, rel=1e-5)
             assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def _reductions_in_flight(rank, world_size):
+    """The most gradient reductions still in flight when a bucket launches its own (3
+    buckets in one backward), by default and with FSDP2's
+    ``set_reduce_scatter_max_input_buffers(1)``."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for limit in (None, 1):
+        model = fs.flex_shard(TinyTransformer(CFG), mesh, buckets=_buckets())
+        if limit is not None:
+            model.set_reduce_scatter_max_input_buffers(limit)
+        in_flight, most = [0], [0]
+        for bucket in model._flexshard_buckets:
+            launch, finish = bucket.launch_reduce, bucket.finish_reduce
+
+            def launched(launch=launch, in_flight=in_flight, most=most):
+                most[0] = max(most[0], in_flight[0])
+                launch()
+                in_flight[0] += 1
+
+            def finished(finish=finish, in_flight=in_flight):
+                in_flight[0] -= 1
+                finish()
+
+            bucket.launch_reduce, bucket.finish_reduce = launched, finished
+        tokens, targets = make_batches(CFG, 1, batch=2)[0]
+        model.loss(tokens, targets).backward()
+        out[limit] = most[0]
+    errors = []
+    for bad in (True, 0, 1.5):
+        try:
+            model.set_reduce_scatter_max_input_buffers(bad)
+        except (TypeError, ValueError) as err:
+            errors.append(type(err).__name__)
+    return out, errors
+
+
+def test_reduce_scatter_max_input_buffers_bounds_reductions_in_flight():
+    for most, errors in run_distributed(_reductions_in_flight, 2):
+        assert most == {None: 2, 1: 1}
+        assert errors == ["TypeError", "ValueError", "TypeError"]  # as FSDP2 raises

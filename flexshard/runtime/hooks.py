@@ -153,7 +153,8 @@ class StepState:
             return
         bucket.launch_reduce()
         self._in_flight.append(bucket)
-        while len(self._in_flight) > MAX_PENDING_REDUCTIONS:
+        limit = bucket.schedule.reductions_in_flight or MAX_PENDING_REDUCTIONS
+        while len(self._in_flight) > limit:
             self._in_flight.popleft().finish_reduce()
 
     def _end_of_backward(self) -> None:

@@ -84,7 +84,6 @@ def _takes_kwargs(hook: Any) -> bool:
 _NOT_APPLICABLE = {
     "set_custom_all_gather": "a placement chooses its bucket's all-gather",
     "set_custom_reduce_scatter": "a placement chooses its bucket's reduce-scatter",
-    "set_reduce_scatter_max_input_buffers": "flexshard bounds reductions in flight itself",
     "set_separate_reduce_scatter_group": "a bucket reduces on its own shard group",
     "set_allocate_memory_from_process_group_for_comm": "no NCCL memory pools on this runtime",
     "set_symm_mem_for_comm": "no symmetric-memory collectives on this runtime",
@@ -252,6 +251,25 @@ class FlexShardModule(FSDPModule, nn.Module):
         name = "set_reduce_scatter_unused_params"
         _check_bool(name, "reduce_scatter_unused_params", reduce_scatter_unused_params)
         self._set_on_buckets("reduction", "reduce_unused", reduce_scatter_unused_params, recurse)
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """At most ``max_input_buffers`` gradient reductions (each holding its input
+        buffer) stay in flight once one of these buckets launched its own; the oldest
+        land first (they land after the launch, so one more buffer exists meanwhile).
+        Default 2 (FSDP2's: 1): more overlap of exposed reductions, more memory."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                "set_reduce_scatter_max_input_buffers: max_input_buffers must be an int, "
+                f"got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(
+                "set_reduce_scatter_max_input_buffers: max_input_buffers must be a "
+                f"positive int, got {max_input_buffers}"
+            )
+        self._set_on_buckets("schedule", "reductions_in_flight", max_input_buffers, recurse)
 
     def set_post_optim_event(self, event: Any) -> None:
         """The next all-gathers wait on ``event`` (an optimizer run on another stream)

@@ -22,6 +22,9 @@ class BucketSchedule:
         self.forward_prefetch: list[Bucket] | None = None  # None: the recorded order
         self.backward_prefetch: list[Bucket] | None = None
         self.post_optim_event: Any = None  # the next all-gather waits on it, then drops it
+        # reductions (and their input buffers) in flight after this bucket's launch;
+        # None: hooks.MAX_PENDING_REDUCTIONS (set_reduce_scatter_max_input_buffers)
+        self.reductions_in_flight: int | None = None
 
 
 class StepCounts:
