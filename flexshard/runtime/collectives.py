@@ -6,14 +6,17 @@ import contextlib
 import datetime
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .device import HOST, DeviceRuntime, abort, device_runtime
 from .watchdog import WATCHDOG
+
+_HasComm = TypeVar("_HasComm")  # a Bucket (runtime/bucket.py imports this file)
 
 #: how long a bucket waits for one collective before it raises (overridable per model)
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
@@ -256,6 +259,17 @@ def _wait_in_thread(work: dist.Work, seconds: float) -> bool:
     return outcome[0] is not False
 
 
+def by_process_group(buckets: Sequence[_HasComm]) -> list[list[_HasComm]]:
+    """``buckets`` (anything with a ``comm``) grouped by their shard and replicate
+    groups, in first-seen order: buckets over other groups agree among their own ranks,
+    and every rank of a group sees its buckets in the same order."""
+    groups: dict[tuple[int, int], list[_HasComm]] = {}
+    for bucket in buckets:
+        key = (id(bucket.comm.shard_group), id(bucket.comm.replicate_group))
+        groups.setdefault(key, []).append(bucket)
+    return list(groups.values())
+
+
 class BucketComm:
     """The collectives of one bucket, on its shard group and, for HSDP, its replicate
     group. Every rank issues them in the same order: gathers in forward order and
@@ -278,6 +292,13 @@ class BucketComm:
 
     def reset_stats(self) -> None:
         self.stats = CommStats()
+
+    def spanning(self) -> list[bool]:
+        """What an exchange among every rank of the bucket goes over: ``replicas`` of
+        each group with more than one rank, the shard group first (HSDP: then the
+        replicas)."""
+        groups = ((False, self.shard_group), (True, self.replicate_group))
+        return [r for r, g in groups if g is not None and dist.get_world_size(g) > 1]
 
     def _count(self, kind: str, moved: int, payload: bool = True) -> None:
         setattr(self.stats, kind, getattr(self.stats, kind) + 1)

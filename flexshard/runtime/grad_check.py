@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from .collectives import by_process_group
+
 if TYPE_CHECKING:
     from .bucket import Bucket
 
@@ -37,9 +39,8 @@ def _exchange(buckets: list[Bucket], row: torch.Tensor) -> torch.Tensor:
     """Rows of every rank of the buckets' shard group (and replicas, for HSDP)."""
     comm = buckets[0].comm
     rows = row.view(1, -1)
-    for replicas, group in ((False, comm.shard_group), (True, comm.replicate_group)):
-        if group is None or dist.get_world_size(group) == 1:
-            continue
+    for replicas in comm.spanning():
+        group = comm.replicate_group if replicas else comm.shard_group
         out = torch.empty(
             dist.get_world_size(group) * rows.numel(), dtype=rows.dtype, device=rows.device
         )
@@ -57,12 +58,8 @@ def check_finite_grads(buckets: Sequence[Bucket]) -> None:
     backward is not finite on any rank. One all-gather per process group (two for
     HSDP); every rank builds the message from the same rows, so all raise alike."""
     checked = [b for b in buckets if b.grads.check_finite]
-    by_group: dict[tuple[int, int], list[Bucket]] = {}
-    for bucket in checked:  # buckets over other groups exchange among their own ranks
-        key = (id(bucket.comm.shard_group), id(bucket.comm.replicate_group))
-        by_group.setdefault(key, []).append(bucket)
     found: list[str] = []
-    for group_buckets in by_group.values():
+    for group_buckets in by_process_group(checked):
         codes = [c for b in group_buckets for c in b.grads.nonfinite]
         device = group_buckets[0].storage.device
         row = torch.tensor([dist.get_rank(), *codes], dtype=torch.int64, device=device)

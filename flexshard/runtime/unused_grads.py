@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
+from .collectives import by_process_group
 from .traffic import TrafficStats
 
 if TYPE_CHECKING:
@@ -37,11 +37,7 @@ def agree_on_unused(buckets: Sequence[Bucket], stats: TrafficStats) -> None:
     no rank used without one. Every rank calls it with the same buckets, in the same
     order, after their reductions landed."""
     settling = [b for b in buckets if b.reduction.used_here is not None]
-    by_group: dict[tuple[int, int], list[Bucket]] = {}
-    for bucket in settling:  # buckets over other groups agree among their own ranks
-        key = (id(bucket.comm.shard_group), id(bucket.comm.replicate_group))
-        by_group.setdefault(key, []).append(bucket)
-    for group_buckets in by_group.values():
+    for group_buckets in by_process_group(settling):
         _agree(group_buckets, stats)
 
 
@@ -50,14 +46,13 @@ def _agree(buckets: list[Bucket], stats: TrafficStats) -> None:
     flat = [u for per_bucket in used for u in per_bucket.values()]
     unused_here = not all(flat)
     comm = buckets[0].comm
-    groups = [(False, comm.shard_group), (True, comm.replicate_group)]
-    groups = [(r, g) for r, g in groups if g is not None and dist.get_world_size(g) > 1]
-    if groups and flat:
+    spanning = comm.spanning()
+    if spanning and flat:
         flags = torch.tensor(flat, dtype=torch.int32)
         device = buckets[0].storage.device
         if device.type != "cpu":  # a pageable copy would make the host wait for compute
             flags = flags.pin_memory().to(device, non_blocking=True)
-        for replicas, _ in groups:  # HSDP: the replicas combine their groups' flags
+        for replicas in spanning:  # HSDP: the replicas combine their groups' flags
             comm.agree(flags, replicas, stats.record).wait()
         if unused_here:  # a host read: only where a gradient was missing
             flat = [bool(f) for f in flags.tolist()]
