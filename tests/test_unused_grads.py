@@ -7,8 +7,9 @@ mixed bucket; W = 3 and 1; HSDP 2x2) against one process: head ``b`` used on eve
 rank, on none, on rank 0 only, and a backward without ``zero_grad`` before one that
 leaves ``b`` unused (its old gradient stays). Checked after every backward: which
 gradients are None, their values, the post-accumulate-grad hook calls, the agreement's
-all-reduces; after every AdamW step, the parameters. Also DistMuon with ``b`` unused
-and gradient accumulation without sync."""
+all-reduces and which of them this rank waited for (a rank that had every gradient
+leaves them running until the next agreement); after every AdamW step, the
+parameters. Also DistMuon with ``b`` unused and gradient accumulation without sync."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import flexshard as fs
 from flexshard.optim import muon_and_adamw, muon_buckets
+from flexshard.runtime.collectives import Pending
 from flexshard.testing import run_distributed
 
 
@@ -72,9 +74,27 @@ def _build(name: str, mesh) -> nn.Module:
     return fs.flex_shard(model, mesh, buckets)
 
 
+def _agreement_waits() -> list[int]:
+    """A list that grows by one whenever this process waits for an agreement all-reduce
+    (``Pending.wait`` wrapped once per rank process)."""
+    if not hasattr(Pending, "agreement_waits"):
+        wait, waits = Pending.wait, []
+
+        def counted(pending: Pending) -> None:
+            if pending.collective == "unused-parameter agreement all-reduce":
+                waits.append(1)
+            wait(pending)
+
+        Pending.wait, Pending.agreement_waits = counted, waits
+    return Pending.agreement_waits
+
+
 def _train(rank: int, world: int, name: str, mesh) -> list[str]:
     """Sharded and single-process runs side by side; what differed, per backward."""
     model = _build(name, mesh)
+    groups = sum(size > 1 for size in mesh.shape)  # HSDP: shard group, then replicas
+    waits = _agreement_waits()
+    left_running = 0  # agreements of the previous backward this rank did not wait for
     torch.manual_seed(0)
     reference = Heads()
     calls = {n: 0 for n, _ in model.named_parameters()}
@@ -84,7 +104,13 @@ def _train(rank: int, world: int, name: str, mesh) -> list[str]:
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     problems = []
     for step, (who, zero, stepped) in enumerate(STEPS):
+        waits.clear()
         model(_batch(step, rank), who, rank).backward()
+        lacked = who == "none" or (who == "rank0" and rank != 0)
+        expected = left_running + (groups if lacked else 0)
+        if len(waits) != expected:
+            problems.append(f"step {step} ({who}): {len(waits)} agreement waits, not {expected}")
+        left_running = 0 if lacked else groups
         for r in range(world):
             (reference(_batch(step, r), who, r) / world).backward()
         for (n, p), q in zip(model.named_parameters(), reference.parameters()):
@@ -109,7 +135,6 @@ def _train(rank: int, world: int, name: str, mesh) -> list[str]:
     if calls != expected_calls:
         problems.append(f"post-accumulate-grad hook calls {calls}, expected {expected_calls}")
     agreement = model.comm_stats()["grad_agreement"]["all_reduce"]
-    groups = sum(size > 1 for size in mesh.shape)  # HSDP: shard group, then replicas
     if agreement != groups * len(STEPS):
         problems.append(f"{agreement} agreement all-reduces, expected {groups * len(STEPS)}")
     return problems

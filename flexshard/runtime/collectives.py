@@ -387,6 +387,7 @@ class BucketComm:
             "unused-parameter agreement all-reduce",
             group,
             flags,
+            overlap=True,  # the caller waits only when it needs the result
         )
         moved = 2 * (size - 1) * flags.numel() * flags.element_size() // size
         record("all_reduce", moved, moved)

@@ -16,8 +16,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .bucket import Bucket
 from .grad_check import check_finite_grads
-from .traffic import TrafficStats, attach_traffic
-from .unused_grads import AGREEMENT, agree_on_unused
+from .traffic import attach_traffic
+from .unused_grads import AGREEMENT, UnusedGradAgreement
 
 #: gradient reductions in flight before the oldest is waited for (bounds the memory
 #: held by unsharded gradient buffers, as FSDP2 and FlexShard do)
@@ -56,8 +56,8 @@ class StepState:
         self._gathers: deque[Bucket] = deque()  # prefetches launched, oldest first
         self.in_backward = False
         self._end_of_backward_eager = eager(self._end_of_backward)
-        self.agreement = TrafficStats()  # the all-reduces of agree_on_unused
-        attach_traffic(root, AGREEMENT, self.agreement)
+        self.agree_on_unused = UnusedGradAgreement()
+        attach_traffic(root, AGREEMENT, self.agree_on_unused.stats)
         for bucket in buckets:
             bucket.step.state = self
 
@@ -165,7 +165,7 @@ class StepState:
                 self._launch(bucket)
             while self._in_flight:
                 self._in_flight.popleft().finish_reduce()
-            agree_on_unused(self.buckets, self.agreement)  # no gradient where none was
+            self.agree_on_unused(self.buckets)  # no gradient where none was
             for bucket in self.buckets:
                 bucket.join_reductions()  # CUDA: compute waits on the gradient copies
             for bucket in self.buckets:

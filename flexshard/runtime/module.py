@@ -12,8 +12,8 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from .bucket import Bucket
-from .traffic import TrafficStats, subtree_traffic, summed
-from .unused_grads import agree_on_unused
+from .traffic import subtree_traffic, summed
+from .unused_grads import UnusedGradAgreement
 
 
 def own_buckets(module: nn.Module) -> list[Bucket]:
@@ -346,7 +346,7 @@ class _PipelineState:
                 bucket.launch_reduce()
                 bucket.finish_reduce()
         state = buckets[0].step.state if buckets else None
-        agree_on_unused(buckets, state.agreement if state else TrafficStats())
+        (state.agree_on_unused if state else UnusedGradAgreement())(buckets)
         for bucket in buckets:
             bucket.join_reductions()
 
