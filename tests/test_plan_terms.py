@@ -147,8 +147,9 @@ def test_collective_wait_is_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """``collective_wait_us`` is added to every data-parallel collective call: with
     blocking collectives, calls x wait on the step (all-gathers forward and where a
     bucket resharded again in backward, one reduce-scatter per bucket; forward's
-    prefetches blocking too, or compute would hide some of it)."""
+    prefetches and the reduce-scatters blocking too, or compute would hide some of it)."""
     monkeypatch.setattr(steptime, "OVERLAP_FORWARD_PREFETCH", False)
+    monkeypatch.setattr(steptime, "OVERLAP_REDUCE_SCATTER", False)
     _, buckets, base = _plan(CPU)
     _, _, waited = _plan(dataclasses.replace(CPU, collective_wait_us=500.0))
     calls = sum(2 + b.reshard_after_forward for b in buckets)

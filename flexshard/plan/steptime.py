@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flexshard.runtime.collectives import OVERLAP_FORWARD_PREFETCH
+from flexshard.runtime.collectives import OVERLAP_FORWARD_PREFETCH, OVERLAP_REDUCE_SCATTER
 from flexshard.runtime.hooks import MAX_PENDING_REDUCTIONS
 from flexshard.trainer.config import Config
 from flexshard.trainer.parallel import ParallelDims
@@ -114,13 +114,15 @@ def _simulate(
     overlap: float = 1.0,
     blocking: bool = False,
     forward_prefetch_blocks: bool = True,
+    reduce_scatter_blocks: bool = True,
 ) -> tuple[float, float]:
     """One microbatch's forward (all-gathers when ``gather``) and backward (re-gathers
     what forward resharded); returns (time, time spent waiting on all-gathers).
     ``blocking``: compute waits for each collective where it is issued (CPU: the
     runtime waits at launch), so a prefetch hides nothing; ``forward_prefetch_blocks``
     False: forward's block prefetches are the exception (flexshard's
-    OVERLAP_FORWARD_PREFETCH), left in flight beside compute."""
+    OVERLAP_FORWARD_PREFETCH), left in flight beside compute; ``reduce_scatter_blocks``
+    False: so are the reduce-scatters (OVERLAP_REDUCE_SCATTER)."""
     root = [b for b in order if b.is_root]
     blocks = [b for b in order if not b.is_root]
     t = comm = waited = idle = busy = 0.0
@@ -184,13 +186,13 @@ def _simulate(
         t += cost[id(b)].backward
         if reduce:
             t += cost[id(b)].reduce_copy
-            pending.append(issue(b, t, cost[id(b)].reduce_scatter, False))
+            pending.append(issue(b, t, cost[id(b)].reduce_scatter, False, reduce_scatter_blocks))
             if len(pending) > MAX_PENDING_REDUCTIONS:
                 wait(pending.pop(0))
     if reduce:
         for b in root:
             t += cost[id(b)].reduce_copy
-            pending.append(issue(b, t, cost[id(b)].reduce_scatter, False))
+            pending.append(issue(b, t, cost[id(b)].reduce_scatter, False, reduce_scatter_blocks))
         wait(max([t, *pending]))
     # what compute covered of the collectives still took that share of its time
     hidden = max(0.0, busy - idle)
@@ -305,6 +307,7 @@ def step_time(
             hw.overlap,
             hw.blocking_collectives,
             forward_prefetch_blocks=backend != "flexshard" or not OVERLAP_FORWARD_PREFETCH,
+            reduce_scatter_blocks=backend != "flexshard" or not OVERLAP_REDUCE_SCATTER,
         )
         total += span
         waited += w

@@ -20,8 +20,8 @@ from .traffic import attach_traffic
 from .unused_grads import AGREEMENT, UnusedGradAgreement
 
 #: gradient reductions in flight before the oldest is waited for (bounds the memory
-#: held by unsharded gradient buffers, as FSDP2 and FlexShard do)
-MAX_PENDING_REDUCTIONS = 2
+#: held by unsharded gradient buffers): FSDP2's default reduce_scatter_max_input_buffers
+MAX_PENDING_REDUCTIONS = 1
 #: all-gathers launched and not yet landed (prefetches), as FSDP2 bounds its own: a
 #: third waits for the oldest, so the CPU running ahead cannot hold more buffers
 MAX_GATHERS_IN_FLIGHT = 2
