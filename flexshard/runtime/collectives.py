@@ -393,6 +393,7 @@ class BucketComm:
             "unused-parameter agreement all-reduce",
             group,
             flags,
+            keep=(flags,),  # alive until waited for, which may be a backward later
             overlap=True,  # the caller waits only when it needs the result
         )
         moved = 2 * (size - 1) * flags.numel() * flags.element_size() // size
