@@ -298,11 +298,15 @@ class BucketComm:
     def reset_stats(self) -> None:
         self.stats = CommStats()
 
+    def group(self, replicas: bool) -> dist.ProcessGroup | None:
+        """The replicate group (HSDP; None without) or the shard group."""
+        return self.replicate_group if replicas else self.shard_group
+
     def spanning(self) -> list[bool]:
         """What an exchange among every rank of the bucket goes over: ``replicas`` of
         each group with more than one rank, the shard group first (HSDP: then the
         replicas)."""
-        groups = ((False, self.shard_group), (True, self.replicate_group))
+        groups = [(r, self.group(r)) for r in (False, True)]
         return [r for r, g in groups if g is not None and dist.get_world_size(g) > 1]
 
     def _count(self, kind: str, moved: int, payload: bool = True) -> None:
@@ -369,7 +373,7 @@ class BucketComm:
         self, tensor: torch.Tensor, replicas: bool = False, op: dist.ReduceOp = dist.ReduceOp.AVG
     ) -> Pending:
         """Average (or ``op``) ``tensor`` over the shard group, or the replicas (HSDP)."""
-        group = self.replicate_group if replicas else self.shard_group
+        group = self.group(replicas)
         size = dist.get_world_size(group)
         pending = self._launch(
             lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
@@ -386,7 +390,7 @@ class BucketComm:
         """The largest of every rank's ``flags`` (all-reduce MAX) over the shard group or
         the replicas: the ranks' agreement on the parameters none of them used (see
         runtime/unused_grads.py). Counted by ``record``, not in the bucket's stats."""
-        group = self.replicate_group if replicas else self.shard_group
+        group = self.group(replicas)
         size = dist.get_world_size(group)
         pending = self._launch(
             lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True),
@@ -403,7 +407,7 @@ class BucketComm:
     def gather_flags(self, out: torch.Tensor, local: torch.Tensor, replicas: bool) -> Pending:
         """All-gather a few small integers (the opt-in finite-gradient check); counted
         as an all-gather, not as parameter bytes."""
-        group = self.replicate_group if replicas else self.shard_group
+        group = self.group(replicas)
         size = dist.get_world_size(group)
         pending = self._launch(
             lambda: dist.all_gather_single(out, local, group=group, async_op=True),

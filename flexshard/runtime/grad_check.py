@@ -40,7 +40,7 @@ def _exchange(buckets: list[Bucket], row: torch.Tensor) -> torch.Tensor:
     comm = buckets[0].comm
     rows = row.view(1, -1)
     for replicas in comm.spanning():
-        group = comm.replicate_group if replicas else comm.shard_group
+        group = comm.group(replicas)
         out = torch.empty(
             dist.get_world_size(group) * rows.numel(), dtype=rows.dtype, device=rows.device
         )

@@ -258,7 +258,7 @@ class FlexShardModule(FSDPModule, nn.Module):
         """At most ``max_input_buffers`` gradient reductions (each holding its input
         buffer) stay in flight once one of these buckets launched its own; the oldest
         land first (they land after the launch, so one more buffer exists meanwhile).
-        Default 2 (FSDP2's: 1): more overlap of exposed reductions, more memory."""
+        Default 1, as FSDP2's; more overlaps more of the reductions for more memory."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(
                 "set_reduce_scatter_max_input_buffers: max_input_buffers must be an int, "
