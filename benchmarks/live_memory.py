@@ -50,6 +50,13 @@ def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+def _is_tensor(obj: object) -> bool:
+    try:
+        return isinstance(obj, torch.Tensor)
+    except ReferenceError:  # a weakref.proxy whose object died
+        return False
+
+
 class LiveTensors(TorchDispatchMode):
     """``with LiveTensors() as live:`` a step; ``live.phase = ...`` between its parts;
     ``live.name(tensors, what)`` for storages to be named; then ``live.peak_bytes`` and
@@ -93,7 +100,7 @@ class LiveTensors(TorchDispatchMode):
     def __enter__(self) -> LiveTensors:
         with warnings.catch_warnings():  # isinstance wakes deprecated lazy attributes
             warnings.simplefilter("ignore")
-            existing = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+            existing = [o for o in gc.get_objects() if _is_tensor(o)]
         for tensor in existing:  # what exists already: parameters, optimizer state
             self._track_tensor(tensor)
         del existing

@@ -251,6 +251,26 @@ def test_compiled_decode_into_reused_buffers():
     assert all(e["checked"] and not e["failed"] for e in entries)
 
 
+def test_eager_decode_holds_one_rank_of_values_at_a_time():
+    """The eager decode (CUDA's, and CPU's small buckets) dequantizes rank by rank: the
+    temporaries alive at once are a few of one rank's float32 values (int16 codes, the
+    values, their untiled copy), never the whole bucket's (at W = 8, 1/8 of it)."""
+    from benchmarks.live_memory import LiveTensors
+
+    params, fmt = [("a", (128, 256)), ("b", (256, 128))], FP8Blockwise((32, 32))
+    gathers, fulls_fp32 = _gathers(params, fmt, world=8)
+    g = gathers[0]
+    gathered = torch.stack([x.encode_eager(x.store.buffer) for x in gathers])
+    fulls = [torch.empty(p.shape, dtype=torch.bfloat16) for p in g.layout.params]
+    with LiveTensors() as live:
+        start = live.bytes_now()
+        g.decode_eager(gathered, fulls)
+    for got, full in zip(fulls, fulls_fp32):
+        same_bits(got, dequantize(quantize(full, fmt), torch.bfloat16))
+    whole = g.layout.numel * 4  # float32 values of the whole bucket
+    assert 0 < live.peak_bytes - start < whole / 2, (live.peak_bytes - start, whole)
+
+
 @pytest.mark.slow
 def test_compiled_gather_with_edge_tiles_of_whole_blocks():
     """Edge tiles that are still whole format blocks (64 x 64 tiles of a 96-row weight:

@@ -59,13 +59,23 @@ def _check_format(rank, world_size, fmt, mesh):
         seen = getattr(getattr(model, module), attr)
         q = quantize(expected, fmt)
         gathered_equal &= torch.equal(seen, dequantize(q))
-    for bucket in model._flexshard_buckets:
+    stats = model.comm_stats(reset=True)["total"]
+    # the gathered fp8 codes are freed once decoded, unless a bucket is asked to keep them
+    buckets = model._flexshard_buckets
+    freed = all(b.full.gathered.untyped_storage().size() == 0 for b in buckets)
+    with pytest.raises(RuntimeError, match="bucket 'a' freed its fp8 codes"):
+        buckets[0].quantized_params()
+    model.reshard()
+    for bucket in buckets:
+        bucket.keep_quantized_params()
+    model.unshard()
+    for bucket in buckets:
         for fqn, got in bucket.quantized_params().items():
             q = quantize(full[fqn], fmt)
             quantized_equal &= torch.equal(got.data.view(torch.uint8), q.data.view(torch.uint8))
             quantized_equal &= torch.equal(got.scale.view(torch.uint8), q.scale.view(torch.uint8))
-    stats = model.comm_stats(reset=True)["total"]
     model.reshard()
+    model.comm_stats(reset=True)
 
     # straight-through gradients to the full-precision shards, one quantization per step
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
@@ -92,7 +102,7 @@ def _check_format(rank, world_size, fmt, mesh):
             )
             diff = (grad.reshape(-1) - expected).abs()
             worst = max(worst, diff.max().item() if diff.numel() else 0.0)
-    return gathered_equal, quantized_equal, stats, encodes, step_stats, worst
+    return gathered_equal and freed, quantized_equal, stats, encodes, step_stats, worst
 
 
 def _formats(rank, world_size):

@@ -362,14 +362,19 @@ class Bucket:
         params = sum(p._version for p in self.local_params)
         return (self.storage._version, params, optimizer_steps())
 
+    def keep_quantized_params(self, keep: bool = True) -> None:
+        """Keep a quantized bucket's gathered fp8 codes while it is unsharded (from its
+        next unshard on) for ``quantized_params``; by default they are freed once decoded."""
+        if self.quant is None:
+            raise RuntimeError(f"bucket '{self.name}' is not quantized")
+        self.quant.keep_codes = keep
+
     def quantized_params(self) -> dict[str, QuantizedTensor]:
         """While unsharded, a quantized bucket's parameters as QuantizedTensors (fp8
         data and scales), for FP8 GEMMs that read them instead of the dequantized copy."""
-        quant = self.quant
-        if quant is None or not self.unsharded:
+        if self.quant is None or not self.unsharded:
             raise RuntimeError(f"bucket '{self.name}' is not quantized or not unsharded")
-        gathered = self.full.gathered.view(self.layout.world_size, -1)
-        return {p.fqn: quant.quantized(gathered, i) for i, p in enumerate(self.params)}
+        return self.quant.quantized_params(self.name, self.full.gathered)
 
     def reshard(self) -> None:
         if self.full.pending is not None:  # a prefetch nobody used: let it land first

@@ -91,7 +91,9 @@ class QuantizedGather(ShardedCollective):
     to the same size on every rank. It is cached until the storage may have changed
     (``version``, from the bucket), so the backward re-gather sends exactly the bytes
     the forward sent: one quantization per step, no drift. Gradients and state dicts
-    stay full precision."""
+    stay full precision. The gathered bytes are freed once decoded, unless ``keep_codes``
+    (``Bucket.keep_quantized_params``): then they stay while the bucket is unsharded,
+    for ``quantized`` to read."""
 
     fixed_dtype = True  # the fp8 codes are of this dtype's values
 
@@ -114,6 +116,7 @@ class QuantizedGather(ShardedCollective):
         self.nbytes = _align(max([least, *ends]))
         self._cached: tuple[object, torch.Tensor] | None = None
         self.encodes = 0  # quantizations done (a test counts one per step)
+        self.keep_codes = False
         self.compiled = CompiledCodec(fmt, self._runs, self.rank, self.nbytes, layout.numel)
 
     # ------------------------------------------------------------ Collective
@@ -130,7 +133,7 @@ class QuantizedGather(ShardedCollective):
     def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
         assert gathered is not None
         self.decode(gathered.view(self.layout.world_size, -1), owned)
-        return False  # kept while unsharded: ``quantized`` reads the fp8 codes from it
+        return not self.keep_codes  # kept: ``quantized`` reads the fp8 codes from it
 
     # ------------------------------------------------------------ codec
     def _plan_runs(self, rank: int) -> list[_Run]:
@@ -192,13 +195,15 @@ class QuantizedGather(ShardedCollective):
 
     def decode_eager(self, gathered: torch.Tensor, fulls: list[torch.Tensor | None]) -> None:
         """``decode`` by the eager codec: one dequantize per run of tiles, then one foreach
-        copy of every block into place, casting as it copies (one dtype per bucket)."""
+        copy of a rank's blocks into place, casting as it copies (one dtype per bucket).
+        Rank by rank, so the float32 values alive at once are one rank's runs (1/W of the
+        bucket), not the whole bucket's (twice its bf16 parameters)."""
         present = [full for full in fulls if full is not None]
         if not present:
             return
         dtype = present[0].dtype
-        dsts, srcs = [], []
         for rank in range(self.layout.world_size):
+            dsts, srcs = [], []
             for run in self._runs[rank]:
                 values = dequantized_values(self._unpack(gathered[rank], run), dtype).reshape(-1)
                 for i, block in run.members:
@@ -207,8 +212,20 @@ class QuantizedGather(ShardedCollective):
                         piece = values[start : start + block.numel].view(storage_shape(block))
                         dsts.append(full_view(block, fulls[i]))
                         srcs.append(piece)
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+
+    def quantized_params(
+        self, bucket: str, gathered: torch.Tensor | None
+    ) -> dict[str, QuantizedTensor]:
+        """Every parameter as ``quantized`` reads it from the kept gathered codes."""
+        if gathered is None or not gathered.untyped_storage().size():
+            raise RuntimeError(
+                f"bucket '{bucket}' freed its fp8 codes after decoding them: call "
+                "bucket.keep_quantized_params() before it unshards to read them"
+            )
+        gathered = gathered.view(self.layout.world_size, -1)
+        return {p.fqn: self.quantized(gathered, i) for i, p in enumerate(self.layout.params)}
 
     def quantized(self, gathered: torch.Tensor, index: int) -> QuantizedTensor:
         """Parameter ``index`` as one QuantizedTensor (fp8 data and the scale grid of the
