@@ -16,7 +16,8 @@ Checks, each reported ok / failed with its figures (one failing does not stop th
   every bucket, the streams NCCL kernels ran on, and how much of their time overlapped
   compute kernels;
 * ``quantized_gather``: FP8 blockwise and MXFP8 BlockShard buckets gathered on the device
-  equal the CPU codec's dequantize(quantize(x)) bit for bit, and train a few steps;
+  equal the CPU codec's dequantize(quantize(x)) bit for bit, free their fp8 codes once
+  decoded, peak under (1.3 + 1/W)x the weights while unsharding, and train a few steps;
 * ``dist_muon``: DistMuon on flex_shard parameters against torch.optim.Muon on a replica;
 * ``unused_grads``: a parameter no rank used keeps ``.grad`` None, one used on rank 0
   only gets a gradient everywhere (the agreement on the device, W > 1).
@@ -30,6 +31,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import statistics
 import time
@@ -49,6 +51,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flexshard as fs
 from flexshard.quant import MXFP8, FP8Blockwise, dequantize, quantize
+from flexshard.runtime.module import own_buckets
 from flexshard.testing.launch import free_port
 from flexshard.trainer.config import ModelConfig
 from flexshard.trainer.model import Transformer, init_weights
@@ -250,7 +253,7 @@ def quantized_gather(ctx: Ctx) -> dict[str, Any]:
         )
         rest = fs.BucketSpec("*.bias", name="b")
         model = fs.flex_shard(net, ctx.mesh, buckets=[bucket, rest])
-        model.unshard()
+        memory = _unshard_memory(ctx, model)
         exact = all(
             torch.equal(
                 model[int(k.split(".")[0])].weight.detach().cpu(),
@@ -270,9 +273,34 @@ def quantized_gather(ctx: Ctx) -> dict[str, Any]:
             opt.zero_grad()
             losses.append(loss.item())
         finite = all(torch.isfinite(torch.tensor(losses)))
-        out[name] = {"gathered_bitwise_cpu_codec": exact, "losses": losses}
-        out["ok"] = out["ok"] and exact and finite
+        out[name] = {"gathered_bitwise_cpu_codec": exact, "losses": losses, **memory}
+        out["ok"] = out["ok"] and exact and finite and memory["memory_ok"]
     return out
+
+
+def _unshard_memory(ctx: Ctx, model: Any) -> dict[str, Any]:
+    """Unshard the quantized bucket "w": its fp8 codes are freed once decoded, and the
+    unshard's peak (CUDA) stays under full weights + codes + one rank's float32 values
+    (the eager decode goes rank by rank); a whole-bucket temporary would add 1.0."""
+    (bucket,) = [b for b in own_buckets(model) if b.name == "w"]
+    full_bytes = sum(math.prod(p.shape) * 4 for p in bucket.layout.params)  # fp32 weights
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    model.unshard()
+    freed = bucket.full.gathered.untyped_storage().size() == 0
+    ratio = limit = None
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+        ratio = (torch.cuda.max_memory_allocated() - base) / full_bytes
+        limit = 1.3 + 1.0 / ctx.world
+    return {
+        "codes_freed_after_decode": freed,
+        "unshard_peak_over_full_weights": ratio,
+        "unshard_peak_limit": limit,
+        "memory_ok": freed and (ratio is None or ratio <= limit),
+    }
 
 
 def dist_muon(ctx: Ctx) -> dict[str, Any]:
