@@ -17,7 +17,7 @@ Checks, each reported ok / failed with its figures (one failing does not stop th
   compute kernels;
 * ``quantized_gather``: FP8 blockwise and MXFP8 BlockShard buckets gathered on the device
   equal the CPU codec's dequantize(quantize(x)) bit for bit, free their fp8 codes once
-  decoded, peak under (1.3 + 1/W)x the weights while unsharding, and train a few steps;
+  decoded, peak under (1.5 + 1/W)x the weights while unsharding, and train a few steps;
 * ``dist_muon``: DistMuon on flex_shard parameters against torch.optim.Muon on a replica;
 * ``unused_grads``: a parameter no rank used keeps ``.grad`` None, one used on rank 0
   only gets a gradient everywhere (the agreement on the device, W > 1).
@@ -294,7 +294,7 @@ def _unshard_memory(ctx: Ctx, model: Any) -> dict[str, Any]:
     if ctx.device.type == "cuda":
         torch.cuda.synchronize()
         ratio = (torch.cuda.max_memory_allocated() - base) / full_bytes
-        limit = 1.3 + 1.0 / ctx.world
+        limit = 1.5 + 1.0 / ctx.world  # full, codes + scales (~0.26), values, slack
     return {
         "codes_freed_after_decode": freed,
         "unshard_peak_over_full_weights": ratio,
