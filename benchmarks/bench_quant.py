@@ -45,7 +45,8 @@ from flexshard.runtime.module import own_buckets
 from flexshard.runtime.quantized import QuantizedGather
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
-from .measure import CollectiveCounter
+from .live_memory import MB, LiveTensors
+from .measure import CollectiveCounter, held_tensors
 from .stats import (
     RULE,
     alternating,
@@ -182,6 +183,7 @@ def _run(name: str, rank: int, world_size: int, mesh: DeviceMesh, steps: int) ->
     finally:
         clock.uninstall()
         counter.uninstall()
+    peak = _live_peak(model, opt, batches[rank])
     # over the tiled (quantizable) buckets: bytes per parameter element one rank receives
     per_element = None
     if flex:
@@ -199,7 +201,24 @@ def _run(name: str, rank: int, world_size: int, mesh: DeviceMesh, steps: int) ->
         "codec_ms": {k: statistics.median(c[k] for c in codec) for k in codec[0]},
         "all_gather_bytes": gathered[-1],
         "per_element": per_element,
+        "live_peak_MB": peak,
     }
+
+
+def _live_peak(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple) -> float:
+    """MB of live tensors at the peak of one more (untimed) step, the model's, optimizer's
+    and the step's (not what the process held before). The codec runs eagerly here, as
+    on CUDA: a compiled function does not run under the counting dispatch mode."""
+    set_compile_mode("off")
+    tokens, targets = batch
+    with LiveTensors() as live:
+        live.phase = "step"  # unnamed storages made in the step: activations, temporaries
+        model.loss(tokens, targets).backward()
+        opt.step()
+        for what, tensors in held_tensors(model, opt).items():
+            live.name(tensors, what)
+    opt.zero_grad()
+    return (live.peak_bytes - live.breakdown().get("before", 0)) / MB
 
 
 def _rank(rank: int, world_size: int, steps: int, reps: int, names: tuple[str, ...]) -> dict:
@@ -243,11 +262,13 @@ def _summarise(per_rank: list[dict], names: tuple[str, ...]) -> dict[str, dict]:
             "cpu_ms_per_rep": cpu_medians,
             "all_gather_MB": run["all_gather_bytes"] / 2**20,
             "bytes_per_element": run["per_element"],
+            "live_peak_MB": max(r[name][0]["live_peak_MB"] for r in per_rank),
         }
     bf16 = rows["flex bf16"]
     fsdp2 = rows.get("fsdp2 bf16")
     for name, row in rows.items():
         row["bytes_vs_bf16"] = row["all_gather_MB"] / bf16["all_gather_MB"]
+        row["peak_vs_bf16"] = row["live_peak_MB"] / bf16["live_peak_MB"]
         if fsdp2 is not None:
             row["time_vs_fsdp2"] = summary(paired_ratios(row["ms_per_rep"], fsdp2["ms_per_rep"]))
         target = 1.0 if "fp8" in name else None  # the quantized rows: no slower than bf16
@@ -330,8 +351,8 @@ def main() -> None:
         "| W | config | median ms | / FSDP2 bf16 [IQR] | min–max | / flex bf16 [IQR] | min–max "
         "| ≤ flex bf16 | CPU s/step | CPU / flex bf16 [IQR] | ≤ flex bf16 (CPU) "
         "| gather work ms (enc + dec + cast + copy) | all-gather MB/step | / bf16 bytes "
-        "| B/elem |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| B/elem | live peak MB | / bf16 peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w, rows in results.items():
         for name, row in rows.items():
@@ -346,11 +367,16 @@ def main() -> None:
                 f"{verdict_cell(row['cpu_vs_bf16'])} | {_work_cell(row['codec_ms'])} | "
                 f"{row['all_gather_MB']:.3f} | {row['bytes_vs_bf16']:.3f} | "
                 + (f"{per_element:.4f} |" if per_element else "– |")
+                + f" {row['live_peak_MB']:.2f} | {row['peak_vs_bf16']:.3f} |"
             )
     notes += [
         "- CPU s/step: process CPU time of all ranks together (every thread), median over",
         "  steps; on a loaded host it is steadier than the wall clock, though spinning",
         "  threads and cache contention still count.",
+        "- live peak: MB of live tensors at the peak of one more (untimed) step, the slowest",
+        "  rank's (benchmarks/live_memory.py): sharded parameters, optimizer state, gathered",
+        "  buffers, activations, gradients. That step runs the codec eagerly, as on CUDA (one",
+        "  rank's float32 values at a time); the compiled CPU codec has no such temporaries.",
     ]
     lines += notes
     (args.out / "quant_bench.md").write_text("\n".join(lines) + "\n")
