@@ -1,0 +1,185 @@
+"""A stream race detector for the runtime's CUDA protocol, run on CPU (as CUDA's own
+``torch.cuda._sanitizer`` does on a GPU, with the same vector-clock rule).
+
+``SimStreams`` stands in for ``DeviceRuntime`` with streams on: it names a compute,
+an all-gather and a reduce-scatter stream, keeps which one the code is "on", and turns
+``on`` / ``record`` / ``wait`` / ``join`` into vector-clock merges. ``StreamAccesses``
+(a dispatch mode) logs every op's reads and writes of tensor storages as one op on the
+current stream, and so do the bucket collectives (wrapped: gloo runs them in C++). An
+access of a storage that another stream wrote (or, for a write, read) is a race unless
+the accessing stream has waited, through events or stream waits, for that access.
+
+Not modelled: the caching allocator (a freed block's reuse across streams); a storage
+resized (freed or allocated again) starts a fresh history.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from flexshard.runtime.device import DeviceRuntime
+
+STREAMS = ("compute", "ag", "rs")
+
+
+class SimEvent:
+    def __init__(self, stream: str, clock: dict[str, int]) -> None:
+        self.stream, self.clock = stream, clock
+
+    def query(self) -> bool:  # the watchdog polls it: always complete
+        return True
+
+
+class SimStreams(DeviceRuntime):
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"), streams=False)
+        self.streams = True  # the stream-ordered paths, without torch.cuda
+        self.all_gather_stream, self.reduce_scatter_stream = "ag", "rs"  # type: ignore
+        self.current = "compute"
+        # clock[s][t]: the last op of stream t that stream s is ordered after
+        self.clock = {s: dict.fromkeys(STREAMS, 0) for s in STREAMS}
+        self.races: list[str] = []
+        self.counts = {"record": 0, "wait": 0, "join": 0, "on": 0}
+
+    def _merge(self, into: str, clock: dict[str, int]) -> None:
+        mine = self.clock[into]
+        for stream, count in clock.items():
+            mine[stream] = max(mine[stream], count)
+
+    def tick(self) -> tuple[str, int]:
+        self.clock[self.current][self.current] += 1
+        return self.current, self.clock[self.current][self.current]
+
+    def visible(self, access: tuple[str, int]) -> bool:
+        stream, count = access
+        return stream == self.current or self.clock[self.current][stream] >= count
+
+    # ---------------------------------------------------------------- DeviceRuntime
+    @contextlib.contextmanager
+    def on(self, stream: Any) -> Iterator[None]:
+        if stream is None:
+            yield
+            return
+        self.counts["on"] += 1
+        self._merge(stream, self.clock[self.current])  # stream.wait_stream(current)
+        outer, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = outer
+
+    def record(self) -> SimEvent:
+        self.counts["record"] += 1
+        return SimEvent(self.current, dict(self.clock[self.current]))
+
+    def wait(self, event: Any) -> None:
+        if isinstance(event, SimEvent):
+            self.counts["wait"] += 1
+            self._merge(self.current, event.clock)
+
+    def join(self, stream: Any) -> None:
+        if stream is not None:
+            self.counts["join"] += 1
+            self._merge(self.current, self.clock[stream])
+
+    def protect(self, tensor: Any, stream: Any) -> None:
+        pass  # the allocator's business (not modelled)
+
+    def release(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if storage.size():
+            storage.resize_(0)
+
+    def enqueue_wait(self, work: Any) -> SimEvent:
+        if work is not None:
+            work.wait()  # gloo did the work; on NCCL the current stream waits on it
+        return self.record()
+
+
+class StreamAccesses(TorchDispatchMode):
+    """Every op's storage reads and writes, as one op on ``sim.current``."""
+
+    def __init__(self, sim: SimStreams) -> None:
+        super().__init__()
+        self.sim = sim
+        self.history: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [write, reads]
+        self.ops = 0
+        self._resize = torch.UntypedStorage.resize_
+
+    def __enter__(self) -> StreamAccesses:
+        history, resize = self.history, self._resize
+
+        def fresh_resize(storage: torch.UntypedStorage, size: int) -> Any:
+            history.pop(storage, None)  # new memory: a fresh history
+            return resize(storage, size)
+
+        torch.UntypedStorage.resize_ = fresh_resize  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        super().__exit__(*args)
+
+    def access(self, what: str, reads: list, writes: list) -> None:
+        sim = self.sim
+        now = sim.tick()
+        self.ops += 1
+        for tensor in reads:
+            storage = _storage(tensor)
+            if storage is None:
+                continue
+            entry = self.history.setdefault(storage, [None, {}])
+            if entry[0] is not None and not sim.visible(entry[0]):
+                sim.races.append(f"{what} on {now[0]} reads what {entry[0][0]} wrote")
+            entry[1][now[0]] = now[1]
+        for tensor in writes:
+            storage = _storage(tensor)
+            if storage is None:
+                continue
+            entry = self.history.setdefault(storage, [None, {}])
+            earlier = [entry[0]] if entry[0] is not None else []
+            earlier += [(s, c) for s, c in entry[1].items() if s != now[0]]
+            for access in earlier:
+                if not sim.visible(access):
+                    sim.races.append(f"{what} on {now[0]} overwrites what {access[0]} used")
+            entry[0], entry[1] = now, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if any(t not in (torch.Tensor, torch.nn.Parameter) for t in types):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented  # DTensor runs its local ops through here
+            return func(*args, **(kwargs or {}))  # sharding propagation's fake tensors
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        written = []
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                written += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        aliased = {id(s) for s in map(_storage, inputs) if s is not None}
+        outputs = [  # fresh results (a view of an input is no write)
+            t
+            for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor) and id(_storage(t)) not in aliased
+        ]
+        self.access(str(func), inputs, written + outputs)
+        return out
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type != "cpu":
+        return None
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage if storage.size() else None
