@@ -4,7 +4,10 @@ and bucket collective logged on the stream it would run on. No access may read w
 another stream wrote (or overwrite what it used) before waiting for it: the all-gather
 stream's copy-in after the optimizer's writes, compute's reads of gathered parameters
 after the gather's event, the reduce-scatter stream's reads of gradients after compute
-wrote them, the optimizer's reads of ``.grad`` after compute joined that stream."""
+wrote them, the optimizer's reads of ``.grad`` after compute joined that stream. Setups:
+``fully_shard`` per block (W = 3); ``flex_shard`` with MXFP8 tiles, Owned, Replicate and
+row buckets (W = 3); HSDP (2 x 2) with blocks kept gathered after forward and gradients
+accumulated over two micro-batches, the first unsynced."""
 
 from __future__ import annotations
 
@@ -51,9 +54,10 @@ def _install(sim: SimStreams, mode: StreamAccesses, seen: set) -> None:
 def _model(setup: str, mesh) -> torch.nn.Module:
     torch.manual_seed(0)
     model = TinyTransformer(CFG)
-    if setup == "fully_shard":
+    if setup in ("fully_shard", "hsdp_accumulate"):
+        keep = setup == "hsdp_accumulate"  # layers stay gathered from forward to backward
         for layer in model.layers:
-            fs.fully_shard(layer, mesh=mesh, mp_policy=BF16)
+            fs.fully_shard(layer, mesh=mesh, mp_policy=BF16, reshard_after_forward=not keep)
         return fs.fully_shard(model, mesh=mesh, mp_policy=BF16)
     buckets = []  # flex_shard: tiles quantized, whole matrices owned, replicated, rows
     for i in range(CFG.layers):
@@ -71,18 +75,22 @@ def _model(setup: str, mesh) -> torch.nn.Module:
 
 def _train(rank: int, world_size: int, setup: str) -> tuple[list[str], dict, int, set]:
     set_compile_mode("off")  # a compiled codec would not run under the dispatch mode
-    mesh = init_device_mesh("cpu", (world_size,))
+    hsdp = setup == "hsdp_accumulate"
+    mesh = init_device_mesh("cpu", (2, 2) if hsdp else (world_size,))
     sim = SimStreams()
     mode = StreamAccesses(sim)
     seen: set = set()  # the bucket collectives issued
     _install(sim, mode, seen)
     model = _model(setup, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batches = make_batches(CFG, 3 * world_size, batch=2)
+    micro = 2 if hsdp else 1  # HSDP: gradients accumulated unsynced, then reduced
+    batches = make_batches(CFG, 3 * micro * world_size, batch=2)
     with mode:
         for step in range(3):
-            tokens, targets = batches[step * world_size + rank]
-            model.loss(tokens, targets).backward()
+            for m in range(micro):
+                model.set_requires_gradient_sync(m == micro - 1)
+                tokens, targets = batches[(step * micro + m) * world_size + rank]
+                model.loss(tokens, targets).backward()
             if step == 1:
                 fs.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -90,11 +98,13 @@ def _train(rank: int, world_size: int, setup: str) -> tuple[list[str], dict, int
     return sorted(set(sim.races)), sim.counts, mode.ops, seen
 
 
-@pytest.mark.parametrize("setup", ["fully_shard", "flex_shard"])
+@pytest.mark.parametrize("setup", ["fully_shard", "flex_shard", "hsdp_accumulate"])
 def test_no_stream_races_in_training_steps(setup):
-    for races, counts, ops, seen in run_distributed(_train, 3, setup):
+    world = 4 if setup == "hsdp_accumulate" else 3
+    for races, counts, ops, seen in run_distributed(_train, world, setup):
         assert races == [], races[:10]
         assert {"all_gather", "reduce_scatter", "agree"} <= seen
-        assert setup != "flex_shard" or "all_reduce" in seen  # the Replicate bucket
+        # the Replicate bucket; HSDP's all-reduce across replicas
+        assert setup == "fully_shard" or "all_reduce" in seen
         assert ops > 1000 and counts["on"] > 0 and counts["join"] > 0
         assert counts["wait"] > 0  # the gathers' events were waited on
