@@ -27,6 +27,9 @@ from .quantized_compiled import CompiledCodec
 from .storage import BucketStorage
 
 ALIGN = 16
+#: the most elements the eager decode dequantizes at once: its float32 temporaries stay
+#: under 16 MiB (a few tile rows of a block) however large the bucket
+DECODE_CHUNK = 1 << 22
 
 
 def _align(n: int) -> int:
@@ -194,26 +197,41 @@ class QuantizedGather(ShardedCollective):
             self.compiled.decode(gathered, fulls, self.decode_eager)
 
     def decode_eager(self, gathered: torch.Tensor, fulls: list[torch.Tensor | None]) -> None:
-        """``decode`` by the eager codec: one dequantize per run of tiles, then one foreach
-        copy of a rank's blocks into place, casting as it copies (one dtype per bucket).
-        Rank by rank, so the float32 values alive at once are one rank's runs (1/W of the
-        bucket), not the whole bucket's (twice its bf16 parameters)."""
+        """``decode`` by the eager codec: each block dequantized and copied into place,
+        casting as it copies, in pieces of at most ``DECODE_CHUNK`` elements: the float32
+        values alive at once are bounded, whatever the bucket's size (the whole bucket's
+        would be twice its bf16 parameters)."""
         present = [full for full in fulls if full is not None]
         if not present:
             return
         dtype = present[0].dtype
         for rank in range(self.layout.world_size):
-            dsts, srcs = [], []
             for run in self._runs[rank]:
-                values = dequantized_values(self._unpack(gathered[rank], run), dtype).reshape(-1)
+                q = self._unpack(gathered[rank], run)
                 for i, block in run.members:
                     if fulls[i] is not None:
-                        start = block.offset - run.offset
-                        piece = values[start : start + block.numel].view(storage_shape(block))
-                        dsts.append(full_view(block, fulls[i]))
-                        srcs.append(piece)
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)
+                        self._decode_block(q, run, block, full_view(block, fulls[i]), dtype)
+
+    def _decode_block(
+        self, q: QuantizedTensor, run: _Run, block: CopyBlock, dst: torch.Tensor, dtype: torch.dtype
+    ) -> None:
+        """One block's tiles of ``q`` into ``dst`` (``full_view``), a few tile rows at a
+        time (a block is one tile, or a grid of them stored row after row)."""
+        shape = storage_shape(block)
+        tiles = run.tiles(block)
+        rows = shape[0] if block.grid != (1, 1) else 1
+        per_row = (tiles.stop - tiles.start) // rows
+        step = max(1, DECODE_CHUNK // (per_row * math.prod(run.tile)))
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            t0, t1 = tiles.start + r0 * per_row, tiles.start + r1 * per_row
+            values = dequantized_values(
+                QuantizedTensor(q.data[t0:t1], q.scale[t0:t1], self.fmt), dtype
+            )
+            if rows == 1:
+                dst.copy_(values.view(shape))
+            else:
+                dst[r0:r1].copy_(values.view(r1 - r0, *shape[1:]))
 
     def quantized_params(
         self, bucket: str, gathered: torch.Tensor | None
