@@ -373,10 +373,11 @@ def main() -> None:
         "- CPU s/step: process CPU time of all ranks together (every thread), median over",
         "  steps; on a loaded host it is steadier than the wall clock, though spinning",
         "  threads and cache contention still count.",
-        "- live peak: MB of live tensors at the peak of one more (untimed) step, the slowest",
-        "  rank's (benchmarks/live_memory.py): sharded parameters, optimizer state, gathered",
-        "  buffers, activations, gradients. That step runs the codec eagerly, as on CUDA (one",
-        "  rank's float32 values at a time); the compiled CPU codec has no such temporaries.",
+        "- live peak: MB of live tensors at the peak of one more (untimed) step, the largest",
+        "  over ranks (benchmarks/live_memory.py): sharded parameters, optimizer state,",
+        "  gathered buffers, activations, gradients. That step runs the codec eagerly, as on",
+        "  CUDA (float32 values of at most 2^22 elements at a time); the compiled CPU codec has",
+        "  no such temporaries.",
     ]
     lines += notes
     (args.out / "quant_bench.md").write_text("\n".join(lines) + "\n")

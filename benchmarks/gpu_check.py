@@ -281,7 +281,7 @@ def quantized_gather(ctx: Ctx) -> dict[str, Any]:
 def _unshard_memory(ctx: Ctx, model: Any) -> dict[str, Any]:
     """Unshard the quantized bucket "w": its fp8 codes are freed once decoded, and the
     unshard's peak (CUDA) stays under full weights + codes + one rank's float32 values
-    (the eager decode goes rank by rank); a whole-bucket temporary would add 1.0."""
+    (the eager decode goes block by block); a whole-bucket temporary would add 1.0."""
     (bucket,) = [b for b in own_buckets(model) if b.name == "w"]
     full_bytes = sum(math.prod(p.shape) * 4 for p in bucket.layout.params)  # fp32 weights
     if ctx.device.type == "cuda":
