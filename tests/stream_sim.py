@@ -9,13 +9,20 @@ current stream, and so do the bucket collectives (wrapped: gloo runs them in C++
 access of a storage that another stream wrote (or, for a write, read) is a race unless
 the accessing stream has waited, through events or stream waits, for that access.
 
-Not modelled: the caching allocator (a freed block's reuse across streams); a storage
-resized (freed or allocated again) starts a fresh history.
+The caching allocator is modelled as CUDA's: a block belongs to the stream it was
+allocated on and, once freed, may be handed to that stream's next allocation at once,
+unless ``record_stream`` (``protect``, ``release``) named the other streams that used it.
+So a block freed while another stream's use of it is not yet ordered before its own
+stream, and not protected for that stream, is a hazard when its stream allocates next.
+Not modelled: NCCL's own stream (a collective counts as an op on the stream that
+launched it, which then waits for it), and block sizes (any freed block counts as
+reusable by any allocation of its stream: conservative).
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,6 +55,7 @@ class SimStreams(DeviceRuntime):
         self.clock = {s: dict.fromkeys(STREAMS, 0) for s in STREAMS}
         self.races: list[str] = []
         self.counts = {"record": 0, "wait": 0, "join": 0, "on": 0}
+        self.accesses: StreamAccesses | None = None  # set by the mode: blocks, pools
 
     def _merge(self, into: str, clock: dict[str, int]) -> None:
         mine = self.clock[into]
@@ -91,9 +99,11 @@ class SimStreams(DeviceRuntime):
             self._merge(self.current, self.clock[stream])
 
     def protect(self, tensor: Any, stream: Any) -> None:
-        pass  # the allocator's business (not modelled)
+        if stream is not None and tensor is not None and self.accesses is not None:
+            self.accesses.protect(tensor, stream)  # tensor.record_stream(stream)
 
     def release(self, tensor: torch.Tensor) -> None:
+        self.protect(tensor, self.current)  # as device.py: record_stream(current), free
         storage = tensor.untyped_storage()
         if storage.size():
             storage.resize_(0)
@@ -104,22 +114,81 @@ class SimStreams(DeviceRuntime):
         return self.record()
 
 
+class _Block:
+    """A storage's current memory: the stream it was allocated on, the last op count of
+    every stream that used it, the streams ``record_stream`` named."""
+
+    __slots__ = ("stream", "what", "users", "protected")
+
+    def __init__(self, stream: str, what: str) -> None:
+        self.stream, self.what = stream, what
+        self.users: dict[str, int] = {}
+        self.protected: set[str] = set()
+
+
 class StreamAccesses(TorchDispatchMode):
-    """Every op's storage reads and writes, as one op on ``sim.current``."""
+    """Every op's storage reads and writes, as one op on ``sim.current``; allocations
+    and frees, as the caching allocator sees them."""
 
     def __init__(self, sim: SimStreams) -> None:
         super().__init__()
         self.sim = sim
+        sim.accesses = self
         self.history: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [write, reads]
+        self.blocks: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> _Block
+        self.pools: dict[str, list[tuple[str, dict[str, int]]]] = {s: [] for s in STREAMS}
+        self.hazards: list[str] = []
         self.ops = 0
         self._resize = torch.UntypedStorage.resize_
+
+    # ---------------------------------------------------------------- the allocator
+    def _allocate(self, storage: torch.UntypedStorage, what: str) -> None:
+        stream = self.sim.current
+        for freed, users in self.pools[stream]:  # any of them may be handed out now
+            for other, count in users.items():
+                if not self.sim.visible((other, count)):
+                    self.hazards.append(
+                        f"{what} on {stream} may reuse a block of {freed} freed while "
+                        f"{other} could still use it (no record_stream for {other})"
+                    )
+        self.pools[stream] = []
+        block = _Block(stream, what)
+        self.blocks[storage] = block
+        weakref.finalize(storage, self._free, block)
+
+    def _free(self, block: _Block) -> None:
+        if block.stream == "":  # freed already (resized to 0)
+            return
+        pending = {
+            s: c for s, c in block.users.items() if s != block.stream and s not in block.protected
+        }
+        if pending:
+            self.pools[block.stream].append((block.what, pending))
+        block.stream = ""
+
+    def _block(self, storage: torch.UntypedStorage) -> _Block:
+        block = self.blocks.get(storage)
+        if block is None:  # memory from before the mode (parameters, state): compute's
+            block = self.blocks[storage] = _Block("compute", "an earlier allocation")
+        return block
+
+    def protect(self, tensor: torch.Tensor, stream: str) -> None:
+        storage = _storage(tensor)
+        if storage is not None:
+            self._block(storage).protected.add(stream)
 
     def __enter__(self) -> StreamAccesses:
         history, resize = self.history, self._resize
 
         def fresh_resize(storage: torch.UntypedStorage, size: int) -> Any:
             history.pop(storage, None)  # new memory: a fresh history
-            return resize(storage, size)
+            block = self.blocks.pop(storage, None)
+            if block is not None:
+                self._free(block)
+            out = resize(storage, size)
+            if size:
+                self._allocate(storage, "a resize_")
+            return out
 
         torch.UntypedStorage.resize_ = fresh_resize  # type: ignore[method-assign]
         return super().__enter__()
@@ -128,10 +197,18 @@ class StreamAccesses(TorchDispatchMode):
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
         super().__exit__(*args)
 
-    def access(self, what: str, reads: list, writes: list) -> None:
+    def access(self, what: str, reads: list, writes: list, fresh: list = ()) -> None:
         sim = self.sim
+        for tensor in fresh:  # results in new memory: allocated on the current stream
+            storage = _storage(tensor)
+            if storage is not None and storage not in self.blocks:
+                self._allocate(storage, what)
         now = sim.tick()
         self.ops += 1
+        for tensor in [*reads, *writes]:
+            storage = _storage(tensor)
+            if storage is not None:
+                self._block(storage).users[now[0]] = now[1]
         for tensor in reads:
             storage = _storage(tensor)
             if storage is None:
@@ -171,7 +248,7 @@ class StreamAccesses(TorchDispatchMode):
             for t in tree_flatten(out)[0]
             if isinstance(t, torch.Tensor) and id(_storage(t)) not in aliased
         ]
-        self.access(str(func), inputs, written + outputs)
+        self.access(str(func), inputs, written + outputs, outputs)
         return out
 
 

@@ -4,7 +4,9 @@ and bucket collective logged on the stream it would run on. No access may read w
 another stream wrote (or overwrite what it used) before waiting for it: the all-gather
 stream's copy-in after the optimizer's writes, compute's reads of gathered parameters
 after the gather's event, the reduce-scatter stream's reads of gradients after compute
-wrote them, the optimizer's reads of ``.grad`` after compute joined that stream. Setups:
+wrote them, the optimizer's reads of ``.grad`` after compute joined that stream; and no
+freed block may be reusable by its stream while another may still use it (the
+reduce-scatter input's ``record_stream``). Setups:
 ``fully_shard`` per block (W = 3); ``flex_shard`` with MXFP8 tiles, Owned, Replicate and
 row buckets (W = 3); HSDP (2 x 2) with blocks kept gathered after forward and gradients
 accumulated over two micro-batches, the first unsynced."""
@@ -95,7 +97,7 @@ def _train(rank: int, world_size: int, setup: str) -> tuple[list[str], dict, int
                 fs.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
-    return sorted(set(sim.races)), sim.counts, mode.ops, seen
+    return sorted(set(sim.races + mode.hazards)), sim.counts, mode.ops, seen
 
 
 @pytest.mark.parametrize("setup", ["fully_shard", "flex_shard", "hsdp_accumulate"])
