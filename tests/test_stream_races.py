@@ -6,9 +6,9 @@ stream's copy-in after the optimizer's writes, compute's reads of gathered param
 after the gather's event, the reduce-scatter stream's reads of gradients after compute
 wrote them, the optimizer's reads of ``.grad`` after compute joined that stream; and no
 freed block may be reusable by its stream while another may still use it (the
-reduce-scatter input's ``record_stream``). Setups:
-``fully_shard`` per block (W = 3); ``flex_shard`` with MXFP8 tiles, Owned, Replicate and
-row buckets (W = 3); HSDP (2 x 2) with blocks kept gathered after forward and gradients
+reduce-scatter input's ``record_stream``). Setups: ``fully_shard`` per block with
+explicit prefetches (W = 3); ``flex_shard`` with MXFP8 tiles, Owned, Replicate and row
+buckets (W = 3); HSDP (2 x 2) with blocks kept gathered after forward and gradients
 accumulated over two micro-batches, the first unsynced."""
 
 from __future__ import annotations
@@ -60,6 +60,10 @@ def _model(setup: str, mesh) -> torch.nn.Module:
         keep = setup == "hsdp_accumulate"  # layers stay gathered from forward to backward
         for layer in model.layers:
             fs.fully_shard(layer, mesh=mesh, mp_policy=BF16, reshard_after_forward=not keep)
+        if not keep:  # explicit prefetches, as torchtitan sets them
+            first, second = model.layers
+            first.set_modules_to_forward_prefetch([second])
+            second.set_modules_to_backward_prefetch([first])
         return fs.fully_shard(model, mesh=mesh, mp_policy=BF16)
     buckets = []  # flex_shard: tiles quantized, whole matrices owned, replicated, rows
     for i in range(CFG.layers):
