@@ -170,6 +170,7 @@ class StreamAccesses(TorchDispatchMode):
         block = self.blocks.get(storage)
         if block is None:  # memory from before the mode (parameters, state): compute's
             block = self.blocks[storage] = _Block("compute", "an earlier allocation")
+            weakref.finalize(storage, self._free, block)
         return block
 
     def protect(self, tensor: torch.Tensor, stream: str) -> None:
