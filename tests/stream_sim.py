@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -109,8 +109,9 @@ class SimStreams(DeviceRuntime):
             storage.resize_(0)
 
     def enqueue_wait(self, work: Any) -> SimEvent:
-        if work is not None:
-            work.wait()  # gloo did the work; on NCCL the current stream waits on it
+        if work is not None:  # gloo's work done here; on NCCL the current stream waits on it
+            with _disable_current_modes():  # not gloo's own copies (NCCL has none)
+                work.wait()
         return self.record()
 
 
