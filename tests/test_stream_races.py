@@ -6,11 +6,11 @@ stream's copy-in after the optimizer's writes, compute's reads of gathered param
 after the gather's event, the reduce-scatter stream's reads of gradients after compute
 wrote them, the optimizer's reads of ``.grad`` after compute joined that stream; and no
 freed block may be reusable by its stream while another may still use it (the
-reduce-scatter input's ``record_stream``). Setups: ``fully_shard`` per block with
-explicit prefetches (W = 3); ``flex_shard`` with MXFP8 tiles, Owned, Replicate and row
-buckets (W = 3); HSDP (2 x 2) with blocks kept gathered after forward and gradients
-accumulated over two micro-batches, the first unsynced. No collective of the steps may
-be waited for on the host (on NCCL that blocks the CPU)."""
+reduce-scatter input's ``record_stream``). No collective of the steps may be waited
+for on the host (on NCCL that blocks the CPU). Setups: ``fully_shard`` per block with
+explicit prefetches and a post-optimizer event (W = 3); ``flex_shard`` with MXFP8 tiles,
+Owned, Replicate and row buckets (W = 3); HSDP (2 x 2) with blocks kept gathered after
+forward and gradients accumulated over two micro-batches, the first unsynced."""
 
 from __future__ import annotations
 
@@ -114,6 +114,8 @@ def _train(rank: int, world_size: int, setup: str) -> tuple[list[str], dict, int
                 fs.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
+            if setup == "fully_shard":  # torchtitan's: the next all-gathers wait on it
+                model.set_post_optim_event(sim.record())
     return sorted(set(sim.races + mode.hazards)), sim.counts, mode.ops, seen, blocking
 
 
