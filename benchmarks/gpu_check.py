@@ -280,8 +280,8 @@ def quantized_gather(ctx: Ctx) -> dict[str, Any]:
 
 def _unshard_memory(ctx: Ctx, model: Any) -> dict[str, Any]:
     """Unshard the quantized bucket "w": its fp8 codes are freed once decoded, and the
-    unshard's peak (CUDA) stays under full weights + codes + one rank's float32 values
-    (the eager decode goes block by block); a whole-bucket temporary would add 1.0."""
+    unshard's peak (CUDA) stays under full weights + codes + the eager decode's float32
+    pieces (block by block, at most 2^22 elements); a whole-bucket temporary adds 1.0."""
     (bucket,) = [b for b in own_buckets(model) if b.name == "w"]
     full_bytes = sum(math.prod(p.shape) * 4 for p in bucket.layout.params)  # fp32 weights
     if ctx.device.type == "cuda":

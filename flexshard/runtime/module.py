@@ -346,7 +346,10 @@ class _PipelineState:
                 bucket.launch_reduce()
                 bucket.finish_reduce()
         state = buckets[0].step.state if buckets else None
-        (state.agree_on_unused if state else UnusedGradAgreement())(buckets)
+        agreement = state.agree_on_unused if state else UnusedGradAgreement()
+        agreement(buckets)
+        if state is None:  # a throwaway: nobody else would wait for what it left running
+            agreement.finish()
         for bucket in buckets:
             bucket.join_reductions()
 

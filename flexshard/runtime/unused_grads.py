@@ -48,12 +48,12 @@ class UnusedGradAgreement:
         """Land the gradients of the parameters some rank used on every rank; leave
         those no rank used without one. Every rank calls it with the same buckets, in
         the same order, after their reductions landed."""
-        self._finish_background()
+        self.finish()
         settling = [b for b in buckets if b.reduction.used_here is not None]
         for group_buckets in by_process_group(settling):
             self._agree(group_buckets)
 
-    def _finish_background(self) -> None:
+    def finish(self) -> None:
         """Wait for the all-reduces left running (a failure of theirs raises here)."""
         background, self._background = self._background, []
         for pending in background:
