@@ -144,6 +144,15 @@ class CompileConfig:
 
 
 @dataclass
+class ActivationCheckpointConfig:
+    # recompute in backward instead of keeping activations (torchtitan's spelling):
+    # "full" recomputes every block, "selective" per selective_ac_option
+    mode: Literal["none", "full", "selective"] = "none"
+    # "op": keep matmul outputs, recompute the rest; "n": recompute every n-th block
+    selective_ac_option: str = "op"
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -153,13 +162,17 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(
+        default_factory=ActivationCheckpointConfig
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 def _check_type(key: str, value: Any, hint: Any) -> Any:
-    """``value`` converted to ``hint`` (int -> float allowed), or a ConfigError."""
+    """``value`` converted to ``hint`` (int -> float and int -> str allowed: the command
+    line reads ``--activation_checkpoint.selective_ac_option 2`` as an int), or a ConfigError."""
     origin = typing.get_origin(hint)
     if origin is Literal:
         choices = typing.get_args(hint)
@@ -175,6 +188,8 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is str and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
     if (hint is int and isinstance(value, bool)) or not isinstance(value, hint):
         raise ConfigError(f"{key} = {value!r}: must be {hint.__name__}")
     return value
@@ -260,6 +275,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = Config()
     _fill(cfg, table, "")
     _vocab_from_tokenizer(cfg, table)
+    _check_activation_checkpoint(cfg.activation_checkpoint)
     from .config_validation import validate  # it imports this module
 
     validate(cfg)
@@ -271,6 +287,7 @@ def config_from_dict(table: dict[str, Any]) -> Config:
     cfg = Config()
     _fill(cfg, table, "")
     _vocab_from_tokenizer(cfg, table)
+    _check_activation_checkpoint(cfg.activation_checkpoint)
     from .config_validation import validate  # it imports this module
 
     validate(cfg)
@@ -288,3 +305,13 @@ def _vocab_from_tokenizer(cfg: Config, table: dict[str, Any]) -> None:
     from .tokenizer import open_tokenizer, padded_vocab_size  # it imports this module
 
     m.vocab_size = padded_vocab_size(m, open_tokenizer(m.tokenizer))
+
+
+def _check_activation_checkpoint(ac: ActivationCheckpointConfig) -> None:
+    """``selective_ac_option`` is "op" or a positive block period (mode is a Literal)."""
+    option = ac.selective_ac_option
+    if option != "op" and not (option.isdigit() and int(option) >= 1):
+        raise ConfigError(
+            f"activation_checkpoint.selective_ac_option = {option!r}: must be 'op' or a "
+            "positive integer n (recompute every n-th block)"
+        )
