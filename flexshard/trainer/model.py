@@ -10,6 +10,7 @@ exactly the values an eagerly built model gets from ``init_weights``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -197,8 +198,17 @@ class TransformerBlock(nn.Module):
         self.feed_forward: nn.Module = (
             MoE(cfg, out_std) if use_moe else FeedForward(cfg.dim, ffn_hidden_size(cfg), out_std)
         )
+        # set by apply_ac: runs ``_block`` so that backward recomputes its activations.
+        # An attribute, not a wrapper module, so parameter names (buckets, checkpoints,
+        # Hugging Face export) stay those of the plain model
+        self.checkpoint: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint is not None:
+            return self.checkpoint(self._block, x, cos, sin)
+        return self._block(x, cos, sin)
+
+    def _block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
         return x + self.feed_forward(self.ffn_norm(x))
 

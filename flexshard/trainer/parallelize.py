@@ -1,9 +1,10 @@
 """The 5-D composition, torchtitan style: one small ``apply_*`` per concern, applied in
 one place. The order matters: TP rewrites the modules' parameters into DTensors, EP
 slices the experts, PP then cuts the model into stages (TP and EP travel with the
-blocks), CP switches each stage's attention to its sequence shard, ``[compile]``
-compiles each block, and data parallelism (flexshard or torch FSDP2) shards what is
-left: expert weights on their own ``dp_shard_mod_ep`` mesh, everything else per block
+blocks), CP switches each stage's attention to its sequence shard,
+``[activation_checkpoint]`` marks blocks to recompute, ``[compile]`` compiles each
+block, and data parallelism (flexshard or torch FSDP2) shards what is left: expert
+weights on their own ``dp_shard_mod_ep`` mesh, everything else per block
 over dp_replicate x (dp_shard * cp).
 """
 
@@ -21,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import flexshard as fs
 
+from .activation_checkpoint import apply_ac
 from .config import Config
 from .context_parallel import apply_cp, split_sequence
 from .exchange import configured_timeout
@@ -162,9 +164,10 @@ def _has_submodule(module: nn.Module, fqn: str) -> bool:
 def parallelize(
     cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device
 ) -> Parallelized:
-    """TP -> EP -> PP split -> CP -> DP, every rank ending with the single process's
-    seeded weights. flexshard: built on meta and initialised after sharding, module by
-    module (no rank ever holds the whole model); FSDP2: built whole on ``device`` first."""
+    """TP -> EP -> PP split -> CP -> AC -> compile -> DP, every rank ending with the
+    single process's seeded weights. flexshard: built on meta and initialised after
+    sharding, module by module (no rank ever holds the whole model); FSDP2: built whole
+    on ``device`` first."""
     from .train import loss_fn
 
     par = cfg.parallelism
@@ -183,6 +186,7 @@ def parallelize(
     def finish(module: nn.Module) -> nn.Module:
         if meshes.cp is not None:
             apply_cp(module, meshes.cp, par.cp_method, timeout)
+        apply_ac(module, cfg.activation_checkpoint)  # inside compile's graph and DP's hooks
         if cfg.compile.enable:
             apply_compile(module, cfg)
         return apply_dp(module, cfg, meshes, expert_fqns)

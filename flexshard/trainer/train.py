@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LRScheduler
 import flexshard as fs
 
 from . import bounded_waits, checkpointing
+from .activation_checkpoint import apply_ac
 from .config import Config, ConfigError
 from .data import DPSampler, ValidationBatches, load_tokens, split_tokens
 from .exchange import configured_timeout, exchange_bytes
@@ -62,6 +63,7 @@ def build_model(cfg: Config, dp_mesh: DeviceMesh, device: torch.device) -> nn.Mo
         with torch.device(device):
             model = Transformer(cfg.model)
         init_weights(model, cfg.training.seed)
+        apply_ac(model, cfg.activation_checkpoint)
         if cfg.compile.enable:
             apply_compile(model, cfg)
         return apply_fsdp2(model, cfg, dp_mesh)
@@ -69,6 +71,7 @@ def build_model(cfg: Config, dp_mesh: DeviceMesh, device: torch.device) -> nn.Mo
     # initialise module by module: each rank keeps only its regions
     with torch.device("meta"):
         model = Transformer(cfg.model)
+    apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable:
         apply_compile(model, cfg)
     model = apply_flexshard(model, cfg, dp_mesh)
