@@ -23,9 +23,12 @@ from .bucket_plans import (
     _plan,
     _resolve_placement,
 )
+from .forward_casts import install_forward_casts
 from .placements import Shard
+from .replaced import mark_replaced
+from .runtime.bucket import Bucket
 from .runtime.collectives import DEFAULT_TIMEOUT, check_timeout
-from .runtime.groups import resolve_mesh
+from .runtime.groups import MeshGroups, resolve_mesh
 from .runtime.hooks import StepState, install_bucket_hooks, install_root_hooks
 from .runtime.module import FlexShardModule, make_flexshard_class
 from .state_dict_hooks import install_state_dict_hooks
@@ -63,7 +66,7 @@ def flex_shard(
     plan = functools.partial(
         _plan_flex, module, buckets, groups.shard_size, mp_policy, reshard_after_forward
     )
-    built = _agree_and_build(module, plan, groups, timeout)
+    built = _build_marked(module, plan, groups, timeout, "flex_shard")
     make_flexshard_class(module)
     install_state_dict_hooks(module)
     module._flexshard_buckets = [b for b, _ in built]
@@ -238,7 +241,7 @@ def fully_shard(
         layout = _plan(name, members, placements, groups.shard_size, 0, mp_policy, packed)
         return [_Plan(name, members, placements, layout, modules, mp_policy, reshard)]
 
-    built = _agree_and_build(_root_of(modules), plan, groups, timeout)
+    built = _build_marked(_root_of(modules), plan, groups, timeout, "fully_shard")
     for m in modules:
         make_flexshard_class(m)
         install_state_dict_hooks(m)
@@ -247,7 +250,26 @@ def fully_shard(
         install_root_hooks(m)
     for bucket, hook_modules in built:
         install_bucket_hooks(bucket, hook_modules)
+    if not built:  # no parameters of its own (a wrapper's root): FSDP2 casts all the same
+        for m in modules:
+            install_forward_casts(m, mp_policy)
     return module  # type: ignore[return-value]
+
+
+def _build_marked(
+    root: nn.Module,
+    plan: Callable[[], list[_Plan]],
+    groups: MeshGroups,
+    timeout: datetime.timedelta,
+    call: str,
+) -> list[tuple[Bucket, list[nn.Module]]]:
+    """Build the planned buckets, then mark the parameters they replaced, so flexshard's
+    optimizers refuse them by name (a build that fails marks nothing)."""
+    planned: list[_Plan] = []
+    built = _agree_and_build(root, lambda: planned.extend(plan()) or planned, groups, timeout)
+    for p in planned:
+        mark_replaced(p.members, p.name, call)
+    return built
 
 
 def _common_prefix(modules: list[nn.Module], module: nn.Module) -> str:

@@ -12,6 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..placements import ParamLayout, Region
+from ..replaced import check_not_replaced
 from ..runtime.bucket import Bucket, slot_of
 from ..runtime.tp_params import local_of
 from .newton_schulz import ns_flops
@@ -143,6 +144,7 @@ def resolve(param: torch.Tensor, name: str, group: dict) -> Target:
             "DistMuon takes flexshard's parameters (tensor-parallel ones included: shard "
             "the model with flexshard after apply_tp) and plain tensors"
         )
+    check_not_replaced(param, "DistMuon")  # collected before sharding: never trained
     param = local_of(param)  # the step works on this rank's local tensor
     rows = block_rows(group["row_blocks"], name)
     if slot is None:  # a plain tensor is a whole matrix (or a whole stack) on this rank

@@ -70,6 +70,22 @@ WHO = "MatrixOptimizer"
 OWN_KEYS = ("params", "param_names", "row_blocks")
 
 
+def _as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    """The param groups ``params`` names, as torch reads them (tensors, (name, tensor)
+    pairs or dicts), each a new dict: the caller's are not changed."""
+    items = list(params)
+    if not items:
+        raise ValueError(f"{WHO}: got an empty parameter list")
+    if all(isinstance(item, dict) for item in items):
+        return [dict(item) for item in items]
+    return [{"params": items}]
+
+
+def _options(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's options for the inner optimizer: without the adapter's own entries."""
+    return {k: v for k, v in group.items() if k not in OWN_KEYS}
+
+
 class MatrixOptimizer(Optimizer):
     """Run ``optimizer(params, **defaults)`` (a ``torch.optim.Optimizer`` class or
     factory written for full tensors) on flexshard parameters, one whole matrix at a
@@ -94,9 +110,18 @@ class MatrixOptimizer(Optimizer):
         overlap: bool = False,
         **defaults: Any,
     ) -> None:
-        # the inner optimizer's own defaults and checks, on a placeholder matrix (some,
-        # torch's Muon among them, check the shapes they are given)
-        self._inner = optimizer([torch.zeros(1, 1, requires_grad=True)], **defaults)
+        groups = _as_groups(params)
+        # the inner optimizer's own defaults and checks, on one placeholder matrix per
+        # group (some, torch's Muon among them, check the shapes they are given); it
+        # sees each group's own options, as it would see the user's groups
+        self._inner = optimizer(
+            [{**_options(g), "params": [torch.zeros(1, 1, requires_grad=True)]} for g in groups],
+            **defaults,
+        )
+        # what the inner __init__ set per group (pytorch-optimizer's Muon family fills
+        # 'use_muon' groups with keys that are not in its .defaults): the adapter's
+        # groups start from these, so the inner step finds every key it set
+        self._initial_options = [_options(g) for g in self._inner.param_groups]
         inner_type = type(self._inner)
         self._tag = f"{inner_type.__module__}.{inner_type.__qualname__}"
         self._overlap = overlap
@@ -110,10 +135,14 @@ class MatrixOptimizer(Optimizer):
         self._plan: list[Exchange] | None = None
         self._step_plan: tuple[tuple[int, ...], list[Exchange]] | None = None
         self.comm = CommCounter()
-        super().__init__(params, {**self._inner.defaults, "row_blocks": row_blocks})
+        super().__init__(groups, {**self._inner.defaults, "row_blocks": row_blocks})
+        self._initial_options = []  # groups added later get the inner .defaults only
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        index = len(self.param_groups)
+        if index < len(self._initial_options):  # one of the groups given at construction
+            param_group = {**param_group, **self._initial_options[index]}
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         group = self.param_groups[index]

@@ -20,6 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..placements import Region
+from ..replaced import check_not_replaced
 from ..runtime.bucket import Bucket, slot_of
 from ..runtime.tp_params import local_of, tp_frame
 from .matrices import Block, Kind, Target, row_blocks_of
@@ -117,6 +118,7 @@ def resolve_param(param: torch.Tensor, name: str, cost: Cost, rows: int | None =
             f"MatrixOptimizer: {name} is a DTensor that flexshard did not shard; the adapter "
             "takes flexshard's parameters and plain tensors"
         )
+    check_not_replaced(param, "MatrixOptimizer")  # collected before sharding: never trained
     if slot is None:  # a plain tensor: every matrix whole on this rank
         shape = tuple(param.shape)
         if rows is not None:

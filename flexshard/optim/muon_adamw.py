@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..replaced import check_not_replaced
 from ..runtime.bucket import slot_of
 from .dist_muon import DistMuon
 from .newton_schulz import NS_COEFFICIENTS
@@ -112,6 +113,9 @@ class MuonAdamW(DistMuon):
             # torch's own checks of the AdamW hyper-parameters (ValueError on bad ones)
             checked = ("lr", "betas", "eps", "weight_decay")
             torch.optim.AdamW([torch.zeros(0)], **{k: param_group[k] for k in checked})
+            params = param_group["params"]  # the Muon groups are checked by resolve()
+            for param in [params] if isinstance(params, torch.Tensor) else params:
+                check_not_replaced(param, "MuonAdamW")
         super().add_param_group(param_group)
 
     def _muon_step(self) -> None:
