@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .attempt_store import attempt_store, uses_agent_store
 from .config import ConfigError, ParallelismConfig
 from .layout_checks import check_ep_ranks
 
@@ -217,7 +218,12 @@ def init_distributed(device: torch.device, timeout_s: float | None = None) -> No
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if timeout_s is None:
-        dist.init_process_group(backend)
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+    if uses_agent_store():  # torchrun's shared store outlives restarts: a fresh one
+        store = attempt_store(timeout or datetime.timedelta(minutes=30))
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
     else:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=timeout)
