@@ -6,17 +6,22 @@ safetensors export of the final model; Hugging Face folders in and out
 from __future__ import annotations
 
 import datetime
+import functools
 import re
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from flexshard.checkpoint.async_save import AsyncCheckpointer, SaveError, one_line
 from flexshard.checkpoint.bounded import bounded_group, in_flight
 from flexshard.checkpoint.frames import framed_state, unframed
 
 from .config import ConfigError
 from .exchange import configured_timeout
+from .retention import purge
 
 if TYPE_CHECKING:
     from .train import Job
@@ -120,7 +125,33 @@ def check_available(job: Job) -> None:
 
 
 def save(job: Job, step: int) -> Path:
+    """Save step ``step``: synchronously, or (``checkpoint.async_mode``) staged here and
+    written in the background; then, with ``keep_latest_k``, older checkpoints deleted
+    once this one is complete. A failure raises a one-line SaveError naming the step and
+    path; the checkpoints before it are untouched."""
     path = folder(job) / f"step-{step}"
+    if job.cfg.checkpoint.async_mode != "disabled":
+        _save_async(job, step, path)
+        return path
+    try:
+        _save_sync(job, step, path)
+    except (Exception, CheckpointException) as err:
+        if job.rank == 0:  # what the failed save wrote is of no use: give the disk back
+            shutil.rmtree(f"{path}.partial", ignore_errors=True)
+            if not (path / ".metadata").exists():
+                shutil.rmtree(path, ignore_errors=True)
+        raise SaveError(
+            f"flexshard: checkpoint step {step} failed; '{path}' was not written and the "
+            f"previous checkpoints are untouched: {one_line(err)}"
+        ) from (err if isinstance(err, Exception) else None)
+    _barrier(job, "barrier after the save", path)
+    keep = job.cfg.checkpoint.keep_latest_k
+    if keep and job.rank == 0:
+        purge(folder(job), keep)
+    return path
+
+
+def _save_sync(job: Job, step: int, path: Path) -> None:
     if _is_fsdp2(job):
         import torch.distributed.checkpoint as dcp
 
@@ -142,8 +173,43 @@ def save(job: Job, step: int) -> Path:
             frames=_frames(job),
             timeout=configured_timeout(job.cfg.parallelism.timeout_s),
         )
-    _barrier(job, "barrier after the save", path)
-    return path
+
+
+def checkpointer(job: Job) -> AsyncCheckpointer:
+    """The job's background saver, made at its first asynchronous save."""
+    if job.checkpointer is None:
+        mode = job.cfg.checkpoint.async_mode
+        job.checkpointer = AsyncCheckpointer(
+            mode, configured_timeout(job.cfg.parallelism.timeout_s)
+        )  # type: ignore[arg-type]
+        if job.rank == 0:
+            print(job.checkpointer.note, flush=True)
+    return job.checkpointer
+
+
+def _save_async(job: Job, step: int, path: Path) -> None:
+    """The same contents as the synchronous save, written in the background."""
+    saver = checkpointer(job)
+    saver.wait()  # the previous save first: its failure is raised here, not lost
+    frames = _frames(job)
+    if _is_fsdp2(job):
+        state = framed_state(_fsdp2_state(job, job.dims.pp > 1), frames)
+        state = {**state, SCHEDULER: job.lr_scheduler.state_dict()}
+        extra, manifest = None, False  # as the synchronous FSDP2 save: plain DCP
+    else:
+        state = saver.state(_logical_model(job), job.optimizer, frames)
+        extra, manifest = {"step": step, SCHEDULER: job.lr_scheduler.state_dict()}, True
+    keep, root = job.cfg.checkpoint.keep_latest_k, folder(job)
+    after = functools.partial(purge, root, keep) if keep and job.rank == 0 else None
+    label = f"checkpoint step {step}"
+    saver.save(path, state, label=label, extra=extra, manifest=manifest, after=after)
+
+
+def wait_for_saves(job: Job) -> None:
+    """At the end of training: the last background save complete (or its error)."""
+    if job.checkpointer is not None:
+        saver, job.checkpointer = job.checkpointer, None
+        saver.close()
 
 
 def maybe_resume(job: Job) -> int:

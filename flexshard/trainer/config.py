@@ -127,6 +127,18 @@ class CheckpointConfig:
     initial_load_in_hf: bool = False  # initial_load_path is a Hugging Face model folder
     last_save_in_hf: bool = False  # final model as a Hugging Face folder, dump_folder/hf
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # "async": stage to host memory, write in the background while training goes on;
+    # "async_with_pinned_mem": the same with staging buffers kept (pinned where CUDA is)
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    keep_latest_k: int = 0  # complete checkpoints kept, older ones deleted; 0: keep all
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the loader sets each key after its type check: ranges are checked here
+        if name == "keep_latest_k" and isinstance(value, int) and value < 0:
+            raise ConfigError(
+                f"checkpoint.keep_latest_k = {value}: must be >= 0 (0 keeps every checkpoint)"
+            )
+        super().__setattr__(name, value)
 
 
 @dataclass

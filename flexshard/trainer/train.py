@@ -127,6 +127,7 @@ class Job:
     parallel: Parallelized  # every stage module this rank runs, and the pipeline runner
     tokenizer: Tokenizer | None = None
     validation: ValidationBatches | None = None  # the held-out batches, when enabled
+    checkpointer: Any = None  # the background saver (checkpoint.async_mode), once made
 
 
 def setup(cfg: Config) -> Job:
@@ -309,6 +310,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             (step + 1) % cfg.checkpoint.interval == 0 or step + 1 == t.steps
         ):
             checkpointing.save(job, step + 1)
+    checkpointing.wait_for_saves(job)  # the last background save complete
     if progress is not None:
         progress.close()
     if cfg.checkpoint.export_safetensors:
