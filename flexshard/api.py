@@ -242,6 +242,8 @@ def fully_shard(
         return [_Plan(name, members, placements, layout, modules, mp_policy, reshard)]
 
     built = _build_marked(_root_of(modules), plan, groups, timeout, "fully_shard")
+    for bucket, _ in built:  # FSDP2's collectives exactly (set_agree_on_unused_params)
+        bucket.reduction.agree_on_unused = False
     for m in modules:
         make_flexshard_class(m)
         install_state_dict_hooks(m)

@@ -9,7 +9,10 @@ leaves ``b`` unused (its old gradient stays). Checked after every backward: whic
 gradients are None, their values, the post-accumulate-grad hook calls, the agreement's
 all-reduces and which of them this rank waited for (a rank that had every gradient
 leaves them running until the next agreement); after every AdamW step, the
-parameters. Also DistMuon with ``b`` unused and gradient accumulation without sync."""
+parameters. fully_shard by default issues no agreement (FSDP2's collectives) and each
+rank decides alone, with the same gradients here; ``set_agree_on_unused_params(True)``
+brings the agreement back. Also DistMuon with ``b`` unused and gradient accumulation
+without sync."""
 
 from __future__ import annotations
 
@@ -60,11 +63,14 @@ def _batch(step: int, rank: int) -> torch.Tensor:
 def _build(name: str, mesh) -> nn.Module:
     torch.manual_seed(0)
     model = Heads()
-    if name == "fully_shard":  # b grouped with body, whose backward runs everywhere
+    if name.startswith("fully_shard"):  # b grouped with body, whose backward runs everywhere
         # (alone, b's backward re-gather would run on some ranks only, and hang)
         fs.fully_shard([model.body, model.b], mesh=mesh)
         fs.fully_shard(model.a, mesh=mesh)
-        return fs.fully_shard(model, mesh=mesh)
+        fs.fully_shard(model, mesh=mesh)
+        # fully_shard's default issues FSDP2's collectives only: each rank decides alone
+        model.set_agree_on_unused_params(name == "fully_shard_agreeing")
+        return model
     if name == "mixed":
         placement = {"a.weight": fs.Owned(), "b.weight": fs.BlockShard((8, 8))}
         spec = fs.BucketSpec("*", placement=lambda fqn, p: placement.get(fqn, fs.FlatShard()))
@@ -93,6 +99,8 @@ def _train(rank: int, world: int, name: str, mesh) -> list[str]:
     """Sharded and single-process runs side by side; what differed, per backward."""
     model = _build(name, mesh)
     groups = sum(size > 1 for size in mesh.shape)  # HSDP: shard group, then replicas
+    if name == "fully_shard":  # no agreement: no all-reduce, and nobody waits for one
+        groups = 0
     waits = _agreement_waits()
     left_running = 0  # agreements of the previous backward this rank did not wait for
     torch.manual_seed(0)
@@ -142,7 +150,7 @@ def _train(rank: int, world: int, name: str, mesh) -> list[str]:
 
 def _every_placement(rank: int, world: int) -> dict[str, list[str]]:
     mesh = init_device_mesh("cpu", (world,))
-    names = ["fully_shard", "mixed", *PLACEMENTS]
+    names = ["fully_shard", "fully_shard_agreeing", "mixed", *PLACEMENTS]
     return {name: _train(rank, world, name, mesh) for name in names}
 
 
@@ -184,7 +192,8 @@ def _replica_accumulation(rank: int, world: int, mesh, reduce_unused: bool) -> l
 
 def _hsdp(rank: int, world: int) -> dict[str, list[str]]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    out = {name: _train(rank, world, name, mesh) for name in ("fully_shard", "block")}
+    names = ("fully_shard", "fully_shard_agreeing", "block")
+    out = {name: _train(rank, world, name, mesh) for name in names}
     out["replica_accumulation"] = _replica_accumulation(rank, world, mesh, False)
     out["replica_accumulation_zeros"] = _replica_accumulation(rank, world, mesh, True)
     return out

@@ -9,12 +9,14 @@ The bucket ties them together and owns the local and full parameters.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import profiler as autograd_profiler
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -34,6 +36,8 @@ from .sharded_param import sharded_spec
 from .storage import BucketStorage, alloc
 from .strategies import choose_collective
 from .tp_params import local_of
+
+_NO_SPAN = contextlib.nullcontext()
 
 
 @dataclass
@@ -183,8 +187,11 @@ class Bucket:
         """Streams and events for this bucket's storage (no-ops on CPU and gloo)."""
         return device_runtime(self.storage.device, self.comm.shard_group)
 
-    def _span(self, what: str) -> record_function:
-        """A profiler span naming the bucket (``flexshard::all_gather[layers.3]``)."""
+    def _span(self, what: str) -> contextlib.AbstractContextManager:
+        """A profiler span naming the bucket (``flexshard::all_gather[layers.3]``),
+        made only while a profiler records: a span costs more than a small bucket's copy."""
+        if not autograd_profiler._is_profiler_enabled:
+            return _NO_SPAN
         return record_function(f"flexshard::{what}[{self.name}]")
 
     # ---------------------------------------------------------------- storage

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -239,29 +240,53 @@ class Pending:
         self.keep = ()
 
 
+class _WaitThread:
+    """A long-lived thread that runs ``work.wait()`` for waits that must give up after
+    a timeout the work itself ignores: a thread started per wait cost more than the
+    wait of a small bucket. Waits are handed over one at a time; a wait that timed out
+    leaves this thread blocked for good (harmlessly), and the next wait gets a new one."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="flexshard-wait", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            work, done, outcome = self._jobs.get()
+            try:
+                outcome.append(work.wait())
+            except BaseException as err:
+                outcome.append(err)
+            finally:
+                done.set()
+
+    def wait(self, work: dist.Work, seconds: float) -> bool | BaseException | None:
+        """``work.wait()``'s result or exception; None when it did not end in time."""
+        done, outcome = threading.Event(), []
+        self._jobs.put((work, done, outcome))
+        return outcome[0] if done.wait(seconds) else None
+
+
+#: waiter threads not waiting now (a caller takes one, or starts one, and gives it back)
+_idle_waiters: list[_WaitThread] = []
+
+
 def _wait_in_thread(work: dist.Work, seconds: float) -> bool:
     """``work.wait()`` given up after ``seconds``. gloo's reduce-scatter work (torch
     2.13) ignores wait's timeout and never reports ``is_completed``, so a helper thread
     waits (and stays blocked, harmlessly, when the peer never comes)."""
-    if work.is_completed():
-        return work.wait()
-    done = threading.Event()
-    outcome: list[BaseException | bool] = []
-
-    def wait() -> None:
-        try:
-            outcome.append(work.wait())
-        except BaseException as err:
-            outcome.append(err)
-        finally:
-            done.set()
-
-    threading.Thread(target=wait, name="flexshard-wait", daemon=True).start()
-    if not done.wait(seconds):
+    try:
+        waiter = _idle_waiters.pop()
+    except IndexError:
+        waiter = _WaitThread()
+    outcome = waiter.wait(work, seconds)
+    if outcome is not None:  # a waiter blocked on a peer that never comes is dropped
+        _idle_waiters.append(waiter)
+    if outcome is None:
         raise TimeoutError("Operation timed out!")
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return outcome[0] is not False
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome is not False
 
 
 def by_process_group(buckets: Sequence[_HasComm]) -> list[list[_HasComm]]:
@@ -337,11 +362,19 @@ class BucketComm:
                 pending.wait()
         return pending
 
+    def _done(self, collective: str, group: dist.ProcessGroup) -> Pending:
+        """A collective over a group of one rank: nothing to send, so none is issued
+        (FSDP2 copies instead of calling c10d there too) and none is counted."""
+        return Pending(None, collective, self.bucket, self.timeout, group)
+
     def all_gather(
         self, out: torch.Tensor, local: torch.Tensor, forward_prefetch: bool = False
     ) -> Pending:
         """``forward_prefetch``: left in flight on CPU too (OVERLAP_FORWARD_PREFETCH)."""
         group = self.shard_group
+        if self.world_size == 1:
+            out.copy_(local.view(-1))
+            return self._done("all-gather", group)
         pending = self._launch(
             lambda: dist.all_gather_single(out, local, group=group, async_op=True),
             "all-gather",
@@ -357,6 +390,9 @@ class BucketComm:
         self, out: torch.Tensor, full: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.AVG
     ) -> Pending:
         group = self.shard_group
+        if self.world_size == 1:  # the sum or average over one rank is its input
+            out.copy_(full)
+            return self._done("reduce-scatter", group)
         pending = self._launch(
             lambda: dist.reduce_scatter_single(out, full, op=op, group=group, async_op=True),
             "reduce-scatter",
@@ -375,6 +411,8 @@ class BucketComm:
         """Average (or ``op``) ``tensor`` over the shard group, or the replicas (HSDP)."""
         group = self.group(replicas)
         size = dist.get_world_size(group)
+        if size == 1:
+            return self._done("all-reduce", group)
         pending = self._launch(
             lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
             "all-reduce across replicas" if replicas else "all-reduce",
@@ -409,6 +447,9 @@ class BucketComm:
         as an all-gather, not as parameter bytes."""
         group = self.group(replicas)
         size = dist.get_world_size(group)
+        if size == 1:
+            out.copy_(local.view(-1))
+            return self._done("finite-gradient check all-gather", group)
         pending = self._launch(
             lambda: dist.all_gather_single(out, local, group=group, async_op=True),
             "finite-gradient check all-gather",

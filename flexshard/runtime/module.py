@@ -252,6 +252,16 @@ class FlexShardModule(FSDPModule, nn.Module):
         _check_bool(name, "reduce_scatter_unused_params", reduce_scatter_unused_params)
         self._set_on_buckets("reduction", "reduce_unused", reduce_scatter_unused_params, recurse)
 
+    def set_agree_on_unused_params(self, agree: bool, *, recurse: bool = True) -> None:
+        """True (``flex_shard``'s default): at the end of each backward the ranks agree,
+        with one small all-reduce (MAX over one int32 per trainable parameter, per
+        process group), on the parameters no rank used; those keep ``.grad`` None, and a
+        parameter used on some ranks only gets its reduced gradient everywhere. False
+        (``fully_shard``'s default: FSDP2's collectives exactly): each rank decides
+        alone (runtime/reduce.py ``_settle_here``)."""
+        _check_bool("set_agree_on_unused_params", "agree", agree)
+        self._set_on_buckets("reduction", "agree_on_unused", agree, recurse)
+
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
     ) -> None:

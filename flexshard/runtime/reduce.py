@@ -40,6 +40,10 @@ class GradReduction:
         self.force_sum = False
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.reduce_unused = False  # set_reduce_scatter_unused_params (Bucket.launch_reduce)
+        #: set_agree_on_unused_params: the ranks agree (one small all-reduce per backward)
+        #: on the parameters no rank used; False (fully_shard's default, FSDP2's
+        #: collectives exactly) decides on this rank alone (``_settle_here``)
+        self.agree_on_unused = True
         self._skipped_all_reduce = False  # the gradients hold unreduced replica sums
         self._accumulated_due = False  # settle() all-reduces them over the replicas
         self._pending: tuple[Pending, torch.Tensor] | None = None  # and its output
@@ -139,8 +143,26 @@ class GradReduction:
         # after the ranks agreed (settle): the same parameters hold a gradient everywhere
         self._accumulated_due = replicas and self.requires_all_reduce and self._skipped_all_reduce
         self._skipped_all_reduce = replicas and not self.requires_all_reduce
+        if self.used_here is not None and not self.agree_on_unused:
+            self._settle_here(local_params, specs)
         if self.used_here is None:  # no agreement to wait for: every gradient landed
             self.settle({}, local_params, specs)
+
+    def _settle_here(
+        self, local_params: Sequence[nn.Parameter], specs: Sequence[DTensorSpec]
+    ) -> None:
+        """Without the ranks' agreement, as FSDP2 (which takes every rank to use the
+        same parameters): a parameter this rank did not use keeps no gradient unless
+        its reduced shard is nonzero, which proves some rank used it. Only a parameter
+        some rank used with a gradient of exact zeros on this rank's shard is told
+        apart wrongly (FSDP2's reduce-scatter would be out of step there instead)."""
+        if self.unused_here:
+            grads = [grad for _, grad in self.unused_here]
+            nonzero = torch.stack([g.ne(0).any() for g in grads]).tolist()  # one sync
+            used = {i: bool(n) for (i, _), n in zip(self.unused_here, nonzero)}
+        else:
+            used = {}
+        self.settle(used, local_params, specs)
 
     def settle(
         self,
