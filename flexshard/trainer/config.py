@@ -281,6 +281,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             table = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file '{path}' not found") from None
+        except IsADirectoryError:
+            raise ConfigError(f"--config '{path}' is a folder; give a .toml file") from None
+        except (OSError, UnicodeDecodeError) as err:  # unreadable, or not text
+            raise ConfigError(f"config file '{path}': {err}") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config file '{path}': {err}") from None
     table = _merge(table, parse_overrides(overrides or []))

@@ -4,6 +4,7 @@ set saved to disk) and deterministic per-data-parallel-rank sampling."""
 from __future__ import annotations
 
 import glob
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -17,6 +18,7 @@ __all__ = [
     "DPSampler",
     "ValidationBatches",
     "builtin_corpus",
+    "data_files",
     "load_tokens",
     "split_tokens",
 ]
@@ -28,13 +30,24 @@ def builtin_corpus() -> str:
     return resources.files("flexshard.trainer").joinpath(CORPUS_FILE).read_text("utf-8")
 
 
-def _read_files(patterns: list[str]) -> str:
+def data_files(patterns: list[str]) -> list[str]:
+    """The files ``data.paths`` names, in order; every pattern matches readable files."""
     paths: list[str] = []
     for pattern in patterns:
         found = sorted(glob.glob(pattern, recursive=True))
         if not found:
             raise ConfigError(f"data.paths: '{pattern}' matches no file")
+        for path in found:
+            if not Path(path).is_file():
+                raise ConfigError(f"data.paths: '{path}' (from '{pattern}') is not a file")
+            if not os.access(path, os.R_OK):
+                raise ConfigError(f"data.paths: '{path}' is not readable")
         paths.extend(found)
+    return paths
+
+
+def _read_files(patterns: list[str]) -> str:
+    paths = data_files(patterns)
     return "\n".join(Path(p).read_text("utf-8", errors="replace") for p in paths)
 
 
@@ -45,7 +58,10 @@ def _read_hf_disk(cfg: DataConfig) -> str:
         raise ConfigError(
             'data.source = "hf_disk" needs the `datasets` package (pip install datasets)'
         ) from None
-    loaded = datasets.load_from_disk(cfg.hf_path)
+    try:
+        loaded = datasets.load_from_disk(cfg.hf_path)
+    except FileNotFoundError as err:  # datasets' message names neither key nor folder
+        raise ConfigError(f"data.hf_path '{cfg.hf_path}': {err}") from None
     if isinstance(loaded, datasets.DatasetDict):
         if cfg.hf_split not in loaded:
             raise ConfigError(f"data.hf_split '{cfg.hf_split}' not in {list(loaded)}")

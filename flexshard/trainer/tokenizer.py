@@ -54,7 +54,12 @@ class HFTokenizer:
             self.path = self.path / "tokenizer.json"
         if not self.path.is_file():
             raise ConfigError(f"model.tokenizer '{path}': no such tokenizer.json")
-        self.inner = RustTokenizer.from_file(str(self.path))
+        try:
+            self.inner = RustTokenizer.from_file(str(self.path))
+        except Exception as err:  # tokenizers' own error names neither file nor key
+            raise ConfigError(
+                f"model.tokenizer '{self.path}': not a valid tokenizer.json ({err})"
+            ) from None
         self.vocab_size = self.inner.get_vocab_size(with_added_tokens=True)
         self.bos = self._special(("<|begin_of_text|>", "<s>", "<bos>", "[BOS]"))
         self.eos = self._special(("<|end_of_text|>", "</s>", "<eos>", "[EOS]"))
