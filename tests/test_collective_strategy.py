@@ -27,9 +27,9 @@ class CountingGather(PlainGather):
 
     calls: ClassVar[dict[str, int]] = {"payload": 0, "reduce": 0}
 
-    def payload(self, version):
+    def payload(self, version, gathered):
         CountingGather.calls["payload"] += 1
-        return super().payload(version)
+        return super().payload(version, gathered)
 
     def launch_reduce(self, comm, layout, grads, dtype, op, runtime):
         CountingGather.calls["reduce"] += 1

@@ -5,7 +5,7 @@ from .block import BlockShard, tile_grid
 from .flat import FlatShard
 from .layout import BucketLayout, CopyBlock, ParamLayout, plan_bucket
 from .owned import Owned, lpt_owners
-from .packing import gathered_alias, pack_all, pack_rank, unpack
+from .packing import copy_views, gathered_alias, pack_all, pack_rank, unpack
 from .replicate import Replicate
 from .shard import Shard, chunk_bounds
 
@@ -23,6 +23,7 @@ __all__ = [
     "chunk_bounds",
     "gathered_alias",
     "lpt_owners",
+    "copy_views",
     "pack_all",
     "pack_rank",
     "plan_bucket",

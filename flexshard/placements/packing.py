@@ -121,14 +121,17 @@ def _pairs(
         yield rows, flat[begin : begin + (hi - lo) * numel].view(hi - lo, numel)
 
 
-def _copy(
+def copy_views(
     layout: BucketLayout,
     fulls: Sequence[torch.Tensor | None],
     flat2d: torch.Tensor,
     ranks: range,
     into_storage: bool,
-) -> None:
-    """One foreach copy of every piece of every parameter, in whichever direction."""
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(destinations, sources) of one foreach copy of every piece of every parameter, in
+    whichever direction, and the (strided full, contiguous stand-in) pairs to copy back
+    afterwards. The views stay valid while the tensors' storages are resized in place,
+    so a caller that keeps the same tensors can keep them too."""
     dsts, srcs, strided = [], [], []
     for param, full in zip(layout.params, fulls):
         if full is None:
@@ -144,6 +147,17 @@ def _copy(
             dst, src = (storage_piece, full_piece) if into_storage else (full_piece, storage_piece)
             dsts.append(dst)
             srcs.append(src)
+    return dsts, srcs, strided
+
+
+def _copy(
+    layout: BucketLayout,
+    fulls: Sequence[torch.Tensor | None],
+    flat2d: torch.Tensor,
+    ranks: range,
+    into_storage: bool,
+) -> None:
+    dsts, srcs, strided = copy_views(layout, fulls, flat2d, ranks, into_storage)
     if dsts:
         torch._foreach_copy_(dsts, srcs)
     for full, target in strided:

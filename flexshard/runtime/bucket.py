@@ -336,7 +336,7 @@ class Bucket:
             runtime.wait(self.schedule.post_optim_event)
             self.schedule.post_optim_event = None
             alloc(full.gathered)
-            send = self.collective.payload(self._data_version())
+            send = self.collective.payload(self._data_version(), full.gathered)
             with torch.autograd._unsafe_preserve_version_counter(full.guarded):
                 # keeps ``send``
                 full.pending = self.comm.all_gather(full.gathered, send, forward_prefetch)

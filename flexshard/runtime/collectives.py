@@ -373,7 +373,8 @@ class BucketComm:
         """``forward_prefetch``: left in flight on CPU too (OVERLAP_FORWARD_PREFETCH)."""
         group = self.shard_group
         if self.world_size == 1:
-            out.copy_(local.view(-1))
+            if out.data_ptr() != local.data_ptr():  # not written in place already
+                out.copy_(local.view(-1))
             return self._done("all-gather", group)
         pending = self._launch(
             lambda: dist.all_gather_single(out, local, group=group, async_op=True),

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from ..placements import BucketLayout, gathered_alias, pack_all, pack_rank, unpack
+from ..placements import BucketLayout, copy_views, gathered_alias, pack_all, pack_rank
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime
 from .storage import BucketStorage
@@ -37,9 +37,11 @@ class Collective(Protocol):
         gets a buffer of its own, filled by ``copy_out``)."""
         ...
 
-    def payload(self, version: object) -> torch.Tensor:
+    def payload(self, version: object, gathered: torch.Tensor | None) -> torch.Tensor:
         """What this rank sends in the all-gather; ``version`` changes whenever the
-        storage may have (a collective may cache its encoding on it)."""
+        storage may have (a collective may cache its encoding on it). ``gathered`` is
+        the all-gather's output, allocated: a payload may be written into this rank's
+        part of it (an in-place all-gather, as FSDP2 copies in)."""
         ...
 
     def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
@@ -119,6 +121,9 @@ class PlainGather(ShardedCollective):
             param.numel == 0 or gathered_alias(layout, i, probe) is not None
             for i, param in enumerate(layout.params)
         )
+        #: the copy-out's foreach lists, kept while it fills the same tensors (they are
+        #: freed and re-allocated in place, so views of them stay good)
+        self._copy_out: tuple[tuple, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def gather_buffer(self) -> torch.Tensor | None:
         store, layout = self.store, self.store.storage_layout
@@ -135,20 +140,39 @@ class PlainGather(ShardedCollective):
             return None
         return gathered_alias(layout, index, gathered.view(layout.world_size, layout.shard_numel))
 
-    def payload(self, version: object) -> torch.Tensor:
+    def payload(self, version: object, gathered: torch.Tensor | None) -> torch.Tensor:
         store = self.store
         if store.param_dtype == store.dtype:
             return store.buffer
-        return store.buffer.to(store.param_dtype)
+        assert gathered is not None  # cast into this rank's part: no buffer of its own
+        shard = store.storage_layout.shard_numel
+        send = gathered[store.rank * shard : (store.rank + 1) * shard]
+        send.copy_(store.buffer)
+        return send
 
     def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
         assert gathered is not None
-        layout = self.store.storage_layout
-        gathered_2d = gathered.view(layout.world_size, layout.shard_numel)
-        unpack(layout, gathered_2d, self.store.as_units(owned))
+        key = (gathered, *owned)
+        cached = self._copy_out
+        if cached is None or len(cached[0]) != len(key) or any(
+            a is not b for a, b in zip(cached[0], key)
+        ):
+            cached = self._copy_out = (key, *self._views(gathered, owned))
+        _, dsts, srcs = cached
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
         # every parameter was copied out: free the buffer now, as FSDP2 frees its
         # all-gather output, so an unsharded bucket costs one copy, not two
         return all(full is not None for full in owned)
+
+    def _views(self, gathered: torch.Tensor, owned: list[torch.Tensor | None]) -> tuple:
+        layout = self.store.storage_layout
+        gathered_2d = gathered.view(layout.world_size, layout.shard_numel)
+        units = self.store.as_units(owned)
+        ranks = range(layout.world_size)
+        dsts, srcs, strided = copy_views(layout, units, gathered_2d, ranks, into_storage=False)
+        assert not strided  # full parameters are made contiguous (FullParams)
+        return dsts, srcs
 
 
 class BytesGather(PlainGather):
@@ -177,7 +201,7 @@ class ReplicatedGather:
         store = self.store  # without a cast the storage already is the full bucket
         return store.view(index) if store.param_dtype == store.dtype else None
 
-    def payload(self, version: object) -> torch.Tensor:
+    def payload(self, version: object, gathered: torch.Tensor | None) -> torch.Tensor:
         return self.store.buffer
 
     def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:

@@ -130,7 +130,7 @@ class QuantizedGather(ShardedCollective):
     def full_base(self, index: int, gathered: torch.Tensor | None) -> torch.Tensor | None:
         return None  # the gathered buffer is bytes: each parameter decodes its own
 
-    def payload(self, version: object) -> torch.Tensor:
+    def payload(self, version: object, gathered: torch.Tensor | None) -> torch.Tensor:
         return self.encode(self.store.buffer, version)
 
     def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
