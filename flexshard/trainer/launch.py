@@ -5,21 +5,32 @@ flexshard.trainer``) every process runs the job as torchrun describes it."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+from multiprocessing.queues import SimpleQueue
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.elastic.utils.distributed import get_free_port
+from torch.multiprocessing.spawn import ProcessException
 
 from .config import Config, ConfigError, config_from_dict, load_config
 from .parallel import ParallelDims
+from .preflight import check_before_start
 from .train import run
 
 
-def _rank_main(local_rank: int, nproc: int, port: int, table: dict) -> None:
-    """One spawned rank: the environment torchrun would give it, then the job."""
+def one_line(err: ConfigError) -> str:
+    """The line ``flexshard-train`` prints for a problem with the job's input."""
+    what = getattr(err, "what", "config error")
+    return f"flexshard-train: {what}: {str(err).replace(chr(10), ' ')}"
+
+
+def _rank_main(local_rank: int, nproc: int, port: int, table: dict, errors: SimpleQueue) -> None:
+    """One spawned rank: the environment torchrun would give it, then the job; a
+    ConfigError goes to the parent as its line (printed once there), not a traceback."""
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
@@ -32,14 +43,31 @@ def _rank_main(local_rank: int, nproc: int, port: int, table: dict) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     try:
         run(config_from_dict(table))
+    except ConfigError as err:
+        errors.put(one_line(err))
+        sys.exit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def spawn(cfg: Config, nproc: int) -> None:
-    """Run the job on ``nproc`` local processes; a failing rank's traceback is raised."""
-    mp.spawn(_rank_main, args=(nproc, get_free_port(), cfg.to_dict()), nprocs=nproc, join=True)
+    """Run the job on ``nproc`` local processes. A rank's ConfigError (a checkpoint that
+    does not fit, a text too short) exits with its one line; any other failure raises
+    the rank's traceback."""
+    errors = mp.get_context("spawn").SimpleQueue()
+    args = (nproc, get_free_port(), cfg.to_dict(), errors)
+    # its "Terminating process ..." warning names the ranks stopped after the first
+    # failure: a consequence, not the cause the line or traceback below gives
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    try:
+        mp.spawn(_rank_main, args=args, nprocs=nproc, join=True)
+    except ProcessException:
+        # the other ranks fail too once one leaves (their collectives break): the
+        # ConfigError is the cause, whichever rank the join saw first
+        if errors.empty():
+            raise
+        sys.exit(errors.get())
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -59,25 +87,30 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     args, overrides = parse_args(argv)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         cfg = load_config(args.config, overrides)
         if args.nproc is not None and args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
-        under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
         world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc or 1
         ParallelDims.from_config(cfg.parallelism, world_size)  # a layout that fits, or say so
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_torchrun else world_size
+        check_before_start(cfg, local)
     except ConfigError as err:
-        sys.exit(f"flexshard-train: config error: {err}")
-    if args.nproc is not None and not under_torchrun:
-        spawn(cfg, args.nproc)
-    elif under_torchrun:
-        try:
-            run(cfg)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    else:
-        spawn(cfg, 1)  # a plain `python -m flexshard.trainer`: one local rank
+        # under torchrun every rank checks its machine; one line per machine is enough
+        if not under_torchrun or os.environ.get("LOCAL_RANK", "0") == "0":
+            sys.exit(one_line(err))  # to stderr, exit status 1
+        sys.exit(1)
+    if not under_torchrun:
+        spawn(cfg, args.nproc or 1)  # a plain `python -m flexshard.trainer`: one local rank
+        return
+    try:
+        run(cfg)
+    except ConfigError as err:  # the ranks meet the same input: rank 0 says it
+        sys.exit(one_line(err) if os.environ["RANK"] == "0" else 1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from .moe_balance import step_balance, tokens_per_expert
 from .optimizers import build_optimizer
 from .parallel import Meshes, ParallelDims, init_distributed, pick_device
 from .parallelize import Parallelized, apply_compile, local_batch, parallelize
+from .preflight import load_errors
 from .sharding import apply_flexshard, apply_fsdp2
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -261,9 +262,10 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     """Train; return this rank's per-step records (rank 0 also writes them out)."""
     job = setup(cfg)
     t, leader = cfg.training, job.rank == 0
-    start_step = checkpointing.maybe_resume(job)
-    if start_step == 0 and cfg.checkpoint.initial_load_path:
-        checkpointing.initial_load(job)
+    with load_errors(cfg):  # one line naming the checkpoint, not a traceback per rank
+        start_step = checkpointing.maybe_resume(job)
+        if start_step == 0 and cfg.checkpoint.initial_load_path:
+            checkpointing.initial_load(job)
     writer = MetricsWriter(job.folder, cfg.job.tensorboard, start_step > 0) if leader else None
     progress = ProgressBar(t.steps, start_step) if leader and cfg.job.progress else None
     tokens_per_step = job.sampler.global_batch * t.seq_len
