@@ -166,10 +166,11 @@ class AsyncCheckpointer:
         partial = final + ".partial"
         ranks = self._ranks(final)
         if ranks.rank == 0:
-            # left by a save that was killed; no rank writes here before DCP's plan
-            # exchange, which needs rank 0 past this point
+            # left by a save that was killed. No rank writes here before DCP's plan
+            # exchange, which needs rank 0 past this point; another rank's DCP may
+            # already have made the (empty) folder, hence exist_ok
             shutil.rmtree(partial, ignore_errors=True)
-            os.makedirs(partial)
+            os.makedirs(partial, exist_ok=True)
         extra = copy.deepcopy(extra)  # small (step, scheduler): training may change it
         planner = DefaultSavePlanner(enable_plan_caching=True)
         planner._cached_plans_key = self._plans  # not shared with other savers' plans
