@@ -20,8 +20,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
-from flexshard.trainer.config import Config, ModelConfig
+from flexshard.trainer.activation_checkpoint import apply_ac
+from flexshard.trainer.config import ActivationCheckpointConfig, Config, ModelConfig
 from flexshard.trainer.model import Transformer, ffn_hidden_size
+
+from .recompute import op_level, recomputed_share
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,10 @@ def dense_equivalent(model: ModelConfig) -> ModelConfig:
     return out
 
 
-def _measure(model: ModelConfig, layers: int, batch: int, seq: int, dtype: torch.dtype) -> dict:
+def _measure(
+    model: ModelConfig, layers: int, batch: int, seq: int, dtype: torch.dtype, ac: str
+) -> dict:
+    """``ac``: "none", "full" or "op" (every block checkpointed that way)."""
     cfg = copy.deepcopy(model)
     cfg.n_layers = layers
     previous = torch.get_default_dtype()
@@ -53,6 +59,8 @@ def _measure(model: ModelConfig, layers: int, batch: int, seq: int, dtype: torch
             net = Transformer(cfg)
         finally:
             torch.set_default_dtype(previous)
+        mode = {"none": "none", "full": "full", "op": "selective"}[ac]
+        apply_ac(net, ActivationCheckpointConfig(mode=mode, selective_ac_option="op"))
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
         tracker = MemTracker()
         tracker.track_external(net)
@@ -71,10 +79,12 @@ def _measure(model: ModelConfig, layers: int, batch: int, seq: int, dtype: torch
 
 
 @lru_cache(maxsize=32)
-def _cached(model_key: str, batch: int, seq: int, dtype: torch.dtype) -> ActivationEstimate:
+def _cached(
+    model_key: str, batch: int, seq: int, dtype: torch.dtype, ac: str = "none"
+) -> ActivationEstimate:
     model = _MODELS[model_key]
-    one = _measure(model, 1, batch, seq, dtype)
-    two = _measure(model, 2, batch, seq, dtype)
+    one = _measure(model, 1, batch, seq, dtype, ac)
+    two = _measure(model, 2, batch, seq, dtype, ac)
     per_block = two["saved"] - one["saved"]
     return ActivationEstimate(
         per_block=per_block,
@@ -95,7 +105,19 @@ def estimate_activations(cfg: Config, microbatch: int) -> ActivationEstimate:
     _MODELS[key] = model
     dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
     seq = cfg.training.seq_len // cfg.parallelism.cp
-    return _cached(key, microbatch, seq, dtype)
+    plain = _cached(key, microbatch, seq, dtype)
+    share = recomputed_share(cfg)
+    if not share:
+        return plain
+    # checkpointed blocks keep what the mode saves; the recompute of one block in
+    # backward brings its activations back for a moment (measured in the transient)
+    marked = _cached(key, microbatch, seq, dtype, "op" if op_level(cfg) else "full")
+    return ActivationEstimate(
+        per_block=round(plain.per_block * (1 - share) + marked.per_block * share),
+        head=plain.head,
+        transient=max(plain.transient, marked.transient),
+        microbatch=plain.microbatch,
+    )
 
 
 def tp_share(cfg: Config) -> float:

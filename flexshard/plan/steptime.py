@@ -27,6 +27,7 @@ from .buckets import BucketInfo
 from .comm import MatrixWork
 from .hardware import Hardware
 from .opcount import OpCount, model_ops, optimizer_ops
+from .recompute import recompute_parts
 
 MUON_BYTES = 20  # one momentum buffer
 
@@ -223,6 +224,7 @@ def bucket_costs(
     share = tp_share(cfg)  # a tp rank moves its share of a block's activations
     layers = cfg.model.n_layers // dims.pp
     block_flops = sum(flops[id(b)] for b in buckets if not b.is_root) or 1.0
+    redo_gemm, redo_other = recompute_parts(cfg)
 
     def non_gemm(count: OpCount, part: float) -> float:
         ops = round(count.ops * part)
@@ -266,14 +268,16 @@ def bucket_costs(
         reduce_copy = copies(b, moved, "reduce")
         # forward seconds of the GEMMs and attention; backward: twice their FLOPs
         gemm = (flops[id(b)] - attention[id(b)]) / rate + attention[id(b)] / attention_rate
+        # activation checkpointing: the blocks' forward (or its non-GEMM part) again
+        recompute = 0.0 if b.is_root else redo_gemm * gemm + redo_other * fwd
         out[id(b)] = BucketCost(
             forward=gemm + fwd,
-            backward=2 * gemm + bwd,
+            backward=2 * gemm + bwd + recompute,
             all_gather=ag,
             reduce_scatter=rs,
             gather_copy=gather_copy,
             reduce_copy=reduce_copy,
-            gemm=3 * gemm,
+            gemm=(3 + (0.0 if b.is_root else redo_gemm)) * gemm,
         )
     return out
 

@@ -82,6 +82,7 @@ def candidates(cfg: Config) -> list[Candidate]:
             "every block gathered from forward to backward",
         )
     )
+    out += _ac_candidates(cfg)
     if not composed and not par.buckets and par.placement != "muon":
         for blocks in (2, 4):
             if cfg.model.n_layers >= 2 * blocks:
@@ -94,6 +95,28 @@ def candidates(cfg: Config) -> list[Candidate]:
                         "larger gathered buffers",
                     )
                 )
+    return out
+
+
+AC_MODES = {
+    ("selective", "op"): "keep matmul outputs, recompute the elementwise rest (little compute)",
+    ("selective", "2"): "recompute every 2nd block: half the blocks keep only their input",
+    ("full", "op"): "recompute every block: each keeps only its input (one more forward)",
+}
+
+
+def _ac_candidates(cfg: Config) -> list[Candidate]:
+    """Activation checkpointing modes other than the configured one."""
+    ac = cfg.activation_checkpoint
+    out = []
+    for (mode, option), why in AC_MODES.items():
+        if (ac.mode, ac.selective_ac_option) == (mode, option) or (ac.mode == mode == "full"):
+            continue
+        changed = copy.deepcopy(cfg)
+        changed.activation_checkpoint.mode = mode  # type: ignore[assignment]
+        changed.activation_checkpoint.selective_ac_option = option
+        label = f"activation checkpoint {mode}" + ("" if mode == "full" else f" {option}")
+        out.append(Candidate(label, changed, why))
     return out
 
 
@@ -159,8 +182,7 @@ def suggest(cfg: Config, world: int, hw: Hardware, limit_gib: float) -> str:
             lines.append(
                 f"  the smallest needs {worst['memory_gib']:.1f} GiB, of which activations "
                 f"{worst['activations_gib']:.1f} GiB: raise tp or pp, shorten "
-                "training.seq_len or training.batch_size (the trainer has no activation "
-                "checkpointing)."
+                "training.seq_len or training.batch_size."
             )
     for r in rows:
         if "error" in r:

@@ -27,13 +27,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
 
+import flexshard as fs
+
 from .config import ActivationCheckpointConfig
+from .model import MoE
 
 
 def _ops(namespace: Any, names: tuple[str, ...]) -> frozenset[Any]:
@@ -41,10 +46,16 @@ def _ops(namespace: Any, names: tuple[str, ...]) -> frozenset[Any]:
     return frozenset(getattr(namespace, n).default for n in names if hasattr(namespace, n))
 
 
-#: what op-level selective AC saves: matmuls (the FLOPs), attention kernels (their
-#: outputs and log-sum-exp), and functional collectives (DTensor's TP gathers and
-#: reduce-scatters: recomputing them would be a collective the plain run never issues)
-SAVED_OPS = _ops(
+#: outputs of the functional collectives (DTensor's TP gathers and reduce-scatters):
+#: every mode keeps them, so that a recompute issues no collective the run without it
+#: would not (the block's input alone would cost a second round of TP traffic)
+COLLECTIVE_OPS = _ops(
+    torch.ops._c10d_functional,
+    ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"),
+)
+#: what op-level selective AC keeps besides: matmuls (the FLOPs) and attention kernels
+#: (their outputs and log-sum-exp); norms, RoPE, SwiGLU's gate and adds are recomputed
+MATMUL_OPS = _ops(
     torch.ops.aten,
     (
         "mm",
@@ -59,32 +70,64 @@ SAVED_OPS = _ops(
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
     ),
-) | _ops(
-    torch.ops._c10d_functional,
-    ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"),
 )
 
 
-def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if op in SAVED_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+def _policy(saved: frozenset[Any]) -> Callable[..., CheckpointPolicy]:
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+_KEEP_COLLECTIVES = _policy(COLLECTIVE_OPS)
+_KEEP_MATMULS = _policy(COLLECTIVE_OPS | MATMUL_OPS)
+
+
+def _full_contexts() -> tuple[Any, Any]:
+    # fresh per call: the contexts hold the saved outputs of one forward
+    return create_selective_checkpoint_contexts(_KEEP_COLLECTIVES)
 
 
 def _op_level_contexts() -> tuple[Any, Any]:
-    # fresh per call: the contexts hold the saved outputs of one forward
-    return create_selective_checkpoint_contexts(_save_matmuls)
+    return create_selective_checkpoint_contexts(_KEEP_MATMULS)
 
 
-def _full(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
-    # non-reentrant: works with hooks, DTensors and compile; no RNG state to restore
-    # because the blocks draw no random numbers
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
-
-
+# non-reentrant: works with hooks, DTensors and compile; no RNG state to restore because
+# the blocks draw no random numbers
+_full: Callable[..., torch.Tensor] = functools.partial(
+    checkpoint, use_reentrant=False, preserve_rng_state=False, context_fn=_full_contexts
+)
 _op_level: Callable[..., torch.Tensor] = functools.partial(
     checkpoint, use_reentrant=False, preserve_rng_state=False, context_fn=_op_level_contexts
 )
+
+
+Checkpoint = Callable[..., torch.Tensor]
+
+
+def _gathering_inner_units(block: nn.Module, checkpoint_fn: Checkpoint) -> Checkpoint:
+    """``checkpoint_fn`` for a block holding a data-parallel unit of its own (EP's
+    experts, sharded on their own mesh): the recompute gathers that unit first, outside
+    the recompute's dispatch mode. Its pre-forward hook would gather it in the middle of
+    the recompute instead, where op-level AC replays only the forward's ops (the forward
+    found it prefetched); its backward, which comes next, needs it gathered anyway."""
+
+    def run(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+        calls = [0]
+
+        def body(*inputs: torch.Tensor) -> torch.Tensor:
+            if calls[0]:  # the recompute, inside backward
+                with _disable_current_modes():
+                    for unit in block.modules():
+                        if unit is not block and isinstance(unit, (fs.FlexShardModule, FSDPModule)):
+                            unit.unshard()
+            calls[0] += 1
+            return fn(*inputs)
+
+        return checkpoint_fn(body, *args)
+
+    return run
 
 
 def checkpointed_blocks(names: list[str], ac: ActivationCheckpointConfig) -> list[str]:
@@ -103,4 +146,9 @@ def apply_ac(model: nn.Module, ac: ActivationCheckpointConfig) -> None:
     layers = dict(model.layers.named_children())  # type: ignore[union-attr]
     op_level = ac.mode == "selective" and ac.selective_ac_option == "op"
     for name in checkpointed_blocks(list(layers), ac):
-        layers[name].checkpoint = _op_level if op_level else _full  # type: ignore[union-attr]
+        block = layers[name]
+        checkpoint_fn: Checkpoint = _op_level if op_level else _full
+        ffn = block.feed_forward
+        if isinstance(ffn, MoE) and ffn.experts.expert_parallel is not None:
+            checkpoint_fn = _gathering_inner_units(block, checkpoint_fn)
+        block.checkpoint = checkpoint_fn  # type: ignore[union-attr]

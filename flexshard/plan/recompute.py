@@ -1,0 +1,51 @@
+"""Activation checkpointing (``[activation_checkpoint]``) in the plan: which share of
+the blocks recompute, what their recompute costs in step time, and what a recompute
+keeps besides the block's input.
+
+- ``full`` and ``selective`` every n-th block: a recomputed block runs its forward
+  again in backward (GEMMs and the rest), once per microbatch.
+- ``selective`` by op: matmul and attention outputs are kept, so the recompute is the
+  forward's non-GEMM part alone (norms, RoPE, SwiGLU's gate, residual adds).
+- Every mode keeps the outputs of a block's functional (TP) collectives, so that a
+  recompute issues no collective: under tensor parallelism that is about two
+  ``[batch, seq, dim]`` activations per recomputed block (the gathered inputs of
+  attention and the MLP), measured nowhere else since the plan's activation model
+  runs one process.
+"""
+
+from __future__ import annotations
+
+from flexshard.trainer.config import Config
+
+
+def recomputed_share(cfg: Config) -> float:
+    """The share of the blocks whose forward reruns in backward."""
+    ac = cfg.activation_checkpoint
+    if ac.mode == "none":
+        return 0.0
+    if ac.mode == "selective" and ac.selective_ac_option != "op":
+        n_layers = cfg.model.n_layers
+        return (n_layers // int(ac.selective_ac_option)) / n_layers
+    return 1.0
+
+
+def op_level(cfg: Config) -> bool:
+    ac = cfg.activation_checkpoint
+    return ac.mode == "selective" and ac.selective_ac_option == "op"
+
+
+def recompute_parts(cfg: Config) -> tuple[float, float]:
+    """(share of a block's forward GEMM time, share of its non-GEMM time) added to its
+    backward by the recompute."""
+    share = recomputed_share(cfg)
+    return (0.0, share) if op_level(cfg) else (share, share)
+
+
+def kept_collective_bytes(cfg: Config, sequences: int, itemsize: int) -> int:
+    """Bytes one recomputed block keeps for its TP collectives' outputs (one tp rank,
+    one microbatch of ``sequences``): the gathered (or all-reduced) inputs of attention
+    and the MLP. Without tensor parallelism there are none."""
+    if cfg.parallelism.tp == 1 or recomputed_share(cfg) == 0.0:
+        return 0
+    tokens = sequences * cfg.training.seq_len // cfg.parallelism.cp
+    return 2 * tokens * cfg.model.dim * itemsize
