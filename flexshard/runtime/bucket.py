@@ -314,13 +314,15 @@ class Bucket:
         """An all-gather was launched and has not landed yet."""
         return self.full.pending is not None
 
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False, overlap: bool = False) -> None:
+        """All-gather the full parameters onto the modules; ``async_op``: launch only
+        (``_finish_gather`` lands it). ``overlap``: on CPU too, leave the all-gather in
+        flight beside compute (forward's prefetches, see collectives.py)."""
         self.gathered_once = True
         if self.unsharded:
             return
         if self.full.pending is None:
-            state = self.step.state
-            self._launch_gather(async_op and not (state is not None and state.in_backward))
+            self._launch_gather(async_op and overlap)
         if not async_op:
             self._finish_gather()
 

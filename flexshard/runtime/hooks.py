@@ -94,7 +94,7 @@ class StepState:
         gathers = deque(b for b in self._gathers if b.gather_in_flight)
         while len(gathers) >= MAX_GATHERS_IN_FLIGHT:
             gathers.popleft().unshard()
-        bucket.unshard(async_op=True)
+        bucket.unshard(async_op=True, overlap=not self.in_backward)
         gathers.append(bucket)
         self._gathers = gathers
 
@@ -175,6 +175,13 @@ class StepState:
                 check_finite_grads(self.buckets)  # every rank raises alike, or none
         finally:
             self._reset_step()
+
+    def reduce_held(self, buckets: list[Bucket]) -> None:
+        """Reduce ``buckets``' gradients now, in this order, as the end of a backward
+        does (torch's pipeline schedules call this after the last microbatch, whose
+        backwards ran with gradient sync off)."""
+        self._launch_queue, self._launched = list(buckets), 0
+        self._end_of_backward()
 
     def _reset_step(self) -> None:
         for bucket in self.buckets:

@@ -12,8 +12,8 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from .bucket import Bucket
+from .hooks import StepState
 from .traffic import subtree_traffic, summed
-from .unused_grads import UnusedGradAgreement
 
 
 def own_buckets(module: nn.Module) -> list[Bucket]:
@@ -115,8 +115,10 @@ class FlexShardModule(FSDPModule, nn.Module):
         """All-gather this module's buckets; with ``async_op`` return a handle to wait on."""
         _check_bool("unshard", "async_op", async_op)
         buckets = list(self._flexshard_buckets)
+        state = getattr(self, "_flexshard_state", None)
+        in_backward = state is not None and state.in_backward
         for bucket in buckets:
-            bucket.unshard(async_op=True)
+            bucket.unshard(async_op=True, overlap=not in_backward)
         handle = FlexUnshardHandle(buckets)
         if async_op:
             return handle
@@ -349,19 +351,19 @@ class _PipelineState:
 
     def _root_post_backward_final_callback(self) -> None:
         buckets = list(subtree_buckets(self.module))  # the same order on every rank
+        if not buckets:
+            return
+        state = buckets[0].step.state
+        if state is not None:
+            state.reduce_held(buckets)
+            return
+        # no forward built the model's state: a throwaway one, which must not leave its
+        # agreement running (nobody would wait for it)
+        state = StepState(self.module, buckets)
+        state.reduce_held(buckets)
+        state.agree_on_unused.finish()
         for bucket in buckets:
-            if bucket.schedule.reshard_after_backward:
-                bucket.reshard()  # before the reduction's buffers, as in StepState._launch
-            if bucket.schedule.requires_grad_sync:
-                bucket.launch_reduce()
-                bucket.finish_reduce()
-        state = buckets[0].step.state if buckets else None
-        agreement = state.agree_on_unused if state else UnusedGradAgreement()
-        agreement(buckets)
-        if state is None:  # a throwaway: nobody else would wait for what it left running
-            agreement.finish()
-        for bucket in buckets:
-            bucket.join_reductions()
+            bucket.step.state = None
 
 
 def _register_pipeline_state(module: nn.Module) -> None:
