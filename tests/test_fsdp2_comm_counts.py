@@ -86,3 +86,24 @@ def test_agreement_is_one_all_reduce_per_synced_backward_more() -> None:
         assert ours.pop("all_reduce") == STEPS  # once per synced backward, not per micro
         assert ours == theirs
         assert out["flexshard"]["losses"] == out["fsdp2"]["losses"]
+
+
+def _one_rank(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name, shard in (("fsdp2", torch_fully_shard), ("flexshard", fs.fully_shard)):
+        model = _build(shard, mesh, None)
+        with record_collectives() as log:
+            out[name] = {"losses": _train(model, rank, world, 2), "counts": dict(log.counts())}
+        if name == "flexshard":
+            out["stats"] = model.comm_stats()["total"]
+    return out
+
+
+def test_a_group_of_one_rank_issues_no_collective() -> None:
+    """W = 1: FSDP2 copies instead of calling c10d, and so does flexshard (no all-gather,
+    reduce-scatter or wait per bucket), with the same losses."""
+    (out,) = run_distributed(_one_rank, 1)
+    assert out["flexshard"]["counts"] == out["fsdp2"]["counts"] == {}
+    assert out["stats"]["collectives"] == 0 and out["stats"]["bytes_sent"] == 0
+    assert out["flexshard"]["losses"] == out["fsdp2"]["losses"]
