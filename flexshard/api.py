@@ -11,7 +11,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 
 from .bucket_plans import (
     BucketSpec,
@@ -23,6 +28,7 @@ from .bucket_plans import (
     _plan,
     _resolve_placement,
 )
+from .dp_mesh_dims import check_spmd_params, dp_mesh
 from .forward_casts import install_forward_casts
 from .placements import Shard
 from .replaced import mark_replaced
@@ -48,10 +54,11 @@ def flex_shard(
 ) -> FlexShardModule:
     """Shard ``module``'s parameters into ``buckets``; apply once, at the root.
 
-    Every parameter must match exactly one bucket. Tensor-parallel DTensor parameters
-    (from ``parallelize_module``, applied first) are sharded by their local tensor:
-    the optimizer sees plain local shards, the modules get DTensors on the tp mesh
-    back after unshard. Every check runs before any bucket collective; the ranks then
+    Every parameter must match exactly one bucket. Afterwards the parameters are
+    DTensors on the bucket's mesh (their local tensors views into its storage), as
+    FSDP2's are. Tensor-parallel DTensor parameters (from ``parallelize_module``,
+    applied first) are sharded by their local tensor and placed on the joined (dp, tp)
+    mesh; the modules get DTensors on the tp mesh back after unshard. Every check runs before any bucket collective; the ranks then
     agree in one small all-gather, so a bad or differing spec on any rank raises on
     every rank instead of hanging the others.
     """
@@ -190,12 +197,13 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> FlexShardModule:
     """torch FSDP2's ``fully_shard``: one bucket of the parameters of ``module`` (or of
     a list of modules, gathered together by whichever runs first) that no earlier call
     took. ``shard_placement_fn`` may return torch's ``Shard(dim)`` or any flexshard
-    placement."""
+    placement. ``dp_mesh_dims``: ``mesh`` is the full SPMD mesh (see ``dp_mesh_dims.py``)."""
     if isinstance(module, nn.ModuleDict):  # a container without forward: its modules
         module = list(module.values())
     modules = list(module) if isinstance(module, (list, tuple, nn.ModuleList)) else [module]
@@ -209,10 +217,13 @@ def fully_shard(
             f"fully_shard: shard_placement_fn must be callable or None, got {shard_placement_fn!r}"
         )
     check_timeout(timeout)
+    ignored = {id(p) for p in ignored_params or ()}
+    if dp_mesh_dims is not None:  # shard over the dp dims of the full SPMD mesh
+        mesh, spmd = dp_mesh(mesh, dp_mesh_dims, reshard_after_forward)
+        check_spmd_params(modules, ignored, spmd)
     groups = resolve_mesh(mesh)
     _offload_option(offload_policy, groups.device)
     reshard = _reshard_option(reshard_after_forward, groups.shard_size)
-    ignored = {id(p) for p in ignored_params or ()}
 
     def plan() -> list[_Plan]:
         locations: dict[int, list[str]] = {}
