@@ -21,6 +21,7 @@ import copy
 import datetime
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -45,6 +46,9 @@ from .optimizer_state import Model, optimizer_state_dict
 from .staging import ChunkStager, can_pin
 
 AsyncMode = Literal["async", "async_with_pinned_mem"]
+#: the background threads' nice value (0 is the training thread's): writing and hashing
+#: a checkpoint should not take CPU time a training step is waiting for
+BACKGROUND_NICE = 10
 
 
 class SaveError(RuntimeError):
@@ -85,6 +89,28 @@ def one_line(err: BaseException) -> str:
         return f"rank {rank}: {type(cause).__name__}: {cause}"
     text = " ".join(str(err).split())
     return f"{type(err).__name__}: {text}"
+
+
+def lower_priority() -> None:
+    """Let the training thread have the CPU first: this (background) thread's nice
+    value raised, as Linux allows per thread; a no-op elsewhere."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
+class _Planner(DefaultSavePlanner):
+    """DCP's planner with cached plans, lowering the priority of DCP's writer thread
+    (it calls ``set_up_planner`` first thing)."""
+
+    def __init__(self, cache_key: str) -> None:
+        super().__init__(enable_plan_caching=True)
+        self._cached_plans_key = cache_key  # not shared with other savers' plans
+
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        lower_priority()
+        super().set_up_planner(*args, **kwargs)
 
 
 def discard(partial: str) -> None:
@@ -172,12 +198,10 @@ class AsyncCheckpointer:
             shutil.rmtree(partial, ignore_errors=True)
             os.makedirs(partial, exist_ok=True)
         extra = copy.deepcopy(extra)  # small (step, scheduler): training may change it
-        planner = DefaultSavePlanner(enable_plan_caching=True)
-        planner._cached_plans_key = self._plans  # not shared with other savers' plans
         upload = dcp.async_save(
             state,
             storage_writer=FileSystemWriter(partial, sync_files=True),
-            planner=planner,
+            planner=_Planner(self._plans),
             process_group=ranks.group,
             async_stager=self.stager,
             no_dist=ranks.no_dist,
@@ -231,6 +255,7 @@ class AsyncCheckpointer:
     def _finish(self, upload: Future, job: _Save, ranks: Ranks) -> str:
         """Wait for DCP's write, then checksum, manifest, rename (rank 0), ``after``;
         every rank ends with the same outcome."""
+        lower_priority()
         try:
             with ranks.step("dcp.async_save"):
                 metadata = upload.result()
