@@ -19,6 +19,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ..placements import ParamLayout, Placement, Replicate, Shard
 from . import region_distribute
 from .region_placement import RegionShard
+from .tp_params import SpmdDims, spmd_dims
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -52,7 +53,10 @@ def sharded_spec(
     if mesh.ndim == 2:
         placements.insert(0, TorchReplicate())
     shape = tuple(layout.shape)
-    if tp_spec is not None:
+    spmd = spmd_dims(tp_spec)
+    if spmd is not None:
+        mesh, placements, shape = _on_spmd_mesh(placements, tp_spec, spmd)
+    elif tp_spec is not None:
         mesh, placements, shape = _with_tp(mesh, placements, tp_spec)
     meta = TensorMeta(torch.Size(shape), _strides(shape), dtype)
     return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
@@ -80,3 +84,26 @@ def _with_tp(
             p = _StridedShard(p.dim, split_factor=factor) if factor > 1 else p
         out.append(p)
     return joined, out + list(tp_spec.placements), tuple(tp_spec.shape)
+
+
+def _on_spmd_mesh(
+    placements: list, spec: DTensorSpec, spmd: SpmdDims
+) -> tuple[DeviceMesh, list, tuple[int, ...]]:
+    """``fully_shard(dp_mesh_dims=...)``: the parameter stays on its full SPMD mesh with
+    every dim in place, the dp shard dim taking the dp placement (``_StridedShard`` over
+    a model-parallel ``Shard`` of the same dim on a later mesh dim, FSDP2's rule) and
+    HSDP's replicate dim ``Replicate``, as FSDP2 places it."""
+    out = list(spec.placements)
+    dp = placements[-1]
+    if spmd.shard is not None:
+        if isinstance(dp, TorchShard):
+            factor = 1
+            for j in range(spmd.shard + 1, spec.mesh.ndim):
+                p = out[j]
+                if isinstance(p, (TorchShard, _StridedShard)) and p.dim == dp.dim:
+                    factor *= spec.mesh.size(j)
+            dp = _StridedShard(dp.dim, split_factor=factor) if factor > 1 else dp
+        out[spmd.shard] = dp
+    if spmd.replicate is not None:
+        out[spmd.replicate] = TorchReplicate()
+    return spec.mesh, out, tuple(spec.shape)

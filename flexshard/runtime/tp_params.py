@@ -4,12 +4,50 @@ these helpers convert between that local tensor and the DTensor world."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+@dataclass(frozen=True)
+class SpmdDims:
+    """A full SPMD mesh ``fully_shard`` was given with ``dp_mesh_dims``: which of its
+    dims are data parallel. Its parameters are DTensors on it, Replicate on those
+    dims; flexshard shards over them and keeps every other dim's placement."""
+
+    mesh: DeviceMesh
+    shard: int | None  # the dp dim parameters are sharded over
+    replicate: int | None  # HSDP's replicate dim
+
+    @property
+    def dp(self) -> frozenset[int]:
+        return frozenset(i for i in (self.shard, self.replicate) if i is not None)
+
+
+#: by mesh value (DeviceMesh hashes its ranks and dim names): DTensor may hand back an
+#: equal mesh object of an earlier model for a parameter's spec
+_SPMD: dict[DeviceMesh, SpmdDims] = {}
+
+
+def register_spmd_mesh(dims: SpmdDims) -> None:
+    known = _SPMD.get(dims.mesh)
+    if known is not None and (known.shard, known.replicate) != (dims.shard, dims.replicate):
+        raise ValueError(
+            f"fully_shard: the mesh {dims.mesh} was given with dp dims {known} before and "
+            f"{dims} now; one SPMD mesh has one set of data-parallel dims"
+        )
+    _SPMD[dims.mesh] = dims
+
+
+def spmd_dims(spec: DTensorSpec | None) -> SpmdDims | None:
+    """The dp dims of a parameter's spec on a full SPMD mesh (None: a TP spec)."""
+    return None if spec is None else _SPMD.get(spec.mesh)
 
 
 def spec_of(param: torch.Tensor) -> DTensorSpec | None:
@@ -54,8 +92,13 @@ def local_grad(grad: torch.Tensor | None, spec: DTensorSpec | None) -> torch.Ten
         return grad
     if not isinstance(grad, DTensor):
         raise TypeError(f"expected a DTensor gradient for a TP parameter, got {type(grad)}")
-    if tuple(grad.placements) != tuple(spec.placements):
-        grad = grad.redistribute(spec.mesh, spec.placements)
+    target = tuple(spec.placements)
+    spmd = spmd_dims(spec)
+    if spmd is not None:  # as FSDP2: dp dims stay as they came (a Partial is reduced by us)
+        came = grad.placements
+        target = tuple(came[i] if i in spmd.dp else p for i, p in enumerate(target))
+    if tuple(grad.placements) != target:
+        grad = grad.redistribute(spec.mesh, target)
     return grad._local_tensor
 
 
@@ -80,15 +123,20 @@ def local_piece(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
 
 
 def tp_group(spec: DTensorSpec) -> dist.ProcessGroup:
-    if spec.mesh.ndim != 1:
-        raise ValueError(f"a TP parameter needs a 1-D tp mesh, got {spec.mesh.ndim}-D")
-    return spec.mesh.get_group()
+    spmd = spmd_dims(spec)
+    dims = [i for i in range(spec.mesh.ndim) if spmd is None or i not in spmd.dp]
+    if len(dims) != 1:
+        raise ValueError(f"a TP parameter needs one tp mesh dim, got {len(dims)}")
+    return spec.mesh.get_group(dims[0])
 
 
 def tp_frame(spec: DTensorSpec) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
     """(global shape, offset of this tp rank's piece, whether it writes the piece in a
     checkpoint): a piece replicated over tp is written by its first holder only."""
     shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
-    coordinate = spec.mesh.get_coordinate() or []
+    coordinate = list(spec.mesh.get_coordinate() or [])
+    spmd = spmd_dims(spec)
+    for i in spmd.dp if spmd is not None else ():  # dp dims: flexshard's own layout decides
+        coordinate[i] = 0
     writes = all(not p.is_replicate() or c == 0 for p, c in zip(spec.placements, coordinate))
     return tuple(spec.shape), tuple(offset), writes

@@ -1,0 +1,91 @@
+"""``fully_shard(..., dp_mesh_dims=DataParallelMeshDims(...))`` with FSDP2's meaning:
+``mesh`` is the full SPMD mesh, every parameter a DTensor on it with ``Replicate`` on
+the named data-parallel dims. flexshard shards over the dp dims (one shard dim, HSDP's
+replicate dim beside it) and keeps every other dim's placement, as its tensor-parallel
+support does; the sharded parameters are DTensors on the same mesh, placed as FSDP2
+places them."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import DataParallelMeshDims
+from torch.distributed.tensor import DTensor
+
+from .bucket_plans import _parameter_locations
+from .runtime.tp_params import SpmdDims, register_spmd_mesh
+
+WHO = "fully_shard(dp_mesh_dims=...)"
+
+
+def _one_name(names: tuple[str, ...], what: str) -> str | None:
+    if len(names) > 1:  # FSDP2 flattens them into a new group; flexshard does not yet
+        raise NotImplementedError(
+            f"{WHO}: {what}={names} names several mesh dims; flexshard takes one "
+            f"{what} dim (flattening several into one group is not built yet)"
+        )
+    return names[0] if names else None
+
+
+def dp_mesh(
+    mesh: DeviceMesh | None, dims: DataParallelMeshDims, reshard_after_forward: object
+) -> tuple[DeviceMesh, SpmdDims]:
+    """The data-parallel mesh flexshard shards over, (shard) or (replicate, shard), cut
+    from the full SPMD ``mesh``; FSDP2's checks first, with its messages."""
+    if not isinstance(dims, DataParallelMeshDims):
+        raise TypeError(f"{WHO}: expected a DataParallelMeshDims, got {dims!r}")
+    if mesh is None or mesh.mesh_dim_names is None:
+        raise ValueError(f"{WHO}: mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    names = mesh.mesh_dim_names
+    for name in (*dims.shard_names, *dims.replicate_names):
+        if name not in names:
+            raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"
+        )
+    shard = _one_name(dims.shard_names, "shard")
+    replicate = _one_name(dims.replicate_names, "replicate")
+    if shard is None:
+        raise NotImplementedError(
+            f"{WHO}: replicate-only dp_mesh_dims (DDP) is not supported by flexshard; "
+            "name a shard dim, or use flex_shard with a Replicate() bucket"
+        )
+    spmd = SpmdDims(
+        mesh, names.index(shard), None if replicate is None else names.index(replicate)
+    )
+    register_spmd_mesh(spmd)
+    if replicate is None:
+        return mesh[shard], spmd
+    return DeviceMesh._concatenate([mesh[replicate], mesh[shard]]), spmd
+
+
+def check_spmd_params(
+    modules: list[nn.Module], ignored: set[int], spmd: SpmdDims
+) -> None:
+    """Every parameter the call takes is a DTensor on the SPMD mesh itself, Replicate
+    on the dp dims (FSDP2's requirement); raise naming the first that is not."""
+    names = spmd.mesh.mesh_dim_names or ()
+    for module in modules:
+        params = {id(p): p for p in module.parameters()}
+        for pid, fqns in _parameter_locations(module).items():
+            param = params[pid]
+            if pid in ignored:
+                continue
+            if not isinstance(param, DTensor):
+                raise ValueError(
+                    "When dp_mesh_dims is provided, all parameters must be DTensors on the "
+                    f"full SPMD mesh (e.g. via distribute_module). Got plain tensor for "
+                    f"parameter '{fqns[0]}'."
+                )
+            if param.device_mesh != spmd.mesh:
+                raise ValueError(
+                    f"{WHO}: parameter '{fqns[0]}' is a DTensor on {param.device_mesh}, not "
+                    f"on the mesh passed to fully_shard ({spmd.mesh})"
+                )
+            for i in sorted(spmd.dp):
+                if not param.placements[i].is_replicate():
+                    raise ValueError(
+                        f"{WHO}: parameter '{fqns[0]}' has {param.placements[i]} on dp dim "
+                        f"'{names[i]}' (index {i}); expected Replicate()"
+                    )
