@@ -13,7 +13,7 @@ from flexshard.plan.report import make_plan
 from flexshard.plan.suggest import evaluate, suggest
 from flexshard.trainer.config import Config, load_config
 
-DEBUG = "configs/debug.toml"  # dim 64, 4 blocks, seq 64, fp32
+DEBUG = "configs/debug.toml"  # dim 64, 2 blocks, seq 64, fp32
 MODES = {
     "none": ("none", "op"),
     "full": ("full", "op"),
@@ -68,12 +68,12 @@ def test_recompute_lengthens_the_backward() -> None:
     assert memory["op"] < memory["none"]
 
 
-def test_tp_keeps_its_collectives_outputs() -> None:
-    plain = _config("full")
-    assert kept_collective_bytes(plain, 4, 4) == 0
-    tp = _config("full", "--parallelism.tp", "2")
+def test_op_level_keeps_tp_collectives_outputs() -> None:
+    assert kept_collective_bytes(_config("op"), 4, 4) == 0  # no tp
+    tp = _config("op", "--parallelism.tp", "2")
     assert kept_collective_bytes(tp, 4, 4) == 2 * 4 * 64 * 64 * 4
-    assert kept_collective_bytes(_config("none", "--parallelism.tp", "2"), 4, 4) == 0
+    for mode in ("none", "full", "every2"):  # full recompute runs the TP exchanges again
+        assert kept_collective_bytes(_config(mode, "--parallelism.tp", "2"), 4, 4) == 0
 
 
 def test_suggest_chooses_checkpointing_when_only_it_fits() -> None:

@@ -6,11 +6,11 @@ keeps besides the block's input.
   again in backward (GEMMs and the rest), once per microbatch.
 - ``selective`` by op: matmul and attention outputs are kept, so the recompute is the
   forward's non-GEMM part alone (norms, RoPE, SwiGLU's gate, residual adds).
-- Every mode keeps the outputs of a block's functional (TP) collectives, so that a
-  recompute issues no collective: under tensor parallelism that is about two
-  ``[batch, seq, dim]`` activations per recomputed block (the gathered inputs of
-  attention and the MLP), measured nowhere else since the plan's activation model
-  runs one process.
+- ``selective`` by op also keeps the outputs of a block's functional (TP) collectives,
+  so that its recompute issues no TP collective: under tensor parallelism about two
+  ``[batch, seq, dim]`` activations per block (the gathered inputs of attention and the
+  MLP), measured nowhere else since the plan's activation model runs one process.
+  ``full`` keeps the block's input alone and runs its TP exchanges again.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ def recompute_parts(cfg: Config) -> tuple[float, float]:
 
 
 def kept_collective_bytes(cfg: Config, sequences: int, itemsize: int) -> int:
-    """Bytes one recomputed block keeps for its TP collectives' outputs (one tp rank,
+    """Bytes one op-level checkpointed block keeps for its TP collectives' outputs (one tp rank,
     one microbatch of ``sequences``): the gathered (or all-reduced) inputs of attention
     and the MLP. Without tensor parallelism there are none."""
-    if cfg.parallelism.tp == 1 or recomputed_share(cfg) == 0.0:
+    if cfg.parallelism.tp == 1 or not op_level(cfg):
         return 0
     tokens = sequences * cfg.training.seq_len // cfg.parallelism.cp
     return 2 * tokens * cfg.model.dim * itemsize

@@ -17,7 +17,7 @@ from .buckets import BucketInfo, flexshard_buckets, fsdp2_equivalent
 from .comm import bucket_comm, muon_work
 from .hardware import Hardware
 from .memory import rank_memory
-from .recompute import kept_collective_bytes, recomputed_share
+from .recompute import kept_collective_bytes
 from .steptime import step_time
 from .world import build_rank, fake_world, stage_ranks
 
@@ -81,9 +81,9 @@ def _backend_plan(
     worst: dict[str, Any] | None = None
     for index, buckets in enumerate(stages):
         layers = cfg.model.n_layers // dims.pp
-        # activation checkpointing under TP also keeps its collectives' outputs
+        # op-level activation checkpointing under TP also keeps its collectives' outputs
         kept = kept_collective_bytes(cfg, seqs, 2 if t.mixed_precision == "bf16" else 4)
-        per_block = act.per_block * tp_share(cfg) + kept * recomputed_share(cfg)
+        per_block = act.per_block * tp_share(cfg) + kept
         activations = int(per_block * layers * in_flight + act.head + act.transient)
         muon = None
         notes = []

@@ -7,14 +7,14 @@ the rest in backward, trading one more forward of the block for its activations.
   ``n-1, 2n-1, ...`` of the whole model, so a pipeline stage picks the blocks the single
   process would) recomputed whole, the others kept.
 - ``mode = "selective"``, ``selective_ac_option = "op"``: every block, but the outputs
-  of its matmuls, attention kernels and functional collectives are saved
+  of its matmuls, attention kernels and functional (TP) collectives are saved
   (``torch.utils.checkpoint.create_selective_checkpoint_contexts``); only the cheap
   elementwise work (norms, RoPE, SwiGLU's gate, residual adds) is recomputed.
 
 Applied after TP / EP / PP / CP and before ``[compile]`` and data parallelism, so the
 data-parallel hooks (flexshard's or FSDP2's) sit *outside* the recomputed region: the
 block's parameters are gathered once for its backward (by the pre-backward hook) and
-the recompute runs on that gather, issuing no collective of its own. Recomputing is
+the recompute runs on that gather, issuing no data-parallel collective. Recomputing is
 the same ops on the same inputs in the same order, so losses and gradients equal a
 run without it bit for bit.
 """
@@ -46,16 +46,11 @@ def _ops(namespace: Any, names: tuple[str, ...]) -> frozenset[Any]:
     return frozenset(getattr(namespace, n).default for n in names if hasattr(namespace, n))
 
 
-#: outputs of the functional collectives (DTensor's TP gathers and reduce-scatters):
-#: every mode keeps them, so that a recompute issues no collective the run without it
-#: would not (the block's input alone would cost a second round of TP traffic)
-COLLECTIVE_OPS = _ops(
-    torch.ops._c10d_functional,
-    ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"),
-)
-#: what op-level selective AC keeps besides: matmuls (the FLOPs) and attention kernels
-#: (their outputs and log-sum-exp); norms, RoPE, SwiGLU's gate and adds are recomputed
-MATMUL_OPS = _ops(
+#: what op-level selective AC keeps: matmuls (the FLOPs), attention kernels (their
+#: outputs and log-sum-exp) and functional collectives (DTensor's TP gathers and
+#: reduce-scatters: a recompute then issues no TP collective); norms, RoPE, SwiGLU's
+#: gate and residual adds are recomputed
+SAVED_OPS = _ops(
     torch.ops.aten,
     (
         "mm",
@@ -70,33 +65,28 @@ MATMUL_OPS = _ops(
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
     ),
+) | _ops(
+    torch.ops._c10d_functional,
+    ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"),
 )
 
 
-def _policy(saved: frozenset[Any]) -> Callable[..., CheckpointPolicy]:
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-_KEEP_COLLECTIVES = _policy(COLLECTIVE_OPS)
-_KEEP_MATMULS = _policy(COLLECTIVE_OPS | MATMUL_OPS)
-
-
-def _full_contexts() -> tuple[Any, Any]:
-    # fresh per call: the contexts hold the saved outputs of one forward
-    return create_selective_checkpoint_contexts(_KEEP_COLLECTIVES)
+def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _op_level_contexts() -> tuple[Any, Any]:
-    return create_selective_checkpoint_contexts(_KEEP_MATMULS)
+    # fresh per call: the contexts hold the saved outputs of one forward
+    return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
 # non-reentrant: works with hooks, DTensors and compile; no RNG state to restore because
-# the blocks draw no random numbers
+# the blocks draw no random numbers. Full recompute keeps the block's input alone, so
+# the block's own TP / CP / EP exchanges run again in its recompute (as in torchtitan
+# and Megatron: keeping a TP all-gather's output would cost two [batch, seq, dim]
+# activations per block); the data-parallel gathers never do
 _full: Callable[..., torch.Tensor] = functools.partial(
-    checkpoint, use_reentrant=False, preserve_rng_state=False, context_fn=_full_contexts
+    checkpoint, use_reentrant=False, preserve_rng_state=False
 )
 _op_level: Callable[..., torch.Tensor] = functools.partial(
     checkpoint, use_reentrant=False, preserve_rng_state=False, context_fn=_op_level_contexts
