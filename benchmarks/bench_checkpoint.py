@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--dim", type=int, default=384)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--reps", type=int, default=2, help="repetitions of every mode")
@@ -197,7 +197,9 @@ def summarise(results: list[dict[str, list]], args: argparse.Namespace) -> list[
             "wall_p99_s": _pct(walls, 0.99),
             "calls_first": max(len(run["saves"][0]["calls"]) for run in runs[mode]),
             "calls_later": max((len(s["calls"]) for s in later), default=0),
-            "background_ops_later": max((s.get("background_ops") or 0 for s in later), default=0),
+            "background_ops_later": statistics.median(s.get("background_ops") or 0 for s in later)
+            if later
+            else 0,
             "step_without_s": statistics.median(without) if without else None,
             "step_during_s": statistics.median(during) if during else None,
             "steps_during": len(during),

@@ -108,9 +108,14 @@ class _Planner(DefaultSavePlanner):
         super().__init__(enable_plan_caching=True)
         self._cached_plans_key = cache_key  # not shared with other savers' plans
 
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: Any = None,
+        is_coordinator: bool = False,
+    ) -> None:
         lower_priority()
-        super().set_up_planner(*args, **kwargs)
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
 
 def discard(partial: str) -> None:
