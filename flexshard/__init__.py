@@ -13,6 +13,7 @@ from torch.distributed.fsdp import (
 from . import checkpoint, optim  # noqa: F401  (fs.checkpoint.save, fs.optim.DistMuon, ...)
 from .api import BucketSpec, flex_shard, fully_shard
 from .clip import clip_grad_norm_
+from .comm_ctx import share_comm_ctx
 from .init import init_params
 from .placements import BlockShard, FlatShard, Owned, Placement, Replicate, Shard
 from .runtime.collectives import CollectiveError
@@ -46,4 +47,5 @@ __all__ = [
     "init_params",
     "load_full_state_dict",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]
