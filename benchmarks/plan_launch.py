@@ -15,7 +15,7 @@ measurement. What each term comes from (never a step time of the trainer):
   medians), the eager autograd cost per op and the runtimes' cost per parameter
   gathered / reduced (a tiny-width copy of the model): ``plan_runtime``;
 - blocking collectives: not measured, the runtime's own rule on a device without
-  streams (``runtime.collectives.WAIT_AT_LAUNCH_WITHOUT_STREAMS``; FSDP2 on CPU
+  streams (runtime/collectives.py's Note on collectives without streams; FSDP2 on CPU
   calls its all-gathers synchronously too).
 
 The compute rates are measured with the W ranks running at once, so the profile
@@ -29,7 +29,6 @@ from typing import Any
 import torch.distributed as dist
 
 from flexshard.plan.hardware import Hardware
-from flexshard.runtime.collectives import WAIT_AT_LAUNCH_WITHOUT_STREAMS
 from flexshard.trainer.config import Config
 
 from .plan_fit import _overlap, _rank, _slowest, copy_gbps, gloo_fit, memory_gbps
@@ -89,7 +88,7 @@ def launch_profile(calibrations: list[list[dict[str, Any]]]) -> tuple[Hardware, 
         overlap=statistics.median(_overlap(t) for t in timings),
         dtensor_op_overhead_us=statistics.median(r["dtensor_s"] for r in everyone) * 1e6,
         attention_tflops=rate["attention_tflops"],
-        blocking_collectives=WAIT_AT_LAUNCH_WITHOUT_STREAMS,
+        blocking_collectives=True,  # no streams on CPU: waited for at launch
         contention=statistics.median(r["contention"] for r in everyone),
         **{k: statistics.median(r["runtime"][k] for r in everyone) for k in RUNTIME},
     )

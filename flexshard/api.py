@@ -58,9 +58,9 @@ def flex_shard(
     DTensors on the bucket's mesh (their local tensors views into its storage), as
     FSDP2's are. Tensor-parallel DTensor parameters (from ``parallelize_module``,
     applied first) are sharded by their local tensor and placed on the joined (dp, tp)
-    mesh; the modules get DTensors on the tp mesh back after unshard. Every check runs before any bucket collective; the ranks then
-    agree in one small all-gather, so a bad or differing spec on any rank raises on
-    every rank instead of hanging the others.
+    mesh; the modules get DTensors on the tp mesh back after unshard. Every check runs
+    before any bucket collective; the ranks then agree in one small all-gather, so a
+    bad or differing spec on any rank raises on every rank instead of hanging the others.
     """
     check_module("flex_shard", module)
     if isinstance(buckets, (str, BucketSpec)) or not all(

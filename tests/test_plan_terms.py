@@ -12,7 +12,6 @@ import pytest
 
 from benchmarks.plan_ops import record_model
 from benchmarks.plan_runtime import tiny_config
-from flexshard.plan import steptime
 from flexshard.plan.hardware import H100, Hardware, load_hardware
 from flexshard.plan.opcount import model_ops
 from flexshard.plan.report import build_stages, planning_config
@@ -143,15 +142,13 @@ def test_contention_scales_what_is_timed_op_by_op() -> None:
     assert _plan(streams)[2].step_s < a.step_s
 
 
-def test_collective_wait_is_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_collective_wait_is_per_call() -> None:
     """``collective_wait_us`` is added to every data-parallel collective call: with
     blocking collectives, calls x wait on the step (all-gathers forward and where a
-    bucket resharded again in backward, one reduce-scatter per bucket; forward's
-    prefetches and the reduce-scatters blocking too, or compute would hide some of it)."""
-    monkeypatch.setattr(steptime, "OVERLAP_FORWARD_PREFETCH", False)
-    monkeypatch.setattr(steptime, "OVERLAP_REDUCE_SCATTER", False)
-    _, buckets, base = _plan(CPU)
-    _, _, waited = _plan(dataclasses.replace(CPU, collective_wait_us=500.0))
+    bucket resharded again in backward, one reduce-scatter per bucket; FSDP2 on CPU,
+    whose forward prefetches and reduce-scatters block too, so compute hides none)."""
+    _, buckets, base = _plan(CPU, "fsdp2")
+    _, _, waited = _plan(dataclasses.replace(CPU, collective_wait_us=500.0), "fsdp2")
     calls = sum(2 + b.reshard_after_forward for b in buckets)
     assert waited.step_s - base.step_s == pytest.approx(calls * 500e-6, rel=1e-6)
     assert waited.compute_s == base.compute_s

@@ -35,8 +35,8 @@ class Hardware:
     dtensor_op_overhead_us: float = 0.0  # per op on a DTensor (the optimizer step)
     attention_tflops: float = 0.0  # causal attention's achieved rate (0: the GEMMs')
     # the runtime's schedule on this device: without streams (CPU) each data-parallel
-    # collective is waited for at launch (runtime.collectives.WAIT_AT_LAUNCH_WITHOUT_STREAMS,
-    # and FSDP2's unshard_async_op = False): nothing overlaps, ``overlap`` is moot
+    # collective is waited for at launch (runtime/collectives.py's Note on collectives
+    # without streams, and FSDP2's unshard_async_op = False): ``overlap`` is moot
     blocking_collectives: bool = False
     # eager autograd + nn.Module cost per forward / backward op beyond the op itself
     eager_op_us: float = 0.0

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flexshard.runtime.collectives import OVERLAP_FORWARD_PREFETCH, OVERLAP_REDUCE_SCATTER
 from flexshard.runtime.hooks import MAX_PENDING_REDUCTIONS
 from flexshard.trainer.config import Config
 from flexshard.trainer.parallel import ParallelDims
@@ -121,9 +120,9 @@ def _simulate(
     what forward resharded); returns (time, time spent waiting on all-gathers).
     ``blocking``: compute waits for each collective where it is issued (CPU: the
     runtime waits at launch), so a prefetch hides nothing; ``forward_prefetch_blocks``
-    False: forward's block prefetches are the exception (flexshard's
-    OVERLAP_FORWARD_PREFETCH), left in flight beside compute; ``reduce_scatter_blocks``
-    False: so are the reduce-scatters (OVERLAP_REDUCE_SCATTER)."""
+    False: forward's block prefetches are the exception (flexshard's, see
+    runtime/collectives.py's Note on collectives without streams), left in flight beside
+    compute; ``reduce_scatter_blocks`` False: so are the reduce-scatters."""
     root = [b for b in order if b.is_root]
     blocks = [b for b in order if not b.is_root]
     t = comm = waited = idle = busy = 0.0
@@ -310,8 +309,8 @@ def step_time(
             root_prefetches,
             hw.overlap,
             hw.blocking_collectives,
-            forward_prefetch_blocks=backend != "flexshard" or not OVERLAP_FORWARD_PREFETCH,
-            reduce_scatter_blocks=backend != "flexshard" or not OVERLAP_REDUCE_SCATTER,
+            forward_prefetch_blocks=backend != "flexshard",
+            reduce_scatter_blocks=backend != "flexshard",
         )
         total += span
         waited += w

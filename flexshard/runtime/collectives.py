@@ -21,21 +21,18 @@ _HasComm = TypeVar("_HasComm")  # a Bucket (runtime/bucket.py imports this file)
 
 #: how long a bucket waits for one collective before it raises (overridable per model)
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
-#: gloo (CPU) runs a collective on its own thread on a temporary copy of the whole
-#: buffer (an all-gather's output; 1.5x a reduce-scatter's input): left in flight beside
-#: compute, that copy sits on top of the compute's peak. So without streams a bucket's
-#: collective is waited for at launch, as FSDP2's block on CPU (its unshard_async_op is
-#: False); False overlaps them with compute at that cost. CUDA/NCCL: stream-ordered.
-WAIT_AT_LAUNCH_WITHOUT_STREAMS = True
-#: ...except forward's prefetches: the step's peak is in backward (every activation
-#: saved, gradients arriving), so a next bucket's all-gather in flight beside forward
-#: compute does not raise it, and forward stops waiting on the wire.
-OVERLAP_FORWARD_PREFETCH = True
-#: ...and gradient reduce-scatters: one is left in flight beside the next bucket's
-#: backward (at most ``hooks.MAX_PENDING_REDUCTIONS``, FSDP2's 1), as FSDP2's
-#: reduce-scatter stream runs on CUDA; backward stops waiting on the wire (W = 4 backward
-#: ~9% faster, bench_dp) for one bucket's gradient buffer and gloo's copy of it.
-OVERLAP_REDUCE_SCATTER = True
+# [Note: collectives without streams] gloo (CPU) runs a collective on its own thread
+# on a temporary copy of the whole buffer (an all-gather's output; 1.5x a
+# reduce-scatter's input): left in flight beside compute, that copy sits on top of the
+# compute's peak. So without streams a bucket's collective is waited for at launch, as
+# FSDP2's block on CPU (its unshard_async_op is False), except
+# - forward's prefetches: the step's peak is in backward (every activation saved,
+#   gradients arriving), so a next bucket's all-gather in flight beside forward compute
+#   does not raise it, and forward stops waiting on the wire;
+# - gradient reduce-scatters: one is left in flight beside the next bucket's backward
+#   (at most ``hooks.MAX_PENDING_REDUCTIONS``, FSDP2's 1), as FSDP2's reduce-scatter
+#   stream runs on CUDA, for one bucket's gradient buffer and gloo's copy of it.
+# CUDA/NCCL: every collective is stream-ordered. flexshard/plan models the same rule.
 
 
 @dataclass
@@ -356,7 +353,7 @@ class BucketComm:
             start, collective, self.bucket, self.timeout, group, wait_ignores_timeout, runtime
         )
         pending.keep = keep
-        if WAIT_AT_LAUNCH_WITHOUT_STREAMS and not runtime.streams and not overlap:
+        if not runtime.streams and not overlap:  # [Note: collectives without streams]
             # a failure stays on ``pending``: it raises where the bucket waits, as before
             with contextlib.suppress(CollectiveError):
                 pending.wait()
@@ -370,7 +367,7 @@ class BucketComm:
     def all_gather(
         self, out: torch.Tensor, local: torch.Tensor, forward_prefetch: bool = False
     ) -> Pending:
-        """``forward_prefetch``: left in flight on CPU too (OVERLAP_FORWARD_PREFETCH)."""
+        """``forward_prefetch``: left in flight on CPU too (see the Note above)."""
         group = self.shard_group
         if self.world_size == 1:
             if out.data_ptr() != local.data_ptr():  # not written in place already
@@ -382,7 +379,7 @@ class BucketComm:
             group,
             out,
             keep=(local,),
-            overlap=forward_prefetch and OVERLAP_FORWARD_PREFETCH,
+            overlap=forward_prefetch,
         )
         self._count("all_gather", (self.world_size - 1) * local.numel() * local.element_size())
         return pending
@@ -401,7 +398,7 @@ class BucketComm:
             out,
             wait_ignores_timeout=dist.get_backend(group) == "gloo",
             keep=(full,),
-            overlap=OVERLAP_REDUCE_SCATTER,
+            overlap=True,
         )
         self._count("reduce_scatter", (self.world_size - 1) * out.numel() * out.element_size())
         return pending
