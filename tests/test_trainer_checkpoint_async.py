@@ -25,6 +25,7 @@ from flexshard.testing import run_distributed
 from flexshard.testing.collectives import record_collectives
 from flexshard.trainer import checkpointing
 from flexshard.trainer.checkpointing import latest_step
+from flexshard.trainer.config import Config, ConfigError, config_from_dict
 from flexshard.trainer.retention import purge
 from flexshard.trainer.train import run
 
@@ -367,3 +368,15 @@ def test_full_disk_and_a_kill_in_each_phase_leave_the_previous_checkpoint(tmp_pa
                     assert seen["manifest"] == "complete"
                 else:
                     assert "has no flexshard.json" in seen["manifest"], (case, seen)
+
+
+def test_config_keys_are_checked_in_one_line():
+    cfg = config_from_dict(
+        {"checkpoint": {"async_mode": "async_with_pinned_mem", "keep_latest_k": 3}}
+    )
+    assert (cfg.checkpoint.async_mode, cfg.checkpoint.keep_latest_k) == ("async_with_pinned_mem", 3)
+    assert (Config().checkpoint.async_mode, Config().checkpoint.keep_latest_k) == ("disabled", 0)
+    with pytest.raises(ConfigError, match=r"^checkpoint.keep_latest_k = -1: must be >= 0 \("):
+        config_from_dict({"checkpoint": {"keep_latest_k": -1}})
+    with pytest.raises(ConfigError, match=r"^checkpoint.async_mode = 'yes': must be one of"):
+        config_from_dict({"checkpoint": {"async_mode": "yes"}})
