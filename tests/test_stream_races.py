@@ -75,7 +75,9 @@ def _model(setup: str, mesh) -> torch.nn.Module:
             first, second = model.layers
             first.set_modules_to_forward_prefetch([second])
             second.set_modules_to_backward_prefetch([first])
-        return fs.fully_shard(model, mesh=mesh, mp_policy=BF16)
+        fs.fully_shard(model, mesh=mesh, mp_policy=BF16)
+        model.set_agree_on_unused_params(True)  # its all-reduce on the streams too (opt-in)
+        return model
     buckets = []  # flex_shard: tiles quantized, whole matrices owned, replicated, rows
     for i in range(CFG.layers):
         mats = [f"layers.{i}.{m}.weight" for m in ("qkv", "proj", "up", "down")]
