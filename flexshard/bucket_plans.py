@@ -15,7 +15,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .placements import BlockShard, BucketLayout, Placement, Shard, plan_bucket
 from .quant import QuantFormat
-from .runtime.bucket import Bucket, BucketParam, slot_of
+from .runtime.bucket import Bucket, slot_of
+from .runtime.bucket_param import BucketParam
 from .runtime.collectives import BucketComm
 from .runtime.consistency import check_same_plan
 from .runtime.groups import MeshGroups

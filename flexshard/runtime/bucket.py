@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,11 +18,11 @@ from torch import nn
 from torch.autograd import profiler as autograd_profiler
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.profiler import record_function
 
-from ..placements import BucketLayout, Placement, Shard, unpack
+from ..placements import BucketLayout, unpack
 from ..quant import QuantFormat, QuantizedTensor
+from .bucket_param import BucketParam
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime, device_runtime
 from .full_params import FullParams
@@ -38,19 +37,6 @@ from .strategies import choose_collective
 from .tp_params import local_of
 
 _NO_SPAN = contextlib.nullcontext()
-
-
-@dataclass
-class BucketParam:
-    """One parameter of a bucket and every module attribute that holds it (ties)."""
-
-    fqn: str
-    requires_grad: bool
-    locations: list[tuple[nn.Module, str]] = field(default_factory=list)
-    #: a tensor-parallel DTensor parameter's spec (mesh, placements, global shape): the
-    #: bucket shards its local tensor and hands the modules DTensors with this spec
-    tp_spec: DTensorSpec | None = None
-    placement: Placement = Shard(0)
 
 
 def slot_of(param: torch.Tensor) -> tuple[Bucket, int] | None:

@@ -4,18 +4,15 @@ buffer they are filled from."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..placements import BucketLayout
+from .bucket_param import BucketParam
 from .collectives import Pending
 from .gather import Collective
 from .storage import alloc, free, own_version_counter
 from .tp_params import full_parameter, local_of
-
-if TYPE_CHECKING:
-    from .bucket import BucketParam
 
 
 class FullParams:

@@ -15,24 +15,13 @@ import torch
 import torch.distributed as dist
 
 from .collectives import by_process_group
+from .grads import INF, NAN
 
 if TYPE_CHECKING:
     from .bucket import Bucket
 
-NAN, INF = 1, 2  # bit flags per parameter and rank
 #: parameters named in the message (the count of the rest follows)
 NAMED = 8
-
-
-def nonfinite_codes(grads: Sequence[torch.Tensor | None]) -> list[int]:
-    """Per gradient: NAN | INF bits, 0 when finite or absent."""
-    codes = []
-    for grad in grads:
-        code = 0
-        if grad is not None and not bool(torch.isfinite(grad).all()):
-            code = NAN * bool(torch.isnan(grad).any()) | INF * bool(torch.isinf(grad).any())
-        codes.append(code)
-    return codes
 
 
 def _exchange(buckets: list[Bucket], row: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,21 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from .grad_check import nonfinite_codes
 from .tp_params import local_grad
+
+# bit flags per parameter and rank; runtime/grad_check.py exchanges and decodes them
+NAN, INF = 1, 2
+
+
+def nonfinite_codes(grads: Sequence[torch.Tensor | None]) -> list[int]:
+    """Per gradient: NAN | INF bits, 0 when finite or absent."""
+    codes = []
+    for grad in grads:
+        code = 0
+        if grad is not None and not bool(torch.isfinite(grad).all()):
+            code = NAN * bool(torch.isnan(grad).any()) | INF * bool(torch.isinf(grad).any())
+        codes.append(code)
+    return codes
 
 
 class GradAccumulator:

@@ -6,7 +6,6 @@ flexshard, so the codec and the wire agree by construction)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -23,6 +22,7 @@ from ..quant import (
 )
 from ..quant.codec import dequantized_values, pack_into
 from .gather import ShardedCollective
+from .quant_run import QuantRun
 from .quantized_compiled import CompiledCodec
 from .storage import BucketStorage
 
@@ -62,29 +62,6 @@ def optimizer_steps() -> int:
 
 def _count_step(*_args: object) -> None:
     _optimizer_steps[0] += 1
-
-
-@dataclass(frozen=True)
-class _Run:
-    """Consecutive copy blocks of one rank with one tile shape: quantized as one batch
-    of tiles (bit for bit as block by block: tiles are independent) and sent as one
-    ``quant.pack`` buffer at byte ``start`` of the rank's payload."""
-
-    offset: int  # in the rank's storage
-    numel: int
-    tile: tuple[int, ...]
-    start: int
-    members: tuple[tuple[int, CopyBlock], ...]  # (parameter index, block), in order
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.numel // math.prod(self.tile), *self.tile)
-
-    def tiles(self, block: CopyBlock) -> slice:
-        """Which of the run's tiles are ``block``'s."""
-        size = math.prod(self.tile)
-        first = (block.offset - self.offset) // size
-        return slice(first, first + block.numel // size)
 
 
 class QuantizedGather(ShardedCollective):
@@ -139,7 +116,7 @@ class QuantizedGather(ShardedCollective):
         return not self.keep_codes  # kept: ``quantized`` reads the fp8 codes from it
 
     # ------------------------------------------------------------ codec
-    def _plan_runs(self, rank: int) -> list[_Run]:
+    def _plan_runs(self, rank: int) -> list[QuantRun]:
         """The runs of ``rank``'s copy blocks, in storage order, and where each run's
         packed bytes start in the rank's payload."""
         runs: list[list] = []  # [offset, numel, tile, members]
@@ -156,15 +133,15 @@ class QuantizedGather(ShardedCollective):
                     runs.append([block.offset, block.numel, tile, [(i, block)]])
         planned, cursor = [], 0
         for offset, numel, tile, members in runs:
-            run = _Run(offset, numel, tile, cursor, tuple(members))
+            run = QuantRun(offset, numel, tile, cursor, tuple(members))
             cursor += packed_nbytes(run.shape, self.fmt)
             planned.append(run)
         return planned
 
-    def _scale_count(self, runs: list[_Run]) -> int:
+    def _scale_count(self, runs: list[QuantRun]) -> int:
         return sum(math.prod(scale_shape(run.shape, self.fmt)) for run in runs)
 
-    def _unpack(self, payload: torch.Tensor, run: _Run) -> QuantizedTensor:
+    def _unpack(self, payload: torch.Tensor, run: QuantRun) -> QuantizedTensor:
         """The run's tiles and scales in a rank's payload (views of it)."""
         size = packed_nbytes(run.shape, self.fmt)
         return unpack(payload[run.start : run.start + size], run.shape, self.fmt)
@@ -213,7 +190,12 @@ class QuantizedGather(ShardedCollective):
                         self._decode_block(q, run, block, full_view(block, fulls[i]), dtype)
 
     def _decode_block(
-        self, q: QuantizedTensor, run: _Run, block: CopyBlock, dst: torch.Tensor, dtype: torch.dtype
+        self,
+        q: QuantizedTensor,
+        run: QuantRun,
+        block: CopyBlock,
+        dst: torch.Tensor,
+        dtype: torch.dtype,
     ) -> None:
         """One block's tiles of ``q`` into ``dst`` (``full_view``), a few tile rows at a
         time (a block is one tile, or a grid of them stored row after row)."""

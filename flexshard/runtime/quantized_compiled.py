@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,9 +36,7 @@ from ..quant.compiled import (
     traced,
 )
 from ..quant.fused import dequantize_fused, quantize_fused
-
-if TYPE_CHECKING:
-    from .quantized import _Run
+from .quant_run import QuantRun
 
 _FP8 = torch.float8_e4m3fn
 
@@ -70,7 +67,7 @@ def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.equal(got.view(ints).masked_fill(nan, 0), want.view(ints).masked_fill(nan, 0))
 
 
-def _encode_body(runs: Sequence[_Run], fmt: QuantFormat, nbytes: int) -> Callable:
+def _encode_body(runs: Sequence[QuantRun], fmt: QuantFormat, nbytes: int) -> Callable:
     tail = nbytes - (runs[-1].start + packed_nbytes(runs[-1].shape, fmt))
 
     def encode(storage: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -151,7 +148,7 @@ class CompiledCodec:
     each runs the compiled graph where it may, else the eager codec it is given."""
 
     def __init__(
-        self, fmt: QuantFormat, runs: list[list[_Run]], rank: int, nbytes: int, numel: int
+        self, fmt: QuantFormat, runs: list[list[QuantRun]], rank: int, nbytes: int, numel: int
     ) -> None:
         self.fmt, self.runs, self.rank, self.nbytes, self.numel = fmt, runs, rank, nbytes, numel
         r, c = fmt.block

@@ -1,14 +1,15 @@
 """A bucket's scheduling state: the FSDP2 options that say when it gathers, reshards
 and reduces, and this step's counts of its hook modules' forward and backward calls
-(runtime/hooks.py reads and writes them)."""
+(runtime/hooks.py reads and writes them).
+
+A leaf: the bucket holding these (runtime/bucket.py) and the hooks driving them
+(runtime/hooks.py) import this module, so the buckets and the StepState stored here are
+typed ``Any`` rather than named by an import back up (tests/test_import_cycles.py).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .bucket import Bucket
-    from .hooks import StepState
+from typing import Any
 
 
 class BucketSchedule:
@@ -19,8 +20,9 @@ class BucketSchedule:
         self.reshard_after_backward = True  # False: stay gathered for the next microbatch
         self.requires_grad_sync = True  # False: hold the gradients (accumulation)
         self.unshard_in_backward = True
-        self.forward_prefetch: list[Bucket] | None = None  # None: the recorded order
-        self.backward_prefetch: list[Bucket] | None = None
+        # Buckets to unshard next; None: the recorded order
+        self.forward_prefetch: list[Any] | None = None
+        self.backward_prefetch: list[Any] | None = None
         self.post_optim_event: Any = None  # the next all-gather waits on it, then drops it
         # reductions (and their input buffers) in flight after this bucket's launch;
         # None: hooks.MAX_PENDING_REDUCTIONS (set_reduce_scatter_max_input_buffers)
@@ -33,7 +35,7 @@ class StepCounts:
     with the model's other buckets; set when the root's first forward builds it)."""
 
     def __init__(self) -> None:
-        self.state: StepState | None = None
+        self.state: Any = None  # hooks.StepState, None until the root's first forward
         self.reset()
 
     def reset(self) -> None:
