@@ -24,7 +24,7 @@ from .exchange import configured_timeout
 from .retention import purge
 
 if TYPE_CHECKING:
-    from .train import Job
+    from .job import Job
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 SCHEDULER = "lr_scheduler"  # the LambdaLR's state_dict, beside the optimizer's

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import Config, ConfigError
+from .config_schema import Config, ConfigError
 from .layout_checks import check_parallel_layout
 
 PLACEMENT_NAMES = ("shard0", "flat", "owned", "block", "mixed")

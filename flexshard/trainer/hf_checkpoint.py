@@ -26,7 +26,7 @@ from .hf_adapter import DTYPES, check_matches, hf_config, hf_keys, in_hf
 from .model import Transformer
 
 if TYPE_CHECKING:
-    from .train import Job
+    from .job import Job
 
 HF_FOLDER = "hf"  # under dump_folder
 MAX_SHARD_BYTES = 2**30  # safetensors files of at most 1 GiB (one larger tensor excepted)

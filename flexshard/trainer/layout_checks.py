@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .config import ConfigError
+from .config_schema import ConfigError
+from .hf_format import hf_format
 
 if TYPE_CHECKING:
-    from .config import Config, ModelConfig
+    from .config_schema import Config, ModelConfig
 
 #: the pipeline schedules (``pipeline.SCHEDULES`` maps them to torch's classes)
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -166,8 +167,6 @@ def check_parallel_layout(cfg: Config) -> None:
     # here, not after training)
     c = cfg.checkpoint
     if c.initial_load_in_hf or c.last_save_in_hf:
-        from .hf_adapter import hf_format
-
         if c.initial_load_in_hf:
             hf_format(m, "checkpoint.initial_load_in_hf")
         if c.last_save_in_hf:

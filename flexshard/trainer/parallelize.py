@@ -27,6 +27,7 @@ from .config import Config
 from .context_parallel import apply_cp, split_sequence
 from .exchange import configured_timeout
 from .expert_parallel import apply_ep
+from .loss import loss_fn
 from .model import Transformer, init_module, init_weights
 from .optimizers import muon_head_placement
 from .parallel import Meshes, ParallelDims
@@ -168,8 +169,6 @@ def parallelize(
     single process's seeded weights. flexshard: built on meta and initialised after
     sharding, module by module (no rank ever holds the whole model); FSDP2: built whole
     on ``device`` first."""
-    from .train import loss_fn
-
     par = cfg.parallelism
     on_meta = par.dp_backend == "flexshard"
     with torch.device("meta" if on_meta else device):

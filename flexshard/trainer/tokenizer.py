@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from .config import ConfigError, ModelConfig
+from .config_schema import ConfigError, ModelConfig
 
 
 class Tokenizer(Protocol):

@@ -5,16 +5,13 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.optim.lr_scheduler import LRScheduler
 
 import flexshard as fs
 
@@ -23,6 +20,8 @@ from .activation_checkpoint import apply_ac
 from .config import Config, ConfigError
 from .data import DPSampler, ValidationBatches, load_tokens, split_tokens
 from .exchange import configured_timeout, exchange_bytes
+from .job import Job
+from .loss import loss_fn
 from .lr_schedule import build_lr_scheduler, current_lr
 from .metrics import (
     MetricsWriter,
@@ -36,11 +35,11 @@ from .metrics import (
 from .model import Transformer, count_params, flops_per_token, init_module, init_weights
 from .moe_balance import step_balance, tokens_per_expert
 from .optimizers import build_optimizer
-from .parallel import Meshes, ParallelDims, init_distributed, pick_device
+from .parallel import ParallelDims, init_distributed, pick_device
 from .parallelize import Parallelized, apply_compile, local_batch, parallelize
 from .preflight import load_errors
 from .sharding import apply_flexshard, apply_fsdp2
-from .tokenizer import Tokenizer, load_tokenizer
+from .tokenizer import load_tokenizer
 
 
 def check_backend_options(cfg: Config) -> None:
@@ -104,31 +103,6 @@ def clip_gradients(job: Job) -> float:
         extra_groups=[(expert_params, meshes.ep)] if meshes.ep is not None else (),
     )
     return float(norm)
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
-
-
-@dataclass
-class Job:
-    """What the loop needs, set up once."""
-
-    cfg: Config
-    device: torch.device
-    rank: int
-    dims: ParallelDims
-    dp_rank: int
-    model: nn.Module  # the first (often only) stage module
-    optimizer: torch.optim.Optimizer
-    lr_scheduler: LRScheduler  # stepped after every optimizer step; in the checkpoints
-    sampler: DPSampler
-    folder: Path
-    meshes: Meshes
-    parallel: Parallelized  # every stage module this rank runs, and the pipeline runner
-    tokenizer: Tokenizer | None = None
-    validation: ValidationBatches | None = None  # the held-out batches, when enabled
-    checkpointer: Any = None  # the background saver (checkpoint.async_mode), once made
 
 
 def setup(cfg: Config) -> Job:
