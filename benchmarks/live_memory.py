@@ -69,6 +69,7 @@ class LiveTensors(TorchDispatchMode):
         self.current = 0
         self.peak_bytes = 0
         self.peak_phase = "before"
+        self.phase_peaks: dict[str, int] = {}  # the largest bytes alive in each phase
         self._at_peak: list[tuple[_Entry, int]] = []
         self._resize = torch.UntypedStorage.resize_
 
@@ -88,6 +89,8 @@ class LiveTensors(TorchDispatchMode):
             entry = found[0]
             self.current += size - entry.nbytes
             entry.nbytes = size
+        if self.current > self.phase_peaks.get(self.phase, 0):
+            self.phase_peaks[self.phase] = self.current
         if self.current > self.peak_bytes:
             self.peak_bytes, self.peak_phase = self.current, self.phase
             self._at_peak = [(e, e.nbytes) for e, _ in self._entries.values() if e.nbytes]

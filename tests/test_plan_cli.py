@@ -4,6 +4,10 @@ plot, --suggest and the errors a user gets."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+
+import pytest
 
 from flexshard.plan.cli import main
 
@@ -15,15 +19,18 @@ def test_plan_json_adds_up(tmp_path, capsys) -> None:
     rc = main([DEBUG, "--world", "1024", "--json", str(out), "--model.ffn_hidden", "170"])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "| total per rank (GiB) |" in text and "fsdp2" in text
+    assert "| total per rank (GiB): peak of one moment |" in text and "fsdp2" in text
     plan = json.loads(out.read_text())
     assert plan["world"] == 1024 and plan["mesh"]["dp_shard"] == 1024
     for backend in ("flexshard", "fsdp2"):
         p = plan["backends"][backend]
         m = p["memory"]
+        # the total is one moment's sum, below the sum of each part's own worst moment
+        assert m["total"] == sum(m["at_peak"].values())
         parts = ("params", "grads", "optimizer", "gathered_peak", "activations")
-        assert m["total"] == sum(m[k] for k in parts)
+        assert m["total"] < m["sum_of_part_peaks"] == sum(m[k] for k in parts)
         assert m["activations"] > 0 and m["gathered_peak"] > 0
+        assert m["staging_host"] == 0  # no checkpoints in this config
         sent = sum(b["all_gather_bytes"] + b["reduce_scatter_bytes"] for b in p["buckets"])
         assert p["bytes_per_step"] == sent
         step = p["step"]
@@ -71,3 +78,29 @@ def test_errors_name_the_problem(capsys) -> None:
     assert "parallelism.tp" in capsys.readouterr().err
     assert main([DEBUG, "--world", "8", "--hardware", "tpu9"]) == 2
     assert "tpu9" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--sweep", "2,x"], "'x'"),
+        (["--sweep", "8,-4"], "-4"),
+        (["--suggest", "--memory-limit", "-1"], "--memory-limit -1"),
+        (["--suggest", "--memory-limit", "0"], "--memory-limit 0"),
+        (["--world", "0"], "--world 0"),
+    ],
+)
+def test_bad_arguments_are_one_line(args: list[str], named: str) -> None:
+    """The command as a user runs it: exit 2, one line naming the value, no traceback."""
+    if "--world" not in args:
+        args = ["--world", "8", *args]
+    run = subprocess.run(
+        [sys.executable, "-m", "flexshard.plan", DEBUG, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr + run.stdout
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0], run.stderr

@@ -242,3 +242,26 @@ def test_optimizer_count_scales_exactly() -> None:
     scaled = optimizer_ops(numels, training)
     step = optimizer_step(numels, training.lr, training.weight_decay)
     assert count_ops(step)["step"] == scaled
+
+
+def test_tp_optimizer_steps_dtensors_on_both_backends() -> None:
+    """Under TP flexshard's parameters are DTensors too: its optimizer step pays
+    DTensor's per-op dispatch as FSDP2's does (the CPU profile's calibrated cost)."""
+    import dataclasses
+
+    from flexshard.plan.hardware import load_hardware
+    from flexshard.plan.report import make_plan
+    from flexshard.trainer.config import load_config
+
+    cpu = load_hardware("benchmarks/results/cpu_gloo_profile.json")
+    assert cpu.dtensor_op_overhead_us > 0
+    cfg = load_config("configs/debug.toml", ["--parallelism.tp", "2"])
+
+    def optimizer_s(hw) -> dict[str, float]:
+        plan = make_plan(cfg, 4, hw)
+        return {b: p["step"]["optimizer_s"] for b, p in plan["backends"].items()}
+
+    with_cost = optimizer_s(cpu)
+    without = optimizer_s(dataclasses.replace(cpu, dtensor_op_overhead_us=0.0))
+    for backend in ("flexshard", "fsdp2"):
+        assert with_cost[backend] > without[backend], backend

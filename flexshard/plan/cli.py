@@ -45,9 +45,36 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return p.parse_known_args(argv)
 
 
+def sweep_worlds(text: str) -> list[int]:
+    """``--sweep 256,512``: positive world sizes, each bad value named."""
+    worlds = []
+    for item in text.split(","):
+        try:
+            world = int(item.strip())
+        except ValueError:
+            raise ValueError(
+                f"--sweep: {item.strip()!r} is not a world size (an integer)"
+            ) from None
+        if world < 1:
+            raise ValueError(f"--sweep: world size {world} must be positive")
+        worlds.append(world)
+    return worlds
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What argparse's types do not check: one line naming the value."""
+    if args.world < 1:
+        raise ValueError(f"--world {args.world}: must be a positive number of ranks")
+    if not args.memory_limit > 0:  # also NaN
+        raise ValueError(f"--memory-limit {args.memory_limit:g}: must be a positive GiB per device")
+    if args.sweep:
+        sweep_worlds(args.sweep)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        check_args(args)
         if args.dp_backend != "both":
             overrides = [*overrides, "--parallelism.dp_backend", args.dp_backend]
         cfg = load_config(args.config, overrides)
@@ -73,6 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         from .sweep import sweep_plot
 
-        worlds = [int(w) for w in args.sweep.split(",")]
+        worlds = sweep_worlds(args.sweep)
         print(sweep_plot(cfg, worlds, hw, backends, args.plot))
     return 0

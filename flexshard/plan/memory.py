@@ -9,26 +9,42 @@ from dataclasses import dataclass
 from flexshard.runtime.hooks import MAX_PENDING_REDUCTIONS
 
 from .buckets import BucketInfo
+from .peak import Moment, peak
 
 FP32 = 4
 
 
 @dataclass(frozen=True)
 class RankMemory:
-    """Bytes on one rank (``rank`` of the shard group: the busiest one by default)."""
+    """Bytes on one rank (``rank`` of the shard group: the busiest one by default).
+    ``total`` is the peak: the largest sum alive at one moment of the step
+    (``flexshard/plan/peak.py``), not the sum of each part's own maximum."""
 
     params: int
     grads: int
     optimizer: int
-    gathered_peak: int  # all-gather outputs + unsharded gradients in flight at the worst moment
+    gathered_peak: int  # all-gather outputs + unsharded gradients in flight at their worst moment
     gathered_detail: str  # which buffers make that peak
-    activations: int
+    activations: int  # at their own worst moment (the loss, or a recompute in backward)
+    moment: Moment | None = None  # the step's largest moment (None: parts added)
+    staging: int = 0  # host memory: the async checkpoint's CPU copy (not on the device)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.gathered_peak + self.activations
+        if self.moment is None:
+            return self.params + self.grads + self.optimizer + self.gathered_peak + self.activations
+        return self.moment.total(self.params + self.optimizer)
 
-    def as_dict(self) -> dict[str, int | str]:
+    def as_dict(self) -> dict[str, object]:
+        m = self.moment
+        at_peak = {
+            "params": self.params,
+            "optimizer": self.optimizer,
+            "grads": m.grads if m else self.grads,
+            "gathered": m.gathered if m else self.gathered_peak,
+            "activations": m.activations if m else self.activations,
+            "temporaries": m.temporaries if m else 0,
+        }
         return {
             "params": self.params,
             "grads": self.grads,
@@ -37,6 +53,14 @@ class RankMemory:
             "gathered_detail": self.gathered_detail,
             "activations": self.activations,
             "total": self.total,
+            "peak_moment": m.label if m else "each part at its own peak",
+            "at_peak": at_peak,
+            "sum_of_part_peaks": self.params
+            + self.grads
+            + self.optimizer
+            + self.gathered_peak
+            + self.activations,
+            "staging_host": self.staging,
         }
 
 
@@ -107,7 +131,16 @@ def busiest_elements(buckets: list[BucketInfo]) -> int:
     return sum(max(v) for v in groups.values())
 
 
-def rank_memory(buckets: list[BucketInfo], optimizer: str, activations: int) -> RankMemory:
+def rank_memory(
+    buckets: list[BucketInfo],
+    optimizer: str,
+    activations: int,
+    moments: list[Moment] | None = None,
+    staging: bool = False,
+) -> RankMemory:
+    """``moments``: the step's (peak.step_moments); without them the parts are added.
+    ``staging``: an async checkpoint stages a CPU copy of the parameters and the
+    optimizer state (the real elements the state dict holds)."""
     # the runtime allocates the padded shard on every rank of the group
     params = sum(b.shard_numel * b.storage_itemsize for b in buckets)
     itemsize = max((b.storage_itemsize for b in buckets), default=FP32)
@@ -115,5 +148,12 @@ def rank_memory(buckets: list[BucketInfo], optimizer: str, activations: int) -> 
     grads = elements * itemsize
     slots = muon_state_elements(buckets) if optimizer == "muon" else 2 * elements
     state = slots * FP32
-    peak, detail = gathered_in_flight(buckets)
-    return RankMemory(params, grads, state, peak, detail, activations)
+    gathered, detail = gathered_in_flight(buckets)
+    moment = None
+    if moments:
+        moment = peak(moments, params + state)
+        activations = max(m.activations for m in moments)
+        worst = max(moments, key=lambda m: m.gathered)
+        gathered, detail = worst.gathered, worst.label
+    host = elements * itemsize + state if staging else 0
+    return RankMemory(params, grads, state, gathered, detail, activations, moment, host)

@@ -8,17 +8,21 @@ import copy
 import time
 from typing import Any
 
+import torch
+
 from flexshard.trainer.config import Config
 from flexshard.trainer.model import count_params
 from flexshard.trainer.parallel import ParallelDims
 
-from .activations import estimate_activations, tp_share
+from .activations import dense_equivalent, tp_share
 from .buckets import BucketInfo, flexshard_buckets, fsdp2_equivalent
 from .comm import bucket_comm, muon_work
 from .hardware import Hardware
 from .memory import rank_memory
-from .recompute import kept_collective_bytes
+from .peak import step_moments
+from .recompute import kept_collective_bytes, op_level, recomputed_share
 from .steptime import step_time
+from .timeline import ActivationTimeline, mix, timeline
 from .world import build_rank, fake_world, stage_ranks
 
 GiB = 2**30
@@ -27,8 +31,11 @@ BACKENDS = ("flexshard", "fsdp2")
 
 def planning_config(cfg: Config) -> Config:
     """The config as the plan builds it: no checkpointing (its pp/ep guard is about
-    saving, not layout); torch FSDP2 is planned from flexshard's Shard(0) groups."""
+    saving, not layout; ``async_mode`` stays, to count its staging); torch FSDP2 is
+    planned from flexshard's Shard(0) groups."""
     cfg = copy.deepcopy(cfg)
+    if not cfg.checkpoint.enable:  # no saves: no staging copy either
+        cfg.checkpoint.async_mode = "disabled"
     cfg.checkpoint.enable = False
     if cfg.parallelism.dp_backend == "fsdp2":
         cfg.parallelism.dp_backend = "flexshard"
@@ -68,6 +75,22 @@ def storage_balance(buckets: list[BucketInfo]) -> list[dict[str, Any]]:
     ]
 
 
+def activation_timeline(cfg: Config, sequences: int) -> ActivationTimeline:
+    """One tp rank's activations through a microbatch of ``sequences`` (measured on 2
+    blocks under fake tensors, with the config's activation checkpointing)."""
+    model = dense_equivalent(cfg.model)
+    dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
+    seq = cfg.training.seq_len // cfg.parallelism.cp
+    plain = timeline(model, sequences, seq, dtype, "none")
+    share = recomputed_share(cfg)
+    if share:
+        marked = timeline(model, sequences, seq, dtype, "op" if op_level(cfg) else "full")
+        plain = mix(plain, marked, share)
+    # op-level checkpointing under TP also keeps its collectives' outputs
+    kept = kept_collective_bytes(cfg, sequences, 2 if dtype == torch.bfloat16 else 4)
+    return plain.scaled(tp_share(cfg), kept)
+
+
 def _backend_plan(
     cfg: Config, dims: ParallelDims, stages: list[list[BucketInfo]], hw: Hardware, backend: str
 ) -> dict[str, Any]:
@@ -76,22 +99,26 @@ def _backend_plan(
     par, t = cfg.parallelism, cfg.training
     micro = (par.pp_microbatches or dims.pp) if dims.pp > 1 else t.grad_accum
     seqs = t.batch_size // micro if dims.pp > 1 else t.batch_size
-    act = estimate_activations(cfg, seqs)
     in_flight = 1 if dims.pp == 1 else (micro if par.pp_schedule == "gpipe" else dims.pp)
+    timeline_ = activation_timeline(cfg, seqs)
     worst: dict[str, Any] | None = None
     for index, buckets in enumerate(stages):
-        layers = cfg.model.n_layers // dims.pp
-        # op-level activation checkpointing under TP also keeps its collectives' outputs
-        kept = kept_collective_bytes(cfg, seqs, 2 if t.mixed_precision == "bf16" else 4)
-        per_block = act.per_block * tp_share(cfg) + kept
-        activations = int(per_block * layers * in_flight + act.head + act.transient)
         muon = None
         notes = []
         if len({b.world for b in buckets}) == 1 and dims.tp == 1:
             muon = muon_work(buckets)
         else:
             notes.append("Muon balance: data parallelism alone (no tp / ep groups)")
-        memory = rank_memory(buckets, t.optimizer, activations)
+        moments = step_moments(
+            buckets,
+            timeline_,
+            held_microbatches=in_flight - 1,
+            accumulating=micro > 1,
+            root_prefetches=backend == "fsdp2",
+            foreach=not hw.blocking_collectives,  # torch's AdamW: foreach on GPUs only
+        )
+        staging = cfg.checkpoint.async_mode != "disabled"
+        memory = rank_memory(buckets, t.optimizer, 0, moments, staging)
         comms = [bucket_comm(b, micro, dims.pp > 1) for b in buckets]
         step = step_time(cfg, dims, buckets, hw, muon, backend)
         stage = {

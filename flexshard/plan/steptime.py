@@ -325,9 +325,10 @@ def step_time(
         hw,
         muon,
         link(hw, dims.tp, dims.dp_shard),
-        # the optimizer steps DTensors: FSDP2's, and flexshard's own (sharded_param)
-        # except under TP, where flexshard hands it the plain local shards
-        backend == "fsdp2" or dims.tp == 1,
+        # the optimizer steps DTensors on both backends, under TP too (flexshard's
+        # parameters are DTensors over the whole SPMD mesh): DTensor's per-op dispatch
+        # (dtensor_op_overhead_us, 0 on the GPU profiles: it runs ahead of the kernels)
+        dtensors=True,
     )
     step = total + bubble + other + optimizer
     global_tokens = dims.dp_size * t.batch_size * t.grad_accum * t.seq_len
@@ -363,7 +364,7 @@ def _optimizer_time(
     hw: Hardware,
     muon: MatrixWork | None,
     dp_link: tuple[float, float],
-    dtensors: bool,
+    dtensors: bool = True,
 ) -> float:
     """Clipping and AdamW counted op by op on each bucket's busiest rank's shards (on
     DTensors each op costs DTensor's dispatch too); Muon: its momentum's

@@ -16,9 +16,21 @@ ROWS = (
     ("parameters (sharded)", lambda p: _gib(p["memory"]["params"])),
     ("gradients (sharded)", lambda p: _gib(p["memory"]["grads"])),
     ("optimizer state", lambda p: _gib(p["memory"]["optimizer"])),
-    ("gathered buffers in flight", lambda p: _gib(p["memory"]["gathered_peak"])),
-    ("activations", lambda p: _gib(p["memory"]["activations"])),
-    ("total per rank (GiB)", lambda p: _gib(p["memory"]["total"])),
+    ("gathered buffers in flight (worst moment)", lambda p: _gib(p["memory"]["gathered_peak"])),
+    ("activations (worst moment)", lambda p: _gib(p["memory"]["activations"])),
+    ("total per rank (GiB): peak of one moment", lambda p: _gib(p["memory"]["total"])),
+    ("  the moment", lambda p: p["memory"]["peak_moment"]),
+    (
+        "  gathered / activations / gradients then",
+        lambda p: " / ".join(
+            _gib(p["memory"]["at_peak"][k]) for k in ("gathered", "activations", "grads")
+        ),
+    ),
+    ("  each part at its own peak, added", lambda p: _gib(p["memory"]["sum_of_part_peaks"])),
+    (
+        "async checkpoint staging (host GiB)",
+        lambda p: _gib(p["memory"]["staging_host"]) if p["memory"]["staging_host"] else "-",
+    ),
     ("bytes sent per step (GiB)", lambda p: _gib(p["bytes_per_step"])),
     ("max padding of a bucket", lambda p: f"{max(b['padding'] for b in p['buckets']):.1%}"),
     (
