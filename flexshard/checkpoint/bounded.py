@@ -24,12 +24,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.collectives import (
-    CollectiveError,
-    backend_cause,
-    check_timeout,
-    is_backend_failure,
-)
+from ..runtime.collectives import CollectiveError, backend_failures_raise, check_timeout
 from ..runtime.module import subtree_buckets
 
 _GROUPS: dict[tuple[tuple[int, ...], float, str], dist.ProcessGroup] = {}
@@ -70,23 +65,23 @@ def in_flight(
 ) -> Iterator[None]:
     """Run a checkpoint step's collectives; a backend failure (timeout, lost peer)
     raises a CollectiveError naming ``step`` and ``path``."""
-    try:
+    if group is None:  # this process alone: nothing to convert
         yield
-    except RuntimeError as err:
-        if group is None or not is_backend_failure(err):
-            raise
+        return
+
+    def error(err: BaseException, cause: str) -> CollectiveError:
         rank = dist.get_rank()
         members = dist.get_process_group_ranks(group)
         limit = f"timeout {timeout.total_seconds():g} s" if timeout is not None else "no timeout"
-        cause = backend_cause(err)
         message = (
             f"flexshard: {step} of checkpoint '{path}' failed on rank {rank} (group ranks "
             f"{members}, {limit}): a rank of the group died, stalled or skipped it; the "
             f"checkpoint is incomplete [backend: {cause}]"
         )
-        raise CollectiveError(
-            message, bucket=f"checkpoint '{path}'", collective=step, rank=rank
-        ) from err
+        return CollectiveError(message, bucket=f"checkpoint '{path}'", collective=step, rank=rank)
+
+    with backend_failures_raise(error):
+        yield
 
 
 @dataclass(frozen=True)

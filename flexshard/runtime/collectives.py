@@ -7,7 +7,7 @@ import datetime
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -107,6 +107,26 @@ def backend_cause(err: BaseException) -> str:
     """The first line of a backend failure, for a CollectiveError's message."""
     text = str(err).strip()
     return text.splitlines()[0][:300] if text else type(err).__name__
+
+
+@contextlib.contextmanager
+def backend_failures_raise(
+    error: Callable[[BaseException, str], CollectiveError], note: str | None = None
+) -> Iterator[None]:
+    """The one converter of a collective torch ran itself into flexshard's error: a
+    backend failure (timeout, lost peer) raised inside becomes ``error(err, cause)``
+    (``cause``: the backend's first line); flexshard's own CollectiveErrors pass, with
+    ``note`` added (where they struck)."""
+    try:
+        yield
+    except CollectiveError as err:
+        if note is not None:
+            err.add_note(note)
+        raise
+    except Exception as err:
+        if not is_backend_failure(err):
+            raise
+        raise error(err, backend_cause(err)) from err
 
 
 #: what a bucket's failed collective leaves: its error's last words

@@ -27,8 +27,7 @@ from flexshard.runtime.collectives import (
     DEFAULT_TIMEOUT,
     CollectiveError,
     Pending,
-    backend_cause,
-    is_backend_failure,
+    backend_failures_raise,
 )
 
 if TYPE_CHECKING:
@@ -91,24 +90,21 @@ def in_flight(
     """Run ``what`` (of ``of``), whose collectives are torch's on ``groups`` (by name:
     {"tp": ..., "pp": ...}); a backend failure raises a CollectiveError naming them.
     ``timeout``: the groups' own, for the message."""
-    try:
-        yield
-    except CollectiveError as err:  # flexshard's own, already named: say where it struck
-        err.add_note(f"flexshard: raised in {what} of {of}")
-        raise
-    except Exception as err:
-        if not is_backend_failure(err):
-            raise
+
+    def error(err: BaseException, cause: str) -> CollectiveError:
         rank = dist.get_rank()
-        timeout = timeout if timeout is not None else _timeout_of(groups)
-        limit = f"timeout {timeout.total_seconds():g} s" if timeout is not None else "its timeout"
-        cause = backend_cause(err)
+        limit_of = timeout if timeout is not None else _timeout_of(groups)
+        limit = f"timeout {limit_of.total_seconds():g} s" if limit_of is not None else "its timeout"
         message = (
             f"flexshard: {what} of {of} failed on rank {rank} ({_ranks(groups)}; {limit}): "
             f"a rank of the group died, stalled or skipped a collective; {_AFTERWARDS} "
             f"[backend: {cause}]"
         )
-        raise CollectiveError(message, bucket=of, collective=what, rank=rank) from err
+        return CollectiveError(message, bucket=of, collective=what, rank=rank)
+
+    # flexshard's own errors are already named: the note says where they struck
+    with backend_failures_raise(error, note=f"flexshard: raised in {what} of {of}"):
+        yield
 
 
 def step_in_flight(meshes: Meshes, step: int, timeout: datetime.timedelta) -> Any:
