@@ -13,7 +13,7 @@ from flexshard.trainer.config import ConfigError, load_config
 
 from .hardware import load_hardware
 from .report import BACKENDS, make_plan
-from .table import render
+from .table import render, render_summary
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -42,6 +42,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="propose placements and bucket options under --memory-limit",
     )
     p.add_argument("--memory-limit", type=float, default=80.0, help="GiB per device")
+    p.add_argument(
+        "--markdown",
+        choices=("short", "full"),
+        help="print the summary table README.md (short) and docs/planning.md (full) show",
+    )
     return p.parse_known_args(argv)
 
 
@@ -93,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as err:
         print(f"flexshard-plan: {err}", file=sys.stderr)
         return 2
+    if args.markdown:
+        print(render_summary(plan, full=args.markdown == "full"))
+        return 0
     print(render(plan))
     if args.json:
         args.json.write_text(json.dumps(plan, indent=1))

@@ -85,3 +85,73 @@ def render(plan: dict[str, Any], top: int = 3) -> str:
             )
         lines += [f"  note: {n}" for n in p["notes"]]
     return "\n".join(lines)
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:,.0f}"
+
+
+#: the summary README.md and docs/planning.md print (``--markdown short`` / ``full``)
+SUMMARY = (
+    (
+        "parameters / gradients / optimizer state (GiB)",
+        lambda p: " / ".join(_gib(p["memory"][k]) for k in ("params", "grads", "optimizer")),
+        True,
+    ),
+    (
+        "gathered buffers in flight, worst moment (GiB)",
+        lambda p: _gib(p["memory"]["gathered_peak"]),
+        False,
+    ),
+    ("activations, worst moment (GiB)", lambda p: _gib(p["memory"]["activations"]), False),
+    ("peak per rank: one moment's sum (GiB)", lambda p: _gib(p["memory"]["total"]), True),
+    ("the moment", lambda p: p["memory"]["peak_moment"], True),
+    (
+        "then: gathered / activations / gradients (GiB)",
+        lambda p: " / ".join(
+            _gib(p["memory"]["at_peak"][k]) for k in ("gathered", "activations", "grads")
+        ),
+        False,
+    ),
+    ("each part's own peak, added (GiB)", lambda p: _gib(p["memory"]["sum_of_part_peaks"]), False),
+    (
+        "async checkpoint staging, host memory (GiB)",
+        lambda p: _gib(p["memory"]["staging_host"]) if p["memory"]["staging_host"] else "-",
+        False,
+    ),
+    ("bytes sent per step (GiB)", lambda p: _gib(p["bytes_per_step"]), True),
+    ("max padding of a bucket", lambda p: f"{max(b['padding'] for b in p['buckets']):.1%}", False),
+    (
+        "step time / compute, of it GEMMs + attention (ms)",
+        lambda p: (
+            f"{_ms(p['step']['step_s'])} / {_ms(p['step']['compute_s'])}, "
+            f"{_ms(p['step']['gemm_s'])}"
+        ),
+        True,
+    ),
+    ("buffer copy-in / copy-out (ms)", lambda p: _ms(p["step"]["copy_s"]), False),
+    (
+        "exposed data-parallel comm (ms), of it waiting on all-gathers",
+        lambda p: f"{_ms(p['step']['exposed_dp_s'])}, {_ms(p['step']['exposed_all_gather_s'])}",
+        False,
+    ),
+    ("exposed TP / EP / CP / PP comm (ms)", lambda p: _ms(p["step"]["exposed_other_s"]), False),
+    ("optimizer step (ms)", lambda p: _ms(p["step"]["optimizer_s"]), False),
+    ("tokens/s per GPU (model)", lambda p: f"{p['step']['tokens_per_s_per_device']:,.0f}", True),
+)
+
+
+def render_summary(plan: dict[str, Any], full: bool = True) -> str:
+    """The plan as the docs print it: deterministic (no planning time), one column per
+    backend; ``full`` False keeps the README's rows."""
+    names = {"flexshard": f"flexshard ({plan['placement']})", "fsdp2": "FSDP2"}
+    backends = list(plan["backends"])
+    lines = [
+        "| per rank (busiest) | " + " | ".join(names.get(b, b) for b in backends) + " |",
+        "|---|" + "---|" * len(backends),
+    ]
+    for label, cell, short in SUMMARY:
+        if full or short:
+            cells = " | ".join(cell(plan["backends"][b]) for b in backends)
+            lines.append(f"| {label} | {cells} |")
+    return "\n".join(lines)
