@@ -52,6 +52,7 @@ def test_doc_block_runs(block: Block) -> None:
     assert problem is None, problem
     # a run writes only under ignored folders: no tracked file changed, nothing new
     new = docs_run.changed_paths(ROOT) - before
+    # (in a working tree others edit meanwhile, their files show here too: rerun)
     assert not new, f"{block.name(ROOT)} changed files git sees: {sorted(new)}"
 
 
