@@ -30,6 +30,7 @@ from .runtime.bucket import Bucket, slot_of
 from .runtime.collectives import DEFAULT_TIMEOUT, Pending
 from .runtime.device import device_runtime
 from .runtime.module import subtree_buckets
+from .torch_internals import local_tensor
 
 Group = dist.ProcessGroup | DeviceMesh
 #: (label for errors, group) pairs a gradient's partial norm is summed over
@@ -71,7 +72,7 @@ def clip_grad_norm_(
         )
         local = grads.setdefault(reduction, [])
         if param.grad is not None:
-            grad = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
+            grad = local_tensor(param.grad) if isinstance(param.grad, DTensor) else param.grad
             scaled.append(grad)
             if grad.numel():  # a rank holding none of a tensor adds nothing
                 local.append(grad)
@@ -130,7 +131,7 @@ def _parameters(
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return local_tensor(tensor) if isinstance(tensor, DTensor) else tensor
 
 
 def _reduction(param: torch.Tensor) -> Reduction:

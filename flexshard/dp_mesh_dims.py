@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from .bucket_plans import _parameter_locations
 from .runtime.tp_params import SpmdDims, register_spmd_mesh
+from .torch_internals import concatenate_meshes
 
 WHO = "fully_shard(dp_mesh_dims=...)"
 
@@ -57,7 +58,7 @@ def dp_mesh(
     register_spmd_mesh(spmd)
     if replicate is None:
         return mesh[shard], spmd
-    return DeviceMesh._concatenate([mesh[replicate], mesh[shard]]), spmd
+    return concatenate_meshes([mesh[replicate], mesh[shard]]), spmd
 
 
 def check_spmd_params(

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.utils import _apply_to_tensors  # FSDP2's walk: dataclasses too
+
+from .torch_internals import apply_to_tensors
 
 
 def _cast(dtype: torch.dtype, tensor: torch.Tensor) -> torch.Tensor:
@@ -29,13 +30,13 @@ def install_forward_casts(module: nn.Module, policy: MixedPrecisionPolicy) -> No
         to_param = functools.partial(_cast, policy.param_dtype)
 
         def cast_inputs(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            return _apply_to_tensors(to_param, args), _apply_to_tensors(to_param, kwargs)
+            return apply_to_tensors(to_param, args), apply_to_tensors(to_param, kwargs)
 
         module.register_forward_pre_hook(cast_inputs, with_kwargs=True)
     if policy.output_dtype is not None:
         to_output = functools.partial(_cast, policy.output_dtype)
 
         def cast_output(_m: nn.Module, _args: tuple, output: Any) -> Any:
-            return _apply_to_tensors(to_output, output)
+            return apply_to_tensors(to_output, output)
 
         module.register_forward_hook(cast_output)

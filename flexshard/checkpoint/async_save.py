@@ -36,8 +36,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlanner
 
+from ..torch_internals import drop_cached_save_plans
 from .bounded import Ranks
 from .frames import Frames, framed_state
 from .io import _extra_file, _move_into_place, _state_dict, _union_groups
@@ -235,14 +235,7 @@ class AsyncCheckpointer:
         finally:
             self._worker.shutdown(wait=True)
             self.stager.close()
-            for cache in (
-                SavePlanner._cached_save_plan,
-                SavePlanner._cached_all_plans,
-                SavePlanner._cached_global_plan,
-                SavePlanner._cached_metadata,
-                SavePlanner._cached_final_save_plan,
-            ):
-                cache.pop(self._plans, None)
+            drop_cached_save_plans(self._plans)
 
     def _ranks(self, path: str) -> Ranks:
         if not dist.is_initialized():

@@ -38,16 +38,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint._consolidate_hf_safetensors import (
-    consolidate_safetensors_files,
-    consolidate_safetensors_files_on_every_rank,
-)
-from torch.distributed.checkpoint._hf_utils import _gen_file_name
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ..runtime.dcp_chunks import Box, RegionTensor, chunks_of
+from ..torch_internals import (
+    consolidate_safetensors_files,
+    consolidate_safetensors_files_on_every_rank,
+    hf_file_name,
+    local_tensor,
+)
 from .frames import Frames, framed
 
 SHARDED_DIR = "sharded"  # per-rank chunk files, removed once consolidated
@@ -183,7 +184,7 @@ class _ChunkFileWriter(HuggingFaceStorageWriter):
 
         file_queue: queue.Queue = queue.Queue()
         for (index, part), items in files.items():
-            name = f"part-{part}-" + _gen_file_name(index, last, shard)
+            name = f"part-{part}-" + hf_file_name(index, last, shard)
             file_queue.put((self.fs.concat_path(self.path, name), name, items))
         return self._write_data(planner, file_queue)
 
@@ -282,7 +283,7 @@ def save_hf_safetensors(
     last = max(mapping.values())
     for index in sorted(set(mapping.values())):
         if index % world == rank:
-            _permute_in_file(os.path.join(root, _gen_file_name(index, last)), rope, dtype)
+            _permute_in_file(os.path.join(root, hf_file_name(index, last)), rope, dtype)
     if not no_dist:
         dist.barrier(process_group)
     if rank == 0:
@@ -341,7 +342,7 @@ def _check_against(
 def _check_writes_through(fqn: str, value: torch.Tensor, chunks: RegionTensor) -> None:
     """Loading copies into the chunks in place: they must be views of the parameter's
     own storage, not copies (else the load would change nothing, silently)."""
-    local = value._local_tensor if isinstance(value, DTensor) else value
+    local = local_tensor(value) if isinstance(value, DTensor) else value
     base = local.untyped_storage().data_ptr()
     for _, piece in chunks.pieces:
         if piece.untyped_storage().data_ptr() != base:

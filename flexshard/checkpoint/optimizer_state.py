@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 from ..runtime.region_dtensor import wrap
 from ..state_dict_hooks import Slot, fqn_slots, slot_tensor, to_local
+from ..torch_internals import init_optim_state
 
 OptimizerState = dict[str, Any]
 #: one module, or the modules of one logical model under their global FQNs (the
@@ -68,7 +68,7 @@ def optimizer_state_dict(model: Model, optimizer: torch.optim.Optimizer) -> Opti
     ``get_optimizer_state_dict``, an optimizer without state is first given it (one
     ``step`` with zero gradients and lr 0), so ``dcp.load`` has tensors to fill."""
     groups = _group_fqns(model, optimizer)
-    _init_optim_state(optimizer)
+    init_optim_state(optimizer)
     _, slots = param_names(model)
     state: dict[str, dict[str, Any]] = {}
     for group, fqns in zip(optimizer.param_groups, groups):

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from ..runtime.dcp_chunks import RegionTensor, chunks_of
+from ..torch_internals import dtensor_spec, local_tensor
 
 
 def can_pin() -> bool:
@@ -68,8 +69,8 @@ class ChunkStager(AsyncStager):
             cpu = torch.device("cpu")
             return RegionTensor(chunks.shape, pieces, chunks.writer, chunks.dtype, cpu, None)
         if isinstance(value, DTensor):
-            local = self._tensor(value._local_tensor, key)
-            return DTensor(local, value._spec, requires_grad=False)
+            local = self._tensor(local_tensor(value), key)
+            return DTensor(local, dtensor_spec(value), requires_grad=False)
         if isinstance(value, torch.Tensor):
             return self._tensor(value, key)
         return copy.deepcopy(value)

@@ -41,9 +41,10 @@ import torch
 from torch.optim import Optimizer
 
 from ..runtime.tp_params import local_of
+from ..torch_internals import full_state_dict_call
 from .matrices import block_rows
 from .matrix_calls import check_steps_per_call
-from .matrix_state_dict import full_state, saved_matrix, torch_full_call
+from .matrix_state_dict import full_state, saved_matrix
 from .matrix_units import (
     Cost,
     MatrixState,
@@ -367,7 +368,7 @@ class MatrixOptimizer(Optimizer):
         torch's ``get_optimizer_state_dict(full_state_dict=True)``, every matrix as a
         plain dict (see :mod:`.matrix_state_dict`)."""
         out = super().state_dict()
-        call = torch_full_call()
+        call = full_state_dict_call()
         if call is None:
             return out
         params = [p for g in self.param_groups for p in g["params"]]

@@ -9,43 +9,21 @@ now, at any world size and placement.
 ``full_state_dict=True``: torch gathers DTensors only. A matrix's state is whole on the
 rank that computes it, in shapes only that rank knows, so torch's gather would hand
 every rank just its own matrices: a partial state. ``state_dict()`` therefore asks
-:func:`torch_full_call` whether torch's full-state code is calling it (read from the
-stack: torch gives an optimizer no other sign), and then gathers every matrix's state
-onto every rank (one ``all_gather_object``) as plain dicts, which torch passes through.
-Loading keeps each rank's own matrices, from ``MatrixState`` or from those plain dicts.
+:func:`flexshard.torch_internals.full_state_dict_call` whether torch's full-state code
+is calling it (read from the stack: torch gives an optimizer no other sign), and then
+gathers every matrix's state onto every rank (one ``all_gather_object``) as plain
+dicts, which torch passes through. Loading keeps each rank's own matrices, from
+``MatrixState`` or from those plain dicts.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from .matrix_units import MatrixState
-
-_TORCH_STATE_DICT = "torch.distributed.checkpoint.state_dict"
-#: torch's functions that call ``optimizer.state_dict()``
-_GET, _LOAD = "_get_optim_state_dict", "_load_optim_state_dict"
-
-
-def torch_full_call() -> Literal["get", "load"] | None:
-    """``"get"`` inside ``get_optimizer_state_dict(full_state_dict=True)``, ``"load"``
-    inside ``set_optimizer_state_dict(full_state_dict=True)`` (which asks for the local
-    state to distribute the full one into), else None."""
-    frame = sys._getframe(1)
-    getter = None
-    while frame is not None:
-        if frame.f_globals.get("__name__") == _TORCH_STATE_DICT:
-            if frame.f_code.co_name == _LOAD:  # its only call of state_dict(): the full path
-                return "load"
-            if frame.f_code.co_name == _GET and getter is None:
-                getter = frame
-        frame = frame.f_back
-    if getter is not None and getattr(getter.f_locals.get("info"), "full_state_dict", False):
-        return "get"
-    return None
 
 
 def plain(state: MatrixState, device: torch.device | None = None) -> dict[str, Any]:

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd import profiler as autograd_profiler
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.profiler import record_function
 
 from ..placements import BucketLayout, unpack
 from ..quant import QuantFormat, QuantizedTensor
+from ..torch_internals import profiler_enabled, set_local_tensor, unsafe_preserve_version_counter
 from .bucket_param import BucketParam
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime, device_runtime
@@ -176,7 +176,7 @@ class Bucket:
     def _span(self, what: str) -> contextlib.AbstractContextManager:
         """A profiler span naming the bucket (``flexshard::all_gather[layers.3]``),
         made only while a profiler records: a span costs more than a small bucket's copy."""
-        if not autograd_profiler._is_profiler_enabled:
+        if not profiler_enabled():
             return _NO_SPAN
         return record_function(f"flexshard::{what}[{self.name}]")
 
@@ -273,7 +273,7 @@ class Bucket:
             if not local.is_meta:
                 with torch.no_grad():
                     view.copy_(local)
-            param._local_tensor = view  # type: ignore[attr-defined]
+            set_local_tensor(param, view)
             _mark(param, self, i)
             self.local_params[i] = param
         self._set_on_modules(self.local_params)
@@ -325,7 +325,7 @@ class Bucket:
             self.schedule.post_optim_event = None
             alloc(full.gathered)
             send = self.collective.payload(self._data_version(), full.gathered)
-            with torch.autograd._unsafe_preserve_version_counter(full.guarded):
+            with unsafe_preserve_version_counter(full.guarded):
                 # keeps ``send``
                 full.pending = self.comm.all_gather(full.gathered, send, forward_prefetch)
 
@@ -339,7 +339,7 @@ class Bucket:
         with (
             self._span("all_gather_copy_out"),
             torch.no_grad(),
-            torch.autograd._unsafe_preserve_version_counter(full.guarded),
+            unsafe_preserve_version_counter(full.guarded),
         ):
             full.pending.wait()  # CUDA: compute waits on the gather's event, the CPU not
             full.pending = None

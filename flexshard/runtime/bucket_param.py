@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torch import nn
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..placements import Placement, Shard
+from ..torch_internals import DTensorSpec
 
 
 @dataclass

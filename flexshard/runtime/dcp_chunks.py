@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..placements import ParamLayout, Region
+from ..torch_internals import compute_local_shape_and_global_offset
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the full tensor
 
@@ -212,7 +213,6 @@ def chunks_of(value: torch.Tensor) -> RegionTensor:
     """A sharded parameter's (or optimizer state's) local data as chunks of the whole
     tensor: a RegionShard DTensor's regions, a torch-placed DTensor's one box."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if isinstance(value, RegionTensor):
         return value

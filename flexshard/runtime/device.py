@@ -26,6 +26,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from ..torch_internals import abort_cuda_backend
+
 
 class DeviceRuntime:
     """Streams and events of one device (shared by every bucket on it)."""
@@ -99,7 +101,7 @@ def abort(group: dist.ProcessGroup) -> None:
     exit and the CPU, blocked in a synchronisation, gets control back (the watchdog
     calls this when a collective passed its timeout)."""
     with contextlib.suppress(Exception):
-        group._get_backend(torch.device("cuda")).abort()  # type: ignore[attr-defined]
+        abort_cuda_backend(group)
 
 
 #: CPU, meta and gloo: every method a no-op

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from ..torch_internals import DTensorSpec
 from .tp_params import local_grad
 
 # bit flags per parameter and rank; runtime/grad_check.py exchanges and decodes them

@@ -11,9 +11,8 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map
 
+from ..torch_internals import dynamo_disable, queue_backward_callback, tree_flatten, tree_map
 from .bucket import Bucket
 from .grad_check import check_finite_grads
 from .traffic import attach_traffic
@@ -35,9 +34,7 @@ def eager(fn: _F) -> _F:
     module's graph holds its own computation alone. Applied when hooks are installed
     (fully_shard has imported torch._dynamo by then), so the hook itself is dynamo's
     disabled wrapper and no flexshard frame is ever traced."""
-    import torch._dynamo
-
-    return torch._dynamo.disable(fn, recursive=True, reason="flexshard hook")
+    return dynamo_disable(fn, reason="flexshard hook")
 
 
 class StepState:
@@ -106,7 +103,7 @@ class StepState:
         rest = [b for b in self.buckets if b not in self.forward_order]
         self._launch_queue = list(reversed(self.forward_order)) + rest
         self._launched = 0
-        Variable._execution_engine.queue_callback(self._end_of_backward_eager)
+        queue_backward_callback(self._end_of_backward_eager)
 
     def before_backward(self, bucket: Bucket) -> None:
         self._backward_begins()

@@ -7,10 +7,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._composable.contract import STATE_KEY
 from torch.distributed.fsdp import FSDPModule, UnshardHandle
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+from ..torch_internals import STATE_KEY, fully_shard_state_key
 from .bucket import Bucket
 from .hooks import StepState
 from .traffic import subtree_traffic, summed
@@ -369,8 +368,7 @@ class _PipelineState:
 def _register_pipeline_state(module: nn.Module) -> None:
     # torch.distributed.pipelining treats every FSDPModule as FSDP2's and asks
     # fully_shard.state(module) for its state: give it flexshard's
-    key = torch_fully_shard.state.__closure__[0].cell_contents  # type: ignore[union-attr]
-    module.__dict__.setdefault(STATE_KEY, {})[key] = _PipelineState(module)
+    module.__dict__.setdefault(STATE_KEY, {})[fully_shard_state_key()] = _PipelineState(module)
 
 
 #: one FlexShard subclass per original class, as FSDP2 caches its own: modules of one

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..placements import CopyBlock, Region
 from ..placements.packing import full_view, storage_shape
@@ -21,6 +20,7 @@ from ..quant import (
     unpack,
 )
 from ..quant.codec import dequantized_values, pack_into
+from ..torch_internals import register_global_optimizer_step_post_hook
 from .gather import ShardedCollective
 from .quant_run import QuantRun
 from .quantized_compiled import CompiledCodec
@@ -55,7 +55,7 @@ def optimizer_steps() -> int:
     """How many ``torch.optim`` steps this process has taken (counted by a global
     post-step hook, registered on first use)."""
     if not _step_hook:
-        hook = register_optimizer_step_post_hook(_count_step)
+        hook = register_global_optimizer_step_post_hook(_count_step)
         _step_hook.append(hook)
     return _optimizer_steps[0]
 

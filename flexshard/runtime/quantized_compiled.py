@@ -36,6 +36,7 @@ from ..quant.compiled import (
     traced,
 )
 from ..quant.fused import dequantize_fused, quantize_fused
+from ..torch_internals import storage_id
 from .quant_run import QuantRun
 
 _FP8 = torch.float8_e4m3fn
@@ -45,7 +46,7 @@ def _storage_id(t: torch.Tensor | None) -> tuple[int, int, tuple, tuple] | None:
     """Which storage ``t`` views, and how (stable while the storage is resized)."""
     if t is None:
         return None
-    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride())
+    return (storage_id(t), t.storage_offset(), tuple(t.shape), t.stride())
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -302,7 +303,7 @@ class CompiledCodec:
                 gr, gc, r, c = grid[0]
                 targets[i] = targets[i].view(gr, r, gc, c)
         args = (datas, scales, targets)
-        if all(scale.untyped_storage()._cdata == ids[1][0] for scale in scales):  # no copies
+        if all(storage_id(scale) == ids[1][0] for scale in scales):  # no copies
             self._args = (ids, args)
         return args
 

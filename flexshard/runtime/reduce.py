@@ -9,10 +9,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..placements import BucketLayout
 from ..placements.layout import trainable_layout
+from ..torch_internals import DTensorSpec, post_accumulate_grad_hooks
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime
 from .gather import Collective
@@ -201,6 +201,6 @@ def _land(local: nn.Parameter, grad: torch.Tensor, spec: DTensorSpec) -> None:
         local.grad = wrap(grad, spec)
     else:
         local_of(local.grad).add_(grad)
-    hooks = getattr(local, "_post_accumulate_grad_hooks", None)
+    hooks = post_accumulate_grad_hooks(local)
     for hook in (hooks or {}).values():
         hook(local)

@@ -20,8 +20,14 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ..torch_internals import (
+    DTensorSpec,
+    TensorMeta,
+    dtensor_spec,
+    local_tensor,
+    patch_full_state_dict_distribute,
+)
 from .region_dtensor import wrap
 from .region_placement import RegionShard
 from .tp_params import local_piece
@@ -79,7 +85,7 @@ def distribute_tensor(
     others = _as_replicate(placements, dim)
     pieces = torch_distribute_tensor(tensor, device_mesh, others, src_data_rank=src_data_rank)
     mesh = pieces.device_mesh  # torch's default mesh where none was given
-    local = _regions_of_piece(pieces._local_tensor, mesh, placements, dim)
+    local = _regions_of_piece(local_tensor(pieces), mesh, placements, dim)
     return wrap(local, _spec(mesh, placements, tensor), requires_grad=tensor.requires_grad)
 
 
@@ -95,26 +101,14 @@ def _distribute_region_entries(local_state_dict: dict[str, Any], keys: list[str]
             continue
         local = local_regions(full, current.device_mesh, current.placements)
         if current.is_meta:  # a meta-built model: the new tensor is assigned
-            local_state_dict[key] = wrap(local.clone(), current._spec)
+            local_state_dict[key] = wrap(local.clone(), dtensor_spec(current))
             continue
         with torch.no_grad():
-            current._local_tensor.copy_(local)
+            local_tensor(current).copy_(local)
         local_state_dict[key] = current
 
 
 def install() -> None:
     """Teach torch's full state-dict load (model and optimizer, with and without
     ``broadcast_from_rank0``) flexshard's placements; idempotent."""
-    from torch.distributed import _state_dict_utils as utils
-
-    if getattr(utils, "_flexshard_regions", False):
-        return
-    torch_distribute_tensors = utils._distribute_tensors
-
-    def distribute_tensors(local_state_dict, keys, device, pg=None):  # torch's signature
-        _distribute_region_entries(local_state_dict, keys)
-        return torch_distribute_tensors(local_state_dict, keys, device, pg)
-
-    utils._distribute_tensors = distribute_tensors
-    utils.distribute_tensor = distribute_tensor
-    utils._flexshard_regions = True
+    patch_full_state_dict_distribute(_distribute_region_entries, distribute_tensor)

@@ -15,10 +15,15 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._ops._math_ops import _NormPartial
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..torch_internals import (
+    DTensorSpec,
+    NormPartial,
+    TensorMeta,
+    compute_local_shape_and_global_offset,
+    dtensor_spec,
+    local_tensor,
+)
 from .dcp_chunks import region_tensor
 from .region_placement import RegionShard
 
@@ -117,8 +122,8 @@ class RegionDTensor(DTensor):
         if first is None:
             first = _first_region(kwargs.values())
         if kind is None:
-            raise _unsupported(func, first._spec, "not an elementwise op")
-        return _elementwise(func, args, kwargs, first._spec)
+            raise _unsupported(func, dtensor_spec(first), "not an elementwise op")
+        return _elementwise(func, args, kwargs, dtensor_spec(first))
 
     # ---------------------------------------------------------------- redistribution
     def redistribute(  # type: ignore[override]
@@ -126,7 +131,8 @@ class RegionDTensor(DTensor):
     ) -> DTensor:
         mesh = device_mesh or self.device_mesh
         if mesh != self.device_mesh:
-            raise ValueError(f"{self._spec.placements}: cannot redistribute to another mesh")
+            where = dtensor_spec(self).placements
+            raise ValueError(f"{where}: cannot redistribute to another mesh")
         target = tuple(placements) if placements is not None else self.placements
         if target == tuple(self.placements):
             return self
@@ -138,7 +144,7 @@ class RegionDTensor(DTensor):
 
     # ---------------------------------------------------------------- checkpoints
     def _chunks(self) -> Any:
-        spec, region = self._spec, _region_of(self._spec)
+        spec, region = dtensor_spec(self), _region_of(dtensor_spec(self))
         coordinate = spec.mesh.get_coordinate()
         dim = spec.placements.index(region)
         # where this rank's tensor-parallel piece sits in the whole tensor
@@ -149,7 +155,7 @@ class RegionDTensor(DTensor):
             c == 0 for d, c in enumerate(coordinate) if d != dim and others[d].is_replicate()
         )
         frame = (tuple(spec.shape), offset)
-        local = self._local_tensor
+        local = local_tensor(self)
         return region_tensor(region.layout, coordinate[dim], local, writer, None, frame)
 
     def __create_write_items__(self, fqn: str, obj: Any) -> Any:
@@ -168,11 +174,11 @@ class _ToReplicate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: RegionDTensor) -> DTensor:  # type: ignore[override]
-        spec = tensor._spec
+        spec = dtensor_spec(tensor)
         region = _region_of(spec)
         dim = spec.placements.index(region)
         ctx.spec, ctx.dim = spec, dim
-        full = region.gather(tensor._local_tensor, spec.mesh.get_group(dim))
+        full = region.gather(local_tensor(tensor), spec.mesh.get_group(dim))
         placements = list(spec.placements)
         placements[dim] = Replicate()
         return DTensor(
@@ -189,18 +195,18 @@ class _ToReplicate(torch.autograd.Function):
         grad = grad.redistribute(spec.mesh, target.placements)
         region = _region_of(spec)
         rank = spec.mesh.get_coordinate()[dim]
-        return wrap(region.take(grad._local_tensor, rank), spec)
+        return wrap(region.take(local_tensor(grad), rank), spec)
 
 
 # -------------------------------------------------------------------- op handlers
 def _local(value: Any, spec: DTensorSpec, func: Any) -> Any:
     """An operand's local tensor, when it is placed like ``spec`` or is a scalar."""
     if isinstance(value, DTensor):
-        other = value._spec
+        other = dtensor_spec(value)
         if other is spec or (other.placements == spec.placements and other.shape == spec.shape):
-            return value._local_tensor
+            return local_tensor(value)
         if value.numel() == 1 and all(p.is_replicate() for p in value.placements):
-            return value._local_tensor  # a replicated scalar, e.g. a clipping coefficient
+            return local_tensor(value)  # a replicated scalar, e.g. a clipping coefficient
         if value.numel() == 1 and any(isinstance(p, Partial) for p in value.placements):
             return value.full_tensor()
         raise _unsupported(func, spec, f"an operand is placed {tuple(value.placements)}")
@@ -222,7 +228,7 @@ def _elementwise(func: Any, args: tuple, kwargs: dict, spec: DTensorSpec) -> Any
 
     def local_of(value: Any) -> Any:
         local = _local(value, spec, func)
-        if isinstance(value, DTensor) and local is value._local_tensor:
+        if isinstance(value, DTensor) and local is local_tensor(value):
             inputs[id(local)] = value
         return local
 
@@ -238,7 +244,7 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
     """A foreach op: entry i of every tensor list must be placed like entry i of the
     first; entries without a RegionShard are ordinary DTensors and follow the same rule."""
     lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], DTensor)]
-    specs = [t._spec for t in lists[0]]
+    specs = [dtensor_spec(t) for t in lists[0]]
     inputs: dict[int, DTensor] = {}
 
     def local_list(arg: Any) -> Any:
@@ -247,7 +253,7 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
         out = []
         for value, spec in zip(arg, specs):
             local = _local(value, spec, func)
-            if isinstance(value, DTensor) and local is value._local_tensor:
+            if isinstance(value, DTensor) and local is local_tensor(value):
                 inputs[id(local)] = value
             out.append(local)
         return out
@@ -262,7 +268,7 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _norm_placements(spec: DTensorSpec, ord: float) -> tuple:
     """Each rank's norm is a partial norm over the dims that split the tensor."""
-    partial = Partial("max") if math.isinf(ord) else _NormPartial(ord)
+    partial = Partial("max") if math.isinf(ord) else NormPartial(ord)
     return tuple(partial if not p.is_replicate() else Replicate() for p in spec.placements)
 
 
@@ -270,13 +276,14 @@ def _local_norm(tensor: DTensor, ord: float, dtype: Any) -> DTensor:
     if not isinstance(tensor, RegionDTensor):  # torch's rules hold for its own placements
         return aten.linalg_vector_norm.default(tensor, ord, dtype=dtype)
     if not ord > 0:
-        raise _unsupported("linalg_vector_norm", tensor._spec, f"ord={ord} is not supported")
-    local = tensor._local_tensor
+        why = f"ord={ord} is not supported"
+        raise _unsupported("linalg_vector_norm", dtensor_spec(tensor), why)
+    local = local_tensor(tensor)
     if local.numel() == 0:  # a rank holding none of the tensor adds nothing
         norm = torch.zeros((), dtype=dtype or local.dtype, device=local.device)
     else:
         norm = aten.linalg_vector_norm.default(local, ord, dtype=dtype)
-    spec = tensor._spec
+    spec = dtensor_spec(tensor)
     meta = TensorMeta(torch.Size([]), (), norm.dtype)
     return DTensor(
         norm, DTensorSpec(spec.mesh, _norm_placements(spec, ord), tensor_meta=meta),
@@ -294,7 +301,7 @@ def _norm(func: Any, args: tuple, kwargs: dict) -> Any:
     dim = args[2] if len(args) > 2 else kwargs.get("dim")
     keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
     if dim is not None and sorted(d % tensor.ndim for d in dim) != list(range(tensor.ndim)):
-        raise _unsupported(func, tensor._spec, f"a norm over dims {dim}, not all of them")
+        raise _unsupported(func, dtensor_spec(tensor), f"a norm over dims {dim}, not all of them")
     if keepdim:
-        raise _unsupported(func, tensor._spec, "keepdim=True")
+        raise _unsupported(func, dtensor_spec(tensor), "keepdim=True")
     return _local_norm(tensor, ord, kwargs.get("dtype"))

@@ -13,10 +13,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate as TorchReplicate
 from torch.distributed.tensor import Shard as TorchShard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..placements import ParamLayout, Placement, Replicate, Shard
+from ..torch_internals import DTensorSpec, StridedShard, TensorMeta, concatenate_meshes
 from . import region_distribute
 from .region_placement import RegionShard
 from .tp_params import SpmdDims, spmd_dims
@@ -68,7 +67,7 @@ def _with_tp(
     """dp dims first, then tp's: the tp piece is cut first, then split over dp, so a dp
     ``Shard(d)`` over a tp ``Shard(d)`` is torch's ``_StridedShard`` (as in FSDP2)."""
     try:
-        joined = DeviceMesh._concatenate([mesh, tp_spec.mesh])
+        joined = concatenate_meshes([mesh, tp_spec.mesh])
     except (RuntimeError, TypeError, ValueError) as err:
         raise ValueError(
             "a tensor-parallel parameter needs its dp and tp meshes cut from one DeviceMesh "
@@ -81,7 +80,7 @@ def _with_tp(
             for tp, size in zip(tp_spec.placements, tp_spec.mesh.shape):
                 if isinstance(tp, TorchShard) and tp.dim == p.dim:
                     factor *= size
-            p = _StridedShard(p.dim, split_factor=factor) if factor > 1 else p
+            p = StridedShard(p.dim, split_factor=factor) if factor > 1 else p
         out.append(p)
     return joined, out + list(tp_spec.placements), tuple(tp_spec.shape)
 
@@ -100,9 +99,9 @@ def _on_spmd_mesh(
             factor = 1
             for j in range(spmd.shard + 1, spec.mesh.ndim):
                 p = out[j]
-                if isinstance(p, (TorchShard, _StridedShard)) and p.dim == dp.dim:
+                if isinstance(p, (TorchShard, StridedShard)) and p.dim == dp.dim:
                     factor *= spec.mesh.size(j)
-            dp = _StridedShard(dp.dim, split_factor=factor) if factor > 1 else dp
+            dp = StridedShard(dp.dim, split_factor=factor) if factor > 1 else dp
         out[spmd.shard] = dp
     if spmd.replicate is not None:
         out[spmd.replicate] = TorchReplicate()

@@ -11,8 +11,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ..torch_internals import (
+    DTensorSpec,
+    TensorMeta,
+    compute_local_shape_and_global_offset,
+    dtensor_spec,
+    local_tensor,
+)
 
 
 @dataclass(frozen=True)
@@ -52,12 +58,12 @@ def spmd_dims(spec: DTensorSpec | None) -> SpmdDims | None:
 
 def spec_of(param: torch.Tensor) -> DTensorSpec | None:
     """A DTensor parameter's spec (mesh, placements, global shape); None: plain."""
-    return param._spec if isinstance(param, DTensor) else None
+    return dtensor_spec(param) if isinstance(param, DTensor) else None
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """What flexshard shards and gathers: a DTensor's local tensor, else the tensor."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return local_tensor(tensor) if isinstance(tensor, DTensor) else tensor
 
 
 def check_tp_param(param: torch.Tensor, fqn: str, bucket: str) -> None:
@@ -99,7 +105,7 @@ def local_grad(grad: torch.Tensor | None, spec: DTensorSpec | None) -> torch.Ten
         target = tuple(came[i] if i in spmd.dp else p for i, p in enumerate(target))
     if tuple(grad.placements) != target:
         grad = grad.redistribute(spec.mesh, target)
-    return grad._local_tensor
+    return local_tensor(grad)
 
 
 def tp_sharded(spec: DTensorSpec | None) -> bool:

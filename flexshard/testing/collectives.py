@@ -38,6 +38,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from ..torch_internals import functional_collectives_module, process_groups, sequence_number
+
 #: public collectives of torch.distributed (those this torch version has are wrapped)
 C10D_COLLECTIVES = (
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_coalesced",
@@ -138,9 +140,9 @@ def _sequence_numbers() -> dict[str, int]:
     if not dist.is_initialized():
         return {}
     out = {}
-    for group in list(c10d._world.pg_map):
+    for group in process_groups():
         try:
-            out[group.group_name] = group._get_sequence_number_for_group()
+            out[group.group_name] = sequence_number(group)
         except (RuntimeError, AttributeError):  # a backend that does not count
             continue
     return out
@@ -179,7 +181,7 @@ def _wrap(name: str, fn: Callable) -> Callable:
 
 
 def _install() -> None:
-    import torch.distributed._functional_collectives as funcol
+    funcol = functional_collectives_module()
 
     wrappers: dict[int, Callable] = {}
     originals: dict[int, Callable] = {}

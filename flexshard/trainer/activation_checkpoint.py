@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -37,6 +36,7 @@ from torch.utils.checkpoint import (
 
 import flexshard as fs
 
+from ..torch_internals import disable_current_modes, functional_collective_ops
 from .config import ActivationCheckpointConfig
 from .model import MoE
 
@@ -66,7 +66,7 @@ SAVED_OPS = _ops(
         "_scaled_dot_product_cudnn_attention",
     ),
 ) | _ops(
-    torch.ops._c10d_functional,
+    functional_collective_ops(),
     ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"),
 )
 
@@ -108,7 +108,7 @@ def _gathering_inner_units(block: nn.Module, checkpoint_fn: Checkpoint) -> Check
 
         def body(*inputs: torch.Tensor) -> torch.Tensor:
             if calls[0]:  # the recompute, inside backward
-                with _disable_current_modes():
+                with disable_current_modes():
                     for unit in block.modules():
                         if unit is not block and isinstance(unit, (fs.FlexShardModule, FSDPModule)):
                             unit.unshard()

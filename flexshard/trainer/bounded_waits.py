@@ -30,6 +30,8 @@ from flexshard.runtime.collectives import (
     backend_failures_raise,
 )
 
+from ..torch_internals import gloo_timeout
+
 if TYPE_CHECKING:
     from .parallel import Meshes
 
@@ -74,7 +76,7 @@ def _timeout_of(groups: Mapping[str, dist.ProcessGroup | None]) -> datetime.time
     """The first gloo group's own timeout, for a message (None: not known)."""
     for group in groups.values():
         try:
-            return group._get_backend(torch.device("cpu")).options._timeout  # type: ignore[union-attr]
+            return gloo_timeout(group)  # type: ignore[arg-type]
         except (AttributeError, RuntimeError):
             continue
     return None

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..torch_internals import backend_group_options, clear_sharding_prop_cache
 from .attempt_store import attempt_store, uses_agent_store
 from .config import ConfigError, ParallelismConfig
 from .layout_checks import check_ep_ranks
@@ -188,11 +189,9 @@ def forget_earlier_meshes() -> None:
     dim names compare equal whatever their groups, so a cached op answers a new mesh's
     DTensors with specs on an earlier mesh: its ops would then run on the earlier
     job's groups (broken ones, after a failure). Cheap: the caches refill."""
-    try:  # torch 2.13: the C++ fast path's cache and Python's
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-    except ImportError:  # another torch: its caches stay (the earlier groups still work)
-        return
-    _clear_sharding_prop_cache()
+    # torch 2.13: the C++ fast path's cache and Python's; another torch without it keeps
+    # its caches (the earlier groups still work)
+    clear_sharding_prop_cache()
 
 
 def group_options(timeout_s: float) -> Any:
@@ -200,15 +199,7 @@ def group_options(timeout_s: float) -> Any:
     ``timeout_s``: gloo's (it reads only their timeout), NCCL's (read, not run: this
     machine has no GPU); None for another backend (the planner's fake one), whose
     groups keep their default."""
-    backend = dist.get_backend()
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-    elif backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
-    else:
-        return None
-    options._timeout = datetime.timedelta(seconds=timeout_s)
-    return options
+    return backend_group_options(dist.get_backend(), datetime.timedelta(seconds=timeout_s))
 
 
 def init_distributed(device: torch.device, timeout_s: float | None = None) -> None:

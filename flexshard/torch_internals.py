@@ -1,0 +1,379 @@
+"""Every private name of torch that flexshard uses, in one place, behind a version gate.
+
+This is the only flexshard module that reaches into torch's internals; every other
+module imports them from here. Each item says what flexshard uses it for and which
+public API would replace it if torch had one. ``tests/test_torch_internals.py`` holds one
+test per item that fails when torch renames it or changes the behaviour relied on, so a
+torch upgrade breaks there first, by name (docs/architecture.md, "torch internals").
+
+The version gate: written for torch :data:`TORCH_RANGE` (2.13.x). On another version
+importing this module warns once (it does not raise: most items usually survive a
+release, and the test file says which did not).
+
+The boundary, what goes through here:
+
+- private modules, functions, classes and attributes of torch (a leading underscore
+  anywhere in the path: ``torch.distributed.tensor._dtensor_spec``, ``DTensor._spec``,
+  ``DeviceMesh._concatenate``, ``ProcessGroup._get_backend``, ...);
+- reading torch's closures and stack frames;
+- process-global hooks and monkey patches of torch's modules.
+
+What stays where it is, judged a de-facto public API:
+
+- operator names: ``torch._foreach_*`` (the fused multi-tensor kernels torch.optim
+  and ``clip_grad_norm_`` are built on, in torch's docs) and ``aten._foreach_norm`` /
+  ``aten._to_copy`` (op overloads matched in ``__torch_dispatch__``; their schemas are
+  versioned by native_functions.yaml, not by Python names);
+- ``torch.Tensor._make_wrapper_subclass``, the documented way to build a wrapper
+  tensor subclass (torch's subclass docs, every DTensor-like subclass);
+- nn.Module's own state (``_parameters``, ``_forward_hooks``, ``_forward_pre_hooks``,
+  ``_apply``) and ``Tensor._version``: stable for many releases, what ``nn.utils``
+  parametrizations and torch's own composables read.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.autograd import Variable
+from torch.autograd import profiler as _autograd_profiler
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard as _torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "DOCS",
+    "STATE_KEY",
+    "TORCH_RANGE",
+    "DTensorSpec",
+    "NormPartial",
+    "StridedShard",
+    "TensorMeta",
+    "abort_cuda_backend",
+    "apply_to_tensors",
+    "backend_group_options",
+    "clear_sharding_prop_cache",
+    "compute_local_shape_and_global_offset",
+    "concatenate_meshes",
+    "consolidate_safetensors_files",
+    "consolidate_safetensors_files_on_every_rank",
+    "disable_current_modes",
+    "drop_cached_save_plans",
+    "dtensor_spec",
+    "dynamo_disable",
+    "full_state_dict_call",
+    "fully_shard_state_key",
+    "functional_collective_ops",
+    "functional_collectives_module",
+    "gloo_timeout",
+    "hf_file_name",
+    "init_optim_state",
+    "local_tensor",
+    "patch_full_state_dict_distribute",
+    "post_accumulate_grad_hooks",
+    "process_groups",
+    "profiler_enabled",
+    "queue_backward_callback",
+    "register_global_optimizer_step_post_hook",
+    "sequence_number",
+    "set_local_tensor",
+    "storage_id",
+    "tree_flatten",
+    "tree_map",
+    "tree_map_only",
+    "unsafe_preserve_version_counter",
+    "version_warning",
+]
+
+#: the torch versions (major, minor) these internals were checked against
+TORCH_RANGE: tuple[tuple[int, int], ...] = ((2, 13),)
+DOCS = "docs/architecture.md (torch internals)"
+
+
+def version_warning(version: str) -> str | None:
+    """The warning for torch ``version`` (None: inside :data:`TORCH_RANGE`)."""
+    try:
+        major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return f"flexshard.torch_internals cannot read torch version {version!r}; see {DOCS}"
+    if (major, minor) in TORCH_RANGE:
+        return None
+    written = ", ".join(f"{a}.{b}.x" for a, b in TORCH_RANGE)
+    return (
+        f"flexshard.torch_internals was written for torch {written}, this is torch {version}: "
+        f"the private torch names flexshard uses may have changed; run "
+        f"tests/test_torch_internals.py and see {DOCS}"
+    )
+
+
+_WARNING = version_warning(torch.__version__)
+if _WARNING is not None:  # once: a module body runs once per process
+    warnings.warn(_WARNING, RuntimeWarning, stacklevel=2)
+
+
+# ------------------------------------------------------------------ DTensor
+# A DTensor's metadata, built by hand for parameters and gradients flexshard makes
+# without a collective (DTensor(local, spec) skips from_local's checks and autograd).
+# Public replacement: none (DTensor.from_local builds one, at a cost and with checks).
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
+
+# the pending placement of a norm's partial result (region_dtensor's norms reduce
+# as torch's own do). Public replacement: none.
+from torch.distributed.tensor._ops._math_ops import _NormPartial as NormPartial  # noqa: E402
+
+# this rank's piece of a placed tensor (shape and offset) for box placements.
+# Public replacement: none (DTensor.__create_chunk_list__ covers a whole DTensor only).
+from torch.distributed.tensor._utils import (  # noqa: E402
+    compute_local_shape_and_global_offset,
+)
+
+# dp Shard(d) over tp Shard(d): the placement FSDP2 itself gives such a parameter.
+# Public replacement: none.
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: E402
+
+
+def local_tensor(tensor: DTensor) -> torch.Tensor:
+    """The local shard of ``tensor`` itself (``to_local()`` adds an autograd node and,
+    under compile, a copy). Public replacement: ``DTensor.to_local()`` without those."""
+    return tensor._local_tensor
+
+
+def set_local_tensor(tensor: DTensor, local: torch.Tensor) -> None:
+    """Point a sharded parameter at a view of its bucket's storage, in place (FSDP2 does
+    the same). Public replacement: none."""
+    tensor._local_tensor = local  # type: ignore[misc]
+
+
+def dtensor_spec(tensor: DTensor) -> DTensorSpec:
+    """Mesh, placements and global shape in one object. Public replacement:
+    ``tensor.device_mesh`` / ``.placements`` / ``.shape`` one by one."""
+    return tensor._spec
+
+
+def clear_sharding_prop_cache() -> None:
+    """Forget DTensor's cached sharding decisions (they hold the groups of a torn-down
+    mesh); a no-op on a torch without it. Public replacement: none."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:
+        return
+    _clear_sharding_prop_cache()
+
+
+# ------------------------------------------------------------------ DeviceMesh
+def concatenate_meshes(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
+    """One mesh of the dims of ``meshes``, all cut from one root mesh (dp + tp; the
+    (replicate, shard) mesh of ``dp_mesh_dims``). Public replacement: slicing the root
+    mesh by several names (``root["dp", "tp"]``) when the caller holds the root."""
+    return DeviceMesh._concatenate(list(meshes))
+
+
+# ------------------------------------------------------------------ FSDP2 / composable
+# the key under which composable APIs keep their per-module state in module.__dict__
+# (torch.distributed.pipelining finds FSDP2's state there). Public replacement: none.
+from torch.distributed._composable.contract import STATE_KEY  # noqa: E402
+
+# FSDP2's walk of a forward's args and outputs (dataclasses, namedtuples included), so
+# forward casts reach what FSDP2's reach. Public replacement: torch.utils pytree maps,
+# which skip dataclasses.
+from torch.distributed.utils import _apply_to_tensors as apply_to_tensors  # noqa: E402
+
+
+def fully_shard_state_key() -> Any:
+    """The key ``fully_shard.state(module)`` reads under ``module.__dict__[STATE_KEY]``:
+    ``contract`` keeps it in the closure of ``fully_shard.state``. flexshard registers
+    its own state there so torch.distributed.pipelining accepts a flexshard module.
+    Public replacement: a registration API for composable state."""
+    return _torch_fully_shard.state.__closure__[0].cell_contents  # type: ignore[union-attr]
+
+
+# ------------------------------------------------------------------ autograd
+# refilling a gathered buffer that autograd saved must not look like an in-place
+# change (FSDP2 does the same). Public replacement: none.
+unsafe_preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
+
+
+def profiler_enabled() -> bool:
+    """Whether a profiler records now: a span is made only then (it costs more than a
+    small bucket's copy). Public replacement: none (``torch.profiler`` has no query)."""
+    return _autograd_profiler._is_profiler_enabled
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass ends (FSDP2's end-of-backward
+    hook). Public replacement: none."""
+    Variable._execution_engine.queue_callback(callback)
+
+
+def post_accumulate_grad_hooks(tensor: torch.Tensor) -> dict[int, Callable] | None:
+    """The hooks ``register_post_accumulate_grad_hook`` added to ``tensor``, run by hand
+    after flexshard accumulates a gradient outside autograd. Public replacement: none."""
+    return getattr(tensor, "_post_accumulate_grad_hooks", None)
+
+
+def dynamo_disable(fn: Callable, reason: str) -> Callable:
+    """``fn`` kept out of dynamo, recursively. Imported at call time: torch._dynamo is
+    heavy, and fully_shard has loaded it by the time hooks are installed. Public
+    replacement: ``torch.compiler.disable`` (which forwards here, without ``reason``)."""
+    import torch._dynamo
+
+    return torch._dynamo.disable(fn, recursive=True, reason=reason)
+
+
+def storage_id(tensor: torch.Tensor) -> int:
+    """Which storage ``tensor`` views, stable while the storage is resized (its
+    data_ptr is not). Public replacement: none."""
+    return tensor.untyped_storage()._cdata
+
+
+# leave the active dispatch modes (fake, activation checkpoint) for the unshard an
+# activation-checkpoint recompute needs. Public replacement: none.
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: E402
+
+# pytree walks of a module's forward args and outputs. Public replacement:
+# torch.utils.pytree (not in 2.13's public namespace yet).
+from torch.utils._pytree import tree_flatten, tree_map, tree_map_only  # noqa: E402
+
+
+def functional_collective_ops() -> Any:
+    """The ``torch.ops._c10d_functional`` namespace (DTensor's collectives, saved by the
+    activation-checkpoint policy). Public replacement: none."""
+    return torch.ops._c10d_functional
+
+
+# ------------------------------------------------------------------ optimizer
+# counts optimizer steps process-wide, so a quantized bucket knows its payload is
+# stale after any step. Process-global: it sees every optimizer of the process.
+# Public replacement: per-optimizer ``register_step_post_hook`` on every optimizer.
+from torch.optim.optimizer import (  # noqa: E402
+    register_optimizer_step_post_hook as register_global_optimizer_step_post_hook,
+)
+
+#: torch's module and functions that call ``optimizer.state_dict()``
+_TORCH_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+_GET, _LOAD = "_get_optim_state_dict", "_load_optim_state_dict"
+
+
+def full_state_dict_call() -> Literal["get", "load"] | None:
+    """``"get"`` inside ``get_optimizer_state_dict(full_state_dict=True)``, ``"load"``
+    inside ``set_optimizer_state_dict(full_state_dict=True)``, else None: read from the
+    stack (torch's function names and its ``info`` local), as torch gives an optimizer
+    no other sign. Public replacement: an argument or context torch passes."""
+    frame = sys._getframe(1)
+    getter = None
+    while frame is not None:
+        if frame.f_globals.get("__name__") == _TORCH_STATE_DICT:
+            if frame.f_code.co_name == _LOAD:  # its only call of state_dict(): the full path
+                return "load"
+            if frame.f_code.co_name == _GET and getter is None:
+                getter = frame
+        frame = frame.f_back
+    if getter is not None and getattr(getter.f_locals.get("info"), "full_state_dict", False):
+        return "get"
+    return None
+
+
+# give an optimizer its lazily created state (zeros) before a load. Public
+# replacement: none (``optimizer.step()`` with zero grads, which changes parameters).
+from torch.distributed.checkpoint.state_dict import _init_optim_state as init_optim_state  # noqa: E402
+
+
+# ------------------------------------------------------------------ state dict / DCP
+def patch_full_state_dict_distribute(
+    before: Callable[[dict[str, Any], list[str]], None], distribute_tensor: Callable
+) -> None:
+    """Teach torch's full state-dict load (``_state_dict_utils._distribute_tensors``
+    and its ``distribute_tensor``) flexshard's placements: ``before`` handles the
+    entries it owns, then torch's code runs. Process-wide, in that module only;
+    idempotent. Public replacement: a placement hook in ``distribute_tensor``."""
+    from torch.distributed import _state_dict_utils as utils
+
+    if getattr(utils, "_flexshard_regions", False):
+        return
+    torch_distribute_tensors = utils._distribute_tensors
+
+    def distribute_tensors(local_state_dict, keys, device, pg=None):  # torch's signature
+        before(local_state_dict, keys)
+        return torch_distribute_tensors(local_state_dict, keys, device, pg)
+
+    utils._distribute_tensors = distribute_tensors
+    utils.distribute_tensor = distribute_tensor
+    utils._flexshard_regions = True  # type: ignore[attr-defined]
+
+
+# Hugging Face safetensors: merging the per-rank shards into model files, and torch's
+# file-name scheme for them. Public replacement: none (torch's writer's consolidation
+# runs on rank 0 only, with no per-rank variant).
+from torch.distributed.checkpoint._consolidate_hf_safetensors import (  # noqa: E402
+    consolidate_safetensors_files,
+    consolidate_safetensors_files_on_every_rank,
+)
+from torch.distributed.checkpoint._hf_utils import _gen_file_name as hf_file_name  # noqa: E402
+
+
+def drop_cached_save_plans(key: str) -> None:
+    """Free the plans ``DefaultSavePlanner(enable_plan_caching=True)`` keeps per key in
+    class-level dicts (they outlive the saver otherwise). Public replacement: none."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for cache in (
+        SavePlanner._cached_save_plan,
+        SavePlanner._cached_all_plans,
+        SavePlanner._cached_global_plan,
+        SavePlanner._cached_metadata,
+        SavePlanner._cached_final_save_plan,
+    ):
+        cache.pop(key, None)
+
+
+# ------------------------------------------------------------------ process groups
+def abort_cuda_backend(group: dist.ProcessGroup) -> None:
+    """Abort ``group``'s NCCL backend (after a timeout). Public replacement:
+    ``dist.abort_process_group`` aborts every backend of the group."""
+    group._get_backend(torch.device("cuda")).abort()  # type: ignore[attr-defined]
+
+
+def gloo_timeout(group: dist.ProcessGroup) -> Any:
+    """A gloo group's own timeout (a ``timedelta``), for messages. Raises
+    AttributeError/RuntimeError when the group has no gloo backend. Public replacement:
+    none (``dist.distributed_c10d._get_pg_default_device`` et al. say nothing of it)."""
+    return group._get_backend(torch.device("cpu")).options._timeout  # type: ignore[attr-defined]
+
+
+def backend_group_options(backend: str, timeout: Any) -> Any:
+    """Options of a new ``backend`` group ("gloo" or "nccl") whose collectives time
+    out after ``timeout`` (a ``timedelta``); None for another backend. Public
+    replacement: ``timeout=`` of ``new_group`` (per call, not as options)."""
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    elif backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
+    else:
+        return None
+    options._timeout = timeout
+    return options
+
+
+# ------------------------------------------------------------------ testing
+def process_groups() -> list[dist.ProcessGroup]:
+    """Every process group of this process. Public replacement: none."""
+    return list(c10d._world.pg_map)
+
+
+def sequence_number(group: dist.ProcessGroup) -> int:
+    """How many collectives ``group`` has issued. Public replacement: none."""
+    return group._get_sequence_number_for_group()
+
+
+def functional_collectives_module() -> Any:
+    """``torch.distributed._functional_collectives``, what DTensor's redistribution
+    calls (the collective log wraps its functions). Public replacement: none."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol

@@ -1,0 +1,343 @@
+"""One test per torch internal of flexshard.torch_internals: each fails when torch
+renames the name or changes the behaviour flexshard relies on (docs/architecture.md,
+"torch internals"). CPU only; worlds are torch's fake backend or one gloo rank."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import datetime
+import inspect
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint import state_dict as dcp_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import flexshard.torch_internals as ti
+from flexshard.plan.world import fake_world
+from flexshard.testing.collectives import FUNCTIONAL_COLLECTIVES
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed")
+
+
+@contextlib.contextmanager
+def gloo_world(timeout: datetime.timedelta) -> Iterator[dist.ProcessGroup]:
+    """This process alone, on gloo, with ``timeout``."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    try:
+        yield dist.group.WORLD  # type: ignore[misc]
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ version gate
+def test_version_gate() -> None:
+    assert ti.version_warning("2.13.0+cpu") is None
+    assert ti.version_warning("2.13.1") is None
+    message = ti.version_warning("2.14.0")
+    assert message is not None and "flexshard.torch_internals" in message
+    assert "docs/architecture.md" in message and "2.14.0" in message
+    assert ti._WARNING == ti.version_warning(torch.__version__)
+
+
+# ------------------------------------------------------------------ DTensor
+def test_dtensor_spec_local_tensor_and_set_local_tensor() -> None:
+    with fake_world(4, rank=1):
+        mesh = init_device_mesh("cpu", (4,))
+        meta = ti.TensorMeta(torch.Size((8, 3)), (3, 1), torch.float32)
+        spec = ti.DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
+        local = torch.arange(6.0).view(2, 3)
+        dt = DTensor(local, spec, requires_grad=False)  # what region_dtensor.wrap builds
+        assert ti.dtensor_spec(dt) is spec and ti.local_tensor(dt) is local
+        assert dt.shape == (8, 3) and dt.placements == (Shard(0),)
+        view = torch.zeros(6).view(2, 3)
+        ti.set_local_tensor(dt, view)
+        assert ti.local_tensor(dt) is view and dt.to_local().data_ptr() == view.data_ptr()
+
+
+def test_compute_local_shape_and_global_offset() -> None:
+    with fake_world(4, rank=1):
+        mesh = init_device_mesh("cpu", (4,))
+        shape, offset = ti.compute_local_shape_and_global_offset((8, 3), mesh, (Shard(0),))
+        assert tuple(shape) == (2, 3) and tuple(offset) == (2, 0)
+
+
+def test_strided_shard() -> None:
+    p = ti.StridedShard(0, split_factor=2)
+    assert isinstance(p, Placement) and p.dim == 0 and p.split_factor == 2
+    assert p == ti.StridedShard(0, split_factor=2) and p != Shard(0)
+
+
+def test_norm_partial() -> None:
+    p = ti.NormPartial(2.0)
+    assert p.is_partial() and p.norm_type == 2.0
+    assert ti.NormPartial(2.0) == p
+
+
+def test_clear_sharding_prop_cache() -> None:
+    from torch.distributed.tensor import debug
+
+    assert callable(debug._clear_sharding_prop_cache)
+    ti.clear_sharding_prop_cache()
+
+
+# ------------------------------------------------------------------ DeviceMesh
+def test_concatenate_meshes() -> None:
+    with fake_world(4, rank=3):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        joined = ti.concatenate_meshes([mesh["dp"], mesh["tp"]])
+        assert joined.mesh_dim_names == ("dp", "tp") and tuple(joined.shape) == (2, 2)
+        assert joined.mesh.tolist() == [[0, 1], [2, 3]] and list(joined.get_coordinate()) == [1, 1]
+
+
+# ------------------------------------------------------------------ FSDP2 / composable
+def test_fully_shard_state_key() -> None:
+    module = nn.Linear(2, 2)
+    sentinel = object()
+    # where runtime/module.py registers flexshard's state for torch.distributed.pipelining
+    module.__dict__.setdefault(ti.STATE_KEY, {})[ti.fully_shard_state_key()] = sentinel
+    assert fully_shard.state(module) is sentinel
+
+
+def test_apply_to_tensors_reaches_dataclasses() -> None:
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        n: int
+
+    out = ti.apply_to_tensors(lambda t: t * 2, {"a": [torch.ones(1)], "b": Batch(torch.ones(1), 3)})
+    assert out["a"][0].item() == 2 and out["b"].x.item() == 2 and out["b"].n == 3
+
+
+# ------------------------------------------------------------------ autograd
+def test_unsafe_preserve_version_counter() -> None:
+    t = torch.zeros(3)
+    version = t._version
+    with ti.unsafe_preserve_version_counter(t):
+        t.add_(1)
+    assert t._version == version and t.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_profiler_enabled() -> None:
+    assert not ti.profiler_enabled()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert ti.profiler_enabled()
+    assert not ti.profiler_enabled()
+
+
+def test_queue_backward_callback_runs_after_backward() -> None:
+    x = torch.ones(2, requires_grad=True)
+    seen: list[torch.Tensor | None] = []
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        ti.queue_backward_callback(lambda: seen.append(x.grad))
+        return grad
+
+    y = x * 3
+    y.register_hook(hook)
+    y.sum().backward()
+    assert len(seen) == 1 and seen[0] is not None and seen[0].tolist() == [3.0, 3.0]
+
+
+def test_post_accumulate_grad_hooks() -> None:
+    p = torch.zeros(2, requires_grad=True)
+    assert not ti.post_accumulate_grad_hooks(p)
+    calls: list[torch.Tensor] = []
+    p.register_post_accumulate_grad_hook(calls.append)
+    hooks = ti.post_accumulate_grad_hooks(p)
+    assert hooks is not None and len(hooks) == 1
+    for hook in hooks.values():  # as reduce.py runs them
+        hook(p)
+    assert calls == [p]
+
+
+def test_dynamo_disable() -> None:
+    import torch._dynamo
+
+    params = inspect.signature(torch._dynamo.disable).parameters
+    assert "recursive" in params and "reason" in params
+    wrapped = ti.dynamo_disable(lambda v: v + 1, reason="test")
+    assert wrapped(1) == 2
+
+
+def test_storage_id() -> None:
+    base = torch.zeros(8)
+    other = torch.zeros(8)
+    sid = ti.storage_id(base)
+    assert ti.storage_id(base[2:]) == sid and ti.storage_id(other) != sid
+    base.untyped_storage().resize_(0)  # a freed bucket buffer keeps its identity
+    assert ti.storage_id(base) == sid
+
+
+def test_pytree() -> None:
+    leaves, spec = ti.tree_flatten(((torch.ones(1), 2), {"k": torch.zeros(1)}))
+    assert len(leaves) == 3 and spec.num_leaves == 3
+    doubled = ti.tree_map(lambda v: v * 2, [1, (2,)])
+    assert doubled == [2, (4,)]
+    only = ti.tree_map_only(torch.Tensor, lambda t: t + 1, [torch.zeros(1), "s"])
+    assert only[0].item() == 1 and only[1] == "s"
+
+
+def test_disable_current_modes() -> None:
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        torch.ones(1) + 1
+        before = Count.calls
+        with ti.disable_current_modes():
+            torch.ones(1) + 1
+        assert Count.calls == before
+    assert before > 0
+
+
+def test_functional_collective_ops() -> None:
+    ops = ti.functional_collective_ops()
+    for name in (
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "all_reduce",
+        "all_to_all_single",
+    ):
+        assert isinstance(getattr(ops, name).default, torch._ops.OpOverload)
+
+
+# ------------------------------------------------------------------ optimizer
+def test_global_optimizer_step_post_hook() -> None:
+    count = [0]
+    handle = ti.register_global_optimizer_step_post_hook(
+        lambda *_: count.__setitem__(0, count[0] + 1)
+    )
+    try:
+        p = nn.Parameter(torch.ones(1))
+        p.grad = torch.ones(1)
+        torch.optim.SGD([p], lr=0.1).step()
+        torch.optim.Adam([p]).step()  # every optimizer of the process
+    finally:
+        handle.remove()
+    assert count[0] == 2
+
+
+class _Recording(torch.optim.SGD):
+    calls: list[str | None] = []
+
+    def state_dict(self):  # type: ignore[override]
+        _Recording.calls.append(ti.full_state_dict_call())
+        return super().state_dict()
+
+
+def test_full_state_dict_call() -> None:
+    params = inspect.signature(dcp_state_dict._get_optim_state_dict).parameters
+    assert "info" in params and callable(dcp_state_dict._load_optim_state_dict)
+    with gloo_world(datetime.timedelta(seconds=30)):
+        model = nn.Linear(2, 2)
+        opt = _Recording(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()  # state to gather (torch's full path needs a tensor in it)
+        _Recording.calls.clear()
+        assert ti.full_state_dict_call() is None
+        dcp_state_dict.get_optimizer_state_dict(model, opt)
+        full = dcp_state_dict.StateDictOptions(full_state_dict=True)
+        saved = dcp_state_dict.get_optimizer_state_dict(model, opt, options=full)
+        assert _Recording.calls == [None, "get"]
+        _Recording.calls.clear()
+        dcp_state_dict.set_optimizer_state_dict(model, opt, saved, options=full)
+        assert "load" in _Recording.calls
+
+
+def test_init_optim_state() -> None:
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.Adam([p])
+    ti.init_optim_state(opt)
+    assert set(opt.state[p]) >= {"exp_avg", "exp_avg_sq"} and p.tolist() == [1.0, 1.0]
+
+
+# ------------------------------------------------------------------ state dict / DCP
+def test_distribute_tensors_signature() -> None:
+    from torch.distributed import _state_dict_utils as utils
+
+    # read the source: the live function may already be flexshard's wrapper
+    tree = ast.parse(inspect.getsource(utils))
+    fn = next(
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_distribute_tensors"
+    )
+    assert [a.arg for a in fn.args.args] == ["local_state_dict", "keys", "device", "pg"]
+    # the other name it replaces: _distribute_state_dict (broadcast_from_rank0=False)
+    # cuts each whole tensor with the module-level distribute_tensor
+    other = next(
+        n
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef) and n.name == "_distribute_state_dict"
+    )
+    called = {
+        n.func.id
+        for n in ast.walk(other)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+    }
+    assert "distribute_tensor" in called and callable(utils.distribute_tensor)
+
+
+def test_hf_safetensors_helpers() -> None:
+    assert ti.hf_file_name(1, 3) == "model-00001-of-00003.safetensors"
+    assert ti.hf_file_name(2, 3, 4).startswith("shard-00004-model-00002-of-00003")
+    every = inspect.signature(ti.consolidate_safetensors_files_on_every_rank).parameters
+    assert list(every)[:5] == [
+        "input_dir", "output_dir", "fqn_to_index_mapping", "num_threads", "process_group",
+    ]  # fmt: skip
+    assert list(inspect.signature(ti.consolidate_safetensors_files).parameters)[:3] == [
+        "input_dir", "output_dir", "fqn_to_index_mapping",
+    ]  # fmt: skip
+
+
+def test_drop_cached_save_plans() -> None:
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    names = ("save_plan", "all_plans", "global_plan", "metadata", "final_save_plan")
+    caches = [getattr(SavePlanner, f"_cached_{n}") for n in names]
+    for cache in caches:
+        cache["flexshard-test"] = object()
+    ti.drop_cached_save_plans("flexshard-test")
+    assert all("flexshard-test" not in cache for cache in caches)
+
+
+# ------------------------------------------------------------------ process groups
+def test_gloo_timeout_and_group_options() -> None:
+    seconds = datetime.timedelta(seconds=77)
+    with gloo_world(seconds) as world:
+        assert ti.gloo_timeout(world) == seconds
+        assert ti.backend_group_options("fake", seconds) is None
+        five = datetime.timedelta(seconds=5)
+        options = ti.backend_group_options("gloo", five)
+        assert isinstance(options, dist.ProcessGroupGloo._Options) and options._timeout == five
+        # as the trainer passes them: one (backend, options) per mesh dim
+        mesh = init_device_mesh("cpu", (1,), backend_override={0: (None, options)})
+        assert ti.gloo_timeout(mesh.get_group()) == five
+        backend = world._get_backend(torch.device("cpu"))
+        assert callable(backend.abort)  # what abort_cuda_backend calls on NCCL's
+
+
+def test_process_groups_and_sequence_number() -> None:
+    with gloo_world(datetime.timedelta(seconds=30)) as world:
+        assert world in ti.process_groups()
+        before = ti.sequence_number(world)
+        dist.all_reduce(torch.ones(1))
+        assert ti.sequence_number(world) == before + 1
+
+
+def test_functional_collectives_module() -> None:
+    funcol = ti.functional_collectives_module()
+    assert funcol.__name__ == "torch.distributed._functional_collectives"
+    missing = [n for n in FUNCTIONAL_COLLECTIVES if not callable(getattr(funcol, n, None))]
+    assert not missing
