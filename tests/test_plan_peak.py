@@ -33,3 +33,28 @@ def test_the_loss_keeps_two_fp32_logits_sized_buffers() -> None:
     assert t.head_rest >= 2 * fp32_logits
     # and below four: bf16 logits (half of one), fp32 copy, log-softmax, gradients
     assert t.head_rest < 4 * fp32_logits
+
+
+def test_async_checkpoint_staging_is_host_memory() -> None:
+    """``async_mode`` stages a CPU copy of the rank's parameters and optimizer state:
+    its own line, not part of the device peak; none without checkpoints or async."""
+    from flexshard.plan.hardware import H100
+    from flexshard.plan.report import make_plan
+    from flexshard.trainer.config import load_config
+
+    def memory(*overrides: str) -> dict:
+        cfg = load_config("configs/debug.toml", list(overrides))
+        return make_plan(cfg, 8, H100, None, ("flexshard",))["backends"]["flexshard"]["memory"]
+
+    plain = memory()
+    disabled = memory("--checkpoint.enable", "true")
+    staged = memory("--checkpoint.enable", "true", "--checkpoint.async_mode", "async")
+    not_saving = memory("--checkpoint.async_mode", "async")  # enable = false: no saves
+    assert plain["staging_host"] == disabled["staging_host"] == not_saving["staging_host"] == 0
+    # fp32 parameters + AdamW's two fp32 moments: 12 bytes per parameter of this rank's
+    # eighth of the model (the busiest rank holds at most a few rows more)
+    from flexshard.trainer.model import count_params
+
+    per_rank = count_params(load_config("configs/debug.toml", []).model)[0] / 8
+    assert 12 * per_rank <= staged["staging_host"] <= 1.05 * 12 * per_rank
+    assert staged["total"] == plain["total"]  # host memory: the device peak is unchanged

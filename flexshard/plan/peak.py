@@ -112,7 +112,9 @@ def step_moments(
     # end of backward (the embedding's backward comes last); its gradients too
     first_back = units[-1].gathered_bytes if units and root_prefetches else 0
     head = root_gathered + still + first_back + max(root_grads, kept_grads)
-    out.append(Moment("loss and LM head", head, 0, held + act.head(n_blocks)))
+    if any(p.fqn.endswith("output.weight") for b in root for p in b.layout.params):
+        out.append(Moment("loss and LM head", head, 0, held + act.head(n_blocks)))
+    # (a pipeline stage without the LM head has no loss: its backward starts at once)
     back = list(reversed(range(len(units))))
     for i, k in enumerate(back):
         b = units[k]
