@@ -58,3 +58,17 @@ def test_async_checkpoint_staging_is_host_memory() -> None:
     per_rank = count_params(load_config("configs/debug.toml", []).model)[0] / 8
     assert 12 * per_rank <= staged["staging_host"] <= 1.05 * 12 * per_rank
     assert staged["total"] == plain["total"]  # host memory: the device peak is unchanged
+
+
+def test_the_timeline_follows_activation_checkpointing() -> None:
+    """Measured with the trainer's apply_ac: a fully recomputed block keeps its input
+    alone; its recompute brings the block's activations back during its backward."""
+    model = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256)
+    batch, seq = 4, 64
+    plain, full, op = (
+        measure_timeline(model, batch, seq, torch.float32, ac) for ac in ("none", "full", "op")
+    )
+    assert full.per_block == batch * seq * model.dim * 4  # the block's input
+    assert full.per_block < op.per_block < plain.per_block
+    assert full.backward_rest > plain.backward_rest
+    assert full.head_rest == plain.head_rest == op.head_rest  # the loss is not checkpointed
