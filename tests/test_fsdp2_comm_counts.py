@@ -18,6 +18,8 @@ import flexshard as fs
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 from flexshard.testing.collectives import record_collectives
 
+from .reference import sharded_training
+
 CFG = TransformerConfig(layers=3)
 STEPS = 3
 
@@ -33,19 +35,8 @@ def _build(shard: Callable, mesh, reshard: bool | int | None) -> TinyTransformer
 
 def _train(model: TinyTransformer, rank: int, world: int, micro: int) -> list[float]:
     """``STEPS`` steps of ``micro`` micro-batches, all but the last without gradient sync."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batches = make_batches(CFG, STEPS * micro * world, batch=2, seed=3)
-    losses = []
-    for step in range(STEPS):
-        for m in range(micro):
-            model.set_requires_gradient_sync(m == micro - 1)
-            tokens, targets = batches[(step * micro + m) * world + rank]
-            loss = model.loss(tokens, targets)
-            loss.backward()
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return sharded_training(model, rank, world, batches, STEPS, micro)
 
 
 def _counts(rank: int, world: int, reshard: bool | int | None, micro: int, agree: bool) -> dict:

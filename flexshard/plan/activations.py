@@ -46,22 +46,29 @@ def dense_equivalent(model: ModelConfig) -> ModelConfig:
     return out
 
 
+def fake_model(model: ModelConfig, layers: int, dtype: torch.dtype, ac: str) -> Transformer:
+    """A ``layers``-block copy of ``model`` built in ``dtype`` with every block
+    checkpointed as ``ac`` says ("none", "full" or "op"); call it under FakeTensorMode."""
+    cfg = copy.deepcopy(model)
+    cfg.n_layers = layers
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        net = Transformer(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    mode = {"none": "none", "full": "full", "op": "selective"}[ac]
+    apply_ac(net, ActivationCheckpointConfig(mode=mode, selective_ac_option="op"))
+    return net
+
+
 def _measure(
     model: ModelConfig, layers: int, batch: int, seq: int, dtype: torch.dtype, ac: str
 ) -> dict:
     """``ac``: "none", "full" or "op" (every block checkpointed that way)."""
-    cfg = copy.deepcopy(model)
-    cfg.n_layers = layers
-    previous = torch.get_default_dtype()
     with FakeTensorMode():
-        torch.set_default_dtype(dtype)
-        try:
-            net = Transformer(cfg)
-        finally:
-            torch.set_default_dtype(previous)
-        mode = {"none": "none", "full": "full", "op": "selective"}[ac]
-        apply_ac(net, ActivationCheckpointConfig(mode=mode, selective_ac_option="op"))
-        tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
+        net = fake_model(model, layers, dtype, ac)
+        tokens = torch.randint(0, model.vocab_size, (batch, seq))
         tracker = MemTracker()
         tracker.track_external(net)
         with tracker:

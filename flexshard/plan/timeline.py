@@ -17,7 +17,6 @@ every further block below the one running (see :func:`activation_moments`).
 
 from __future__ import annotations
 
-import copy
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache, partial
@@ -29,9 +28,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from flexshard.trainer.activation_checkpoint import apply_ac
-from flexshard.trainer.config import ActivationCheckpointConfig, ModelConfig
-from flexshard.trainer.model import Transformer
+from flexshard.trainer.config import ModelConfig
+from flexshard.trainer.loss import loss_fn  # the trainer's loss, as it runs it
+
+from .activations import fake_model
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -117,20 +117,9 @@ def measure_timeline(
     model: ModelConfig, batch: int, seq: int, dtype: torch.dtype, ac: str = "none"
 ) -> ActivationTimeline:
     """``ac``: "none", "full" or "op" (each block checkpointed that way)."""
-    from flexshard.trainer.train import loss_fn  # the trainer's loss, as it runs it
-
-    cfg = copy.deepcopy(model)
-    cfg.n_layers = 2
-    previous = torch.get_default_dtype()
     with FakeTensorMode():
-        torch.set_default_dtype(dtype)
-        try:
-            net = Transformer(cfg)
-        finally:
-            torch.set_default_dtype(previous)
-        mode = {"none": "none", "full": "full", "op": "selective"}[ac]
-        apply_ac(net, ActivationCheckpointConfig(mode=mode, selective_ac_option="op"))
-        tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
+        net = fake_model(model, 2, dtype, ac)
+        tokens = torch.randint(0, model.vocab_size, (batch, seq))
         for p in net.parameters():  # reduced by the runtime as it lands (counted apart)
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
         live = _LiveBytes()
