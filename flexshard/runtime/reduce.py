@@ -143,10 +143,10 @@ class GradReduction:
         # after the ranks agreed (settle): the same parameters hold a gradient everywhere
         self._accumulated_due = replicas and self.requires_all_reduce and self._skipped_all_reduce
         self._skipped_all_reduce = replicas and not self.requires_all_reduce
-        if self.used_here is not None and not self.agree_on_unused:
-            self._settle_here(local_params, specs)
         if self.used_here is None:  # no agreement to wait for: every gradient landed
             self.settle({}, local_params, specs)
+        elif not self.agree_on_unused:  # this rank decides alone (fully_shard's default)
+            self._settle_here(local_params, specs)
 
     def _settle_here(
         self, local_params: Sequence[nn.Parameter], specs: Sequence[DTensorSpec]
