@@ -7,7 +7,7 @@
 Each mode builds the trainer's own job (``setup``), runs 2 warm-up steps, times
 ``--steps`` steps (median; every mode twice, the second pass in reverse order, the
 lower median kept), then one more step under ``LiveTensors`` (every CPU
-tensor storage alive, benchmarks/live_memory.py): the peak above what was alive
+tensor storage alive, flexshard/testing/live_memory.py): the peak above what was alive
 before the step (parameters, optimizer state), with the bytes alive at the peak that
 forward allocated (the activations). The modes run one after another in one launch;
 the losses of each step are checked equal to the plain run's (bit for bit).
@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from flexshard.testing import run_distributed
+from flexshard.testing.live_memory import MB, LiveTensors
 from flexshard.trainer.config import config_from_dict
 from flexshard.trainer.train import loss_fn, setup, train_step
 
-from .live_memory import MB, LiveTensors
 from .output import write_results
 
 RESULTS = Path(__file__).parent / "results"

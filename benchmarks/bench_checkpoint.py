@@ -31,12 +31,12 @@ import torch
 
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import record_collectives
+from flexshard.testing.stats import alternating, cell, summary, verdict_cell
 from flexshard.trainer import checkpointing, train
 from flexshard.trainer.config import config_from_dict
 from flexshard.trainer.model import count_params
 
 from .output import write_results
-from .stats import alternating, cell, summary, verdict_cell
 
 RESULTS = Path(__file__).parent / "results"
 MODES = ("disabled", "async", "async_with_pinned_mem")
@@ -194,7 +194,7 @@ def _median_of(runs: list[dict[str, Any]], key: str) -> float:
 def summarise(results: list[dict[str, list]], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Per mode, over every rank's saves and steps; per repetition, async's blocking
     median over sync's and the median step during a write over one without (the same
-    run), judged against the targets (benchmarks/stats.py)."""
+    run), judged against the targets (flexshard/testing/stats.py)."""
     rows = []
     runs = {m: [r[m][rep] for rep in range(args.reps) for r in results] for m in MODES}
     for mode in MODES:

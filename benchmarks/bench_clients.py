@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from benchmarks.output import write_results
-from benchmarks.stats import alternating, cell, paired_ratios, spread, summary
 from flexshard.testing import run_distributed
+from flexshard.testing.stats import alternating, cell, paired_ratios, spread, summary
 
 LIBRARIES = ("fsdp2", "flexshard")
 RESULTS = Path(__file__).parent / "results"

@@ -7,7 +7,7 @@ side by side on one model, one data stream and one world size.
 
 Every side runs in every repetition, the order reversed on every other one; each
 flexshard row's ratio to FSDP2 (same mode) is the median over repetitions of that
-repetition's ratio, with its spread (benchmarks/stats.py). Inductor's caches are off,
+repetition's ratio, with its spread (flexshard/testing/stats.py). Inductor's caches are off,
 so every repetition compiles cold: the first step's time is the compile time's.
 """
 
@@ -31,9 +31,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import flexshard as fs
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
+from flexshard.testing.stats import RULE, alternating, cell, paired_ratios, range_cell, summary
 
 from .output import write_results
-from .stats import RULE, alternating, cell, paired_ratios, range_cell, summary
 
 RESULTS = Path(__file__).parent / "results"
 IMPLS = ("fsdp2", "flexshard")

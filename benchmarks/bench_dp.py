@@ -7,7 +7,7 @@ side on one model, one data stream and one world size per process group.
 Every configuration runs ``--reps`` times (5 by default), the order of the
 configurations (FSDP2 in the middle) reversed on every other repetition; each row's
 ratio to FSDP2 is the median over repetitions of that repetition's ratio, with its
-spread and a verdict against issue 11's targets (benchmarks/stats.py).
+spread and a verdict against issue 11's targets (flexshard/testing/stats.py).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from flexshard.testing import TransformerConfig, run_distributed
+from flexshard.testing.stats import paired_ratios, summary
 
 from .dp_rank import BenchOptions, config_names, run_rank
 from .output import write_results
 from .report import markdown
-from .stats import paired_ratios, summary
 
 RESULTS = Path(__file__).parent / "results"
 MB = 2**20

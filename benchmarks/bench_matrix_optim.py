@@ -12,7 +12,7 @@ SOAP, four ways, on the same matrices and gradients:
 ``optimizer.step()`` alone is timed (wall, slowest rank, median over steps), with the
 collectives it issued and the bytes it put on the wire. Each variant runs ``--reps``
 times (5 by default), the order alternating; ratios to (a) per repetition, then median and spread
-(benchmarks/stats.py). All end with the same parameters (checked by digest).
+(flexshard/testing/stats.py). All end with the same parameters (checked by digest).
 
     .venv/bin/python -m benchmarks.bench_matrix_optim [--world-sizes 2 4] [--reps 5]
 
@@ -41,8 +41,7 @@ from flexshard.runtime.bucket import slot_of
 from flexshard.runtime.region_dtensor import wrap
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import record_collectives
-
-from .stats import RULE, alternating, cell, paired_ratios, range_cell, summary
+from flexshard.testing.stats import RULE, alternating, cell, paired_ratios, range_cell, summary
 
 RESULTS = Path(__file__).parent / "results"
 MB = 2**20

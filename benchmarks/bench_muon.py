@@ -7,7 +7,7 @@ Two rows per variant: ``opt`` times ``optimizer.step()`` alone on gradients draw
 for every variant; ``whole`` times forward + backward + ``optimizer.step()``, so that
 the all-gathers and reduce-scatters of each storage layout count too. Each variant
 runs ``--reps`` times (5 by default), the order reversed on every other repetition;
-ratios to (a) are per repetition, then the median with its spread (benchmarks/stats.py).
+ratios to (a) are per repetition, then the median with its spread (flexshard/testing/stats.py).
 
     .venv/bin/python -m benchmarks.bench_muon [--world-sizes 2 4] [--steps 5] [--reps 5]
 
@@ -28,9 +28,9 @@ import torch
 
 from flexshard.optim import muon_balance
 from flexshard.testing import run_distributed
+from flexshard.testing.stats import RULE, cell, paired_ratios, range_cell, summary, verdict_cell
 
 from .muon_rank import BATCH, BUCKETS, DIM, MODES, VARIANTS, MatrixBank, rank_main, shapes
-from .stats import RULE, cell, paired_ratios, range_cell, summary, verdict_cell
 
 RESULTS = Path(__file__).parent / "results"
 MB = 2**20

@@ -10,8 +10,9 @@ Per repetition each library runs ``--steps`` training steps (forward, backward, 
 ``fully_shard`` call (one bucket), as FSDP2 users wrap transformer blocks. CPU time is
 the rank process's (``time.process_time``: every thread, gloo's included), wall time the
 step's; ratios are flexshard over FSDP2 per repetition, summarised as median [IQR]
-(benchmarks/stats.py). Peak live-tensor bytes of one more step (benchmarks/live_memory.py)
-above what was alive before it. Results: benchmarks/results/overhead_bench.{md,json}.
+(flexshard/testing/stats.py). Peak live-tensor bytes of one more step
+(flexshard/testing/live_memory.py) above what was alive before it.
+Results: benchmarks/results/overhead_bench.{md,json}.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import flexshard
 from flexshard.testing import run_distributed
+from flexshard.testing.live_memory import MB, LiveTensors
+from flexshard.testing.stats import alternating, cell, paired_ratios, spread, summary, verdict_cell
 
-from .live_memory import MB, LiveTensors
 from .output import write_results
-from .stats import alternating, cell, paired_ratios, spread, summary, verdict_cell
 
 RESULTS = Path(__file__).parent / "results"
 LIBRARIES = {"fsdp2": torch_fsdp.fully_shard, "flexshard": flexshard.fully_shard}

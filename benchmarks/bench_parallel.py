@@ -14,7 +14,7 @@ Per world size, all layouts and both backends run inside the same processes, sam
 model, data and seed; only ``parallelism.dp_backend`` differs. Per layout the two
 backends run ``--reps`` times (5 by default), their order flipped every repetition;
 the ratio is flexshard's step time over FSDP2's per repetition, then the median with
-its spread and a verdict (benchmarks/stats.py).
+its spread and a verdict (flexshard/testing/stats.py).
 ``--only NAME`` (repeatable) picks layouts, or with ``--variants`` / ``--muon`` their
 comparisons / layouts.
 Results: benchmarks/results/parallel_bench.{json,md,png}; ``--variants`` (see
@@ -38,12 +38,12 @@ from typing import Any
 import torch
 
 from flexshard.testing import run_distributed
+from flexshard.testing.stats import RULE, alternating, cell, range_cell, spread, verdict_cell
 
 from .bench_trainer import compare, measured_run, per_rep, timed_row, trainer_table
 from .output import write_results
 from .parallel_muon import MUON_LAYOUTS, muon_markdown, muon_rank, summarise_muon
 from .parallel_variants import VARIANTS, summarise_variants, variant_rank, variants_markdown
-from .stats import RULE, alternating, cell, range_cell, spread, verdict_cell
 
 RESULTS = Path(__file__).parent / "results"
 BACKENDS = ("flexshard", "fsdp2")

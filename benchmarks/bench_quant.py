@@ -12,7 +12,7 @@ The quantized rows compile their codec (``flexshard.quant.compiled``, "auto"); t
 
 Every configuration runs ``--reps`` times (5 by default), the order reversed on every
 other repetition; the time ratios to FSDP2 bf16 and to flex bf16 (the quantized rows'
-target: <= 1.00) are per repetition, then the median with its spread (benchmarks/stats.py).
+target: <= 1.00) are per repetition, then the median with its spread (flexshard/testing/stats.py).
 ``--configs`` runs a subset (flex bf16 is always added: every ratio needs it).
 
 Writes benchmarks/results/quant_bench.{json,md} (or into ``--out``).
@@ -44,10 +44,8 @@ from flexshard.runtime.gather import PlainGather
 from flexshard.runtime.module import own_buckets
 from flexshard.runtime.quantized import QuantizedGather
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
-
-from .live_memory import MB, LiveTensors
-from .measure import CollectiveCounter, held_tensors
-from .stats import (
+from flexshard.testing.live_memory import MB, LiveTensors
+from flexshard.testing.stats import (
     RULE,
     alternating,
     cell,
@@ -57,6 +55,8 @@ from .stats import (
     summary,
     verdict_cell,
 )
+
+from .measure import CollectiveCounter, held_tensors
 
 RESULTS = Path(__file__).parent / "results"
 CFG = TransformerConfig(vocab=1024, dim=256, heads=8, hidden=1024, layers=4, seq=64)
@@ -374,7 +374,7 @@ def main() -> None:
         "  steps; on a loaded host it is steadier than the wall clock, though spinning",
         "  threads and cache contention still count.",
         "- live peak: MB of live tensors at the peak of one more (untimed) step, the largest",
-        "  over ranks (benchmarks/live_memory.py): sharded parameters, optimizer state,",
+        "  over ranks (flexshard/testing/live_memory.py): sharded parameters, optimizer state,",
         "  gathered buffers, activations, gradients. That step runs the codec eagerly, as on",
         "  CUDA (float32 values of at most 2^22 elements at a time); the compiled CPU codec has",
         "  no such temporaries.",

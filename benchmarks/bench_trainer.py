@@ -10,7 +10,7 @@ Both backends run inside the same W processes, ``--reps`` times (5 by default), 
 order flipped every repetition (flexshard, fsdp2, fsdp2, flexshard, ...), on the same
 model, data, seed and config; only ``parallelism.dp_backend`` differs. Per repetition
 flexshard's step time over FSDP2's, then the median over repetitions with its spread
-and a verdict against issue 11's target (benchmarks/stats.py).
+and a verdict against issue 11's target (flexshard/testing/stats.py).
 An untimed 2-step run of each backend comes first (the first run in a process makes
 one-time allocations). Results: benchmarks/results/trainer_bench.{json,md,png}.
 """
@@ -29,13 +29,7 @@ from typing import Any
 import torch
 
 from flexshard.testing import run_distributed
-from flexshard.trainer.config import config_from_dict
-from flexshard.trainer.model import count_params
-from flexshard.trainer.train import run
-
-from .measure import peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
-from .output import write_results
-from .stats import (
+from flexshard.testing.stats import (
     RULE,
     alternating,
     cell,
@@ -45,6 +39,12 @@ from .stats import (
     summary,
     verdict_cell,
 )
+from flexshard.trainer.config import config_from_dict
+from flexshard.trainer.model import count_params
+from flexshard.trainer.train import run
+
+from .measure import peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
+from .output import write_results
 
 RESULTS = Path(__file__).parent / "results"
 BACKENDS = ("flexshard", "fsdp2")

@@ -19,8 +19,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import flexshard as fs
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches
+from flexshard.testing.live_memory import MB, LiveTensors
+from flexshard.testing.stats import alternating, centred
 
-from .live_memory import MB, LiveTensors
 from .measure import (
     BucketInfo,
     CollectiveCounter,
@@ -31,7 +32,6 @@ from .measure import (
     held_tensors,
     minimum_bytes,
 )
-from .stats import alternating, centred
 
 
 @dataclass(frozen=True)

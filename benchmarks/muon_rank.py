@@ -19,9 +19,9 @@ import flexshard as fs
 from flexshard.optim import DistMuon, muon_buckets
 from flexshard.runtime.bucket import slot_of
 from flexshard.runtime.region_dtensor import wrap
+from flexshard.testing.stats import alternating, centred
 
 from .muon_gather import GatherMuon
-from .stats import alternating, centred
 
 DIM = 128  # 512 on hosts with fast bf16 GEMMs (AVX-512 BF16 / AMX): Newton–Schulz is bf16
 

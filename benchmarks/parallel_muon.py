@@ -13,7 +13,7 @@ here in the same launch) tells how much of the second is the backend, not Muon.
 All three sides run inside the same processes, same model, data and seed, ``--reps``
 times; the order puts Muon between its two peers and flips every repetition
 (stats.centred + stats.alternating). Per repetition each ratio is the two sides'
-step times, then the median and IQR (benchmarks/stats.py). The Muon step's own
+step times, then the median and IQR (flexshard/testing/stats.py). The Muon step's own
 communication is DistMuon's ``comm_stats()`` (its all-to-alls, and under TP the dp
 all-gathers of the split matrices), per optimizer step, the largest over ranks; it is
 not in the trainer's ``comm_bytes`` (the buckets' all-gathers / reduce-scatters).
@@ -29,8 +29,17 @@ from typing import Any
 
 import torch
 
+from flexshard.testing.stats import (
+    RULE,
+    alternating,
+    cell,
+    centred,
+    paired_ratios,
+    range_cell,
+    summary,
+)
+
 from .bench_trainer import measured_run, per_rep, timed_row, trainer_table
-from .stats import RULE, alternating, cell, centred, paired_ratios, range_cell, summary
 
 MB = 2**20
 # name: (world size, parallelism)

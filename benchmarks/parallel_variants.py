@@ -15,8 +15,9 @@ import statistics
 from collections.abc import Iterator
 from typing import Any
 
+from flexshard.testing.stats import RULE, alternating, cell, range_cell, summary
+
 from .bench_trainer import measured_run, per_rep, timed_row, trainer_table
-from .stats import RULE, alternating, cell, range_cell, summary
 
 MOE = {"num_experts": 4, "top_k": 2, "expert_hidden": 64, "first_dense_layers": 1}
 # name: (world size, parallelism, MoE?, what differs, (side A, side B))

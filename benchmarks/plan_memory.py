@@ -5,7 +5,7 @@
 
 Each case sets up the trainer's own job on W gloo ranks, runs two steps (so the
 optimizer state exists, as in every later step), then one more ``train_step`` under
-``LiveTensors`` (benchmarks/live_memory.py: every CPU tensor storage alive). What the
+``LiveTensors`` (flexshard/testing/live_memory.py: every CPU tensor storage alive). What the
 planner counts is the rank's model: its sharded parameters and optimizer state (alive
 before the step) and everything the step allocates; the other storages alive before
 the step (the token stream, the data sampler's, RoPE's tables) are left out of the
@@ -23,10 +23,10 @@ import torch
 from flexshard.plan.hardware import H100
 from flexshard.plan.report import make_plan
 from flexshard.testing import run_distributed
+from flexshard.testing.live_memory import MB, LiveTensors
 from flexshard.trainer.config import Config, config_from_dict
 from flexshard.trainer.train import setup, train_step
 
-from .live_memory import MB, LiveTensors
 from .measure import held_tensors
 
 MODEL = {"dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256}

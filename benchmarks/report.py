@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .stats import RULE, cell, range_cell, verdict_cell
+from flexshard.testing.stats import RULE, cell, range_cell, verdict_cell
 
 MB = 2**20
 
@@ -31,7 +31,7 @@ How to read it:
   reachable from Python after the last step (parameters, gradients, optimizer state and
   whatever the library keeps), minus the same count before the model was built.
 - **peak live MB** (memory table): one extra, untimed step after the timed ones under
-  `benchmarks/live_memory.py`'s `LiveTensors` (a `TorchDispatchMode` that counts every
+  `flexshard/testing/live_memory.py`'s `LiveTensors` (a `TorchDispatchMode` that counts every
   CPU tensor storage an op produces or `UntypedStorage.resize_` sizes, until it dies):
   the peak bytes of live tensors minus those before the model was built, on the rank
   with the highest peak. At that peak, the storages are named by role: sharded params

@@ -2,7 +2,7 @@
 
 This is the only flexshard module that reaches into torch's internals; every other
 module imports them from here. Each item says what flexshard uses it for and which
-public API would replace it if torch had one. ``tests/test_torch_internals.py`` holds one
+public API would replace it if torch had one. ``tests/project/test_torch_internals.py`` holds one
 test per item that fails when torch renames it or changes the behaviour relied on, so a
 torch upgrade breaks there first, by name (docs/architecture.md, "torch internals").
 
@@ -108,7 +108,7 @@ def version_warning(version: str) -> str | None:
     return (
         f"flexshard.torch_internals was written for torch {written}, this is torch {version}: "
         f"the private torch names flexshard uses may have changed; run "
-        f"tests/test_torch_internals.py and see {DOCS}"
+        f"tests/project/test_torch_internals.py and see {DOCS}"
     )
 
 

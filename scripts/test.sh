@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv if needed, lint (ruff, import contracts), then run the tests not marked slow.
-# Usage: bash scripts/test.sh [pytest arguments, e.g. -x tests/test_placements.py]
+# Usage: bash scripts/test.sh [pytest arguments, e.g. -x tests/placements/test_placements.py]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

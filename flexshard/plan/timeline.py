@@ -2,7 +2,7 @@
 measured on a model of 2 blocks under ``FakeTensorMode`` (shapes only, no compute).
 
 A ``TorchDispatchMode`` under the fake mode counts every storage an op makes until it
-dies (as benchmarks/live_memory.py counts real ones), so what the trainer's own
+dies (as flexshard/testing/live_memory.py counts real ones), so what the trainer's own
 ``loss_fn`` keeps (an fp32 copy of the logits and its log-softmax, the fp32 gradients
 at the start of backward) is counted as the trainer allocates it. Parameters are made
 before counting starts, and each parameter's gradient is dropped once accumulated

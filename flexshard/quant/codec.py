@@ -24,7 +24,7 @@ Special values:
 Speed: each call is a handful of whole-tensor ops, most in place (``kernels.py``: tile maxima
 without an ``|x|`` temporary, fp8 widened through fp16 bit operations on CPU, NaN fix-ups
 skipped on CPU when a small tensor shows there is nothing to fix). The results are bit for bit
-those of the plain one-op-per-step formulation (``tests/test_quant_fast.py``). The same codec
+those of the plain one-op-per-step formulation (``tests/quant/test_quant_fast.py``). The same codec
 as branch-free expressions for ``torch.compile`` is ``fused.py`` (the quantized all-gather
 compiles it where it pays: ``compiled.py``), bit for bit this one again.
 """

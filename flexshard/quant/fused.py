@@ -15,7 +15,7 @@ inductor's CPU backend vectorizes on AVX-512/AVX2 (torch 2.13):
 
 The results are the codec's bit for bit (same contract as ``kernels.py``: every non-NaN
 value, NaN at the same places; data bytes exactly, NaN bytes canonical ``0x7F``), compiled
-or run eagerly; ``tests/test_quant_compiled.py`` checks both against the plain codec.
+or run eagerly; ``tests/quant/test_quant_compiled.py`` checks both against the plain codec.
 """
 
 from __future__ import annotations

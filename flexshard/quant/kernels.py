@@ -5,9 +5,10 @@ a bf16 cast), and every out-of-place op on a large tensor pays for a fresh alloc
 helpers build the same bits from a few vectorized integer ops (with the hardware fp16 -> fp32
 conversion doing the rest), reduce tiles in two contiguous stages, and work in place.
 
-Bit-exactness contract (checked over every byte and many scales in ``tests/test_quant_fast.py``):
-every non-NaN result equals the plain formulation's bits; NaN results sit at the same
-positions (NaN payloads are not part of the contract: torch's own casts do not agree on them).
+Bit-exactness contract (checked over every byte and many scales in
+``tests/quant/test_quant_fast.py``): every non-NaN result equals the plain formulation's
+bits; NaN results sit at the same positions (NaN payloads are not part of the contract:
+torch's own casts do not agree on them).
 Data-dependent shortcuts (skip a NaN fix-up when there is none) are taken only on CPU, where
 looking at a small tensor costs no device synchronisation.
 """

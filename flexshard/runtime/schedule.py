@@ -4,7 +4,7 @@ and reduces, and this step's counts of its hook modules' forward and backward ca
 
 A leaf: the bucket holding these (runtime/bucket.py) and the hooks driving them
 (runtime/hooks.py) import this module, so the buckets and the StepState stored here are
-typed ``Any`` rather than named by an import back up (tests/test_import_cycles.py).
+typed ``Any`` rather than named by an import back up (tests/project/test_import_cycles.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A leaf: the checks and the pieces the loader calls (config_validation, layout_checks,
 tokenizer) import these types from here, so the loader in ``config.py`` can call them
-without an import cycle (tests/test_import_cycles.py). Import them from
+without an import cycle (tests/project/test_import_cycles.py). Import them from
 ``flexshard.trainer.config``, which re-exports them.
 """
 

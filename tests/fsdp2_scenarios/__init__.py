@@ -1,2 +1,2 @@
-"""Shared harnesses of the torch FSDP2 scenario tests (tests/test_fsdp2_training_*.py,
-tests/test_fsdp2_state_*.py)."""
+"""Shared harnesses of the torch FSDP2 scenario tests (tests/fsdp2/test_fsdp2_training_*.py,
+tests/fsdp2/test_fsdp2_state_*.py)."""

@@ -1,4 +1,4 @@
-"""Shared pieces of the torch FSDP2 state scenario tests (tests/test_fsdp2_state_*.py):
+"""Shared pieces of the torch FSDP2 state scenario tests (tests/fsdp2/test_fsdp2_state_*.py):
 torch's own FSDP2 unit-test scenarios for initialization, ignored and frozen parameters,
 gradient accumulation, module state and state dicts (test_fully_shard_init,
 _ignore_params, _frozen, _grad_acc, _pending_grad, _state, _state_dict), re-expressed

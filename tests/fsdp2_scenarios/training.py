@@ -1,5 +1,5 @@
 """Shared pieces of the torch FSDP2 training/autograd scenario tests
-(tests/test_fsdp2_training_*.py): torch's own unit-test scenarios
+(tests/fsdp2/test_fsdp2_training_*.py): torch's own unit-test scenarios
 (test_fully_shard_autograd.py, test_fully_shard_training.py,
 test_fully_shard_shared_params.py, test_fully_shard_unsharded_views.py), re-expressed for
 CPU and run with torch's ``fully_shard`` and with flexshard's: losses, gradients,

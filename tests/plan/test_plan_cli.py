@@ -1,0 +1,106 @@
+"""``flexshard-plan`` end to end: the table, the JSON (its parts add up), the sweep
+plot, --suggest and the errors a user gets."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flexshard.plan.cli import main
+
+DEBUG = "configs/debug.toml"
+
+
+def test_plan_json_adds_up(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    rc = main([DEBUG, "--world", "1024", "--json", str(out), "--model.ffn_hidden", "170"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| total per rank (GiB): peak of one moment |" in text and "fsdp2" in text
+    plan = json.loads(out.read_text())
+    assert plan["world"] == 1024 and plan["mesh"]["dp_shard"] == 1024
+    for backend in ("flexshard", "fsdp2"):
+        p = plan["backends"][backend]
+        m = p["memory"]
+        # the total is one moment's sum, below the sum of each part's own worst moment
+        assert m["total"] == sum(m["at_peak"].values())
+        parts = ("params", "grads", "optimizer", "gathered_peak", "activations")
+        assert m["total"] < m["sum_of_part_peaks"] == sum(m[k] for k in parts)
+        assert m["activations"] > 0 and m["gathered_peak"] > 0
+        assert m["staging_host"] == 0  # no checkpoints in this config
+        sent = sum(b["all_gather_bytes"] + b["reduce_scatter_bytes"] for b in p["buckets"])
+        assert p["bytes_per_step"] == sent
+        step = p["step"]
+        assert step["step_s"] >= step["compute_s"] + step["optimizer_s"]
+        assert step["tokens_per_s_per_device"] > 0
+    # the trainer passes reshard_after_forward = true to FSDP2's root too, which then
+    # re-gathers it in backward like flexshard's (tests/plan/test_plan_terms.py counts
+    # torch's calls): two all-gathers each
+    roots = {b: plan["backends"][b]["buckets"][-1] for b in ("flexshard", "fsdp2")}
+    assert roots["flexshard"]["all_gathers"] == 2 and roots["fsdp2"]["all_gathers"] == 2
+
+
+def test_sweep_plot(tmp_path, capsys) -> None:
+    png = tmp_path / "sweep.png"
+    rc = main(
+        [DEBUG, "--world", "64", "--sweep", "8,64", "--plot", str(png), "--dp-backend", "flexshard"]
+    )
+    assert rc == 0 and png.stat().st_size > 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| 8 ")]
+    assert rows, "no sweep row for W = 8"
+
+
+def test_suggest_prefers_a_fitting_option(capsys) -> None:
+    rc = main(
+        [
+            DEBUG,
+            "--world",
+            "256",
+            "--suggest",
+            "--memory-limit",
+            "1",
+            "--training.optimizer",
+            "muon",
+        ]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "suggested:" in text and "placement muon" in text and "placement owned" in text
+    rc = main([DEBUG, "--world", "256", "--suggest", "--memory-limit", "0.000001"])
+    assert "no option fits" in capsys.readouterr().out
+
+
+def test_errors_name_the_problem(capsys) -> None:
+    assert main([DEBUG, "--world", "8", "--parallelism.tp", "3"]) == 2
+    assert "parallelism.tp" in capsys.readouterr().err
+    assert main([DEBUG, "--world", "8", "--hardware", "tpu9"]) == 2
+    assert "tpu9" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--sweep", "2,x"], "'x'"),
+        (["--sweep", "8,-4"], "-4"),
+        (["--suggest", "--memory-limit", "-1"], "--memory-limit -1"),
+        (["--suggest", "--memory-limit", "0"], "--memory-limit 0"),
+        (["--world", "0"], "--world 0"),
+    ],
+)
+def test_bad_arguments_are_one_line(args: list[str], named: str) -> None:
+    """The command as a user runs it: exit 2, one line naming the value, no traceback."""
+    if "--world" not in args:
+        args = ["--world", "8", *args]
+    run = subprocess.run(
+        [sys.executable, "-m", "flexshard.plan", DEBUG, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr + run.stdout
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0], run.stderr
