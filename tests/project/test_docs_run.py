@@ -111,7 +111,8 @@ def test_unknown_directive_and_bare_skip_raise(tmp_path: Path) -> None:
 
 def test_torchrun_block_runs_on_every_rank(tmp_path: Path) -> None:
     (block,) = _doc(tmp_path, "<!-- docs-run: torchrun 2 -->\n```python\n"
-                    "import os\nprint('rank', os.environ['RANK'], flush=True)\n```\n")
+                    # one write per rank: two ranks share the pipe, print's pieces interleave
+                    "import os\nos.write(1, f\"rank {os.environ['RANK']}\\n\".encode())\n```\n")
     result = docs_run.run(block, tmp_path)
     assert result.returncode == 0, result.stderr
     assert sorted(ln for ln in result.stdout.splitlines() if ln.startswith("rank")) == [
