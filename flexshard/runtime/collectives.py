@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -15,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .device import HOST, DeviceRuntime, abort, device_runtime
+from .wait_thread import wait_in_thread
 from .watchdog import WATCHDOG
 
 _HasComm = TypeVar("_HasComm")  # a Bucket (runtime/bucket.py imports this file)
@@ -107,26 +106,6 @@ def backend_cause(err: BaseException) -> str:
     """The first line of a backend failure, for a CollectiveError's message."""
     text = str(err).strip()
     return text.splitlines()[0][:300] if text else type(err).__name__
-
-
-@contextlib.contextmanager
-def backend_failures_raise(
-    error: Callable[[BaseException, str], CollectiveError], note: str | None = None
-) -> Iterator[None]:
-    """The one converter of a collective torch ran itself into flexshard's error: a
-    backend failure (timeout, lost peer) raised inside becomes ``error(err, cause)``
-    (``cause``: the backend's first line); flexshard's own CollectiveErrors pass, with
-    ``note`` added (where they struck)."""
-    try:
-        yield
-    except CollectiveError as err:
-        if note is not None:
-            err.add_note(note)
-        raise
-    except Exception as err:
-        if not is_backend_failure(err):
-            raise
-        raise error(err, backend_cause(err)) from err
 
 
 #: what a bucket's failed collective leaves: its error's last words
@@ -243,7 +222,7 @@ class Pending:
         left = max(self.timeout.total_seconds() - (time.monotonic() - self.started), 0.001)
         try:
             if self.wait_ignores_timeout:
-                ok = _wait_in_thread(self.work, left)
+                ok = wait_in_thread(self.work, left)
             else:  # gloo's all-gather and all-reduce: it blocks this thread (NCCL gets
                 # here only for the one-time set-up agreement; buckets are stream-ordered)
                 ok = self.work.wait(datetime.timedelta(seconds=left))
@@ -255,55 +234,6 @@ class Pending:
             raise self.error
         self.work = None
         self.keep = ()
-
-
-class _WaitThread:
-    """A long-lived thread that runs ``work.wait()`` for waits that must give up after
-    a timeout the work itself ignores: a thread started per wait cost more than the
-    wait of a small bucket. Waits are handed over one at a time; a wait that timed out
-    leaves this thread blocked for good (harmlessly), and the next wait gets a new one."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="flexshard-wait", daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            work, done, outcome = self._jobs.get()
-            try:
-                outcome.append(work.wait())
-            except BaseException as err:
-                outcome.append(err)
-            finally:
-                done.set()
-
-    def wait(self, work: dist.Work, seconds: float) -> bool | BaseException | None:
-        """``work.wait()``'s result or exception; None when it did not end in time."""
-        done, outcome = threading.Event(), []
-        self._jobs.put((work, done, outcome))
-        return outcome[0] if done.wait(seconds) else None
-
-
-#: waiter threads not waiting now (a caller takes one, or starts one, and gives it back)
-_idle_waiters: list[_WaitThread] = []
-
-
-def _wait_in_thread(work: dist.Work, seconds: float) -> bool:
-    """``work.wait()`` given up after ``seconds``. gloo's reduce-scatter work (torch
-    2.13) ignores wait's timeout and never reports ``is_completed``, so a helper thread
-    waits (and stays blocked, harmlessly, when the peer never comes)."""
-    try:
-        waiter = _idle_waiters.pop()
-    except IndexError:
-        waiter = _WaitThread()
-    outcome = waiter.wait(work, seconds)
-    if outcome is not None:  # a waiter blocked on a peer that never comes is dropped
-        _idle_waiters.append(waiter)
-    if outcome is None:
-        raise TimeoutError("Operation timed out!")
-    if isinstance(outcome, BaseException):
-        raise outcome
-    return outcome is not False
 
 
 def by_process_group(buckets: Sequence[_HasComm]) -> list[list[_HasComm]]:

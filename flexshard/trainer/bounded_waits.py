@@ -27,8 +27,8 @@ from flexshard.runtime.collectives import (
     DEFAULT_TIMEOUT,
     CollectiveError,
     Pending,
-    backend_failures_raise,
 )
+from flexshard.runtime.failures import backend_failures_raise
 
 from ..torch_internals import gloo_timeout
 
