@@ -130,7 +130,7 @@ def _build(variant: str, mesh: Any, dim: int, optimizer: str) -> tuple[nn.Module
             fs.BucketSpec([f"w{i}" for i in range(b * per, (b + 1) * per)], fs.Shard(0))
             for b in range(BUCKETS)
         ]
-    model = fs.flex_shard(Bank(dim), mesh, buckets=buckets)
+    model = fs.flex_shard(Bank(dim), mesh=mesh, buckets=buckets)
     if variant.startswith("a"):
         return model, GatherAll(model, cls, kwargs)
     overlap = variant.endswith("overlap")

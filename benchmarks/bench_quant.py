@@ -97,7 +97,7 @@ def _flex(model: TinyTransformer, mesh: DeviceMesh, quant: Any, policy: Any) -> 
         fs.BucketSpec(["embed.weight", "head.weight"], placement=tiles, name="emb", quant=quant)
     )
     buckets.append(fs.BucketSpec("norm.*", name="norm"))
-    return fs.flex_shard(model, mesh, buckets=buckets, mp_policy=policy)
+    return fs.flex_shard(model, mesh=mesh, buckets=buckets, mp_policy=policy)
 
 
 class CodecClock:

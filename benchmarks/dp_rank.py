@@ -75,7 +75,7 @@ def _flex(placement: Any, model: TinyTransformer, mesh: DeviceMesh) -> nn.Module
     buckets.append(
         fs.BucketSpec(["embed.*", "norm.*", "head.*"], placement=placement, name="outer")
     )
-    return fs.flex_shard(model, mesh, buckets=buckets)
+    return fs.flex_shard(model, mesh=mesh, buckets=buckets)
 
 
 def _owned_all_layers(model: TinyTransformer, mesh: DeviceMesh) -> nn.Module:
@@ -85,7 +85,7 @@ def _owned_all_layers(model: TinyTransformer, mesh: DeviceMesh) -> nn.Module:
         fs.BucketSpec("layers.*", placement=fs.Owned(), name="layers"),
         fs.BucketSpec(["embed.*", "norm.*", "head.*"], name="outer"),
     ]
-    return fs.flex_shard(model, mesh, buckets=buckets)
+    return fs.flex_shard(model, mesh=mesh, buckets=buckets)
 
 
 def _fsdp2_all_layers(model: TinyTransformer, mesh: DeviceMesh) -> nn.Module:

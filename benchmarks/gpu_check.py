@@ -279,7 +279,7 @@ def quantized_gather(ctx: Ctx) -> dict[str, Any]:
             "*.weight", placement=fs.BlockShard((block, block)), name="w", quant=fmt
         )
         rest = fs.BucketSpec("*.bias", name="b")
-        model = fs.flex_shard(net, ctx.mesh, buckets=[bucket, rest])
+        model = fs.flex_shard(net, mesh=ctx.mesh, buckets=[bucket, rest])
         memory = _unshard_memory(ctx, model)
         exact = all(
             torch.equal(
@@ -346,7 +346,7 @@ def dist_muon(ctx: Ctx) -> dict[str, Any]:
     ours = net()
     ours.load_state_dict(reference.state_dict())
     ours.to(ctx.device)
-    ours = fs.flex_shard(ours, ctx.mesh, buckets=[fs.BucketSpec("*", name="all")])
+    ours = fs.flex_shard(ours, mesh=ctx.mesh, buckets=[fs.BucketSpec("*", name="all")])
     ref_opt = torch.optim.Muon(reference.parameters(), lr=0.02)
     our_opt = fs.optim.DistMuon(ours.parameters(), lr=0.02)
     gen = torch.Generator().manual_seed(2)
@@ -377,7 +377,9 @@ def unused_grads(ctx: Ctx) -> dict[str, Any]:
     """Head b unused on every rank keeps ``.grad`` None; head c, run everywhere but used on
     rank 0 only, gets a gradient on every rank (the agreement's all-reduce on the device)."""
     torch.manual_seed(0)
-    model = fs.flex_shard(_Heads().to(ctx.device), ctx.mesh, [fs.BucketSpec("*", name="all")])
+    model = fs.flex_shard(
+        _Heads().to(ctx.device), mesh=ctx.mesh, buckets=[fs.BucketSpec("*", name="all")]
+    )
     model(torch.randn(4, 32, device=ctx.device), ctx.rank).backward()
     none = sorted(n for n, p in model.named_parameters() if p.grad is None)
     agreed = model.comm_stats()["grad_agreement"]["all_reduce"]

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from flexshard.optim import DistMuon
-from flexshard.placements import unpack
+from flexshard.placements.packing import unpack
 from flexshard.runtime.bucket import slot_of
 
 

@@ -75,10 +75,10 @@ def _build(variant: str, mesh: DeviceMesh, dim: int) -> tuple[nn.Module, torch.o
     if variant.startswith("c"):
         # the planner's buckets: whole matrices, owners by LPT on Newton–Schulz FLOPs
         buckets = muon_buckets(MatrixBank(dim), mesh.size())
-        model = fs.flex_shard(MatrixBank(dim), mesh, buckets=buckets)
+        model = fs.flex_shard(MatrixBank(dim), mesh=mesh, buckets=buckets)
     else:
         bank = MatrixBank(dim)
-        model = fs.flex_shard(bank, mesh, buckets=_buckets(fs.Shard(0), len(bank.shapes)))
+        model = fs.flex_shard(bank, mesh=mesh, buckets=_buckets(fs.Shard(0), len(bank.shapes)))
     params = list(model.parameters())
     if variant.startswith("a"):
         return model, GatherMuon(params, lr=LR)

@@ -3,6 +3,7 @@
 # the names FSDP2 users import beside fully_shard, so the one-line import swap covers them
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -19,7 +20,6 @@ from .placements import BlockShard, FlatShard, Owned, Placement, Replicate, Shar
 from .runtime.collectives import CollectiveError
 from .runtime.module import FlexShardModule
 from .runtime.region_distribute import distribute_tensor
-from .runtime.traffic import TrafficStats, attach_traffic
 from .state_dict import full_state_dict, load_full_state_dict
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "BucketSpec",
     "CPUOffloadPolicy",
     "CollectiveError",
+    "DataParallelMeshDims",
     "FSDPModule",
     "FlatShard",
     "FlexShardModule",
@@ -36,9 +37,7 @@ __all__ = [
     "Placement",
     "Replicate",
     "Shard",
-    "TrafficStats",
     "UnshardHandle",
-    "attach_traffic",
     "clip_grad_norm_",
     "distribute_tensor",
     "flex_shard",

@@ -45,9 +45,9 @@ __all__ = ["BucketSpec", "flex_shard", "fully_shard"]
 
 def flex_shard(
     module: nn.Module,
+    *,
     mesh: DeviceMesh | None = None,
     buckets: Sequence[BucketSpec] = (),
-    *,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool | None = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .placements import BlockShard, BucketLayout, Placement, Shard, plan_bucket
+from .placements import BlockShard, Placement, Shard
+from .placements.layout import BucketLayout, plan_bucket
 from .quant import QuantFormat
 from .runtime.bucket import Bucket, slot_of
 from .runtime.bucket_param import BucketParam

@@ -74,7 +74,7 @@ def train(rank: int, world_size: int, placement_name: str, steps: int) -> dict[s
     torch.manual_seed(0)  # the same initial weights on every rank
     model = TinyTransformer(CFG)
     total_params = sum(p.numel() for p in model.parameters())
-    model = fs.flex_shard(model, mesh, buckets=bucket_specs(PLACEMENTS[placement_name]))
+    model = fs.flex_shard(model, mesh=mesh, buckets=bucket_specs(PLACEMENTS[placement_name]))
     local_params = sum(p.to_local().numel() for p in model.parameters())
     # the optimizer sees only this rank's shards, so it is built after sharding
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)

@@ -52,18 +52,14 @@ def dp_mesh(
             f"{WHO}: replicate-only dp_mesh_dims (DDP) is not supported by flexshard; "
             "name a shard dim, or use flex_shard with a Replicate() bucket"
         )
-    spmd = SpmdDims(
-        mesh, names.index(shard), None if replicate is None else names.index(replicate)
-    )
+    spmd = SpmdDims(mesh, names.index(shard), None if replicate is None else names.index(replicate))
     register_spmd_mesh(spmd)
     if replicate is None:
         return mesh[shard], spmd
     return concatenate_meshes([mesh[replicate], mesh[shard]]), spmd
 
 
-def check_spmd_params(
-    modules: list[nn.Module], ignored: set[int], spmd: SpmdDims
-) -> None:
+def check_spmd_params(modules: list[nn.Module], ignored: set[int], spmd: SpmdDims) -> None:
     """Every parameter the call takes is a DTensor on the SPMD mesh itself, Replicate
     on the dp dims (FSDP2's requirement); raise naming the first that is not."""
     names = spmd.mesh.mesh_dim_names or ()

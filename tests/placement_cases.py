@@ -8,15 +8,8 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from flexshard.placements import (
-    BlockShard,
-    FlatShard,
-    Owned,
-    Region,
-    Replicate,
-    Shard,
-    pack_rank,
-)
+from flexshard.placements import BlockShard, FlatShard, Owned, Region, Replicate, Shard
+from flexshard.placements.packing import pack_rank
 
 PROPERTY = settings(max_examples=80, deadline=None)
 CHEAP = settings(max_examples=200, deadline=None)

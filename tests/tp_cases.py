@@ -85,7 +85,7 @@ def build(
         fs.BucketSpec(f"layers.{i}.*", placement, name=f"layers.{i}") for i in range(cfg.n_layers)
     ]
     specs.append(fs.BucketSpec(OUTER, placement, name="outer"))
-    return fs.flex_shard(model, mesh["dp_shard"], buckets=specs, mp_policy=mp_policy)
+    return fs.flex_shard(model, mesh=mesh["dp_shard"], buckets=specs, mp_policy=mp_policy)
 
 
 def train(
@@ -129,7 +129,7 @@ def trainer_muon(mesh: DeviceMesh | None, steps: int) -> list[float]:
     if mesh is not None:
         dp, dp_rank = mesh.size(0), mesh.get_local_rank("dp_shard")
         apply_tp(model, mesh["tp"])
-        model = fs.flex_shard(model, mesh["dp_shard"], buckets=bucket_specs(cfg, model, dp))
+        model = fs.flex_shard(model, mesh=mesh["dp_shard"], buckets=bucket_specs(cfg, model, dp))
     opt = build_optimizer(model, cfg.training, cfg.model)
     losses = []
     for batch in batches(2, steps, vocab=256):  # the trainer's byte vocabulary

@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from ..api import BucketSpec
-from ..placements import BlockShard, Owned, Placement, Shard, lpt_owners, plan_bucket
+from ..placements import BlockShard, Owned, Placement, Shard
+from ..placements.layout import plan_bucket
+from ..placements.owned import lpt_owners
 from .matrix_units import preconditioner_flops
 from .muon_adamw import full_shape, split_named_params
 from .newton_schulz import ns_flops
@@ -167,7 +169,7 @@ def muon_buckets(
     muon_patterns: Sequence[str] = (),
     detect_head: bool = True,
 ) -> list[BucketSpec]:
-    """Buckets for ``flex_shard(model, mesh, buckets=...)`` under which DistMuon's step
+    """Buckets for ``flex_shard(model, mesh=mesh, buckets=...)`` under which DistMuon's step
     moves no byte: ``muon_blocks`` (BlockShard per head for ``row_blocks`` globs -> rows,
     e.g. ``{"*.qkv.weight": head_dim}``, and per expert for 3-D stacks), ``muon_owned``
     (Owned, owners pinned by LPT on Newton–Schulz FLOPs on top of the block bucket's),

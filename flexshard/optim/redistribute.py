@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..placements import lpt_owners
+from ..placements.owned import lpt_owners
 from ..runtime.collectives import Pending
 from .matrices import Target
 from .units import Piece, matrices, pieces

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from ..placements import lpt_owners
+from ..placements.owned import lpt_owners
 from ..runtime.bucket import Bucket
 from ..runtime.tp_params import tp_group
 from .matrices import Target

@@ -1,32 +1,14 @@
-"""Placements: pure layout math. No process group, no collective."""
+"""Placements: pure layout math. No process group, no collective.
+
+The package exports what a user places buckets with (and what a custom placement
+returns); the layout and packing math the runtime uses is imported from its module
+(``placements.layout``, ``placements.packing``, ...)."""
 
 from .base import Placement, Region
-from .block import BlockShard, tile_grid
+from .block import BlockShard
 from .flat import FlatShard
-from .layout import BucketLayout, CopyBlock, ParamLayout, plan_bucket
-from .owned import Owned, lpt_owners
-from .packing import copy_views, gathered_alias, pack_all, pack_rank, unpack
+from .owned import Owned
 from .replicate import Replicate
-from .shard import Shard, chunk_bounds
+from .shard import Shard
 
-__all__ = [
-    "BlockShard",
-    "BucketLayout",
-    "CopyBlock",
-    "FlatShard",
-    "Owned",
-    "ParamLayout",
-    "Placement",
-    "Region",
-    "Replicate",
-    "Shard",
-    "chunk_bounds",
-    "gathered_alias",
-    "lpt_owners",
-    "copy_views",
-    "pack_all",
-    "pack_rank",
-    "plan_bucket",
-    "tile_grid",
-    "unpack",
-]
+__all__ = ["BlockShard", "FlatShard", "Owned", "Placement", "Region", "Replicate", "Shard"]

@@ -9,8 +9,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from flexshard.placements import BlockShard, Owned, Placement, Shard, plan_bucket
-from flexshard.placements.layout import BucketLayout
+from flexshard.placements import BlockShard, Owned, Placement, Shard
+from flexshard.placements.layout import BucketLayout, plan_bucket
 from flexshard.runtime.bucket import Bucket
 from flexshard.runtime.module import own_buckets
 

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from flexshard.optim.newton_schulz import ns_flops
-from flexshard.placements import lpt_owners
+from flexshard.placements.owned import lpt_owners
 
 from .buckets import BucketInfo, whole_on_rank
 

@@ -1,6 +1,6 @@
 """One rank of a world of W, built on one CPU: torch's ``fake`` process-group backend
 (every collective a no-op) and meta tensors (no storage), with the trainer's own
-``setup`` path (``build_model`` or ``parallelize``) deciding the layout."""
+``setup`` path (``parallelize``) deciding the layout."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 from flexshard.trainer import parallelize as trainer_parallelize
-from flexshard.trainer import train as trainer_train
 from flexshard.trainer.config import Config
 from flexshard.trainer.parallel import Meshes, ParallelDims
-from flexshard.trainer.train import build_model, check_backend_options
+from flexshard.trainer.train import check_backend_options
 
 META = torch.device("meta")
 
@@ -68,13 +67,9 @@ def build_rank(cfg: Config, world_size: int, rank: int) -> RankBuild:
         mock.patch.object(trainer_parallelize.fs, "init_params", _no_init),
         mock.patch.object(trainer_parallelize, "init_stage_params", _no_init),
         mock.patch.object(trainer_parallelize, "init_weights", _no_init),
-        mock.patch.object(trainer_train, "init_weights", _no_init),
     ):
-        if dims.composed or dims.cp > 1:
-            parallel = trainer_parallelize.parallelize(cfg, dims, meshes, META)
-            modules, experts = list(parallel.modules), list(parallel.expert_fqns)
-        else:
-            modules, experts = [build_model(cfg, meshes.dp, META)], []
+        parallel = trainer_parallelize.parallelize(cfg, dims, meshes, META)
+        modules, experts = list(parallel.modules), list(parallel.expert_fqns)
     return RankBuild(cfg, dims, meshes, rank, modules, experts)
 
 

@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.profiler import record_function
 
-from ..placements import BucketLayout, unpack
+from ..placements.layout import BucketLayout
+from ..placements.packing import unpack
 from ..quant import QuantFormat, QuantizedTensor
 from ..torch_internals import profiler_enabled, set_local_tensor, unsafe_preserve_version_counter
 from .bucket_param import BucketParam

@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..placements import ParamLayout, Region
+from ..placements import Region
+from ..placements.layout import ParamLayout
 from ..torch_internals import compute_local_shape_and_global_offset
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the full tensor

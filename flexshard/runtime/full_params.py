@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..placements import BucketLayout
+from ..placements.layout import BucketLayout
 from .bucket_param import BucketParam
 from .collectives import Pending
 from .gather import Collective

@@ -14,7 +14,8 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from ..placements import BucketLayout, copy_views, gathered_alias, pack_all, pack_rank
+from ..placements.layout import BucketLayout
+from ..placements.packing import copy_views, gathered_alias, pack_all, pack_rank
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime
 from .storage import BucketStorage
@@ -154,8 +155,10 @@ class PlainGather(ShardedCollective):
         assert gathered is not None
         key = (gathered, *owned)
         cached = self._copy_out
-        if cached is None or len(cached[0]) != len(key) or any(
-            a is not b for a, b in zip(cached[0], key)
+        if (
+            cached is None
+            or len(cached[0]) != len(key)
+            or any(a is not b for a, b in zip(cached[0], key))
         ):
             cached = self._copy_out = (key, *self._views(gathered, owned))
         _, dsts, srcs = cached

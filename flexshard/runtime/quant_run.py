@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..placements import CopyBlock
+from ..placements.layout import CopyBlock
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ import math
 
 import torch
 
-from ..placements import CopyBlock, Region
+from ..placements import Region
+from ..placements.layout import CopyBlock
 from ..placements.packing import full_view, storage_shape
 from ..quant import (
     QuantFormat,

@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..placements import BucketLayout
-from ..placements.layout import trainable_layout
+from ..placements.layout import BucketLayout, trainable_layout
 from ..torch_internals import DTensorSpec, post_accumulate_grad_hooks
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime

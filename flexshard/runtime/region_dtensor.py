@@ -182,7 +182,8 @@ class _ToReplicate(torch.autograd.Function):
         placements = list(spec.placements)
         placements[dim] = Replicate()
         return DTensor(
-            full, DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta),
+            full,
+            DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta),
             requires_grad=False,
         )
 
@@ -286,7 +287,8 @@ def _local_norm(tensor: DTensor, ord: float, dtype: Any) -> DTensor:
     spec = dtensor_spec(tensor)
     meta = TensorMeta(torch.Size([]), (), norm.dtype)
     return DTensor(
-        norm, DTensorSpec(spec.mesh, _norm_placements(spec, ord), tensor_meta=meta),
+        norm,
+        DTensorSpec(spec.mesh, _norm_placements(spec, ord), tensor_meta=meta),
         requires_grad=False,
     )
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Placement as TorchPlacement
 
-from ..placements import ParamLayout
+from ..placements.layout import ParamLayout
 
 
 class RegionShard(TorchPlacement):

@@ -14,7 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate as TorchReplicate
 from torch.distributed.tensor import Shard as TorchShard
 
-from ..placements import ParamLayout, Placement, Replicate, Shard
+from ..placements import Placement, Replicate, Shard
+from ..placements.layout import ParamLayout
 from ..torch_internals import DTensorSpec, StridedShard, TensorMeta, concatenate_meshes
 from . import region_distribute
 from .region_placement import RegionShard

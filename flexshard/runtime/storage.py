@@ -7,8 +7,9 @@ import functools
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..placements import BucketLayout, pack_rank
 from ..placements.bytes import as_bytes, byte_view
+from ..placements.layout import BucketLayout
+from ..placements.packing import pack_rank
 
 
 def free(tensor: torch.Tensor) -> None:

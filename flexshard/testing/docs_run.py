@@ -99,7 +99,7 @@ def blocks(path: Path) -> list[Block]:
         i += 1
         while i < len(lines) and not lines[i].strip().startswith(fence):
             # a fence inside a list item is indented: strip that indent from its body
-            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
             i += 1
         if i == len(lines):
             raise ValueError(f"{path}:{start + 1}: fence never closed")
@@ -135,8 +135,14 @@ def run(block: Block, root: Path, timeout_s: int | None = None) -> subprocess.Co
         if block.runner == "bash":
             cmd = ["bash", "-eo", "pipefail", str(file)]
         elif block.torchrun:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={block.torchrun}", str(file)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={block.torchrun}",
+                str(file),
+            ]
         else:
             cmd = [sys.executable, str(file)]
         work = Path(tmp) / "work"
@@ -144,7 +150,11 @@ def run(block: Block, root: Path, timeout_s: int | None = None) -> subprocess.Co
         env = dict(os.environ, DOCS_RUN_TMP=str(work), PYTHONPATH=str(root))
         env.pop("PYTEST_CURRENT_TEST", None)
         return subprocess.run(
-            cmd, cwd=root, env=env, capture_output=True, text=True,
+            cmd,
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
             timeout=timeout_s or block.timeout_s,
         )
 
@@ -155,12 +165,19 @@ def failure(block: Block, root: Path, result: subprocess.CompletedProcess) -> st
         return None
     tail = (result.stdout[-3000:] + "\n" + result.stderr[-6000:]).strip()
     want = "to fail (expect-fail)" if block.expect_fail else "to succeed"
-    return (f"{block.name(root)}: ```{block.lang} block expected {want}, "
-            f"exit status {result.returncode}\n--- script:\n{script(block)}--- output:\n{tail}")
+    return (
+        f"{block.name(root)}: ```{block.lang} block expected {want}, "
+        f"exit status {result.returncode}\n--- script:\n{script(block)}--- output:\n{tail}"
+    )
 
 
 def changed_paths(root: Path) -> set[str]:
     """`git status --porcelain` lines: tracked files changed, untracked files not ignored."""
-    out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
-                         cwd=root, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return set(out.splitlines())

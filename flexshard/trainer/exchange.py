@@ -11,7 +11,7 @@ Each ``Exchange`` also counts its calls and the bytes this rank sent and receive
 part of a message that leaves or reaches the rank: all-gathers and reduce-scatters by
 the ring algorithm's ``(W - 1)`` chunks, as the buckets' ``CommStats``; an
 all-to-all's rows for and from other ranks; a ring message whole) in a
-``fs.TrafficStats`` that ``attach`` hangs on the module it serves: flexshard's
+a ``TrafficStats`` that ``attach`` hangs on the module it serves: flexshard's
 ``comm_stats()`` then reports it as ``"ep"`` / ``"cp"`` and in its ``"total"``, and the
 trainer's per-step ``comm_bytes`` with it (``exchange_bytes`` reads the same counts
 where the model is not flexshard's, as under the FSDP2 backend).

@@ -32,6 +32,8 @@ from flexshard.runtime.module import own_buckets
 from .config import Config, ConfigError, config_from_dict, load_config
 from .hf_adapter import hf_keys, model_fields, read_config
 from .model import Attention, Transformer, apply_rope
+from .parallel import Meshes
+from .sharding import apply_dp
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, open_tokenizer
 
 Cache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values so far
@@ -189,14 +191,12 @@ def load_sharded(checkpoint: str | Path, config: str | None = None) -> tuple[nn.
     ``placement = "shard0"``), built on meta: no rank holds it whole."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .sharding import apply_flexshard
-
     cfg, tied = run_config(checkpoint, config)
     cfg = config_from_dict({"model": cfg.to_dict()["model"]})  # default parallelism
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    model = apply_flexshard(model, cfg, mesh)
+    model = apply_dp(model, cfg, Meshes(mesh, mesh, mesh))
     model.to_empty(device="cpu")
     load_weights(model, cfg, tied, checkpoint)
     folder = Path(checkpoint)

@@ -4,11 +4,15 @@ learning-rate schedule is ``lr_schedule``'s LambdaLR."""
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+import flexshard as fs
+from flexshard.optim import MatrixOptimizer, muon_and_adamw
 
 from .config import ConfigError, ModelConfig, TrainingConfig
 
@@ -25,10 +29,6 @@ def muon_head_placement(base: Any, model_cfg: ModelConfig) -> Any:
     (``BlockShard((head_dim, C))``): per-head Muon needs every head whole on a rank, which
     Shard(0) or FlatShard over a dp group larger than the heads per piece would cut
     (the single process, and so the loss parity, is per head whatever the layout)."""
-    import fnmatch
-
-    import flexshard as fs
-
     rows = muon_row_blocks(model_cfg)
 
     def placement(fqn: str, param: nn.Parameter) -> Any:
@@ -38,26 +38,6 @@ def muon_head_placement(base: Any, model_cfg: ModelConfig) -> Any:
         return base if isinstance(base, fs.Placement) else base(fqn, param)
 
     return placement
-
-
-def _third_party(name: str) -> type[torch.optim.Optimizer]:
-    """pytorch-optimizer's SOAP or Shampoo (an optional dependency)."""
-    try:
-        import pytorch_optimizer
-    except ImportError:
-        raise ConfigError(
-            f'training.optimizer = "{name}" needs the pytorch-optimizer package '
-            "(pip install pytorch-optimizer==4.1.0)"
-        ) from None
-    return {"soap": pytorch_optimizer.SOAP, "shampoo": pytorch_optimizer.Shampoo}[name]
-
-
-def matrix_optimizer_buckets(model: nn.Module, dp_shard: int) -> list:
-    """``placement = "muon"`` with SOAP/Shampoo: every parameter whole on one rank,
-    balanced on the preconditioner's cost, so the optimizer step moves no byte."""
-    from flexshard.optim import matrix_buckets
-
-    return matrix_buckets(model, dp_shard)
 
 
 class StageView(nn.Module):
@@ -83,10 +63,22 @@ class StageView(nn.Module):
             yield param
 
 
+def _third_party(name: str) -> type[torch.optim.Optimizer]:
+    """pytorch-optimizer's SOAP or Shampoo (an optional dependency)."""
+    try:
+        import pytorch_optimizer
+    except ImportError:
+        raise ConfigError(
+            f'training.optimizer = "{name}" needs the pytorch-optimizer package '
+            "(pip install pytorch-optimizer==4.1.0)"
+        ) from None
+    return {"soap": pytorch_optimizer.SOAP, "shampoo": pytorch_optimizer.Shampoo}[name]
+
+
 def build_optimizer(
     model: nn.Module | Any, cfg: TrainingConfig, model_cfg: ModelConfig
 ) -> torch.optim.Optimizer:
-    """Built after sharding: it sees this rank's local shards (flexshard) or DTensors.
+    """Built after sharding: it sees the sharded parameters (DTensors, both backends).
     ``model`` is one module, or an object with ``.modules`` (the trainer's
     ``Parallelized``: this rank's pipeline stages), whose optimizer covers them all."""
     betas = (cfg.betas[0], cfg.betas[1])
@@ -95,20 +87,11 @@ def build_optimizer(
             model.parameters(), lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay
         )
     if cfg.optimizer in ("soap", "shampoo"):
-        from flexshard.optim import MatrixOptimizer
-
         inner = _third_party(cfg.optimizer)
         options = {"betas": betas} if cfg.optimizer == "soap" else {}
         return MatrixOptimizer(
             model.parameters(), inner, lr=cfg.lr, weight_decay=cfg.weight_decay, **options
         )
-    try:
-        from flexshard.optim import muon_and_adamw  # the DistMuon issue provides it
-    except ImportError:
-        raise ConfigError(
-            'training.optimizer = "muon" needs flexshard.optim (DistMuon), which is not in '
-            'this installation; use optimizer = "adamw"'
-        ) from None
     stages = getattr(model, "modules", None)  # Parallelized: a list; a module: a method
     return muon_and_adamw(
         StageView(stages) if isinstance(stages, list) else model,

@@ -10,7 +10,6 @@ over dp_replicate x (dp_shard * cp).
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,10 +28,9 @@ from .exchange import configured_timeout
 from .expert_parallel import apply_ep
 from .loss import loss_fn
 from .model import Transformer, init_module, init_weights
-from .optimizers import muon_head_placement
 from .parallel import Meshes, ParallelDims
 from .pipeline import PipelineRunner, build_pipeline, init_stage_params
-from .sharding import OUTER_PATTERNS, mp_policy, named_placement
+from .sharding import apply_dp, mp_policy
 from .tensor_parallel import apply_tp
 
 
@@ -49,117 +47,12 @@ class Parallelized:
             yield from module.parameters()
 
 
-def _layer_names(module: nn.Module) -> list[str]:
-    return [name for name, _ in module.layers.named_children()]  # type: ignore[union-attr]
-
-
-def _outer_patterns(module: nn.Module) -> list[str]:
-    """The root parts a (stage) module really holds: a pipeline stage has only some."""
-    return [
-        pattern
-        for pattern in OUTER_PATTERNS
-        if any(True for _ in getattr(module, pattern.split(".")[0]).parameters())
-    ]
-
-
 def apply_compile(module: nn.Module, cfg: Config) -> None:
     """torch.compile each transformer block, as torchtitan does, before data parallelism
     shards it: flexshard's (and FSDP2's) hooks run eagerly around the compiled block, so
     each block is one graph of its own computation (``fullgraph``: a break raises)."""
     for layer in module.layers.children():  # type: ignore[union-attr]
         layer.compile(backend=cfg.compile.backend, fullgraph=True)
-
-
-def apply_dp(module: nn.Module, cfg: Config, meshes: Meshes, expert_fqns: list[str]) -> Any:
-    """Data parallelism over ``meshes.dp``: one bucket (or FSDP2 group) per block plus
-    one for the root's parts; EP's expert weights first, on ``meshes.experts_dp``."""
-    policy = mp_policy(cfg.training.mixed_precision)
-    reshard = cfg.parallelism.reshard_after_forward
-    present = [fqn for fqn in expert_fqns if _has_submodule(module, fqn)]
-    if cfg.parallelism.dp_backend == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for fqn in present:
-            fully_shard(module.get_submodule(fqn), mesh=meshes.experts_dp, mp_policy=policy)
-        for layer in module.layers:  # type: ignore[union-attr]
-            fully_shard(layer, mesh=meshes.dp, mp_policy=policy, reshard_after_forward=reshard)
-        return fully_shard(module, mesh=meshes.dp, mp_policy=policy, reshard_after_forward=reshard)
-    placement = named_placement(cfg.parallelism.placement, cfg)
-    if cfg.training.optimizer == "muon":  # per-head Muon: q/k/v stored in whole heads
-        placement = muon_head_placement(placement, cfg.model)
-    if present:  # buckets on two meshes: fully_shard style, one call per module
-        timeout = configured_timeout(cfg.parallelism.timeout_s)
-        return _flexshard_per_module(module, placement, meshes, present, policy, reshard, timeout)
-    specs = [
-        fs.BucketSpec(f"layers.{name}.*", placement, name=f"layers.{name}")
-        for name in _layer_names(module)
-    ]
-    outer = _outer_patterns(module)
-    if outer:
-        specs.append(fs.BucketSpec(outer, placement, name="outer"))
-    return fs.flex_shard(
-        module,
-        meshes.dp,
-        buckets=specs,
-        mp_policy=policy,
-        reshard_after_forward=reshard,
-        timeout=configured_timeout(cfg.parallelism.timeout_s),
-    )
-
-
-def _flexshard_per_module(
-    module: nn.Module,
-    placement: Any,
-    meshes: Meshes,
-    expert_fqns: list[str],
-    policy: Any,
-    reshard: bool,
-    timeout: datetime.timedelta,
-) -> Any:
-    """fs.fully_shard on the experts (their own mesh), then each block, then the root:
-    flex_shard's buckets share one mesh, EP's experts need another."""
-    fqn_of = {id(p): fqn for fqn, p in module.named_parameters()}
-
-    def place(param: nn.Parameter) -> Any:
-        return (
-            placement
-            if isinstance(placement, fs.Placement)
-            else placement(fqn_of[id(param)], param)
-        )
-
-    for fqn in expert_fqns:
-        fs.fully_shard(
-            module.get_submodule(fqn),
-            mesh=meshes.experts_dp,
-            mp_policy=policy,
-            shard_placement_fn=place,
-            timeout=timeout,
-        )
-    for layer in module.layers:  # type: ignore[union-attr]
-        fs.fully_shard(
-            layer,
-            mesh=meshes.dp,
-            mp_policy=policy,
-            reshard_after_forward=reshard,
-            shard_placement_fn=place,
-            timeout=timeout,
-        )
-    return fs.fully_shard(
-        module,
-        mesh=meshes.dp,
-        mp_policy=policy,
-        reshard_after_forward=reshard,
-        shard_placement_fn=place,
-        timeout=timeout,
-    )
-
-
-def _has_submodule(module: nn.Module, fqn: str) -> bool:
-    try:
-        module.get_submodule(fqn)
-    except AttributeError:
-        return False
-    return True
 
 
 def parallelize(

@@ -1,20 +1,23 @@
-"""Data parallelism from the config: flexshard buckets (one per block plus one outer
-bucket by default, a placement per bucket) or torch FSDP2 for comparison."""
+"""Data parallelism from the config, the one place it is applied (data parallelism
+alone, or last in ``parallelize``'s composition): flexshard buckets (one per block plus
+one outer bucket by default, a placement per bucket) or torch FSDP2 for comparison."""
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import flexshard as fs
+from flexshard.optim import matrix_buckets, muon_buckets
 
 from .config import Config, ConfigError, ModelConfig
+from .exchange import configured_timeout
+from .optimizers import muon_head_placement, muon_row_blocks
+from .parallel import Meshes
 
 OUTER_PATTERNS = ["tok_embeddings.*", "norm.*", "output.*"]
 Policy = fs.Placement | Callable[[str, nn.Parameter], fs.Placement]
@@ -75,50 +78,129 @@ def _explicit_buckets(cfg: Config) -> list[fs.BucketSpec]:
     return specs
 
 
-def bucket_specs(cfg: Config, model: nn.Module, dp_shard: int) -> list[fs.BucketSpec]:
-    """The flexshard buckets this config asks for."""
+def _layer_names(module: nn.Module) -> list[str]:
+    return [name for name, _ in module.layers.named_children()]  # type: ignore[union-attr]
+
+
+def _outer_patterns(module: nn.Module) -> list[str]:
+    """The root parts a (stage) module really holds: a pipeline stage has only some."""
+    return [
+        pattern
+        for pattern in OUTER_PATTERNS
+        if any(True for _ in getattr(module, pattern.split(".")[0]).parameters())
+    ]
+
+
+def block_placement(cfg: Config) -> Policy:
+    """``parallelism.placement`` for every block; under Muon, q/k/v in whole heads."""
+    placement = named_placement(cfg.parallelism.placement, cfg)
+    if cfg.training.optimizer == "muon":  # per-head Muon: q/k/v stored in whole heads
+        placement = muon_head_placement(placement, cfg.model)
+    return placement
+
+
+def bucket_specs(cfg: Config, module: nn.Module, dp_shard: int) -> list[fs.BucketSpec]:
+    """The flexshard buckets this config asks for ``module`` (the model or a pipeline
+    stage): ``[[parallelism.buckets]]``, the Muon / SOAP owners' layout, or one bucket
+    per block plus one for the root's parts."""
     par = cfg.parallelism
     if par.buckets:
         return _explicit_buckets(cfg)
     if par.placement == "muon":
-        try:
-            from flexshard.optim import muon_buckets  # planned by the DistMuon issue
-        except ImportError:
-            raise ConfigError(
-                'parallelism.placement = "muon" needs flexshard.optim.muon_buckets, which is '
-                "not in this installation"
-            ) from None
-        from .optimizers import matrix_optimizer_buckets, muon_row_blocks
-
         if cfg.training.optimizer in ("soap", "shampoo"):  # balanced on their own cost
-            return matrix_optimizer_buckets(model, dp_shard)
-        return list(muon_buckets(model, dp_shard, row_blocks=muon_row_blocks(cfg.model)))
-    placement = named_placement(par.placement, cfg)
-    layers = [
-        fs.BucketSpec(f"layers.{i}.*", placement, name=f"layers.{i}")
-        for i in range(cfg.model.n_layers)
+            return matrix_buckets(module, dp_shard)
+        return list(muon_buckets(module, dp_shard, row_blocks=muon_row_blocks(cfg.model)))
+    placement = block_placement(cfg)
+    specs = [
+        fs.BucketSpec(f"layers.{name}.*", placement, name=f"layers.{name}")
+        for name in _layer_names(module)
     ]
-    return [*layers, fs.BucketSpec(OUTER_PATTERNS, placement, name="outer")]
+    outer = _outer_patterns(module)
+    if outer:
+        specs.append(fs.BucketSpec(outer, placement, name="outer"))
+    return specs
 
 
-def apply_flexshard(model: nn.Module, cfg: Config, dp_mesh: DeviceMesh) -> Any:
-    dp_shard = dp_mesh.size(-1)
+def apply_dp(
+    module: nn.Module, cfg: Config, meshes: Meshes, expert_fqns: Sequence[str] = ()
+) -> nn.Module:
+    """Data parallelism over ``meshes.dp`` (degree 1 included: a group of one issues no
+    collective): one bucket (or FSDP2 group) per block plus one for the root's parts;
+    EP's expert weights first, on ``meshes.experts_dp``."""
+    policy = mp_policy(cfg.training.mixed_precision)
+    reshard = cfg.parallelism.reshard_after_forward
+    timeout = configured_timeout(cfg.parallelism.timeout_s)
+    present = [fqn for fqn in expert_fqns if _has_submodule(module, fqn)]
+    if cfg.parallelism.dp_backend == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for fqn in present:
+            fully_shard(module.get_submodule(fqn), mesh=meshes.experts_dp, mp_policy=policy)
+        for layer in module.layers:  # type: ignore[union-attr]
+            fully_shard(layer, mesh=meshes.dp, mp_policy=policy, reshard_after_forward=reshard)
+        return fully_shard(module, mesh=meshes.dp, mp_policy=policy, reshard_after_forward=reshard)
+    if present:  # buckets on two meshes: fully_shard style, one call per module
+        return _flexshard_per_module(
+            module, block_placement(cfg), meshes, present, policy, reshard, timeout
+        )
     return fs.flex_shard(
-        model,
-        dp_mesh,
-        buckets=bucket_specs(cfg, model, dp_shard),
-        mp_policy=mp_policy(cfg.training.mixed_precision),
-        reshard_after_forward=cfg.parallelism.reshard_after_forward,
-        timeout=datetime.timedelta(seconds=cfg.parallelism.timeout_s),
+        module,
+        mesh=meshes.dp,
+        buckets=bucket_specs(cfg, module, meshes.dp.size(-1)),
+        mp_policy=policy,
+        reshard_after_forward=reshard,
+        timeout=timeout,
     )
 
 
-def apply_fsdp2(model: nn.Module, cfg: Config, dp_mesh: DeviceMesh) -> Any:
-    """torch's fully_shard per block, then the root (the layout flexshard's defaults copy)."""
-    from torch.distributed.fsdp import fully_shard
+def _flexshard_per_module(
+    module: nn.Module,
+    placement: Policy,
+    meshes: Meshes,
+    expert_fqns: list[str],
+    policy: MixedPrecisionPolicy,
+    reshard: bool,
+    timeout: datetime.timedelta,
+) -> nn.Module:
+    """fs.fully_shard on the experts (their own mesh), then each block, then the root:
+    flex_shard's buckets share one mesh, EP's experts need another."""
+    fqn_of = {id(p): fqn for fqn, p in module.named_parameters()}
 
-    policy = mp_policy(cfg.training.mixed_precision)
-    reshard = cfg.parallelism.reshard_after_forward
-    for layer in model.layers:  # type: ignore[union-attr]
-        fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-    return fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    def place(param: nn.Parameter) -> fs.Placement:
+        if isinstance(placement, fs.Placement):
+            return placement
+        return placement(fqn_of[id(param)], param)
+
+    for fqn in expert_fqns:
+        fs.fully_shard(
+            module.get_submodule(fqn),
+            mesh=meshes.experts_dp,
+            mp_policy=policy,
+            shard_placement_fn=place,
+            timeout=timeout,
+        )
+    for layer in module.layers:  # type: ignore[union-attr]
+        fs.fully_shard(
+            layer,
+            mesh=meshes.dp,
+            mp_policy=policy,
+            reshard_after_forward=reshard,
+            shard_placement_fn=place,
+            timeout=timeout,
+        )
+    return fs.fully_shard(
+        module,
+        mesh=meshes.dp,
+        mp_policy=policy,
+        reshard_after_forward=reshard,
+        shard_placement_fn=place,
+        timeout=timeout,
+    )
+
+
+def _has_submodule(module: nn.Module, fqn: str) -> bool:
+    try:
+        module.get_submodule(fqn)
+    except AttributeError:
+        return False
+    return True

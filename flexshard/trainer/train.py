@@ -10,13 +10,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import flexshard as fs
 
 from . import bounded_waits, checkpointing
-from .activation_checkpoint import apply_ac
 from .config import Config, ConfigError
 from .data import DPSampler, ValidationBatches, load_tokens, split_tokens
 from .exchange import configured_timeout, exchange_bytes
@@ -32,13 +30,12 @@ from .metrics import (
     read_metrics,
     summary_table,
 )
-from .model import Transformer, count_params, flops_per_token, init_module, init_weights
+from .model import count_params, flops_per_token
 from .moe_balance import step_balance, tokens_per_expert
 from .optimizers import build_optimizer
 from .parallel import ParallelDims, init_distributed, pick_device
-from .parallelize import Parallelized, apply_compile, local_batch, parallelize
+from .parallelize import Parallelized, local_batch, parallelize
 from .preflight import load_errors
-from .sharding import apply_flexshard, apply_fsdp2
 from .tokenizer import load_tokenizer
 
 
@@ -52,33 +49,6 @@ def check_backend_options(cfg: Config) -> None:
             )
         if cfg.training.optimizer == "muon":
             raise ConfigError('training.optimizer = "muon" runs on dp_backend = "flexshard" only')
-
-
-def build_model(cfg: Config, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    """The sharded model with the weights a single process seeded with
-    ``training.seed`` would draw, whatever the backend and world size."""
-    if cfg.parallelism.dp_backend == "fsdp2":
-        # the comparison backend builds the whole model on the device first (same random
-        # stream as the single process); models too large for that are flexshard's case
-        with torch.device(device):
-            model = Transformer(cfg.model)
-        init_weights(model, cfg.training.seed)
-        apply_ac(model, cfg.activation_checkpoint)
-        if cfg.compile.enable:
-            apply_compile(model, cfg)
-        return apply_fsdp2(model, cfg, dp_mesh)
-    # flexshard: build on meta (no full copy of the weights anywhere), shard, then
-    # initialise module by module: each rank keeps only its regions
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    apply_ac(model, cfg.activation_checkpoint)
-    if cfg.compile.enable:
-        apply_compile(model, cfg)
-    model = apply_flexshard(model, cfg, dp_mesh)
-    model.to_empty(device=device)
-    torch.manual_seed(cfg.training.seed)
-    fs.init_params(model, init_module)
-    return model
 
 
 def clip_gradients(job: Job) -> float:
@@ -131,10 +101,7 @@ def setup(cfg: Config) -> Job:
         dims.dp_size,
         t.seed,
     )
-    if dims.composed or dims.cp > 1:
-        parallel = parallelize(cfg, dims, meshes, device)
-    else:  # data parallelism alone: flexshard builds on meta, no full copy anywhere
-        parallel = Parallelized([build_model(cfg, meshes.dp, device)])
+    parallel = parallelize(cfg, dims, meshes, device)
     model = parallel.modules[0]
     # one module: the optimizer sees it (Muon groups by module); pipeline stages: all
     whole = model if len(parallel.modules) == 1 else parallel

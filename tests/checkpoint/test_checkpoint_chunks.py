@@ -13,7 +13,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexshard.placements import BlockShard, plan_bucket
+from flexshard.placements import BlockShard
+from flexshard.placements.layout import plan_bucket
 from flexshard.runtime.dcp_chunks import RegionTensor, flat_range_boxes, local_boxes, region_tensor
 
 from ..placement_cases import ALL_BUCKETS, PROPERTY, distinct_fulls, shapes

@@ -36,7 +36,7 @@ def _mixed(fqn: str, param: torch.Tensor) -> fs.Placement:
 def _model(mesh, cfg: TransformerConfig = TransformerConfig(), seed: int = 0):
     torch.manual_seed(seed)
     model = fs.flex_shard(
-        TinyTransformer(cfg), mesh, buckets=[fs.BucketSpec("*", placement=_mixed)]
+        TinyTransformer(cfg), mesh=mesh, buckets=[fs.BucketSpec("*", placement=_mixed)]
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens, targets = make_batches(cfg, 1, batch=2)[0]

@@ -50,7 +50,7 @@ def _ours(mesh, seed: int, placement=None) -> torch.nn.Module:
         for layer in model.layers:
             fs.fully_shard(layer, mesh=mesh)
         return fs.fully_shard(model, mesh=mesh)
-    return fs.flex_shard(model, mesh, buckets=[fs.BucketSpec("*", placement=placement)])
+    return fs.flex_shard(model, mesh=mesh, buckets=[fs.BucketSpec("*", placement=placement)])
 
 
 def _mismatches(ours, our_opt, theirs, their_opt) -> list[str]:

@@ -103,9 +103,9 @@ def _build(config: Config, groups: dict, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if config == HSDP:
         mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("replicate", "shard"))
-        return fs.flex_shard(Net(), mesh, buckets=_buckets(_mixed))
+        return fs.flex_shard(Net(), mesh=mesh, buckets=_buckets(_mixed))
     world, placement = config
-    return fs.flex_shard(Net(), groups[world], buckets=_buckets(PLACEMENTS[placement]))
+    return fs.flex_shard(Net(), mesh=groups[world], buckets=_buckets(PLACEMENTS[placement]))
 
 
 def pairs(full: bool) -> set[tuple[Config, Config]]:

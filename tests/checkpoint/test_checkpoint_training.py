@@ -38,7 +38,7 @@ def _model(group, placement, seed: int) -> torch.nn.Module:
         fs.BucketSpec("layers.1.*", placement=placement, name="layer1"),
         fs.BucketSpec(["embed.*", "norm.*", "head.*"], placement=placement, name="outer"),
     ]
-    return fs.flex_shard(TinyTransformer(CFG), group, buckets=buckets)
+    return fs.flex_shard(TinyTransformer(CFG), mesh=group, buckets=buckets)
 
 
 def _optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
@@ -106,7 +106,7 @@ def _packed(group, placement, seed: int) -> torch.nn.Module:
     model = TinyTransformer(CFG)
     model.layers[0].to(torch.bfloat16)
     spec = fs.BucketSpec("*", placement=placement, pack_as_bytes=True)
-    return fs.flex_shard(model, group, buckets=[spec])
+    return fs.flex_shard(model, mesh=group, buckets=[spec])
 
 
 def _pieces_differ(model, full: dict) -> list[str]:

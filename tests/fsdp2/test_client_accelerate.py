@@ -53,8 +53,13 @@ def _use_fsdp2_plugin(acc) -> None:
 
 def _model() -> torch.nn.Module:
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)

@@ -68,7 +68,9 @@ def _build(variant: str, mesh) -> Stack:
             fs.BucketSpec(f"layers.{i}.*", fs.BlockShard((32, 32)), quant=MXFP8((32, 32)))
             for i in range(3)
         ]
-        return fs.flex_shard(model, mesh, [*specs, fs.BucketSpec("norm.*", fs.Replicate())])
+        return fs.flex_shard(
+            model, mesh=mesh, buckets=[*specs, fs.BucketSpec("norm.*", fs.Replicate())]
+        )
     model = Stack()
     if variant in ("fsdp2", "fsdp2_bf16", "fully_shard", "fully_shard_bf16"):
         shard = torch_fully_shard if variant.startswith("fsdp2") else fs.fully_shard
@@ -78,7 +80,7 @@ def _build(variant: str, mesh) -> Stack:
         return shard(model, mesh=mesh, mp_policy=policy)
     placement = PLACEMENTS[variant]
     specs = [fs.BucketSpec(f"layers.{i}.*", placement, name=f"layers.{i}") for i in range(3)]
-    return fs.flex_shard(model, mesh, [*specs, fs.BucketSpec("norm.*", placement)])
+    return fs.flex_shard(model, mesh=mesh, buckets=[*specs, fs.BucketSpec("norm.*", placement)])
 
 
 def _train(model: nn.Module, rank: int) -> list[float]:

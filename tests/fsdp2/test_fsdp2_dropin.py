@@ -188,7 +188,7 @@ def _placement_case(rank: int, world: int, name: str, hsdp: bool) -> dict:
     torch.manual_seed(0)
     model = Net()
     spec = fs.BucketSpec(["layers.*", "head.*"], placement=PLACEMENTS[name])
-    fs.flex_shard(model, mesh, [spec])
+    fs.flex_shard(model, mesh=mesh, buckets=[spec])
     model(_batch(0, rank)).pow(2).mean().backward()
     bad: list[str] = []
 
@@ -362,7 +362,7 @@ def _broadcast_meta_load(rank: int, world: int, hsdp: bool) -> dict:
     for via_torch in (True, False):
         with torch.device("meta"):
             model = Net()
-        fs.flex_shard(model, mesh, specs)
+        fs.flex_shard(model, mesh=mesh, buckets=specs)
         if via_torch:
             set_model_state_dict(model, dict(full) if rank == 0 else {}, options=BROADCAST)
         else:

@@ -93,7 +93,7 @@ def _meta_and_accumulation(rank, world_size):
         fs.BucketSpec("layers.*", placement=fs.Owned()),
         fs.BucketSpec(["embed.*", "norm.*", "head.*"]),
     ]
-    lazy = fs.flex_shard(lazy, mesh, buckets=buckets)
+    lazy = fs.flex_shard(lazy, mesh=mesh, buckets=buckets)
     on_meta = all(p.device.type == "meta" for p in lazy.parameters())
     lazy.to_empty(device="cpu")
     fs.load_full_state_dict(lazy, full)
@@ -101,13 +101,13 @@ def _meta_and_accumulation(rank, world_size):
     # meta build, then init_params under the seed: the values a single process draws
     with torch.device("meta"):
         seeded = TinyTransformer(CFG)
-    seeded = fs.flex_shard(seeded, mesh, buckets=buckets)
+    seeded = fs.flex_shard(seeded, mesh=mesh, buckets=buckets)
     seeded.to_empty(device="cpu")
     torch.manual_seed(0)
     fs.init_params(seeded)
     seeded_state = fs.full_state_dict(seeded)
     seeded_same = all(torch.equal(seeded_state[k], v) for k, v in full.items())
-    eager = fs.flex_shard(eager, mesh, buckets=buckets)
+    eager = fs.flex_shard(eager, mesh=mesh, buckets=buckets)
     lazy_losses = sharded_training(lazy, rank, world_size, batches, STEPS, micro=2)
     eager_losses = sharded_training(eager, rank, world_size, batches, STEPS, micro=2)
     lazy_state, eager_state = fs.full_state_dict(lazy), fs.full_state_dict(eager)

@@ -52,7 +52,7 @@ def _build(mesh, name: str, meta: bool = False) -> Net:
         buckets = muon_buckets(model, mesh.size(mesh.ndim - 1))
     else:
         buckets = [fs.BucketSpec(["layers.*", "head.*"], placement=SPECS[name])]
-    fs.flex_shard(model, mesh, buckets)
+    fs.flex_shard(model, mesh=mesh, buckets=buckets)
     return model
 
 

@@ -22,7 +22,7 @@ def _model() -> nn.Sequential:
 
 def _shard(how: str, model: nn.Sequential, mesh) -> None:
     if how == "flex_shard":
-        fs.flex_shard(model, mesh, buckets=[fs.BucketSpec("*", placement=fs.Shard(0))])
+        fs.flex_shard(model, mesh=mesh, buckets=[fs.BucketSpec("*", placement=fs.Shard(0))])
     else:
         fs.fully_shard(model[0], mesh=mesh)
         fs.fully_shard(model, mesh=mesh)

@@ -120,7 +120,7 @@ def _optimizer(model: torch.nn.Module, row_blocks: dict) -> DistMuon:
 
 def _run_case(name: str, mesh) -> dict:
     buckets, row_blocks, comm_free = CASES[name]
-    model = fs.flex_shard(Mats(), mesh, buckets=buckets)
+    model = fs.flex_shard(Mats(), mesh=mesh, buckets=buckets)
     opt = _optimizer(model, row_blocks)
     counts: Counter[str] = Counter()
     for step in range(STEPS):
@@ -148,7 +148,7 @@ def _run_case(name: str, mesh) -> dict:
 def _resume_bitwise(mesh) -> None:
     """A rank-local optimizer state dict saved after two steps, loaded into a new
     DistMuon, gives bit for bit the same third step."""
-    model = fs.flex_shard(Mats(), mesh, buckets=CASES["shard0"][0])
+    model = fs.flex_shard(Mats(), mesh=mesh, buckets=CASES["shard0"][0])
     opt = DistMuon(model.parameters(), lr=LR)
     for step in range(2):
         set_grads(model, full_grads(NAMES, step))
@@ -171,7 +171,7 @@ def _resume_bitwise(mesh) -> None:
 
 def _guard_catches_redistribution(mesh) -> None:
     """The guard of the communication-free cases does fail a step that communicates."""
-    model = fs.flex_shard(Mats(), mesh, buckets=CASES["shard0"][0])
+    model = fs.flex_shard(Mats(), mesh=mesh, buckets=CASES["shard0"][0])
     opt = DistMuon(model.parameters(), lr=LR)
     set_grads(model, full_grads(NAMES, 0))
     # the exchange is bounded like every flexshard collective: the guard's error comes
@@ -186,12 +186,14 @@ def _guard_catches_redistribution(mesh) -> None:
 def _bad_inputs(mesh) -> None:
     """Storage that per-block Muon cannot use raises ValueError naming the parameter and
     its bucket, while the optimizer is built: before any collective."""
-    tiles = fs.flex_shard(Mats(), mesh, buckets=[fs.BucketSpec("*", fs.BlockShard((8, 8)))])
-    rows = fs.flex_shard(Mats(), mesh, buckets=[fs.BucketSpec("*", fs.Shard(0), name="rows")])
+    tiles = fs.flex_shard(Mats(), mesh=mesh, buckets=[fs.BucketSpec("*", fs.BlockShard((8, 8)))])
+    rows = fs.flex_shard(Mats(), mesh=mesh, buckets=[fs.BucketSpec("*", fs.Shard(0), name="rows")])
     qkv_tiles = {"params": [tiles.qkv], "row_blocks": True}
     qkv_rows = {"params": [rows.qkv], "row_blocks": HEAD_ROWS}  # 14-row chunks at W = 4
     tp = distribute_tensor(torch.zeros(8, 4), mesh, [TorchShard(0)])  # scatters: outside
-    linear = fs.flex_shard(torch.nn.Linear(5, 3), mesh, buckets=[fs.BucketSpec("*", name="lin")])
+    linear = fs.flex_shard(
+        torch.nn.Linear(5, 3), mesh=mesh, buckets=[fs.BucketSpec("*", name="lin")]
+    )
     with forbid_collectives():
         with pytest.raises(ValueError, match="'qkv' in bucket 'bucket0'.*not whole blocks"):
             DistMuon([qkv_tiles])
@@ -213,7 +215,7 @@ def _pipeline_order(mesh) -> None:
     Newton–Schulz runs, and bucket i's update goes back before bucket i+1's runs."""
     import flexshard.optim.dist_muon as dm
 
-    model = fs.flex_shard(Mats(), mesh, buckets=CASES["shard0"][0])
+    model = fs.flex_shard(Mats(), mesh=mesh, buckets=CASES["shard0"][0])
     opt = DistMuon(model.parameters(), lr=LR)
     set_grads(model, full_grads(NAMES, 0))
     events: list[str] = []
@@ -262,7 +264,7 @@ def _owners_avoid_busy_ranks(mesh) -> None:
         fs.BucketSpec("qkv", placement=fs.Owned(rank=0), name="owned"),
         fs.BucketSpec("a", placement=fs.Shard(0), name="split"),
     ]
-    model = fs.flex_shard(Mats(("qkv", "a")), mesh, buckets=buckets)
+    model = fs.flex_shard(Mats(("qkv", "a")), mesh=mesh, buckets=buckets)
     opt = DistMuon(model.parameters(), lr=LR)
     (exchange,) = opt._exchanges([opt._targets[id(p)] for p in model.parameters()])
     assert [u.owner for u in exchange.units] == [1]
@@ -305,7 +307,7 @@ def test_dist_muon_matches_torch_muon(world_size: int) -> None:
 
 def _save_after_two_steps(rank: int, world_size: int, root: str) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
-    model = fs.flex_shard(Mats(), mesh, buckets=CASES["shard0"][0])
+    model = fs.flex_shard(Mats(), mesh=mesh, buckets=CASES["shard0"][0])
     opt = DistMuon(model.parameters(), lr=LR)
     for step in range(2):
         set_grads(model, full_grads(NAMES, step))
@@ -315,7 +317,7 @@ def _save_after_two_steps(rank: int, world_size: int, root: str) -> None:
 
 def _load_and_step(rank: int, world_size: int, root: str) -> list[str]:
     mesh = init_device_mesh("cpu", (world_size,))
-    model = fs.flex_shard(Mats(seed=99), mesh, buckets=CASES["owned"][0])
+    model = fs.flex_shard(Mats(seed=99), mesh=mesh, buckets=CASES["owned"][0])
     opt = DistMuon(model.parameters(), lr=LR)
     ckpt.load(root, model, opt)
     set_grads(model, full_grads(NAMES, 2))

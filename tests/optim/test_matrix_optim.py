@@ -108,7 +108,7 @@ def _run_case(case: str, optimizer: str, mesh, expected: dict) -> dict:
     buckets, comm_free = CASES[OVERLAP.get(case, case)]
     if case == "planned":
         buckets = matrix_buckets(Mats(), mesh.size())
-    model = fs.flex_shard(Mats(), mesh, buckets=buckets)
+    model = fs.flex_shard(Mats(), mesh=mesh, buckets=buckets)
     opt = _adapter(model, optimizer, overlap)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     with record_collectives() as log:
@@ -136,7 +136,7 @@ class RunningNorm(torch.optim.SGD):
 
 def _errors(mesh) -> None:
     """Clear errors, raised before anything is silently wrong."""
-    model = fs.flex_shard(Mats(), mesh, buckets=CASES["shard0"][0])
+    model = fs.flex_shard(Mats(), mesh=mesh, buckets=CASES["shard0"][0])
     opt = MatrixOptimizer(model.parameters(), RunningNorm, lr=0.1)
     set_grads(model, full_grads(NAMES, 0))
     with pytest.raises(ValueError, match="state under str 'grad_norm'.*per matrix"):
@@ -173,7 +173,7 @@ def _psgd_steps(seed: int) -> dict[str, torch.Tensor]:
 def _psgd_on_owned(mesh) -> None:
     """PSGD on whole matrices at W = 3: no collective, and every parameter stepped
     (it is not compared with one process: see test_psgd_on_the_same_random_stream)."""
-    model = fs.flex_shard(Mats(), mesh, buckets=CASES["owned"][0])
+    model = fs.flex_shard(Mats(), mesh=mesh, buckets=CASES["owned"][0])
     with forbid_collectives():
         opt = MatrixOptimizer(model.parameters(), heavyball.PSGDKron, lr=0.01)
         for step in range(STEPS):

@@ -96,9 +96,11 @@ def _blocks_case(rank: int, world_size: int) -> tuple[tuple, tuple]:
     """Blocks dealt over the ranks, and a Replicate bucket (every rank steps every
     block of its full copy)."""
     mesh = init_device_mesh("cpu", (world_size,))
-    model = fs.flex_shard(Mats(), mesh, buckets=[fs.BucketSpec(list(NAMES), _placement)])
+    model = fs.flex_shard(Mats(), mesh=mesh, buckets=[fs.BucketSpec(list(NAMES), _placement)])
     dealt = _steps(model, comm_free=True)
-    replicated = fs.flex_shard(Mats(), mesh, buckets=[fs.BucketSpec(list(NAMES), fs.Replicate())])
+    replicated = fs.flex_shard(
+        Mats(), mesh=mesh, buckets=[fs.BucketSpec(list(NAMES), fs.Replicate())]
+    )
     return dealt, _steps(replicated, comm_free=False)
 
 

@@ -51,8 +51,10 @@ def reference(name: str) -> dict[str, torch.Tensor]:
             for p, g in zip(ps, grads[n].unbind(0) if grads[n].ndim == 3 else [grads[n]]):
                 p.grad = g.clone()
         opt.step()
-    return {n: torch.stack([p.detach() for p in ps]) if len(SHAPES[n]) == 3 else ps[0].detach()
-            for n, ps in parts.items()}
+    return {
+        n: torch.stack([p.detach() for p in ps]) if len(SHAPES[n]) == 3 else ps[0].detach()
+        for n, ps in parts.items()
+    }
 
 
 def _run(rank: int, world_size: int) -> dict[tuple[str, str], list[str]]:
@@ -61,7 +63,9 @@ def _run(rank: int, world_size: int) -> dict[tuple[str, str], list[str]]:
     for name in FAMILY:
         expected = reference(name)
         for case, (placement, comm_free) in PLACEMENTS.items():
-            model = fs.flex_shard(Mats(), mesh, buckets=[fs.BucketSpec(list(NAMES), placement)])
+            model = fs.flex_shard(
+                Mats(), mesh=mesh, buckets=[fs.BucketSpec(list(NAMES), placement)]
+            )
             named = {n: [p] for n, p in model.named_parameters()}
             opt = MatrixOptimizer(_groups(named), getattr(pytorch_optimizer, name), lr=0.02)
             for step in range(STEPS):

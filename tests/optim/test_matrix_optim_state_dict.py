@@ -45,7 +45,7 @@ def _expected() -> dict[str, torch.Tensor]:
 def _trained(world_size: int, case: str) -> tuple[torch.nn.Module, MatrixOptimizer]:
     """SOAP after two of the reference's steps (and lr schedule) on ``case``'s buckets."""
     mesh = init_device_mesh("cpu", (world_size,))
-    model = fs.flex_shard(Mats(), mesh, buckets=CASES[case][0])
+    model = fs.flex_shard(Mats(), mesh=mesh, buckets=CASES[case][0])
     opt = _adapter(model, "soap")
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     for step in range(2):
@@ -57,7 +57,7 @@ def _trained(world_size: int, case: str) -> tuple[torch.nn.Module, MatrixOptimiz
 
 def _fresh(world_size: int, case: str) -> tuple[torch.nn.Module, MatrixOptimizer]:
     mesh = init_device_mesh("cpu", (world_size,))
-    model = fs.flex_shard(Mats(seed=99), mesh, buckets=CASES[case][0])
+    model = fs.flex_shard(Mats(seed=99), mesh=mesh, buckets=CASES[case][0])
     return model, _adapter(model, "soap")
 
 

@@ -215,7 +215,7 @@ def test_expert_pieces_rebuild_every_expert(placement) -> None:
     """Cut experts are redistributed one by one: the pieces every rank holds of each
     expert, read from its local shard, rebuild that expert exactly."""
     from flexshard.optim.units import matrices, pieces
-    from flexshard.placements import plan_bucket
+    from flexshard.placements.layout import plan_bucket
 
     shape = (3, 17, 10)
     full = torch.arange(510.0).view(shape)

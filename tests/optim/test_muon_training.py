@@ -67,11 +67,11 @@ def _both(rank: int, world_size: int) -> dict:
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
     buckets = muon_buckets(_model(), world_size, row_blocks=HEADS)
-    planned = fs.flex_shard(_model(), mesh, buckets=buckets)
+    planned = fs.flex_shard(_model(), mesh=mesh, buckets=buckets)
     opt = muon_and_adamw(planned, row_blocks=HEADS, **OPT)
     out["planned"], _ = _train(planned, opt, rank, world_size, comm_free=True)
     out["planned_bytes"] = opt.comm_stats()["bytes_sent"]
-    shard0 = fs.flex_shard(_model(), mesh, buckets=[fs.BucketSpec("*", placement=fs.Shard(0))])
+    shard0 = fs.flex_shard(_model(), mesh=mesh, buckets=[fs.BucketSpec("*", placement=fs.Shard(0))])
     opt = muon_and_adamw(shard0, **OPT)
     out["shard0"], logged = _train(shard0, opt, rank, world_size, comm_free=False)
     out["shard0_all_to_all"] = opt.comm_stats()["all_to_all"]
@@ -115,7 +115,7 @@ def _same_batch_everywhere(rank: int, world_size: int) -> dict:
         ("shard0", [fs.BucketSpec("*", placement=fs.Shard(0))], {}),
         ("planned", muon_buckets(_model(), world_size, row_blocks=HEADS), HEADS),
     ):
-        model = fs.flex_shard(_model(), mesh, buckets=buckets)
+        model = fs.flex_shard(_model(), mesh=mesh, buckets=buckets)
         got = _three_steps(model, row_blocks, fs.full_state_dict)
         expected = _three_steps(_model(), row_blocks, lambda m: m.state_dict())
         differ += [(name, k) for k, v in expected.items() if not torch.equal(got[k], v)]

@@ -67,7 +67,7 @@ def _run() -> dict:
     col, row = ColwiseParallel, RowwiseParallel
     styles = {n: col() if s[2] == "col" else row() for n, s in SHAPES.items()}
     parallelize_module(model, mesh["tp"], styles)
-    model = fs.flex_shard(model, mesh["dp_shard"], buckets=[fs.BucketSpec("*", fs.Shard(0))])
+    model = fs.flex_shard(model, mesh=mesh["dp_shard"], buckets=[fs.BucketSpec("*", fs.Shard(0))])
     params = dict(model.named_parameters())
     opt = DistMuon(model.parameters(), lr=LR, weight_decay=WD)
     tp_rank = mesh.get_local_rank("tp")

@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import flexshard as fs
-from flexshard.placements import Replicate, Shard, plan_bucket
+from flexshard.placements import Replicate, Shard
+from flexshard.placements.layout import plan_bucket
 from flexshard.runtime.gather import Collective, PlainGather, ReplicatedGather
 from flexshard.runtime.storage import BucketStorage
 from flexshard.runtime.strategies import choose_collective, register_collective
@@ -52,7 +53,7 @@ def _train(rank, world_size, placement):
         fs.BucketSpec("layers.*", placement=placement, name="layers"),
         fs.BucketSpec(["embed.*", "norm.*", "head.*"], placement=placement, name="outer"),
     ]
-    model = fs.flex_shard(TinyTransformer(CFG), mesh, buckets=buckets)
+    model = fs.flex_shard(TinyTransformer(CFG), mesh=mesh, buckets=buckets)
     kinds = sorted({type(b.collective).__name__ for b in model._flexshard_buckets})
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []

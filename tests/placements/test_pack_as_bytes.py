@@ -43,7 +43,7 @@ def _packed(rank, world_size):
     reference = MixedDtypes()
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
     spec = fs.BucketSpec("*", placement=_placement, name="mixed", pack_as_bytes=True)
-    model = fs.flex_shard(MixedDtypes(), mesh, buckets=[spec])
+    model = fs.flex_shard(MixedDtypes(), mesh=mesh, buckets=[spec])
     fs.load_full_state_dict(model, initial)
     round_trip = fs.full_state_dict(model)
     exact = all(

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexshard.placements import BlockShard, FlatShard, Shard, pack_all, plan_bucket, unpack
-from flexshard.placements.packing import full_view, storage_view
+from flexshard.placements import BlockShard, FlatShard, Shard
+from flexshard.placements.layout import plan_bucket
+from flexshard.placements.packing import full_view, pack_all, storage_view, unpack
 
 SHAPES = [(17, 24), (24, 17), (5,), (3, 17, 8)]
 

@@ -10,14 +10,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexshard.placements import (
-    Region,
-    chunk_bounds,
-    lpt_owners,
-    plan_bucket,
-    tile_grid,
-)
+from flexshard.placements import Region
 from flexshard.placements.base import contiguous_cuts
+from flexshard.placements.block import tile_grid
+from flexshard.placements.layout import plan_bucket
+from flexshard.placements.owned import lpt_owners
+from flexshard.placements.shard import chunk_bounds
 
 from ..placement_cases import (
     CHEAP,

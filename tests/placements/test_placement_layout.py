@@ -10,19 +10,12 @@ import pytest
 import torch
 from hypothesis import given
 
-from flexshard.placements import (
-    BlockShard,
-    FlatShard,
-    Owned,
-    Placement,
-    Replicate,
-    Shard,
-    chunk_bounds,
-    gathered_alias,
-    lpt_owners,
-    plan_bucket,
-    tile_grid,
-)
+from flexshard.placements import BlockShard, FlatShard, Owned, Placement, Replicate, Shard
+from flexshard.placements.block import tile_grid
+from flexshard.placements.layout import plan_bucket
+from flexshard.placements.owned import lpt_owners
+from flexshard.placements.packing import gathered_alias
+from flexshard.placements.shard import chunk_bounds
 
 from ..placement_cases import (
     ALL_BUCKETS,

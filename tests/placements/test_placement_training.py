@@ -44,7 +44,7 @@ def _compare_all(rank, world_size):
     report = {}
     for name, placement in PLACEMENTS.items():
         torch.manual_seed(0)
-        model = fs.flex_shard(TinyTransformer(CFG), mesh, buckets=_buckets(placement))
+        model = fs.flex_shard(TinyTransformer(CFG), mesh=mesh, buckets=_buckets(placement))
         losses = sharded_training(model, rank, world_size, batches, STEPS)
         stats = model.comm_stats()
         state = fs.full_state_dict(model)

@@ -8,18 +8,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexshard.placements import (
-    BlockShard,
-    FlatShard,
-    Owned,
-    Replicate,
-    gathered_alias,
-    pack_all,
-    pack_rank,
-    plan_bucket,
-    unpack,
-)
+from flexshard.placements import BlockShard, FlatShard, Owned, Replicate
 from flexshard.placements.bytes import ALIGN, as_bytes, byte_view
+from flexshard.placements.layout import plan_bucket
+from flexshard.placements.packing import gathered_alias, pack_all, pack_rank, unpack
 
 from ..placement_cases import (
     ALL_BUCKETS,

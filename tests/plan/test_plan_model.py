@@ -14,7 +14,8 @@ import torch
 
 from flexshard.optim.newton_schulz import ns_flops
 from flexshard.optim.planner import muon_balance
-from flexshard.placements import Owned, Shard, plan_bucket
+from flexshard.placements import Owned, Shard
+from flexshard.placements.layout import plan_bucket
 from flexshard.plan.activations import estimate_activations
 from flexshard.plan.buckets import BucketInfo, fsdp2_equivalent
 from flexshard.plan.comm import bucket_comm, is_muon_matrix, muon_work

@@ -19,7 +19,7 @@ def _expand(name: str) -> list[str]:
     m = re.search(r"\{([^}]*)\}", name)
     if not m:
         return [name]
-    return [name[: m.start()] + part + name[m.end():] for part in m.group(1).split(",")]
+    return [name[: m.start()] + part + name[m.end() :] for part in m.group(1).split(",")]
 
 
 def mentions(text: str) -> list[str]:

@@ -110,21 +110,26 @@ def test_unknown_directive_and_bare_skip_raise(tmp_path: Path) -> None:
 
 
 def test_torchrun_block_runs_on_every_rank(tmp_path: Path) -> None:
-    (block,) = _doc(tmp_path, "<!-- docs-run: torchrun 2 -->\n```python\n"
-                    # one write per rank: two ranks share the pipe, print's pieces interleave
-                    "import os\nos.write(1, f\"rank {os.environ['RANK']}\\n\".encode())\n```\n")
+    (block,) = _doc(
+        tmp_path,
+        "<!-- docs-run: torchrun 2 -->\n```python\n"
+        # one write per rank: two ranks share the pipe, print's pieces interleave
+        "import os\nos.write(1, f\"rank {os.environ['RANK']}\\n\".encode())\n```\n",
+    )
     result = docs_run.run(block, tmp_path)
     assert result.returncode == 0, result.stderr
     assert sorted(ln for ln in result.stdout.splitlines() if ln.startswith("rank")) == [
-        "rank 0", "rank 1"]
+        "rank 0",
+        "rank 1",
+    ]
 
 
 def test_changed_paths_sees_a_written_file(tmp_path: Path) -> None:
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     (tmp_path / ".gitignore").write_text("/outputs/\n")
-    (block,) = _doc(tmp_path, "```bash\nmkdir -p outputs && echo x > outputs/a\n"
-                    "echo y > written.txt\n```\n")
+    (block,) = _doc(
+        tmp_path, "```bash\nmkdir -p outputs && echo x > outputs/a\necho y > written.txt\n```\n"
+    )
     before = docs_run.changed_paths(tmp_path)
     assert docs_run.run(block, tmp_path).returncode == 0
     assert docs_run.changed_paths(tmp_path) - before == {"?? written.txt"}
-

@@ -172,8 +172,9 @@ def one_cycle(component: list[str], edges: list[Edge]) -> list[Edge]:
     raise AssertionError(f"no cycle through {start}")  # a component always has one
 
 
-def describe(components: list[list[str]], edges: list[Edge], modules: dict[str, Path],
-             base: Path) -> str:
+def describe(
+    components: list[list[str]], edges: list[Edge], modules: dict[str, Path], base: Path
+) -> str:
     lines = []
     for component in components:
         files = ", ".join(str(modules[m].relative_to(base)) for m in component)
@@ -207,8 +208,10 @@ def test_checker_finds_a_cycle_through_a_function_level_import(tmp_path: Path) -
     _write(pkg / "a.py", "from flexshard.b import g\n\ndef f():\n    return g()\n")
     # the back edge hides inside a function, as the trainer's did
     _write(pkg / "b.py", "def g():\n    from . import a\n    return a\n")
-    _write(pkg / "c.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                         "    from .sub.d import D\n")
+    _write(
+        pkg / "c.py",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .sub.d import D\n",
+    )
     _write(pkg / "sub" / "__init__.py", "")
     _write(pkg / "sub" / "d.py", "from ..c import x\nD = 1\n")
     components, report = find_cycles(pkg)

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import flexshard as fs
-from flexshard.placements import plan_bucket
+from flexshard.placements.layout import plan_bucket
 from flexshard.quant import MXFP8, FP8Blockwise, QuantizedTensor, dequantize, quantize
 from flexshard.quant import compiled as qc
 from flexshard.quant.fused import dequantize_fused, quantize_fused

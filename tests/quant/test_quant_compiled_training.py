@@ -28,7 +28,7 @@ def _model(mesh, fmt):
         buckets.append(fs.BucketSpec(rest, name=f"rest{i}"))
     buckets.append(fs.BucketSpec(["embed.*", "norm.*", "head.*"], name="outer"))
     torch.manual_seed(0)
-    return fs.flex_shard(TinyTransformer(QCFG), mesh, buckets=buckets, mp_policy=BF16)
+    return fs.flex_shard(TinyTransformer(QCFG), mesh=mesh, buckets=buckets, mp_policy=BF16)
 
 
 def _train(rank, world_size, formats, steps, compiled_model):

@@ -49,7 +49,7 @@ def _check_format(rank, world_size, fmt, mesh):
         fs.BucketSpec(f"{m}.*", placement=fs.BlockShard((32, 32)), name=m, quant=fmt)
         for m in ("a", "b")
     ]
-    model = fs.flex_shard(Two(), mesh, buckets=buckets)
+    model = fs.flex_shard(Two(), mesh=mesh, buckets=buckets)
     fs.load_full_state_dict(model, full)
     model.comm_stats(reset=True)
     model.unshard()
@@ -136,7 +136,7 @@ def _bytes_per_element(rank, world_size):
         model.w = nn.Parameter(torch.randn(512, 1024))  # 32 tiles: divides W = 2 and 4
         policy = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if fmt is None else None
         spec = fs.BucketSpec("w", placement=fs.BlockShard(block), quant=fmt, mp_policy=policy)
-        fs.flex_shard(model, mesh, buckets=[spec])
+        fs.flex_shard(model, mesh=mesh, buckets=[spec])
         model.unshard()
         received = model.comm_stats()["total"]["bytes_received"]
         out[name] = received / ((world_size - 1) / world_size * model.w.numel())
@@ -161,7 +161,7 @@ def _bad_specs(rank, world_size):
         ("tile_not_multiple", fs.BlockShard((48, 32)), MXFP8((32, 32))),
     ]:
         try:
-            fs.flex_shard(Experts(), mesh, buckets=[fs.BucketSpec("*", placement, quant=fmt)])
+            fs.flex_shard(Experts(), mesh=mesh, buckets=[fs.BucketSpec("*", placement, quant=fmt)])
         except ValueError as err:
             errors[case] = str(err)
     return errors
@@ -203,7 +203,7 @@ def _train_100(rank, world_size):
     out = {}
     for name, fmt in [("bf16", None), ("mxfp8", MXFP8((32, 32)))]:
         model = fs.flex_shard(
-            TinyTransformer(QCFG), mesh, buckets=_quantized_buckets(fmt), mp_policy=bf16
+            TinyTransformer(QCFG), mesh=mesh, buckets=_quantized_buckets(fmt), mp_policy=bf16
         )
         fs.load_full_state_dict(model, full)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -30,7 +30,9 @@ def _unsharded_buffers(rank: int, world_size: int) -> dict[str, tuple]:
     out = {}
     for name, placement in (("owned", fs.Owned()), ("mixed", _weights_owned)):
         reference = _model()
-        model = fs.flex_shard(_model(), mesh, buckets=[fs.BucketSpec("*", placement=placement)])
+        model = fs.flex_shard(
+            _model(), mesh=mesh, buckets=[fs.BucketSpec("*", placement=placement)]
+        )
         (bucket,) = own_buckets(model)
         bucket.unshard()
         fulls = [p.detach().clone() for p in bucket.full_params]
@@ -62,7 +64,9 @@ def _reduce_after_reshard(rank: int, world_size: int) -> list[bool]:
 
     Bucket.launch_reduce = launch  # type: ignore[method-assign]
     try:
-        model = fs.flex_shard(_model(), mesh, buckets=[fs.BucketSpec("*", placement=fs.Owned())])
+        model = fs.flex_shard(
+            _model(), mesh=mesh, buckets=[fs.BucketSpec("*", placement=fs.Owned())]
+        )
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
         model(x).sum().backward()  # reduced at the end of backward (x needs no gradient)
         model(x.requires_grad_()).sum().backward()  # reduced when the module's backward ends

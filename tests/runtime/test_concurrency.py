@@ -26,7 +26,7 @@ def _model_a(group: dist.ProcessGroup) -> TinyTransformer:
         fs.BucketSpec("layers.1.*", placement=fs.FlatShard(), name="layer1"),
         fs.BucketSpec(["embed.*", "norm.*", "head.*"], placement=fs.Owned(), name="outer"),
     ]
-    return fs.flex_shard(TinyTransformer(CFG), group, buckets=buckets)
+    return fs.flex_shard(TinyTransformer(CFG), mesh=group, buckets=buckets)
 
 
 def _model_b(group: dist.ProcessGroup) -> TinyTransformer:
@@ -35,7 +35,7 @@ def _model_b(group: dist.ProcessGroup) -> TinyTransformer:
         fs.BucketSpec("layers.*", placement=fs.BlockShard((4, 8)), name="layer0"),
         fs.BucketSpec(["embed.*", "norm.*", "head.*"], name="outer"),
     ]
-    return fs.flex_shard(TinyTransformer(CFG), group, buckets=buckets)
+    return fs.flex_shard(TinyTransformer(CFG), mesh=group, buckets=buckets)
 
 
 def _loss(model, batches, step: int, rank: int) -> torch.Tensor:

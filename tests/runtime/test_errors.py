@@ -89,20 +89,20 @@ def _cases(rank: int, world_size: int, calls: CollectiveLog) -> dict:
         }
 
     def shard(buckets, on=mesh):
-        return lambda model: fs.flex_shard(model, on, buckets=buckets)
+        return lambda model: fs.flex_shard(model, mesh=on, buckets=buckets)
 
     new = TinyTransformer
     # positive control: the log sees flexshard's own collectives, the set-up agreement
     # exchange and a step's gathers and reduce-scatters
     start = len(calls)
-    control = fs.flex_shard(new(), mesh, buckets=_buckets())
+    control = fs.flex_shard(new(), mesh=mesh, buckets=_buckets())
     setup = calls[start:]
     control.loss(*make_batches(TransformerConfig(), 1, batch=2)[0]).backward()
     out["control"] = {"setup": setup, "step": calls[start + len(setup) :]}
     attempt("no_bucket", new(), shard(_buckets(outer=("embed.*", "norm.*"))))
     attempt("two_buckets", new(), shard(_buckets(outer=(*OUTER, "layers.1.up.weight"))))
     attempt("no_match", new(), shard([*_buckets(), fs.BucketSpec("layers.9.*", name="ghost")]))
-    wrapped = fs.flex_shard(new(), mesh, buckets=_buckets())
+    wrapped = fs.flex_shard(new(), mesh=mesh, buckets=_buckets())
     attempt("flex_shard_twice", wrapped, shard(_buckets()))
     attempt("fully_shard_twice", fs.fully_shard(new()), lambda m: fs.fully_shard(m))
     for case, block in (("block_zero", (0, 4)), ("block_negative", (4, -2)), ("block_1d", (3,))):
@@ -158,8 +158,10 @@ def _cases(rank: int, world_size: int, calls: CollectiveLog) -> dict:
     attempt("load_not_mapping", wrapped, lambda m: fs.load_full_state_dict(m, [1, 2]))
     attempt("load_not_tensor", wrapped, lambda m: fs.load_full_state_dict(m, {"embed.weight": 1.0}))
     attempt("load_unsharded", new(), lambda m: fs.load_full_state_dict(m, {}))
-    attempt("buckets_not_specs", new(), lambda m: fs.flex_shard(m, mesh, buckets="*"))
-    attempt("module_not_module", new(), lambda m: fs.flex_shard("model", mesh, buckets=_buckets()))
+    attempt("buckets_not_specs", new(), lambda m: fs.flex_shard(m, mesh=mesh, buckets="*"))
+    attempt(
+        "module_not_module", new(), lambda m: fs.flex_shard("model", mesh=mesh, buckets=_buckets())
+    )
     attempt("raf_not_bool", new(), lambda m: on_time(m, reshard_after_forward="yes"))
     attempt("mp_policy_str", new(), lambda m: on_time(m, mp_policy="bf16"))
     attempt("fully_shard_raf", new(), lambda m: fs.fully_shard(m, reshard_after_forward="no"))
@@ -197,7 +199,7 @@ def _cases(rank: int, world_size: int, calls: CollectiveLog) -> dict:
     batches = make_batches(cfg, STEPS * world_size, batch=2, seed=1)
     model = _tied()
     expected = reference_training(copy.deepcopy(model), batches, world_size, STEPS)
-    fs.flex_shard(model, mesh, buckets=_buckets())
+    fs.flex_shard(model, mesh=mesh, buckets=_buckets())
     ties = [model.head.weight is model.embed.weight]
     model.head.register_forward_pre_hook(
         lambda mod, _: ties.append(

@@ -120,7 +120,13 @@ def _outcome(model, before, started: float, err: BaseException | None) -> dict:
 
 
 SCENARIOS = (
-    "set_up", "forward", "backward", "end_of_backward", "full_state_dict", "clip", "dist_muon"
+    "set_up",
+    "forward",
+    "backward",
+    "end_of_backward",
+    "full_state_dict",
+    "clip",
+    "dist_muon",
 )
 
 
@@ -142,9 +148,9 @@ def _stall_cases(rank: int, world_size: int) -> dict:
                 if victim:
                     _stall()
                 started = time.monotonic()
-                fs.flex_shard(model, short, buckets=BUCKETS, timeout=TIMEOUT)
+                fs.flex_shard(model, mesh=short, buckets=BUCKETS, timeout=TIMEOUT)
                 continue
-            model = fs.flex_shard(model, group, buckets=BUCKETS, timeout=TIMEOUT)
+            model = fs.flex_shard(model, mesh=group, buckets=BUCKETS, timeout=TIMEOUT)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             if scenario == "full_state_dict":
                 _train(model, opt, batches, rank, range(1), lambda: None)
@@ -163,7 +169,8 @@ def _stall_cases(rank: int, world_size: int) -> dict:
                     fs.clip_grad_norm_(model, 1.0)
                 else:  # layer0 is Shard(0): its matrices travel to their owners
                     matrices = [
-                        p for n, p in model.named_parameters()
+                        p
+                        for n, p in model.named_parameters()
                         if n.startswith("layers.0.") and p.ndim == 2
                     ]
                     DistMuon(matrices, lr=0.02).step()
@@ -244,7 +251,7 @@ def _killed_mid_step(rank: int, world_size: int, how: str, where: str) -> dict:
     cfg = TransformerConfig()
     batches = make_batches(cfg, 2 * W, batch=2, seed=3)
     torch.manual_seed(0)
-    model = fs.flex_shard(TinyTransformer(cfg), None, buckets=BUCKETS, timeout=TIMEOUT)
+    model = fs.flex_shard(TinyTransformer(cfg), mesh=None, buckets=BUCKETS, timeout=TIMEOUT)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     die = {"sigkill": lambda: os.kill(os.getpid(), signal.SIGKILL), "exit": lambda: os._exit(3)}
     arm = functools.partial(_arm, model, where, die[how]) if rank == VICTIM else (lambda: None)
@@ -290,7 +297,7 @@ def _finite_check_cases(rank: int, world_size: int) -> dict:
     models, logs, losses = {}, {}, {}
     for check in (False, True):
         torch.manual_seed(0)
-        model = fs.flex_shard(TinyTransformer(cfg), None, buckets=BUCKETS, timeout=TIMEOUT)
+        model = fs.flex_shard(TinyTransformer(cfg), mesh=None, buckets=BUCKETS, timeout=TIMEOUT)
         model.set_check_finite_grads(check)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses[check] = []

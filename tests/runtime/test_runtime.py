@@ -48,7 +48,7 @@ def _record_events(model, events):
 
 def _overlap(rank, world_size):
     mesh = init_device_mesh("cpu", (world_size,))
-    model = fs.flex_shard(TinyTransformer(CFG), mesh, buckets=_buckets())
+    model = fs.flex_shard(TinyTransformer(CFG), mesh=mesh, buckets=_buckets())
     events: list[tuple[str, str]] = []
     _record_events(model, events)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -75,7 +75,7 @@ def test_prefetch_and_reduce_overlap_compute():
 
 def _accounting(rank, world_size):
     mesh = init_device_mesh("cpu", (world_size,))
-    model = fs.flex_shard(TinyTransformer(CFG), mesh, buckets=_buckets())
+    model = fs.flex_shard(TinyTransformer(CFG), mesh=mesh, buckets=_buckets())
     tokens, targets = make_batches(CFG, 1, batch=2)[0]
     model.loss(tokens, targets).backward()
     stats = model.comm_stats(reset=True)
@@ -111,7 +111,7 @@ def test_comm_stats_bytes_and_unshard_reshard():
 def _stall(rank, world_size):
     mesh = init_device_mesh("cpu", (world_size,))
     model = fs.flex_shard(
-        TinyTransformer(CFG), mesh, buckets=_buckets(), timeout=datetime.timedelta(seconds=2)
+        TinyTransformer(CFG), mesh=mesh, buckets=_buckets(), timeout=datetime.timedelta(seconds=2)
     )
     dist.barrier()
     if rank == 1:
@@ -154,7 +154,7 @@ def _unused_on_some_ranks(rank, world_size):
     reference = _TwoHeads()
     model = fs.flex_shard(
         _TwoHeads(),
-        mesh,
+        mesh=mesh,
         buckets=[fs.BucketSpec(["body.*", "b.*"], placement=fs.Owned()), fs.BucketSpec("a.*")],
     )
     fs.load_full_state_dict(model, reference.state_dict())
@@ -200,7 +200,7 @@ def _bucket_over_sibling_layers(rank, world_size):
         fs.BucketSpec("layers.*", placement=fs.Owned(), name="layers"),
         fs.BucketSpec(["embed.*", "norm.*", "head.*"], name="outer"),
     ]
-    model = fs.flex_shard(TinyTransformer(CFG), mesh, buckets=buckets)
+    model = fs.flex_shard(TinyTransformer(CFG), mesh=mesh, buckets=buckets)
     layers = model._flexshard_buckets[0]
     seen = []
     model.layers[1].register_forward_pre_hook(lambda *_: seen.append(("layer1", layers.unsharded)))
@@ -238,7 +238,7 @@ def _clipped(rank, world_size):
     ]
     runs = []
     for buckets in (_buckets(), replicated_outer):
-        model = fs.flex_shard(TinyTransformer(CFG), mesh, buckets=buckets)
+        model = fs.flex_shard(TinyTransformer(CFG), mesh=mesh, buckets=buckets)
         fs.load_full_state_dict(model, full)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         losses, ours = [], []
@@ -269,7 +269,7 @@ def _reductions_in_flight(rank, world_size):
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
     for limit in (None, 2):
-        model = fs.flex_shard(TinyTransformer(CFG), mesh, buckets=_buckets())
+        model = fs.flex_shard(TinyTransformer(CFG), mesh=mesh, buckets=_buckets())
         if limit is not None:
             model.set_reduce_scatter_max_input_buffers(limit)
         in_flight, most = [0], [0]

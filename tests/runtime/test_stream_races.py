@@ -89,7 +89,7 @@ def _model(setup: str, mesh) -> torch.nn.Module:
         buckets.append(fs.BucketSpec(rest, name=f"rest{i}"))
     buckets.append(fs.BucketSpec(["embed.*", "head.*"], placement=fs.Owned(), name="io"))
     buckets.append(fs.BucketSpec("norm.*", placement=fs.Replicate(), name="norm"))
-    return fs.flex_shard(model, mesh, buckets=buckets, mp_policy=BF16)
+    return fs.flex_shard(model, mesh=mesh, buckets=buckets, mp_policy=BF16)
 
 
 def _train(rank: int, world_size: int, setup: str) -> tuple[list[str], dict, int, set, list]:

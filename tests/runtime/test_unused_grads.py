@@ -74,10 +74,10 @@ def _build(name: str, mesh) -> nn.Module:
     if name == "mixed":
         placement = {"a.weight": fs.Owned(), "b.weight": fs.BlockShard((8, 8))}
         spec = fs.BucketSpec("*", placement=lambda fqn, p: placement.get(fqn, fs.FlatShard()))
-        return fs.flex_shard(model, mesh, [spec])
+        return fs.flex_shard(model, mesh=mesh, buckets=[spec])
     placement = PLACEMENTS[name]  # b's bucket is gathered by body's forward everywhere
     buckets = [fs.BucketSpec(["body.*", "b.*"], placement=placement), fs.BucketSpec("a.*")]
-    return fs.flex_shard(model, mesh, buckets)
+    return fs.flex_shard(model, mesh=mesh, buckets=buckets)
 
 
 def _agreement_waits() -> list[int]:
@@ -211,7 +211,7 @@ def _muon_and_accumulation(rank: int, world: int) -> dict[str, object]:
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = Heads()
-    fs.flex_shard(model, mesh, muon_buckets(model, world))
+    fs.flex_shard(model, mesh=mesh, buckets=muon_buckets(model, world))
     opt = muon_and_adamw(model, lr=0.02, adamw_lr=1e-2)
     before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
     model(_batch(0, rank), "none", rank).backward()

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import flexshard as fs
 from flexshard.runtime.module import FlexShardModule, subtree_buckets
+from flexshard.runtime.traffic import TrafficStats, attach_traffic
 from flexshard.testing import run_distributed
 from flexshard.trainer import expert_parallel
 from flexshard.trainer.config import ConfigError
@@ -240,7 +241,7 @@ def _exchanges_on_a_model(rank: int, world_size: int) -> dict:
     inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     exchange = Exchange(dist.group.WORLD, "0", "ep")
     exchange.attach(inner[0])  # before sharding, as apply_ep does
-    model = fs.flex_shard(inner, mesh, buckets=[fs.BucketSpec(["0.*", "1.*"], name="all")])
+    model = fs.flex_shard(inner, mesh=mesh, buckets=[fs.BucketSpec(["0.*", "1.*"], name="all")])
     rows = torch.full((2 * world_size, 3), float(rank))  # two fp32 rows of 3 for each rank
     exchange.all_to_all(torch.empty_like(rows), rows, "EP dispatch all-to-all")
     local = torch.arange(5, dtype=torch.float32)
@@ -253,9 +254,9 @@ def _exchanges_on_a_model(rank: int, world_size: int) -> dict:
     before = model.comm_stats(reset=True)
     after = model.comm_stats()
     clash = fs.flex_shard(
-        nn.Sequential(nn.Linear(2, 2)), mesh, buckets=[fs.BucketSpec("0.*", name="ep")]
+        nn.Sequential(nn.Linear(2, 2)), mesh=mesh, buckets=[fs.BucketSpec("0.*", name="ep")]
     )
-    fs.attach_traffic(clash[0], "ep", fs.TrafficStats())
+    attach_traffic(clash[0], "ep", TrafficStats())
     try:
         clash.comm_stats()
         clash_error = ""
@@ -282,9 +283,9 @@ def test_exchanges_attached_to_a_model_are_in_its_comm_stats():
 def test_attach_traffic_refuses_what_it_cannot_report():
     module = nn.Linear(2, 2)
     with pytest.raises(TypeError, match="must be a TrafficStats"):
-        fs.attach_traffic(module, "ep", {"bytes_sent": 0})  # type: ignore[arg-type]
+        attach_traffic(module, "ep", {"bytes_sent": 0})  # type: ignore[arg-type]
     for kind in ("", "total"):
         with pytest.raises(ValueError, match="not a usable comm_stats key"):
-            fs.attach_traffic(module, kind, fs.TrafficStats())
+            attach_traffic(module, kind, TrafficStats())
     with pytest.raises(ValueError, match="must be one of"):
-        fs.TrafficStats().record("broadcast", 1, 1)
+        TrafficStats().record("broadcast", 1, 1)

@@ -272,7 +272,7 @@ def cp_dp_training(dp: int, cp: int) -> dict[str, float]:
     with torch.device("meta"):
         model = Transformer(cfg)
     apply_cp(model, mesh["cp"])
-    model = fs.flex_shard(model, dp_cp, buckets=_layer_buckets(cfg))
+    model = fs.flex_shard(model, mesh=dp_cp, buckets=_layer_buckets(cfg))
     model.to_empty(device="cpu")
     torch.manual_seed(SEED)
     fs.init_params(model, init_module)

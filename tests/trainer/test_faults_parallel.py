@@ -76,7 +76,7 @@ def _checkpoint(case: str, group: dist.ProcessGroup, victim: bool, folder: str) 
     save / load after a good save (the model's timeout is the default: ``save``)."""
     timeout = datetime.timedelta(seconds=CHECKPOINT_TIMEOUTS[case])
     model = TinyTransformer(TransformerConfig())
-    model = fs.flex_shard(model, group, buckets=BUCKETS, timeout=timeout)
+    model = fs.flex_shard(model, mesh=group, buckets=BUCKETS, timeout=timeout)
     good, path = f"{folder}/{case}-good", f"{folder}/{case}"
     if case != "save_first":
         fs.checkpoint.save(good, model, timeout=None if case == "save" else timeout)

@@ -81,7 +81,11 @@ def shard_stage(dp_mesh, mp=None, reshard_after_forward=None):
         if outer:
             specs.append(fs.BucketSpec([f"{n}.*" for n in outer], name="outer"))
         return fs.flex_shard(
-            stage, dp_mesh, buckets=specs, mp_policy=mp, reshard_after_forward=reshard_after_forward
+            stage,
+            mesh=dp_mesh,
+            buckets=specs,
+            mp_policy=mp,
+            reshard_after_forward=reshard_after_forward,
         )
 
     return shard

@@ -131,7 +131,7 @@ def _tp_alone_case(rank: int, world: int, root: str) -> dict:
     with torch.device("meta"):
         meta = Transformer(tc.model_config())
     apply_tp(meta, mesh["tp"])
-    meta = fs.flex_shard(meta, mesh["dp_shard"], buckets=[fs.BucketSpec("*", fs.Shard(0))])
+    meta = fs.flex_shard(meta, mesh=mesh["dp_shard"], buckets=[fs.BucketSpec("*", fs.Shard(0))])
     meta.to_empty(device="cpu")
     torch.manual_seed(tc.SEED)
     fs.init_params(meta, init_module)
@@ -139,7 +139,7 @@ def _tp_alone_case(rank: int, world: int, root: str) -> dict:
     partial = nn.Linear(4, 4, bias=False)
     partial.weight = nn.Parameter(DTensor.from_local(torch.ones(4, 4), mesh["tp"], [Partial()]))
     with pytest.raises(ValueError, match="bucket 'p': parameter 'weight' is a DTensor with"):
-        fs.flex_shard(partial, mesh["dp_shard"], buckets=[fs.BucketSpec("*", name="p")])
+        fs.flex_shard(partial, mesh=mesh["dp_shard"], buckets=[fs.BucketSpec("*", name="p")])
     # without sequence parallelism (norms replicated, activations whole between parts)
     plain_tp = tc.build(tc.model_config(moe=True), mesh, fs.Shard(0), sequence_parallel=False)
     return {
@@ -205,7 +205,7 @@ def _quant_case(mesh: DeviceMesh) -> list[float]:
         fs.BucketSpec(QUANT_PATTERNS, fs.BlockShard((32, 32)), name="quant", quant=QUANT),
         fs.BucketSpec(QUANT_REST, fs.Shard(0), name="rest"),
     ]
-    model = fs.flex_shard(model, mesh["dp_shard"], buckets=specs)
+    model = fs.flex_shard(model, mesh=mesh["dp_shard"], buckets=specs)
     losses, _ = tc.train(model, mesh, 2)
     return losses
 
@@ -312,8 +312,12 @@ def _muon_case(mesh: DeviceMesh) -> dict:
                 shape = local.to_local().shape
                 piece = rows[dp_rank].reshape(shape) if dp_rank < len(rows) else torch.zeros(shape)
                 local.grad = DTensor.from_local(
-                    piece, local.device_mesh, local.placements, shape=local.shape,
-                    stride=local.stride(), run_check=False,
+                    piece,
+                    local.device_mesh,
+                    local.placements,
+                    shape=local.shape,
+                    stride=local.stride(),
+                    run_check=False,
                 )
             opt.step()
         full = _full_params(model)

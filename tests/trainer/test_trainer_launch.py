@@ -49,7 +49,11 @@ def test_console_script_spawns_ranks_and_moe_with_muon_learns(tmp_path):
     for key in ("loss", "tokens_per_s", "grad_norm", "lr", "mfu", "peak_memory_mb"):
         assert all(r[key] > 0 for r in records), key
     assert set(records[-1]["comm_bytes"]) == {
-        "muon_blocks", "muon_owned", "adamw", "grad_agreement", "total"
+        "muon_blocks",
+        "muon_owned",
+        "adamw",
+        "grad_agreement",
+        "total",
     }
     assert records[-1]["loss"] < 0.9 * records[0]["loss"]  # MoE + Muon/AdamW learns
     # what the user watches: tqdm's bar (\r redraws, read back as \n) with its rate and

@@ -72,7 +72,11 @@ def test_losses_match_single_process_and_fsdp2(world_size, tmp_path):
         for key in ("tokens_per_s", "grad_norm", "lr", "mfu", "peak_memory_mb"):
             assert record[key] > 0, key
         assert set(record["comm_bytes"]) == {
-                "layers.0", "layers.1", "outer", "grad_agreement", "total"
-            }
+            "layers.0",
+            "layers.1",
+            "outer",
+            "grad_agreement",
+            "total",
+        }
         assert record["comm_bytes"]["total"] > 0
         assert by_case["fsdp2_no_clip"][-1]["comm_bytes"] is None
