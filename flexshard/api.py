@@ -29,11 +29,11 @@ from .bucket_plans import (
     _resolve_placement,
 )
 from .dp_mesh_dims import check_spmd_params, dp_mesh
-from .forward_casts import install_forward_casts
 from .placements import Shard
 from .replaced import mark_replaced
 from .runtime.bucket import Bucket
 from .runtime.collectives import DEFAULT_TIMEOUT, check_timeout
+from .runtime.forward_casts import install_forward_casts
 from .runtime.groups import MeshGroups, resolve_mesh
 from .runtime.hooks import StepState, install_bucket_hooks, install_root_hooks
 from .runtime.module import FlexShardModule, make_flexshard_class

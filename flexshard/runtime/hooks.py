@@ -12,8 +12,9 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ..torch_internals import dynamo_disable, queue_backward_callback, tree_flatten, tree_map
+from ..torch_internals import dynamo_disable, queue_backward_callback, tree_flatten
 from .bucket import Bucket
+from .forward_casts import cast_floating
 from .grad_check import check_finite_grads
 from .traffic import attach_traffic
 from .unused_grads import AGREEMENT, UnusedGradAgreement
@@ -217,15 +218,6 @@ def _tensors_in(tree: Any) -> list[torch.Tensor]:
     return found
 
 
-def _cast_floats(tree: Any, dtype: torch.dtype | None) -> Any:
-    if dtype is None:
-        return tree
-    return tree_map(
-        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-        tree,
-    )
-
-
 def _wrap_inputs(args: tuple, kwargs: dict, hook: Any) -> tuple[tuple, dict] | None:
     """The inputs routed through _PostBackward, or None when none needs a gradient."""
     flat, spec = tree_flatten((args, kwargs))
@@ -286,7 +278,7 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
     def pre_forward(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         state = bucket.step.state
         if policy.cast_forward_inputs:
-            args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
+            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
         if state.in_backward:  # activation checkpointing recomputes inside backward
             bucket.unshard()
             return args, kwargs
@@ -316,7 +308,7 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
     def post_forward(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         state = bucket.step.state
         if state.in_backward:  # a recompute: backward of this module comes right after
-            return _cast_floats(output, policy.output_dtype)
+            return cast_floating(output, policy.output_dtype)
         bucket.step.forwards_done += 1
         reshard = bucket.schedule.reshard_after_forward
         if reshard is None:  # FSDP2's default: backward needs the root's params at once
@@ -327,7 +319,7 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
         tensors = [t for t in _tensors_in(output) if t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, before_backward, mode="any")
-        return _cast_floats(output, policy.output_dtype)
+        return cast_floating(output, policy.output_dtype)
 
     for module in modules:
         module.register_forward_pre_hook(pre_forward, with_kwargs=True)
