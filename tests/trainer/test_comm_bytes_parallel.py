@@ -111,6 +111,13 @@ def _cases(rank: int, world_size: int, folder: str) -> dict:
                 seconds.add(("exchange", exchange.timeout.total_seconds()))
     seconds |= {("bucket", b.comm.timeout.total_seconds()) for b in subtree_buckets(job.model)}
     out["timeouts"] = sorted(seconds)
+    # [[parallelism.buckets]] reach the model under cp too: one data-parallel path
+    buckets = [
+        {"patterns": ["layers.*"], "placement": "owned", "name": "blocks"},
+        {"patterns": ["tok_embeddings.*", "norm.*", "output.*"], "name": "outer"},
+    ]
+    job = setup(_config(folder, "allgather", buckets=buckets))
+    out["cp_buckets"] = [bucket.name for bucket in subtree_buckets(job.model)]
     return out
 
 
@@ -289,3 +296,7 @@ def test_attach_traffic_refuses_what_it_cannot_report():
             attach_traffic(module, kind, TrafficStats())
     with pytest.raises(ValueError, match="must be one of"):
         TrafficStats().record("broadcast", 1, 1)
+
+
+def test_configured_buckets_apply_under_cp(results):
+    assert all(r["cp_buckets"] == ["blocks", "outer"] for r in results)
