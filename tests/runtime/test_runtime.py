@@ -217,51 +217,6 @@ def test_bucket_over_sibling_layers():
         assert (stats["all_gather"], stats["reduce_scatter"]) == (6, 3)
 
 
-def _clipped(rank, world_size):
-    """fs.clip_grad_norm_ sees the full model's gradient: the same norm as the
-    single-process reference, and clipped training follows it."""
-    from ..reference import reference_training
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    batches = make_batches(CFG, 3 * world_size, batch=2, seed=11)
-    torch.manual_seed(0)
-    reference = TinyTransformer(CFG)
-    full = {k: v.clone() for k, v in reference.state_dict().items()}
-    norms = []
-
-    def clip_reference(model):
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
-
-    expected = reference_training(reference, batches, world_size, 3, before_step=clip_reference)
-    replicated_outer = _buckets()[:2] + [
-        fs.BucketSpec(["embed.*", "norm.*", "head.*"], placement=fs.Replicate(), name="outer")
-    ]
-    runs = []
-    for buckets in (_buckets(), replicated_outer):
-        model = fs.flex_shard(TinyTransformer(CFG), mesh=mesh, buckets=buckets)
-        fs.load_full_state_dict(model, full)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        losses, ours = [], []
-        for step in range(3):
-            tokens, targets = batches[step * world_size + rank]
-            loss = model.loss(tokens, targets)
-            loss.backward()
-            ours.append(fs.clip_grad_norm_(model, 0.5).item())
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        runs.append((losses, ours))
-    return runs, [row[rank] for row in expected], norms
-
-
-def test_clip_grad_norm_uses_the_full_gradient():
-    for runs, expected, norms in run_distributed(_clipped, 3):
-        assert max(norms) > 0.5  # clipping really happened
-        for losses, ours in runs:  # sharded outer bucket, then a Replicate one
-            assert ours == pytest.approx(norms, rel=1e-5)
-            assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
-
-
 def _reductions_in_flight(rank, world_size):
     """The most gradient reductions still in flight when a bucket launches its own (3
     buckets in one backward), by default (FSDP2's 1) and with
