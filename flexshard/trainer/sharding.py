@@ -179,23 +179,16 @@ def _flexshard_per_module(
             shard_placement_fn=place,
             timeout=timeout,
         )
-    for layer in module.layers:  # type: ignore[union-attr]
-        fs.fully_shard(
-            layer,
+    for target in [*module.layers, module]:  # type: ignore[union-attr]  # blocks, then the root
+        sharded = fs.fully_shard(
+            target,
             mesh=meshes.dp,
             mp_policy=policy,
             reshard_after_forward=reshard,
             shard_placement_fn=place,
             timeout=timeout,
         )
-    return fs.fully_shard(
-        module,
-        mesh=meshes.dp,
-        mp_policy=policy,
-        reshard_after_forward=reshard,
-        shard_placement_fn=place,
-        timeout=timeout,
-    )
+    return sharded
 
 
 def _has_submodule(module: nn.Module, fqn: str) -> bool:
