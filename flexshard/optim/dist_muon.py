@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
 from ..runtime.tp_params import local_of
-from .matrices import Kind, Target, rank_work, resolve
+from .matrices import Kind, Rules, Shape, Target, classify, rank_work
 from .newton_schulz import NS_COEFFICIENTS, adjust_lr, ns_flops, zeropower, zeropower_batched
 from .redistribute import (
     CommCounter,
@@ -58,6 +59,34 @@ from .tp_matrices import gather_matrix, own_part
 from .tp_owners import TpCounter, TpExchange, owner_plannable, plan_tp, step_tp
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def _check_ndim(name: str, shape: Shape) -> None:
+    if len(shape) not in (2, 3):
+        raise ValueError(
+            f"DistMuon: {name} has shape {tuple(shape)}; Muon takes 2-D matrices and 3-D "
+            "expert stacks [E, R, C] only (give embeddings' 1-D params, norms and biases "
+            "to AdamW, e.g. with flexshard.optim.muon_and_adamw)"
+        )
+
+
+#: Muon orthogonalises 2-D matrices and [E, R, C] stacks of them (tensor-parallel: 2-D)
+RULES = Rules(
+    "DistMuon",
+    foreign=" (tensor parallel?); DistMuon takes flexshard's parameters (tensor-parallel "
+    "ones included: shard the model with flexshard after apply_tp) and plain tensors",
+    tp_split="DistMuon takes whole 2-D tensor-parallel matrices, or row_blocks in "
+    "column-parallel (Shard(0)) pieces cut at block boundaries",
+    check_shape=_check_ndim,
+    tp_2d_only=True,
+)
+
+
+def resolve(param: torch.Tensor, name: str, group: dict) -> Target:
+    """Classify ``param`` for DistMuon (a 2-D matrix or a 3-D expert stack), in ``group``."""
+    target = classify(param, name, group["row_blocks"], RULES)
+    target.group = group
+    return target
 
 
 def check_muon_hyperparameters(group: dict, where: str) -> None:
@@ -239,7 +268,7 @@ class DistMuon(Optimizer):
         if self._plan is None or self._plan[0] != key:
             loads: dict[int, list[float]] = {}
             for target in targets:
-                work = rank_work(target, target.group["ns_steps"])
+                work = rank_work(target, partial(ns_flops, steps=target.group["ns_steps"]))
                 if work is not None:
                     load = loads.setdefault(len(work), [0.0] * len(work))
                     loads[len(work)] = [a + b for a, b in zip(load, work)]

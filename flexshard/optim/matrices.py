@@ -1,28 +1,28 @@
-"""Which matrices a DistMuon parameter holds on this rank, and whether computing on
-them needs communication. Decided from the bucket layout of *every* rank, so all
+"""Which matrices of a parameter this rank holds whole, and which must be redistributed
+before an optimizer steps them: one classifier for DistMuon and MatrixOptimizer, each
+with its own :class:`Rules`. Decided from the bucket layout of *every* rank, so all
 ranks of a shard group agree on which parameters are redistributed."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..placements import ParamLayout, Region
+from ..placements import Region
 from ..replaced import check_not_replaced
 from ..runtime.bucket import Bucket, slot_of
-from ..runtime.tp_params import local_of
-from .newton_schulz import ns_flops
+from ..runtime.tp_params import local_of, tp_frame
 from .tp_matrices import is_tp_matrix, whole_row_blocks
 
 Shape = tuple[int, ...]
 
 
 class Kind(enum.Enum):
-    WHOLE = "whole"  # the local tensor is the whole 2-D matrix (plain tensor, Owned owner)
+    WHOLE = "whole"  # the local tensor is the whole matrix (plain tensor, Owned owner)
     EXPERTS = "experts"  # the local tensor is whole experts of a [E, R, C] stack
     ROW_BLOCKS = "row_blocks"  # full-width row blocks, each its own matrix
     NOTHING = "nothing"  # a whole-matrix placement that put nothing on this rank
@@ -41,17 +41,33 @@ class Block:
 
 @dataclass
 class Target:
-    """One parameter of a DistMuon group, resolved against its storage."""
+    """One parameter, resolved against its storage (``param``: this rank's local tensor)."""
 
     param: torch.Tensor
     name: str  # for error messages: the parameter and, if sharded, its bucket
-    group: dict
+    group: dict  # DistMuon's param group ({} for MatrixOptimizer's)
     kind: Kind
     shape: Shape  # the full parameter's shape
     bucket: Bucket | None = None
     index: int = -1
     blocks: tuple[Block, ...] = ()
     rows: int | None = None  # row_blocks: rows per block (0: each stored region)
+    first_row: int = 0  # row_blocks in a tensor-parallel piece: its first row in the matrix
+
+
+def _any_shape(name: str, shape: Shape) -> None:
+    """MatrixOptimizer steps a tensor of any shape whole (3-D: expert by expert)."""
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What differs between the optimizers :func:`classify` serves (the decisions do not)."""
+
+    who: str  # the optimizer, as its errors name it
+    foreign: str  # the end of the error for a DTensor flexshard did not shard
+    tp_split: str  # the end of the error for a tensor-parallel split it cannot step
+    check_shape: Callable[[str, Shape], None] = _any_shape  # raises for shapes it cannot take
+    tp_2d_only: bool = False  # tensor-parallel matrices it gathers whole: 2-D only
 
 
 def _is_full_width(region: Region, shape: Shape) -> bool:
@@ -62,16 +78,7 @@ def _whole_experts(region: Region, shape: Shape) -> bool:
     return not region.flat and region.sizes[-2:] == shape[-2:]
 
 
-def _check_ndim(name: str, shape: Shape) -> None:
-    if len(shape) not in (2, 3):
-        raise ValueError(
-            f"DistMuon: {name} has shape {tuple(shape)}; Muon takes 2-D matrices and 3-D "
-            "expert stacks [E, R, C] only (give embeddings' 1-D params, norms and biases "
-            "to AdamW, e.g. with flexshard.optim.muon_and_adamw)"
-        )
-
-
-def block_rows(option: bool | int | None, name: str, who: str = "DistMuon") -> int | None:
+def block_rows(option: bool | int | None, name: str, who: str) -> int | None:
     """``row_blocks``: False/None (whole matrices), True (each stored tile is a block:
     0 stands for "the regions as stored") or a number of rows per block."""
     if option is None or option is False:
@@ -116,7 +123,7 @@ def _split_rows(region: Region, offset: int, rows: int) -> list[Block]:
 
 
 def row_blocks_of(
-    name: str, shape: Shape, regions: Sequence[Sequence[Region]], rows: int, who: str = "DistMuon"
+    name: str, shape: Shape, regions: Sequence[Sequence[Region]], rows: int, who: str
 ) -> list[tuple[Block, ...]]:
     """Each rank's row blocks of a 2-D tensor stored as ``regions`` (per rank; a plain
     tensor is one rank holding it whole), in its local storage order; raises naming
@@ -134,69 +141,69 @@ def row_blocks_of(
     return out
 
 
-def resolve(param: torch.Tensor, name: str, group: dict) -> Target:
-    """Classify ``param`` for DistMuon; raise ValueError naming it when Muon cannot
-    take it. No collective: every rank sees every rank's layout."""
+def classify(param: torch.Tensor, name: str, row_blocks: bool | int | None, rules: Rules) -> Target:
+    """Classify ``param`` (``row_blocks``: the group's option); raise naming it where
+    the optimizer of ``rules`` cannot step it. No collective: every rank sees every
+    rank's layout."""
     slot = slot_of(param)
     if isinstance(param, DTensor) and slot is None:  # its data is local: not a matrix here
         raise TypeError(
-            f"DistMuon: {name} is a DTensor that flexshard did not shard (tensor parallel?); "
-            "DistMuon takes flexshard's parameters (tensor-parallel ones included: shard "
-            "the model with flexshard after apply_tp) and plain tensors"
+            f"{rules.who}: {name} is a DTensor that flexshard did not shard{rules.foreign}"
         )
-    check_not_replaced(param, "DistMuon")  # collected before sharding: never trained
-    param = local_of(param)  # the step works on this rank's local tensor
-    rows = block_rows(group["row_blocks"], name)
+    check_not_replaced(param, rules.who)  # collected before sharding: never trained
+    local = local_of(param)  # the step works on this rank's local tensor
+    rows = block_rows(row_blocks, name, rules.who)
     if slot is None:  # a plain tensor is a whole matrix (or a whole stack) on this rank
-        shape = tuple(param.shape)
-        _check_ndim(name, shape)
+        shape = tuple(local.shape)
+        rules.check_shape(name, shape)
         if rows is not None:
-            blocks = row_blocks_of(name, shape, [(Region((0, 0), shape),)], rows)[0]
-            return Target(param, name, group, Kind.ROW_BLOCKS, shape, blocks=blocks)
-        kind = Kind.WHOLE if len(shape) == 2 else Kind.EXPERTS
-        return Target(param, name, group, kind, shape)
+            whole = [(Region((0, 0), shape),)]
+            blocks = row_blocks_of(name, shape, whole, rows, rules.who)[0]
+            return Target(local, name, {}, Kind.ROW_BLOCKS, shape, blocks=blocks)
+        return Target(local, name, {}, Kind.EXPERTS if len(shape) == 3 else Kind.WHOLE, shape)
     bucket, index = slot
-    layout: ParamLayout = bucket.layout.params[index]
+    layout = bucket.layout.params[index]
     name = f"parameter '{layout.fqn}' in bucket '{bucket.name}'"
     shape = layout.shape
-    spec = bucket.params[index].tp_spec
-    if is_tp_matrix(bucket, index) and not (rows and whole_row_blocks(bucket, index, rows)):
-        # the piece is part of a larger matrix (per-head row blocks inside a
-        # column-parallel piece are whole here: they go the usual way, on the piece)
+    first_row = 0
+    if is_tp_matrix(bucket, index):
+        spec = bucket.params[index].tp_spec
         assert spec is not None
-        shape = tuple(spec.shape)
-        _check_ndim(name, shape)
-        if rows is not None or len(shape) != 2:
-            raise ValueError(
-                f"DistMuon: {name} is split by tensor parallelism into pieces that are not "
-                f"whole row blocks; DistMuon takes whole 2-D tensor-parallel matrices, or "
-                f"row_blocks in column-parallel (Shard(0)) pieces cut at block boundaries"
-            )
-        return Target(param, name, group, Kind.TENSOR_PARALLEL, shape, bucket, index)
-    _check_ndim(name, shape)
-    target = Target(param, name, group, Kind.REMOTE, shape, bucket, index)
-    all_regions = [r for regions in layout.regions for r in regions]
-    mine = layout.regions[bucket.rank]
+        if not (rows and whole_row_blocks(bucket, index, rows)):
+            # the piece is part of a larger matrix (per-head row blocks inside a
+            # column-parallel piece are whole here: they go the usual way, on the piece)
+            full = tuple(spec.shape)
+            rules.check_shape(name, full)
+            if rows is not None or (rules.tp_2d_only and len(full) != 2):
+                raise ValueError(
+                    f"{rules.who}: {name} is split by tensor parallelism into pieces that are "
+                    f"not whole row blocks; {rules.tp_split}"
+                )
+            return Target(local, name, {}, Kind.TENSOR_PARALLEL, full, bucket, index)
+        first_row = tp_frame(spec)[1][0]  # where this rank's piece starts in the matrix
+    rules.check_shape(name, shape)
+    target = Target(local, name, {}, Kind.REMOTE, shape, bucket, index)
     if rows is not None:  # every rank computes the blocks it stores (all, if replicated)
-        blocks = row_blocks_of(name, shape, layout.regions, rows)[bucket.rank]
+        blocks = row_blocks_of(name, shape, layout.regions, rows, rules.who)[bucket.rank]
         target.kind, target.blocks, target.rows = Kind.ROW_BLOCKS, blocks, rows
+        target.first_row = first_row
         return target
     if bucket.layout.replicated:
         return target  # one owner computes, the others receive its update
-    whole = (Region((0, 0), shape),)
-    if len(shape) == 2 and all(not regions or regions == whole for regions in layout.regions):
+    mine = bool(layout.regions[bucket.rank])
+    whole = (Region((0,) * len(shape), shape),)
+    if len(shape) != 3 and all(not regions or regions == whole for regions in layout.regions):
         target.kind = Kind.WHOLE if mine else Kind.NOTHING
-        return target
-    if len(shape) == 3 and all(_whole_experts(r, shape) for r in all_regions):
+    elif len(shape) == 3 and all(_whole_experts(r, shape) for rs in layout.regions for r in rs):
         target.kind = Kind.EXPERTS if mine else Kind.NOTHING
-        return target
     return target
 
 
-def rank_work(target: Target, steps: int) -> list[float] | None:
-    """Newton–Schulz FLOPs each rank of the shard group spends on a communication-free
-    flexshard target (None for plain tensors and redistributed ones): known on every
-    rank from the layout, so owners of redistributed matrices can avoid busy ranks."""
+def rank_work(target: Target, cost: Callable[[Shape], float]) -> list[float] | None:
+    """The ``cost`` (of one matrix) each rank of the shard group spends on a
+    communication-free flexshard target (None for plain tensors and redistributed
+    ones): known on every rank from the layout, so owners of redistributed matrices
+    can avoid busy ranks."""
     if target.bucket is None or target.kind in (Kind.REMOTE, Kind.TENSOR_PARALLEL):
         return None
     layout = target.bucket.layout.params[target.index]
@@ -205,7 +212,9 @@ def rank_work(target: Target, steps: int) -> list[float] | None:
         if target.kind is Kind.ROW_BLOCKS:
             assert target.rows is not None
             blocks = [b for r in regions for b in _split_rows(r, 0, target.rows)]
-            work.append(sum(ns_flops(b.shape, steps) for b in blocks))
-        else:  # whole matrices or whole experts: each region is a matrix or a stack
-            work.append(sum(ns_flops(r.sizes, steps) for r in regions))
+            work.append(sum((cost(b.shape) for b in blocks), 0.0))
+        elif len(target.shape) == 3:  # whole experts: each region a stack of matrices
+            work.append(sum((r.sizes[0] * cost(r.sizes[1:]) for r in regions), 0.0))
+        else:  # whole matrices: each region is one
+            work.append(sum((cost(r.sizes) for r in regions), 0.0))
     return work

@@ -42,7 +42,6 @@ from torch.optim import Optimizer
 
 from ..runtime.tp_params import local_of
 from ..torch_internals import full_state_dict_call
-from .matrices import block_rows
 from .matrix_calls import check_steps_per_call
 from .matrix_state_dict import full_state, saved_matrix
 from .matrix_units import (
@@ -150,8 +149,7 @@ class MatrixOptimizer(Optimizer):
         names = group.get("param_names")
         for i, param in enumerate(group["params"]):
             name = f"'{names[i]}'" if names else f"parameter {i} of param group {index}"
-            rows = block_rows(group["row_blocks"], name, WHO)
-            resolved = resolve_param(param, name, self._cost, rows)
+            resolved = resolve_param(param, name, self._cost, group["row_blocks"])
             self._resolved[id(param)] = resolved
             self._group_of[id(param)] = index
             if resolved.tensor_parallel is not None:

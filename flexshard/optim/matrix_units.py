@@ -17,19 +17,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ..placements import Region
-from ..replaced import check_not_replaced
-from ..runtime.bucket import Bucket, slot_of
-from ..runtime.tp_params import local_of, tp_frame
-from .matrices import Block, Kind, Target, row_blocks_of
-from .tp_matrices import is_tp_matrix, whole_row_blocks
+from ..runtime.bucket import Bucket
+from ..runtime.tp_params import local_of
+from .matrices import Block, Kind, Rules, Target, classify, rank_work
 from .units import matrices, pieces
 
 Shape = tuple[int, ...]
 Cost = Callable[[Shape], float]
 WHO = "MatrixOptimizer"
+#: a per-matrix optimizer steps any tensor whole (3-D: each expert), TP ones gathered
+RULES = Rules(
+    WHO,
+    foreign="; the adapter takes flexshard's parameters and plain tensors",
+    tp_split="row_blocks under tensor parallelism takes column-parallel (Shard(0)) pieces "
+    "cut at block boundaries",
+)
 
 
 def preconditioner_flops(shape: Shape) -> float:
@@ -96,10 +100,6 @@ def grad_view(param: torch.Tensor, matrix: LocalMatrix) -> torch.Tensor:
     return _view(local_of(param.grad), matrix.offset, matrix.shape)
 
 
-def _whole_experts(regions: list[Region], shape: Shape) -> bool:
-    return all(not r.flat and r.sizes[-2:] == shape[-2:] for r in regions)
-
-
 def _blocks(
     local: torch.Tensor, blocks: tuple[Block, ...], first_row: int = 0
 ) -> list[LocalMatrix]:
@@ -109,67 +109,37 @@ def _blocks(
     ]
 
 
-def resolve_param(param: torch.Tensor, name: str, cost: Cost, rows: int | None = None) -> Resolved:
-    """Classify ``param``; raise naming it where the adapter cannot step it. ``rows``:
-    per row block (DistMuon's ``row_blocks``: rows per block, 0 for each stored tile)."""
-    slot = slot_of(param)
-    if isinstance(param, DTensor) and slot is None:
-        raise TypeError(
-            f"MatrixOptimizer: {name} is a DTensor that flexshard did not shard; the adapter "
-            "takes flexshard's parameters and plain tensors"
-        )
-    check_not_replaced(param, "MatrixOptimizer")  # collected before sharding: never trained
-    if slot is None:  # a plain tensor: every matrix whole on this rank
-        shape = tuple(param.shape)
-        if rows is not None:
-            blocks = row_blocks_of(name, shape, [(Region((0, 0), shape),)], rows, WHO)[0]
-            return Resolved(param, name, _blocks(param, blocks))
-        if len(shape) != 3:  # the parameter is its own proxy
-            return Resolved(param, name, [LocalMatrix("matrix", shape, 0, param)])
-        local = [
-            LocalMatrix(state_key(e), s, e * math.prod(s), _view(param, e * math.prod(s), s))
-            for e, s in matrices(shape)
+def resolve_param(
+    param: torch.Tensor, name: str, cost: Cost, row_blocks: bool | int | None = None
+) -> Resolved:
+    """Classify ``param`` (``row_blocks``: DistMuon's option, see :func:`.classify`);
+    raise naming it where the adapter cannot step it."""
+    target = classify(param, name, row_blocks, RULES)
+    name, local, shape = target.name, target.param, target.shape
+    work = rank_work(target, cost)
+    if target.kind is Kind.TENSOR_PARALLEL:  # gathered whole on every rank
+        assert target.bucket is not None
+        return Resolved(param, name, [], tensor_parallel=(target.bucket, target.index))
+    if target.kind is Kind.REMOTE:
+        return Resolved(param, name, [], target)
+    if target.kind is Kind.ROW_BLOCKS:
+        return Resolved(param, name, _blocks(local, target.blocks, target.first_row), None, work)
+    if target.kind is Kind.EXPERTS:
+        mine = _regions_here(target)
+        experts = [
+            LocalMatrix(state_key(e), matrix, piece.local, _view(local, piece.local, matrix))
+            for e, matrix in matrices(shape)
+            for piece in pieces(mine, shape, e)
         ]
-        return Resolved(param, name, local)
-    bucket, index = slot
-    layout = bucket.layout.params[index]
-    name = f"parameter '{layout.fqn}' in bucket '{bucket.name}'"
-    local = local_of(param)
-    first_row = 0
-    if is_tp_matrix(bucket, index):
-        if not (rows and whole_row_blocks(bucket, index, rows)):
-            if rows is not None:
-                raise ValueError(
-                    f"{WHO}: {name} is split by tensor parallelism into pieces that are not "
-                    "whole row blocks; row_blocks under tensor parallelism takes "
-                    "column-parallel (Shard(0)) pieces cut at block boundaries"
-                )
-            return Resolved(param, name, [], tensor_parallel=(bucket, index))
-        first_row = tp_frame(bucket.params[index].tp_spec)[1][0]  # blocks whole in the piece
-    shape = tuple(layout.shape)
-    mine = list(layout.regions[bucket.rank])
-    if rows is not None:  # every rank steps the blocks it stores (all, if replicated)
-        blocks = row_blocks_of(name, shape, layout.regions, rows, WHO)
-        work = [sum(cost(b.shape) for b in held) for held in blocks]
-        return Resolved(param, name, _blocks(local, blocks[bucket.rank], first_row), None, work)
-    all_regions = [r for regions in layout.regions for r in regions]
-    remote = Target(local, name, {}, Kind.REMOTE, shape, bucket, index)
-    if bucket.layout.replicated:  # one owner computes, the back exchange shares it
-        return Resolved(param, name, [], remote)
-    if len(shape) == 3 and _whole_experts(all_regions, shape):
-        experts = []
-        for e, matrix in matrices(shape):
-            for piece in pieces(mine, shape, e):
-                experts.append(
-                    LocalMatrix(
-                        state_key(e), matrix, piece.local, _view(local, piece.local, matrix)
-                    )
-                )
-        work = [sum(r.sizes[0] * cost(shape[1:]) for r in regions) for regions in layout.regions]
         return Resolved(param, name, experts, None, work)
-    whole = (Region(tuple(0 for _ in shape), shape),)
-    if len(shape) != 3 and all(not r or tuple(r) == whole for r in layout.regions):
-        matrix = [LocalMatrix("matrix", shape, 0, _view(local, 0, shape))] if mine else []
-        work = [cost(shape) if regions else 0.0 for regions in layout.regions]
-        return Resolved(param, name, matrix, None, work)
-    return Resolved(param, name, [], remote)
+    if target.kind is Kind.WHOLE:  # a plain tensor is its own proxy
+        proxy = param if target.bucket is None else _view(local, 0, shape)
+        return Resolved(param, name, [LocalMatrix("matrix", shape, 0, proxy)], None, work)
+    return Resolved(param, name, [], None, work)  # NOTHING: a whole matrix on another rank
+
+
+def _regions_here(target: Target) -> tuple[Region, ...]:
+    """What this rank stores of the parameter (a plain tensor: all of it)."""
+    if target.bucket is None:
+        return (Region((0,) * len(target.shape), target.shape),)
+    return target.bucket.layout.params[target.index].regions[target.bucket.rank]
