@@ -12,45 +12,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .runtime.bucket import Bucket
-from .runtime.dcp_chunks import RegionTensor, local_boxes, region_tensor, shifted
-from .runtime.module import own_buckets, subtree_buckets
+from .runtime.dcp_chunks import RegionTensor, local_boxes, shifted
+from .runtime.module import own_buckets
 from .runtime.region_dtensor import wrap
-from .runtime.tp_params import local_of, tp_frame
+from .runtime.tp_params import tp_frame
 
 Slot = tuple[Bucket, int]
-
-
-def is_writer(bucket: Bucket) -> bool:
-    """Whether this rank writes the bucket's regions: a replicated copy (Replicate
-    bucket, HSDP replica) is written by its first holder only."""
-    replicas = bucket.comm.replicate_group
-    if replicas is not None and dist.get_rank(replicas) != 0:
-        return False
-    return not (bucket.layout.replicated and bucket.rank != 0)
-
-
-def slot_shape(bucket: Bucket, index: int) -> tuple[int, ...]:
-    """The whole parameter's shape (a tensor-parallel piece's global shape)."""
-    spec = bucket.params[index].tp_spec
-    return tuple(spec.shape) if spec is not None else tuple(bucket.layout.params[index].shape)
-
-
-def slot_tensor(bucket: Bucket, index: int, local: torch.Tensor | None = None) -> RegionTensor:
-    """Parameter ``index`` of ``bucket`` (or ``local``, a tensor shaped like it) as chunks."""
-    data = bucket.local_tensor(index) if local is None else local_of(local)
-    param = bucket.layout.params[index]
-    spec = bucket.params[index].tp_spec
-    if spec is None:
-        return region_tensor(param, bucket.rank, data, is_writer(bucket), (bucket, index))
-    # a tensor-parallel piece: its chunks sit at the piece's offset in the whole tensor
-    shape, offset, tp_writes = tp_frame(spec)
-    writer = is_writer(bucket) and tp_writes
-    return region_tensor(param, bucket.rank, data, writer, (bucket, index), (shape, offset))
 
 
 def sharded_keys(module: nn.Module, buckets: list[Bucket]) -> list[tuple[list[str], Slot]]:
@@ -67,11 +38,6 @@ def sharded_keys(module: nn.Module, buckets: list[Bucket]) -> list[tuple[list[st
                     keys.append(f"{prefix}.{attr}" if prefix else attr)
             entries.append((keys, (bucket, i)))
     return entries
-
-
-def fqn_slots(module: nn.Module) -> dict[str, Slot]:
-    """Canonical FQN (relative to ``module``) -> slot, for every sharded parameter below."""
-    return {keys[0]: slot for keys, slot in sharded_keys(module, list(subtree_buckets(module)))}
 
 
 def to_local(value: torch.Tensor, bucket: Bucket, index: int, key: str) -> torch.Tensor:

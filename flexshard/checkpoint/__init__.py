@@ -1,10 +1,12 @@
-"""Checkpoints through torch.distributed.checkpoint: each rank writes the regions it stores."""
+"""Checkpoints through torch.distributed.checkpoint: torch's DCP state-dict API for the
+state, each rank writing the chunks it stores; saved atomically with a manifest,
+checked before loading."""
 
 from ..runtime.dcp_chunks import RegionTensor
 from ..state_dict_hooks import install_state_dict_hooks
-from .io import load, save
-from .optimizer_state import load_optimizer_state_dict, optimizer_state_dict
+from .io import load, load_state, save, save_state
 from .safetensors_export import export_safetensors
+from .state import load_optimizer_state_dict, optimizer_state_dict
 
 __all__ = [
     "RegionTensor",
@@ -12,6 +14,8 @@ __all__ = [
     "install_state_dict_hooks",
     "load",
     "load_optimizer_state_dict",
+    "load_state",
     "optimizer_state_dict",
     "save",
+    "save_state",
 ]

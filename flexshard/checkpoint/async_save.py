@@ -40,10 +40,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..torch_internals import drop_cached_save_plans
 from .bounded import Ranks
 from .frames import Frames, framed_state
-from .io import _extra_file, _move_into_place, _state_dict, _union_groups
+from .io import _extra_file, _move_into_place
 from .manifest import Entry, chunk_entries, digest, share, write_manifest
-from .optimizer_state import Model, optimizer_state_dict
+from .stages import Model
 from .staging import ChunkStager, can_pin
+from .state import gathers, group_params, state_dict, union_groups, with_groups
 
 AsyncMode = Literal["async", "async_with_pinned_mem"]
 #: the background threads' nice value (0 is the training thread's): writing and hashing
@@ -158,22 +159,26 @@ class AsyncCheckpointer:
         )
 
     # ---------------------------------------------------------------- the caller's side
-    def state(self, model: Model, optimizer: torch.optim.Optimizer | None, frames: Frames | None):
+    def state(
+        self,
+        model: Model,
+        optimizer: torch.optim.Optimizer | None,
+        frames: Frames | None,
+        *,
+        stages: bool = False,
+    ) -> dict[str, Any]:
         """What ``flexshard.checkpoint.save`` writes for ``model`` (and ``optimizer``),
         with the param groups over all ranks gathered at the first call only (a run's
         groups do not change; a rank whose groups did raises)."""
-        state: dict[str, Any] = {"model": _state_dict(model)}
-        if optimizer is not None:
-            optim = optimizer_state_dict(model, optimizer)
-            mine = [list(g["params"]) for g in optim["param_groups"]]
+        state = state_dict(model, optimizer)
+        if optimizer is not None and gathers(model, stages):
+            mine = group_params(state["optim"])
             if self._union is None:
                 self.wait()  # the group is idle before the training thread uses it
-                self._union = (mine, _union_groups(mine, self._ranks("")))
+                self._union = (mine, union_groups(mine, self._ranks("")))
             elif self._union[0] != mine:
                 raise ValueError("the optimizer's param groups changed between checkpoints")
-            union = self._union[1]
-            groups = [{**g, "params": fqns} for g, fqns in zip(optim["param_groups"], union)]
-            state["optim"] = {**optim, "param_groups": groups}
+            state = with_groups(state, self._union[1])
         return framed_state(state, frames)
 
     def save(

@@ -1,10 +1,15 @@
-"""``save`` / ``load``: plain DCP checkpoints made atomic and checked before use.
+"""``save`` / ``load``: torch's DCP made atomic and checked before use.
 
-``save`` writes into ``<path>.partial``, adds a manifest of checksums once every rank
-has finished, and only then renames the directory to ``<path>``: a save killed
-half-way leaves no directory that looks complete. ``load`` verifies the checksums,
-keys and shapes, reads into fresh buffers, and only then copies into the model and
-optimizer, so a bad checkpoint raises (naming the key) with nothing changed.
+``save_state`` / ``load_state`` wrap ``dcp.save`` / ``dcp.load`` of any state dict.
+``save_state`` writes into ``<path>.partial``, adds a manifest of checksums once every
+rank has finished, and only then renames the directory to ``<path>``: a save killed
+half-way leaves no directory that looks complete. ``load_state`` verifies the
+checksums, keys and shapes first and raises on every rank, naming the key. Every
+collective waits at most ``timeout`` (``bounded.py``).
+
+``save`` / ``load`` do this for a model and its optimizer, their state from torch's
+DCP state-dict API (``state.py``); ``load`` reads into fresh copies and applies them
+only once everything checked out, so a bad checkpoint raises with nothing changed.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import ctypes
 import datetime
 import os
 import shutil
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -21,12 +27,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..runtime.dcp_chunks import RegionTensor
-from ..state_dict_hooks import slot_shape, slot_tensor
-from .bounded import Ranks as _Ranks
-from .bounded import model_timeout
-from .frames import Frames, frame_of, framed, framed_state
+from .bounded import Ranks, model_timeout
+from .frames import Frames, framed_state, unframed
 from .manifest import (
+    MANIFEST,
     Entry,
     check_entries,
     chunk_entries,
@@ -35,12 +39,18 @@ from .manifest import (
     share,
     write_manifest,
 )
-from .optimizer_state import (
-    Model,
-    modules_of,
-    optimizer_state_dict,
-    param_names,
-    prepare_optimizer_state,
+from .stages import Model, modules_of
+from .state import (
+    apply,
+    fresh,
+    gathers,
+    group_params,
+    group_problems,
+    saved_entries,
+    saved_flat,
+    state_dict,
+    union_groups,
+    with_groups,
 )
 
 _AT_FDCWD = -100
@@ -51,7 +61,7 @@ def _extra_file(rank: int) -> str:
     return f"extra_{rank}.pt"
 
 
-def _finish(root: str, metadata: Metadata, has_extra: list[bool], ranks: _Ranks) -> None:
+def _finish(root: str, metadata: Metadata, has_extra: list[bool], ranks: Ranks) -> None:
     """Checksum every chunk (each rank a share of the files), then rank 0 writes the
     manifest that marks the directory complete."""
     entries = chunk_entries(metadata)
@@ -91,61 +101,10 @@ def _move_into_place(partial: str, final: str) -> None:
     shutil.rmtree(partial, ignore_errors=True)  # now the older checkpoint
 
 
-def _state_dict(model: Model) -> dict[str, Any]:
-    """The state dicts of the modules of one logical model, merged (keys are global)."""
-    merged: dict[str, Any] = {}
-    for module in modules_of(model):
-        for key, value in module.state_dict().items():
-            if key in merged:
-                raise ValueError(f"state dict key '{key}' is in two of the modules given")
-            merged[key] = value
-    return merged
-
-
-def _union_groups(groups: list[list[str]], ranks: _Ranks) -> list[list[str]]:
-    """Each param group's FQNs over every rank: ranks holding different parts of the
-    model (pipeline stages) save and check the logical model's groups."""
-    every = ranks.all_gather(groups, "param-group all-gather")
-    if len({len(g) for g in every}) != 1:
-        raise ValueError(
-            f"the ranks' optimizers have different numbers of param groups "
-            f"{[len(g) for g in every]}; a checkpoint needs the same groups on every rank"
-        )
-    return [list(dict.fromkeys(f for part in every for f in part[i])) for i in range(len(groups))]
-
-
-def save(
-    path: str | os.PathLike,
-    model: Model,
-    optimizer: torch.optim.Optimizer | None = None,
-    extra: Any = None,
-    process_group: dist.ProcessGroup | None = None,
-    frames: Frames | None = None,
-    timeout: datetime.timedelta | None = None,
-) -> None:
-    """Save ``model`` (and ``optimizer``) with ``dcp.save``, each rank writing the
-    regions it stores; ``extra`` (this rank's step, RNG or data-loader state: tensors,
-    numbers, strings and containers of them) is kept per rank. Every rank calls it.
-
-    ``model`` may be several modules of one logical model (pipeline stages, keeping
-    their global FQNs), and ranks may hold different parts of it; ``frames`` (FQN ->
-    whole shape, offset) saves a rank's tensor as a slice of a larger one (experts).
-
-    Every collective waits at most ``timeout`` (default: the model's flexshard
-    timeout; the group's own for a model without buckets), then raises a
-    CollectiveError naming the step; nothing is renamed into place then."""
-    final = os.path.abspath(os.fspath(path))
-    ranks = _Ranks.of(process_group, final, _timeout(model, timeout))
+def _save(final: str, state: dict[str, Any], extra: Any, ranks: Ranks) -> None:
     partial = final + ".partial"
     if os.path.exists(final) and not os.path.isdir(final):
         raise ValueError(f"cannot save a checkpoint to '{final}': a file is there")
-    state: dict[str, Any] = {"model": _state_dict(model)}
-    if optimizer is not None:
-        optim = optimizer_state_dict(model, optimizer)
-        union = _union_groups([g["params"] for g in optim["param_groups"]], ranks)
-        groups = [{**g, "params": fqns} for g, fqns in zip(optim["param_groups"], union)]
-        state["optim"] = {**optim, "param_groups": groups}
-    state = framed_state(state, frames)
     if ranks.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
         os.makedirs(partial)
@@ -166,86 +125,84 @@ def save(
     ranks.barrier("barrier after the rename")
 
 
+def save_state(
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    extra: Any = None,
+    process_group: dist.ProcessGroup | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> None:
+    """``dcp.save(state)`` into ``path``, atomically and with a manifest; ``extra``
+    (this rank's step, RNG or data-loader state: tensors, numbers, strings and
+    containers of them) is kept per rank. Every rank calls it. Every collective waits
+    at most ``timeout`` (default: the group's own), then raises a CollectiveError
+    naming the step; nothing is renamed into place then."""
+    final = os.path.abspath(os.fspath(path))
+    _save(final, state, extra, Ranks.of(process_group, final, timeout))
+
+
+def save(
+    path: str | os.PathLike,
+    model: Model,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Any = None,
+    process_group: dist.ProcessGroup | None = None,
+    frames: Frames | None = None,
+    timeout: datetime.timedelta | None = None,
+    *,
+    stages: bool = False,
+    entries: Mapping[str, Any] | None = None,
+) -> None:
+    """``save_state`` of ``model``'s (and ``optimizer``'s) state from torch's
+    ``get_state_dict``, each rank writing the chunks it stores.
+
+    ``model`` may be several modules of one logical model (pipeline stages, keeping
+    their global FQNs), and ranks may hold different parts of it (``stages``: say so
+    for a torch FSDP2 model); ``frames`` (FQN -> whole shape, offset) saves a rank's
+    tensor as a slice of a larger one (experts); ``entries``: more state saved beside
+    (``{"lr_scheduler": ...}``). ``timeout``'s default is the model's flexshard timeout."""
+    final = os.path.abspath(os.fspath(path))
+    ranks = Ranks.of(process_group, final, _timeout(model, timeout))
+    state = state_dict(model, optimizer)
+    if optimizer is not None and gathers(model, stages):
+        state = with_groups(state, union_groups(group_params(state["optim"]), ranks))
+    _save(final, {**framed_state(state, frames), **(entries or {})}, extra, ranks)
+
+
 def _timeout(model: Model, timeout: datetime.timedelta | None) -> datetime.timedelta | None:
     return timeout if timeout is not None else model_timeout(modules_of(model))
 
 
-def _model_target(model: Model) -> dict[str, Any]:
-    """Fresh buffers shaped like the model's state dict: dcp.load fills these, not the model."""
-    target = {}
-    for key, value in _state_dict(model).items():
-        if isinstance(value, torch.Tensor):  # DTensors too: a clone has fresh local data
-            target[key] = value.detach().clone()
-        else:
-            target[key] = value
-    return target
+def _walked(value: Any) -> bool:
+    """A list DCP walks into: one holding a tensor or a container it walks."""
+    if isinstance(value, Mapping):
+        return True
+    return isinstance(value, list) and any(isinstance(v, torch.Tensor) or _walked(v) for v in value)
 
 
-def _optim_target(
-    model: Model, metadata: Metadata, held: set[str], frames: Frames | None
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Fresh buffers for every optimizer entry of the parameters this rank's optimizer
-    holds (``held``), keyed as DCP flattened them; state like a sharded parameter gets
-    its chunks. Returns them, and the same for DCP (framed entries at their offsets)."""
-    _, slots = param_names(model)
-    target: dict[str, Any] = {}
-    for_dcp: dict[str, Any] = {}
-    for key, path in (metadata.planner_data or {}).items():
-        if not path or path[0] != "optim":
-            continue
-        md = metadata.state_dict_metadata.get(key)
-        if not isinstance(md, TensorStorageMetadata):
-            target[key] = ""  # a plain value (lr, betas, params): DCP replaces it
-            continue
-        fqn = path[2] if len(path) == 4 and path[1] == "state" else None
-        if fqn is not None and fqn not in held:
-            continue  # another rank's part of the model (a pipeline stage)
-        slot = slots.get(fqn) if fqn is not None else None
-        frame = frame_of(frames, fqn)
-        size = tuple(md.size)
-        if slot is not None and size and size == tuple(frame[0] if frame else slot_shape(*slot)):
-            bucket, i = slot
-            local = bucket.local_tensor(i)
-            buffer = torch.zeros(local.shape, dtype=md.properties.dtype, device=local.device)
-            target[key] = slot_tensor(bucket, i, buffer)
-        elif frame is not None and size and size == tuple(frame[0]):
-            local = next(p for n, p in _named_parameters(model) if n == fqn)
-            target[key] = torch.zeros(local.shape, dtype=md.properties.dtype)
-        else:
-            target[key] = torch.zeros(size, dtype=md.properties.dtype)
-        if frame is not None and size:
-            for_dcp[key] = framed(target[key], frame, key)
-    return target, {**target, **for_dcp}
-
-
-def _named_parameters(model: Model) -> Any:
-    for module in modules_of(model):
-        yield from module.named_parameters()
-
-
-def _nest(flat: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
-    """The flattened optimizer entries back as {"state": ..., "param_groups": [...]}."""
-    out: dict[str, Any] = {"state": {}, "param_groups": []}
-    for key, value in flat.items():
-        path = metadata.planner_data[key][1:]
-        if path[0] == "state":
-            out["state"].setdefault(path[1], {})[path[2]] = value
-        else:
-            groups = out["param_groups"]
-            while len(groups) <= path[1]:
-                groups.append({})
-            groups[path[1]][path[2]] = value
+def _leaves(value: Any, key: str = "") -> dict[str, Any]:
+    """``value``'s entries under the keys DCP gives them: dicts, and lists holding
+    tensors or containers, are walked; any other value is one entry."""
+    if isinstance(value, Mapping):
+        items: Any = value.items()
+    elif _walked(value):
+        items = enumerate(value)
+    else:
+        return {key: value}
+    out: dict[str, Any] = {}
+    for k, v in items:
+        out.update(_leaves(v, f"{key}.{k}" if key else str(k)))
     return out
 
 
 def _mismatches(
-    target: dict[str, Any], metadata: Metadata, prefix: str, everywhere: set[str]
+    state: dict[str, Any], metadata: Metadata, ranks: Ranks, whole: Collection[str]
 ) -> list[str]:
-    """Keys missing or shaped otherwise here; keys saved that no rank (``everywhere``:
-    every rank's keys) loads."""
+    """Keys missing or shaped otherwise here; under the entries ``whole`` names, keys
+    saved that no rank loads."""
     problems = []
-    saved = {k for k in metadata.state_dict_metadata if k.startswith(prefix)}
-    for key, value in target.items():
+    leaves = _leaves(state)
+    for key, value in leaves.items():
         md = metadata.state_dict_metadata.get(key)
         if md is None:
             problems.append(f"key '{key}' is missing from the checkpoint")
@@ -255,12 +212,19 @@ def _mismatches(
                     f"key '{key}' has shape {tuple(md.size)} in the checkpoint, the model "
                     f"expects {tuple(value.shape)}"
                 )
-    for key in sorted(saved - everywhere):
-        problems.append(f"key '{key}' in the checkpoint is not in the model (another model?)")
+
+    def checked(key: str) -> bool:
+        return key.split(".", 1)[0] in whole
+
+    mine = [k for k in leaves if checked(k)]
+    everywhere = {k for part in ranks.all_gather(mine, "key all-gather") for k in part}
+    for key in sorted(k for k in metadata.state_dict_metadata if checked(k)):
+        if key not in everywhere:
+            problems.append(f"key '{key}' in the checkpoint is not in the model (another model?)")
     return problems
 
 
-def _raise_if_any(problems: list[str], ranks: _Ranks, root: str) -> None:
+def _raise_if_any(problems: list[str], ranks: Ranks, root: str) -> None:
     """Every rank raises the same error (problems found on any rank), or none does."""
     found = sorted({p for part in ranks.all_gather(problems, "check all-gather") for p in part})
     if found:
@@ -268,37 +232,55 @@ def _raise_if_any(problems: list[str], ranks: _Ranks, root: str) -> None:
         raise ValueError(f"cannot load checkpoint '{root}': " + "; ".join(found[:5]) + more)
 
 
-def _group_problems(
-    optimizer: torch.optim.Optimizer, model: Model, nested: dict[str, Any], ranks: _Ranks
-) -> list[str]:
-    """The saved param groups against every rank's groups together (the logical model)."""
-    names, _ = param_names(model)
-    mine = [[names.get(id(p), "") for p in g["params"]] for g in optimizer.param_groups]
-    union = _union_groups(mine, ranks)
-    saved = [g.get("params", []) for g in nested["param_groups"]]
-    if sorted(map(sorted, union)) != sorted(map(sorted, saved)):
-        return [
-            "optimizer state does not match the optimizer: param groups of "
-            f"{[len(g) for g in union]} parameters over all ranks, the checkpoint has "
-            f"{[len(g) for g in saved]} (or other parameter names)"
-        ]
-    return []
+def _verified(root: str, ranks: Ranks, require_manifest: bool) -> Metadata:
+    """The checkpoint's DCP metadata, once its manifest checked out on every rank
+    (each rank hashing a share of the files). Without ``require_manifest`` a folder
+    DCP finished writing (``.metadata``) without a manifest (torch's own ``dcp.save``)
+    is taken unchecked."""
+    problems: list[str] = []
+    unchecked = not require_manifest and not os.path.isfile(os.path.join(root, MANIFEST))
+    if not (unchecked and os.path.isfile(os.path.join(root, ".metadata"))):
+        try:
+            entries, digests, _ = read_manifest(root)
+            problems = check_entries(root, share(entries, ranks.rank, ranks.world), digests)
+        except ValueError as err:
+            problems = [str(err)]
+    _raise_if_any(problems, ranks, root)
+    return FileSystemReader(root).read_metadata()
 
 
-def _held_groups(nested: dict[str, Any], held: set[str]) -> dict[str, Any]:
-    """The saved optimizer state cut to the parameters this rank's optimizer holds."""
-    groups = [
-        {**g, "params": [f for f in g.get("params", []) if f in held]}
-        for g in nested["param_groups"]
-    ]
-    state = {f: v for f, v in nested["state"].items() if f in held}
-    return {"state": state, "param_groups": groups}
+def _read(root: str, state: dict[str, Any], ranks: Ranks) -> Any:
+    """``dcp.load`` into ``state``; this rank's ``extra`` (rank 0's when it had none)."""
+    with ranks.step("dcp.load"):
+        dcp.load(
+            state, storage_reader=FileSystemReader(root), process_group=ranks.group,
+            no_dist=ranks.no_dist,
+        )  # fmt: skip
+    for rank in (ranks.rank, 0):
+        extra = os.path.join(root, _extra_file(rank))
+        if os.path.isfile(extra):
+            return torch.load(extra)
+    return None
 
 
-def _load_state_dict(model: Model, state: dict[str, Any]) -> None:
-    for module in modules_of(model):
-        keys = module.state_dict().keys()
-        module.load_state_dict({k: state[k] for k in keys})
+def load_state(
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    process_group: dist.ProcessGroup | None = None,
+    timeout: datetime.timedelta | None = None,
+    *,
+    require_manifest: bool = True,
+) -> Any:
+    """``dcp.load(state)`` from a checkpoint ``save_state`` wrote, in place as DCP
+    loads; returns this rank's ``extra``. Every rank calls it. Raises ValueError naming
+    the key for a missing, truncated, corrupted or mismatched checkpoint before
+    reading. ``require_manifest=False`` also takes a checkpoint torch's ``dcp.save``
+    wrote (no manifest: unchecked)."""
+    root = os.path.abspath(os.fspath(path))
+    ranks = Ranks.of(process_group, root, timeout)
+    metadata = _verified(root, ranks, require_manifest)
+    _raise_if_any(_mismatches(state, metadata, ranks, set(state)), ranks, root)
+    return _read(root, state, ranks)
 
 
 def load(
@@ -308,58 +290,32 @@ def load(
     process_group: dist.ProcessGroup | None = None,
     frames: Frames | None = None,
     timeout: datetime.timedelta | None = None,
+    *,
+    require_manifest: bool = True,
 ) -> Any:
-    """Load a checkpoint written by ``save`` at any world size and placements into
-    ``model`` (and ``optimizer``); returns this rank's ``extra`` (rank 0's when this
-    rank had none). Every rank calls it. Raises ValueError naming the key for a
-    missing, truncated, corrupted or mismatched checkpoint, before anything changes.
-    ``model``, ``frames`` and ``timeout`` as for ``save``: any layout loads any other's
-    checkpoint."""
+    """Load a checkpoint written by ``save`` (or by torch's ``get_state_dict`` and
+    ``dcp.save``, nested or flattened) at any world size and placements into ``model``
+    (and ``optimizer``); returns this rank's ``extra`` (rank 0's when this rank had
+    none). Every rank calls it. Raises ValueError naming the key for a missing,
+    truncated, corrupted or mismatched checkpoint, before anything changes. ``model``,
+    ``frames`` and ``timeout`` as for ``save``; ``require_manifest`` as for ``load_state``."""
     root = os.path.abspath(os.fspath(path))
-    ranks = _Ranks.of(process_group, root, _timeout(model, timeout))
-    problems: list[str] = []
-    try:
-        entries, digests, _ = read_manifest(root)
-        problems = check_entries(root, share(entries, ranks.rank, ranks.world), digests)
-    except ValueError as err:
-        problems = [str(err)]
-    _raise_if_any(problems, ranks, root)
-
-    reader = FileSystemReader(root)
-    metadata = reader.read_metadata()
-    target = {f"model.{k}": v for k, v in _model_target(model).items()}
-    for_dcp = {
-        k: framed(v, frame, k) if (frame := frame_of(frames, k[len("model.") :])) else v
-        for k, v in target.items()
-    }
-    everywhere = {k for part in ranks.all_gather(list(target), "key all-gather") for k in part}
-    problems = _mismatches(for_dcp, metadata, "model.", everywhere)
-    optim: dict[str, Any] = {}
-    if optimizer is not None:
-        names, _ = param_names(model)
-        held = {names[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in names}
-        optim, optim_dcp = _optim_target(model, metadata, held, frames)
-        for_dcp.update(optim_dcp)
-        if not optim:
-            problems.append("the checkpoint holds no optimizer state")
-    _raise_if_any(problems, ranks, root)
-
-    # DCP puts plain values (lr, params) into this dict, and framed entries fill the
-    # buffers of ``target`` / ``optim`` they are views of
-    with ranks.step("dcp.load"):
-        dcp.load(for_dcp, storage_reader=reader, process_group=ranks.group, no_dist=ranks.no_dist)
-    optim = {k: v if isinstance(for_dcp[k], RegionTensor) else for_dcp[k] for k, v in optim.items()}
-    prepared = None
-    if optimizer is not None:
-        nested = _nest(optim, metadata)
-        problems = _group_problems(optimizer, model, nested, ranks)
-        _raise_if_any(problems, ranks, root)
-        prepared = prepare_optimizer_state(model, optimizer, _held_groups(nested, held))
-    _load_state_dict(model, {k[len("model.") :]: v for k, v in target.items()})
-    if optimizer is not None:
-        optimizer.load_state_dict(prepared)
-    for rank in (ranks.rank, 0):
-        extra = os.path.join(root, _extra_file(rank))
-        if os.path.isfile(extra):
-            return torch.load(extra)
-    return None
+    ranks = Ranks.of(process_group, root, _timeout(model, timeout))
+    metadata = _verified(root, ranks, require_manifest)
+    flat = saved_flat(metadata)
+    target = fresh(state_dict(model, optimizer, flat=flat))
+    loaded = framed_state(target, frames)
+    problems = []
+    if optimizer is not None and "optim" not in saved_entries(metadata):
+        problems.append("the checkpoint holds no optimizer state")
+    checked = loaded if not problems else {"model": loaded["model"]}
+    _raise_if_any(problems + _mismatches(checked, metadata, ranks, ("model",)), ranks, root)
+    mine = None
+    if optimizer is not None and not flat:  # before the read puts the saved lists there
+        mine = union_groups(group_params(target["optim"]), ranks)
+    extra = _read(root, loaded, ranks)
+    state = unframed(loaded, target)
+    if mine is not None:
+        _raise_if_any(group_problems(mine, group_params(state["optim"])), ranks, root)
+    apply(model, optimizer, state)
+    return extra

@@ -1,26 +1,31 @@
-"""Periodic, resumable checkpoints: flexshard's DCP support (``flexshard.checkpoint``)
-for the flexshard backend, torch's DCP state-dict helpers for the FSDP2 backend; a
-safetensors export of the final model; Hugging Face folders in and out
-(``hf_checkpoint``)."""
+"""Periodic, resumable checkpoints, one path for both ``dp_backend``s: the state from
+torch's DCP state-dict API, saved atomically with a manifest and checked before loading
+(``flexshard.checkpoint``), synchronously or in the background; a safetensors export of
+the final model; Hugging Face folders in and out (``hf_checkpoint``)."""
 
 from __future__ import annotations
 
 import datetime
 import functools
+import os
 import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from flexshard.checkpoint import load, load_state
+from flexshard.checkpoint import save as save_checkpoint
 from flexshard.checkpoint.async_save import AsyncCheckpointer, SaveError, one_line
-from flexshard.checkpoint.bounded import bounded_group, in_flight
-from flexshard.checkpoint.frames import framed_state, unframed
+from flexshard.checkpoint.bounded import in_flight
+from flexshard.checkpoint.stages import Model
 
-from .config import ConfigError
 from .exchange import configured_timeout
+from .hf_checkpoint import frames_of, load_hf, world_group
 from .retention import purge
 
 if TYPE_CHECKING:
@@ -46,82 +51,38 @@ def latest_step(root: Path) -> int | None:
     return max(steps, default=None)
 
 
-def _flexshard_checkpoint() -> Any:
-    try:
-        import flexshard.checkpoint as ckpt
-    except ImportError:
-        ckpt = None
-    if ckpt is None or not all(hasattr(ckpt, f) for f in ("save", "load", "export_safetensors")):
-        raise ConfigError(
-            'checkpoint.enable / export_safetensors with dp_backend = "flexshard" need '
-            "flexshard.checkpoint.save/load/export_safetensors, not in this installation"
-        )
-    return ckpt
-
-
-def _fsdp2_state(job: Job, flat: bool) -> dict[str, Any]:
-    """FSDP2's state dicts; ``flat``: the optimizer's keyed per parameter
-    ("param_groups.<fqn>.lr"), as pipeline ranks need (they hold different parameters,
-    so nested groups listing them would collide); otherwise torch's nested form, which
-    flexshard's ``fs.checkpoint.load`` also reads."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    options = _options(flat)
-    model_sd, optim_sd = get_state_dict(_logical_model(job), job.optimizer, options=options)
-    return {"model": model_sd, "optim": optim_sd}
-
-
-def _options(flat: bool) -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=flat)
-
-
-def _is_fsdp2(job: Job) -> bool:
-    return job.cfg.parallelism.dp_backend == "fsdp2"
-
-
-def _logical_model(job: Job) -> Any:
+def _model(job: Job) -> Model:
     """What a checkpoint holds of this rank: its module, or its pipeline stages (they
     keep the whole model's FQNs, so every layout saves one logical model)."""
     modules = job.parallel.modules
-    if len(modules) == 1:
-        return modules[0]
-    if _is_fsdp2(job):
-        raise ConfigError(
-            'checkpoints with dp_backend = "fsdp2" and parallelism.pp_virtual_stages > 1 '
-            "(several stage modules per rank) are not supported; use dp_backend = "
-            '"flexshard"'
-        )
-    return modules
+    return modules[0] if len(modules) == 1 else modules
 
 
-def _frames(job: Job) -> dict[str, Any]:
-    """EP's expert slices at their offsets in the whole stacks (empty without EP)."""
-    from .expert_parallel import expert_frames
-
-    return {k: v for m in job.parallel.modules for k, v in expert_frames(m).items()}
+def _stages(job: Job) -> bool:
+    """Whether ranks hold different parameters: the param groups saved list them all."""
+    return job.dims.pp > 1
 
 
-def _io_group(job: Job) -> tuple[dist.ProcessGroup, datetime.timedelta]:
-    """The world's ranks on a group bounded by ``parallelism.timeout_s``: every
-    checkpoint collective (DCP's, the barriers) waits at most that, then raises a
-    CollectiveError naming the step (made once, on first use, by every rank)."""
-    timeout = configured_timeout(job.cfg.parallelism.timeout_s)
-    return bounded_group(dist.group.WORLD, timeout), timeout
+def _timeout(job: Job) -> datetime.timedelta:
+    """``parallelism.timeout_s``: every checkpoint collective waits at most this, then
+    raises a CollectiveError naming the step."""
+    return configured_timeout(job.cfg.parallelism.timeout_s)
+
+
+def _extra(job: Job, step: int) -> dict[str, Any]:
+    return {"step": step, SCHEDULER: job.lr_scheduler.state_dict()}
+
+
+def _entries(job: Job) -> dict[str, Any]:
+    # the scheduler also as a DCP entry, where FSDP2 runs before this one kept it
+    # (theirs load these checkpoints, and ours theirs: ``_schedule``)
+    return {SCHEDULER: job.lr_scheduler.state_dict()}
 
 
 def _barrier(job: Job, what: str, path: Path) -> None:
-    group, timeout = _io_group(job)
+    group, timeout = world_group(job)
     with in_flight(what, str(path), group, timeout):
         dist.barrier(group=group)
-
-
-def check_available(job: Job) -> None:
-    """Fail before training, not at the first save."""
-    c = job.cfg.checkpoint
-    if (c.enable or c.export_safetensors) and not _is_fsdp2(job):
-        _flexshard_checkpoint()
 
 
 def save(job: Job, step: int) -> Path:
@@ -134,54 +95,34 @@ def save(job: Job, step: int) -> Path:
         _save_async(job, step, path)
         return path
     try:
-        _save_sync(job, step, path)
+        save_checkpoint(
+            path,
+            _model(job),
+            job.optimizer,
+            extra=_extra(job, step),
+            frames=frames_of(job),
+            timeout=_timeout(job),
+            stages=_stages(job),
+            entries=_entries(job),
+        )
     except (Exception, CheckpointException) as err:
         if job.rank == 0:  # what the failed save wrote is of no use: give the disk back
             shutil.rmtree(f"{path}.partial", ignore_errors=True)
-            if not (path / ".metadata").exists():
-                shutil.rmtree(path, ignore_errors=True)
         raise SaveError(
             f"flexshard: checkpoint step {step} failed; '{path}' was not written and the "
             f"previous checkpoints are untouched: {one_line(err)}"
         ) from (err if isinstance(err, Exception) else None)
-    _barrier(job, "barrier after the save", path)
     keep = job.cfg.checkpoint.keep_latest_k
-    if keep and job.rank == 0:
+    if keep and job.rank == 0:  # every rank is past the save's last barrier
         purge(folder(job), keep)
     return path
-
-
-def _save_sync(job: Job, step: int, path: Path) -> None:
-    if _is_fsdp2(job):
-        import torch.distributed.checkpoint as dcp
-
-        state = framed_state(_fsdp2_state(job, job.dims.pp > 1), _frames(job))
-        group, timeout = _io_group(job)
-        with in_flight("dcp.save", str(path), group, timeout):
-            dcp.save(
-                {**state, SCHEDULER: job.lr_scheduler.state_dict()},
-                checkpoint_id=str(path),
-                process_group=group,
-            )
-    else:
-        extra = {"step": step, SCHEDULER: job.lr_scheduler.state_dict()}
-        _flexshard_checkpoint().save(
-            str(path),
-            _logical_model(job),
-            job.optimizer,
-            extra=extra,
-            frames=_frames(job),
-            timeout=configured_timeout(job.cfg.parallelism.timeout_s),
-        )
 
 
 def checkpointer(job: Job) -> AsyncCheckpointer:
     """The job's background saver, made at its first asynchronous save."""
     if job.checkpointer is None:
         mode = job.cfg.checkpoint.async_mode
-        job.checkpointer = AsyncCheckpointer(
-            mode, configured_timeout(job.cfg.parallelism.timeout_s)
-        )  # type: ignore[arg-type]
+        job.checkpointer = AsyncCheckpointer(mode, _timeout(job))  # type: ignore[arg-type]
         if job.rank == 0:
             print(job.checkpointer.note, flush=True)
     return job.checkpointer
@@ -191,18 +132,11 @@ def _save_async(job: Job, step: int, path: Path) -> None:
     """The same contents as the synchronous save, written in the background."""
     saver = checkpointer(job)
     saver.wait()  # the previous save first: its failure is raised here, not lost
-    frames = _frames(job)
-    if _is_fsdp2(job):
-        state = framed_state(_fsdp2_state(job, job.dims.pp > 1), frames)
-        state = {**state, SCHEDULER: job.lr_scheduler.state_dict()}
-        extra, manifest = None, False  # as the synchronous FSDP2 save: plain DCP
-    else:
-        state = saver.state(_logical_model(job), job.optimizer, frames)
-        extra, manifest = {"step": step, SCHEDULER: job.lr_scheduler.state_dict()}, True
+    state = saver.state(_model(job), job.optimizer, frames_of(job), stages=_stages(job))
     keep, root = job.cfg.checkpoint.keep_latest_k, folder(job)
     after = functools.partial(purge, root, keep) if keep and job.rank == 0 else None
     label = f"checkpoint step {step}"
-    saver.save(path, state, label=label, extra=extra, manifest=manifest, after=after)
+    saver.save(path, {**state, **_entries(job)}, label=label, extra=_extra(job, step), after=after)
 
 
 def wait_for_saves(job: Job) -> None:
@@ -214,7 +148,6 @@ def wait_for_saves(job: Job) -> None:
 
 def maybe_resume(job: Job) -> int:
     """Load the latest checkpoint when resuming is on; return the step to start from."""
-    check_available(job)
     c = job.cfg.checkpoint
     if not (c.enable and c.resume):
         return 0
@@ -222,41 +155,33 @@ def maybe_resume(job: Job) -> int:
     if step is None:
         return 0
     path = folder(job) / f"step-{step}"
-    if _is_fsdp2(job):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        saved = dcp.FileSystemReader(str(path)).read_metadata().planner_data or {}
-        flat = any(p[0] == "optim" and len(p) == 2 for p in saved.values())  # as saved
-        state = _fsdp2_state(job, flat)
-        if any(key[0] == SCHEDULER for key in saved.values()):
-            state[SCHEDULER] = job.lr_scheduler.state_dict()
-        loaded = framed_state(state, _frames(job))
-        group, timeout = _io_group(job)
-        with in_flight("dcp.load", str(path), group, timeout):
-            dcp.load(loaded, checkpoint_id=str(path), process_group=group)
-        state = unframed(loaded, state)
-        set_state_dict(
-            _logical_model(job),
-            job.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=_options(flat),
-        )
-        scheduler = state.get(SCHEDULER)
-    else:
-        ckpt = _flexshard_checkpoint()
-        timeout = configured_timeout(job.cfg.parallelism.timeout_s)
-        extra = ckpt.load(
-            str(path), _logical_model(job), job.optimizer, frames=_frames(job), timeout=timeout
-        )
-        extra = extra or {}
-        step = int(extra.get("step", step))
-        scheduler = extra.get(SCHEDULER)
-    _restore_schedule(job, scheduler, step, path)
+    # require_manifest=False: FSDP2 runs before this one saved plain DCP folders
+    extra = load(
+        path,
+        _model(job),
+        job.optimizer,
+        frames=frames_of(job),
+        timeout=_timeout(job),
+        require_manifest=False,
+    )
+    step = int((extra or {}).get("step", step))
+    _restore_schedule(job, _schedule(job, path, extra), step, path)
     if job.rank == 0:
         print(f"resumed from {path} at step {step}", flush=True)
     return step
+
+
+def _schedule(job: Job, path: Path, extra: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The saved scheduler state: in ``extra``, or (FSDP2 runs before this one saved
+    none) the DCP entry, when the checkpoint has one."""
+    if extra is not None:
+        return extra.get(SCHEDULER)
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if not any(key.startswith(f"{SCHEDULER}.") for key in saved):
+        return None
+    state = {SCHEDULER: job.lr_scheduler.state_dict()}
+    load_state(path, state, timeout=_timeout(job), require_manifest=False)
+    return state[SCHEDULER]
 
 
 def _restore_schedule(job: Job, state: dict[str, Any] | None, step: int, path: Path) -> None:
@@ -277,30 +202,14 @@ def _restore_schedule(job: Job, state: dict[str, Any] | None, step: int, path: P
 
 def initial_load(job: Job) -> None:
     """A fresh run (nothing resumed) starts from ``checkpoint.initial_load_path``: the
-    model weights of a Hugging Face folder or of a DCP checkpoint (no optimizer state)."""
+    model weights of a Hugging Face folder or of a DCP checkpoint (no optimizer state;
+    one torch's ``dcp.save`` wrote, without a manifest, too)."""
     c = job.cfg.checkpoint
     if c.initial_load_in_hf:
-        from .hf_checkpoint import load_hf
-
         load_hf(job, c.initial_load_path)
-    elif _is_fsdp2(job):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        state = {"model": get_model_state_dict(_logical_model(job))}
-        group, timeout = _io_group(job)
-        with in_flight("dcp.load", c.initial_load_path, group, timeout):
-            dcp.load(
-                framed_state(state, _frames(job)),
-                checkpoint_id=c.initial_load_path,
-                process_group=group,
-            )
     else:
-        frames = _frames(job)
-        timeout = configured_timeout(job.cfg.parallelism.timeout_s)
-        _flexshard_checkpoint().load(
-            c.initial_load_path, _logical_model(job), frames=frames, timeout=timeout
-        )
+        model, frames, timeout = _model(job), frames_of(job), _timeout(job)
+        load(c.initial_load_path, model, frames=frames, timeout=timeout, require_manifest=False)
     if job.rank == 0:
         print(f"initial weights from {c.initial_load_path}", flush=True)
 
@@ -311,22 +220,22 @@ def export(job: Job) -> Path:
     if job.dims.pp * job.dims.ep > 1:  # stages and expert slices gathered into one model
         from .parallelize import full_buffers, full_parameters
 
-        full = full_parameters(job.parallel, job.meshes)
-        _write_full(job, {**full, **full_buffers(job.parallel, job.meshes)}, path)
-    elif not _is_fsdp2(job):
-        _flexshard_checkpoint().export_safetensors(job.model, str(path))
-    else:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        options = StateDictOptions(full_state_dict=True)
-        _write_full(job, get_model_state_dict(job.model, options=options), path)
+        parallel, meshes = job.parallel, job.meshes
+        full = {**full_parameters(parallel, meshes), **full_buffers(parallel, meshes)}
+    else:  # torch's full state dict: every DTensor gathered, flexshard's placements too
+        full = get_model_state_dict(job.model, options=StateDictOptions(full_state_dict=True))
+    _write_full(job, full, path)
     return path
 
 
 def _write_full(job: Job, full: dict[str, Any], path: Path) -> None:
-    """Rank 0 writes the gathered tensors; every rank waits for it."""
+    """Rank 0 writes the gathered tensors (under a temporary name, then renamed); every
+    rank waits for it."""
     from safetensors.torch import save_file
 
     if job.rank == 0:
-        save_file({k: v.detach().cpu().contiguous() for k, v in full.items()}, str(path))
+        partial = f"{path}.partial"
+        tensors = {k: v.detach().cpu().contiguous() for k, v in full.items()}
+        save_file(tensors, partial, metadata={"format": "pt"})
+        os.replace(partial, path)
     _barrier(job, "barrier after the export", path)

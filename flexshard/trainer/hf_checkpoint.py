@@ -41,8 +41,9 @@ def model_state(job: Job) -> dict[str, torch.Tensor]:
     return {fqn: value for fqn, value in state.items() if in_hf(fqn)}
 
 
-def _frames(job: Job) -> dict:
-    """EP's expert slices at their offsets in the whole stacks (empty without EP)."""
+def frames_of(job: Job) -> dict:
+    """EP's expert slices at their offsets in the whole stacks (empty without EP): a
+    Hugging Face folder and a DCP checkpoint hold the whole stacks."""
     return {k: v for m in job.parallel.modules for k, v in expert_frames(m).items()}
 
 
@@ -54,10 +55,10 @@ def whole_shapes(job: Job) -> dict[str, torch.Size]:
     return {fqn: value.shape for fqn, value in model.state_dict().items() if in_hf(fqn)}
 
 
-def _group(job: Job) -> tuple[dist.ProcessGroup, datetime.timedelta]:
-    """The world on a group bounded by ``parallelism.timeout_s``: a stalled peer makes
-    the others raise a CollectiveError (``in_flight``) instead of waiting on gloo's 30
-    minutes."""
+def world_group(job: Job) -> tuple[dist.ProcessGroup, datetime.timedelta]:
+    """The world on a group bounded by ``parallelism.timeout_s`` (made once, by every
+    rank, at first use): a stalled peer makes the others raise a CollectiveError
+    (``in_flight``) instead of waiting on gloo's 30 minutes."""
     timeout = configured_timeout(job.cfg.parallelism.timeout_s)
     return bounded_group(dist.group.WORLD, timeout), timeout
 
@@ -70,9 +71,9 @@ def load_hf(job: Job, folder: str | Path) -> None:
     state = model_state(job)
     tied = bool(config.get("tie_word_embeddings", False))
     keys = hf_keys(list(state), job.cfg.model, tied)
-    group, timeout = _group(job)
+    group, timeout = world_group(job)
     with in_flight("Hugging Face load", str(folder), group, timeout):
-        load_hf_safetensors(folder, state, keys, process_group=group, frames=_frames(job))
+        load_hf_safetensors(folder, state, keys, process_group=group, frames=frames_of(job))
 
 
 def export_hf(job: Job, folder: Path | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
@@ -84,7 +85,7 @@ def export_hf(job: Job, folder: Path | None = None, max_shard_bytes: int = MAX_S
     dtype = cfg.checkpoint.export_dtype
     config = hf_config(cfg.model, dtype, cfg.training.seq_len)  # refusals first
     shapes = whole_shapes(job)
-    group, timeout = _group(job)
+    group, timeout = world_group(job)
     with in_flight("Hugging Face export", str(folder), group, timeout):
         save_hf_safetensors(
             folder,
@@ -94,7 +95,7 @@ def export_hf(job: Job, folder: Path | None = None, max_shard_bytes: int = MAX_S
             max_shard_bytes,
             process_group=group,
             shapes=shapes,
-            frames=_frames(job),
+            frames=frames_of(job),
         )
     if job.rank == 0:
         tokenizer = getattr(job, "tokenizer", None)
