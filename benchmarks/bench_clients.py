@@ -36,7 +36,7 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def _timed_steps(run: Any, opt: Any, data: list, warmup: int) -> tuple[list, list]:
-    from benchmarks.torchtitan_cpu import train_step
+    from flexshard.testing.torchtitan_cpu import train_step
 
     cpu, wall = [], []
     for i, (x, y) in enumerate(data):
@@ -51,7 +51,7 @@ def _timed_steps(run: Any, opt: Any, data: list, warmup: int) -> tuple[list, lis
 def _timing(rank: int, world_size: int, bf16: bool, reps: int, steps: int) -> dict:
     """Both libraries in this rank process, alternating; per repetition the median
     step of each (the first step of a library's first repetition is its warm-up)."""
-    from benchmarks.torchtitan_cpu import apply_cpu_patches, batches, build
+    from flexshard.testing.torchtitan_cpu import apply_cpu_patches, batches, build
 
     patches = apply_cpu_patches()
     runs = {lib: build(world_size, lib, bf16) for lib in LIBRARIES}
@@ -69,7 +69,7 @@ def _timing(rank: int, world_size: int, bf16: bool, reps: int, steps: int) -> di
 
 def _memory(rank: int, world_size: int, bf16: bool, library: str) -> float:
     """Peak RSS (MiB) of this rank process after two steps of one library alone."""
-    from benchmarks.torchtitan_cpu import batches, build
+    from flexshard.testing.torchtitan_cpu import batches, build
 
     run = build(world_size, library, bf16)
     opt = torch.optim.AdamW(run.model.parameters(), lr=1e-4)

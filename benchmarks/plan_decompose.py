@@ -245,16 +245,16 @@ def main(argv: list[str] | None = None) -> None:
         per_rank = run_distributed(
             _rank, args.world, row, args.steps, args.profile, "/tmp/plan_decompose", timeout=1800
         )
-        hw, _ = launch_profile([[r["calibrations"][k] for r in per_rank] for k in (0, 1)])
+        profile, _ = launch_profile([[r["calibrations"][k] for r in per_rank] for k in (0, 1)])
         cfg = row_config(ROWS[row], args.steps, "/tmp/plan_decompose")
-        predicted = predict(cfg, args.world, hw)
+        predicted = predict(cfg, args.world, profile)
         result = {
             "row": ROWS[row],
             "world": args.world,
             "uptime": [load, uptime()],
             "measured_ms": max(r["measured_s"] for r in per_rank) * 1e3,
             "predicted_ms": {k: v * 1e3 for k, v in predicted.items()},
-            "profile": hw.as_dict(),
+            "profile": profile.as_dict(),
             "ranks": [{k: v for k, v in r.items() if k != "calibrations"} for r in per_rank],
         }
         results.append(result)

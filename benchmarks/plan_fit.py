@@ -3,7 +3,7 @@ this machine, each term from its own (none from the step times it is checked on)
 
 - GEMM, attention, per-op overhead and non-GEMM bandwidth: with ``op_configs``, the
   unsharded models' own forward / backward ops timed one by one at their shapes
-  (``plan_ops``, one thread); without, a one-thread GEMM of one linear layer's
+  (``flexshard.testing.op_replay``, one thread); without, a one-thread GEMM of one linear layer's
   shapes and a norm / SiLU / softmax / residual chain (tiny tensors: seconds per op
   counted by ``flexshard.plan.opcount``; 1 MiB tensors: its bytes over its time less
   the ops' cost), kept in the detail either way for comparison (the chain has no
@@ -39,13 +39,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor import distribute_tensor
 
-from flexshard.plan.hardware import Hardware
+from flexshard.plan.hardware import Hardware, Profile
+from flexshard.plan.host_costs import HostCosts
 from flexshard.plan.opcount import OpCount, count_ops
 from flexshard.runtime.storage import alloc, free
 from flexshard.testing import run_distributed
+from flexshard.testing.op_replay import op_rates
 from flexshard.trainer.config import Config
-
-from .plan_ops import op_rates
 
 SIZES = (1 << 12, 1 << 16, 1 << 18, 1 << 20)  # fp32 elements per rank
 REPS = 15  # runs of each collective (the first 2 not counted): the machine is noisy
@@ -285,9 +285,9 @@ def gloo_fit(per_world: dict[int, list[dict]]) -> tuple[float, float, float, flo
 
 def fit_cpu_profile(
     worlds: tuple[int, ...] = WORLDS, op_configs: Sequence[Config] = ()
-) -> tuple[Hardware, dict]:
+) -> tuple[Profile, dict]:
     """``op_configs``: models whose unsharded forward / backward ops are timed at their
-    own shapes (``plan_ops``) for the GEMM, attention and non-GEMM rates; without
+    own shapes (``op_replay``) for the GEMM, attention and non-GEMM rates; without
     them, the nominal GEMM and the norm / SiLU / softmax chain above."""
     per_world = {w: run_distributed(_rank, w, timeout=300) for w in worlds}
     gemm, _ = _gemm()
@@ -321,18 +321,20 @@ def fit_cpu_profile(
         intra_latency_us=step * 1e6,
         inter_gbps=ag_bw / 1e9,
         inter_latency_us=step * 1e6,
-        cores=cores,
         op_overhead_us=per_op * 1e6,
         elementwise_gbps=elementwise / 1e9,
         copy_gbps=copy_gbps(),
         collective_overhead_us=call * 1e6,
         reduce_scatter_gbps=rs_bw / 1e9,
         overlap=overlap,
+        attention_tflops=attention,
+    )
+    host = HostCosts(
+        cores=cores,
         dtensor_op_overhead_us=statistics.median(
             r["dtensor_s"] for rs in per_world.values() for r in rs
         )
         * 1e6,
-        attention_tflops=attention,
     )
     detail = {
         "nominal_gemm_tflops": nominal_tflops,
@@ -348,4 +350,4 @@ def fit_cpu_profile(
         "gemm_with_w_ranks_s": {w: max(r["gemm_s"] for r in rs) for w, rs in per_world.items()},
         "overlap_timings": timings,
     }
-    return hw, detail
+    return Profile(hw, host), detail

@@ -4,22 +4,25 @@ trainer's steps, all W at once, so the machine's load of that moment (other jobs
 the shared cores, the W ranks among themselves) hits the calibration as it hits the
 measurement. What each term comes from (never a step time of the trainer):
 
-- GEMM, causal attention, per-op cost, non-GEMM bandwidth: ``plan_ops`` — the
-  unsharded models' own forward / backward ops, timed one by one at their shapes;
+- GEMM, causal attention, per-op cost, non-GEMM bandwidth:
+  ``flexshard.testing.op_replay.op_rates`` — the unsharded models' own forward /
+  backward ops, timed one by one at their shapes;
 - gloo all-gather / reduce-scatter: cost per call, per ring step and per byte, fitted
   on this W's collectives of four sizes (``plan_fit.gloo_fit``);
 - overlap: a GEMM loop with an all-gather in flight against each alone;
 - DTensor's per-op cost, copy-in / copy-out bandwidth into new buffers, memory
   bandwidth: ``plan_fit``'s micro-benchmarks;
 - contention (the ops run end to end on all ranks against their one-by-one
-  medians), the eager autograd cost per op and the runtimes' cost per parameter
-  gathered / reduced (a tiny-width copy of the model): ``plan_runtime``;
+  medians: ``op_replay.op_window``), the eager autograd cost per op and the runtimes'
+  cost per parameter gathered / reduced (a tiny-width copy of the model:
+  ``flexshard.testing.runtime_costs``);
 - blocking collectives: not measured, the runtime's own rule on a device without
   streams (runtime/collectives.py's Note on collectives without streams; FSDP2 on CPU
   calls its all-gathers synchronously too).
 
 The compute rates are measured with the W ranks running at once, so the profile
-needs no core count (``cores = 0``: no further slowdown for W ranks on the host)."""
+needs no core count (``cores = 0``: no further slowdown for W ranks on the host).
+The device's terms make the profile's ``Hardware``, the host's its ``HostCosts``."""
 
 from __future__ import annotations
 
@@ -28,12 +31,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from flexshard.plan.hardware import Hardware
+from flexshard.plan.hardware import Hardware, Profile
+from flexshard.plan.host_costs import HostCosts
+from flexshard.testing.op_replay import op_rates, op_window
+from flexshard.testing.runtime_costs import runtime_costs
 from flexshard.trainer.config import Config
 
 from .plan_fit import _overlap, _rank, _slowest, copy_gbps, gloo_fit, memory_gbps
-from .plan_ops import op_rates
-from .plan_runtime import op_window, runtime_costs
 
 RATES = ("gemm_tflops", "attention_tflops", "op_overhead_us", "elementwise_gbps")
 RUNTIME = (
@@ -60,7 +64,7 @@ def calibrate(rank: int, world: int, op_configs: list[Config]) -> dict[str, Any]
     return raw
 
 
-def launch_profile(calibrations: list[list[dict[str, Any]]]) -> tuple[Hardware, dict[str, Any]]:
+def launch_profile(calibrations: list[list[dict[str, Any]]]) -> tuple[Profile, dict[str, Any]]:
     """The profile of one launch from its calibrations (each: one dict per rank)."""
     everyone = [r for per_rank in calibrations for r in per_rank]
     rate = {k: statistics.median(r["rates"][k] for r in everyone) for k in RATES}
@@ -79,16 +83,18 @@ def launch_profile(calibrations: list[list[dict[str, Any]]]) -> tuple[Hardware, 
         intra_latency_us=step * 1e6,
         inter_gbps=ag_bw / 1e9,
         inter_latency_us=step * 1e6,
-        cores=0,  # measured with the W ranks at once: no further slowdown
         op_overhead_us=rate["op_overhead_us"],
         elementwise_gbps=rate["elementwise_gbps"],
         copy_gbps=statistics.median(r["copy_gbps"] for r in everyone),
         collective_overhead_us=call * 1e6,
         reduce_scatter_gbps=rs_bw / 1e9,
         overlap=statistics.median(_overlap(t) for t in timings),
-        dtensor_op_overhead_us=statistics.median(r["dtensor_s"] for r in everyone) * 1e6,
         attention_tflops=rate["attention_tflops"],
         blocking_collectives=True,  # no streams on CPU: waited for at launch
+    )
+    host = HostCosts(
+        cores=0,  # measured with the W ranks at once: no further slowdown
+        dtensor_op_overhead_us=statistics.median(r["dtensor_s"] for r in everyone) * 1e6,
         contention=statistics.median(r["contention"] for r in everyone),
         **{k: statistics.median(r["runtime"][k] for r in everyone) for k in RUNTIME},
     )
@@ -103,4 +109,4 @@ def launch_profile(calibrations: list[list[dict[str, Any]]]) -> tuple[Hardware, 
         ],
         "overlap_timings": timings,
     }
-    return hw, detail
+    return Profile(hw, host), detail

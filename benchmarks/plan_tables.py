@@ -12,6 +12,7 @@ BLOCKING = {True: "are waited for at launch (CPU: nothing overlaps)", False: "ru
 
 def write_markdown(result: dict[str, Any], path: Path) -> None:
     hw = result["cpu_profile"]
+    host = hw.get("host_costs", {})
     lines = [
         "# flexshard-plan validation: predicted vs measured (CPU) and vs published (H100)",
         "",
@@ -23,7 +24,7 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         f"Profile from micro-benchmarks only (`cpu_gloo_profile.json` holds the median "
         "over the launches): "
         f"one-thread fp32, timed on the unsharded models' own ops at their shapes "
-        f"(`benchmarks/plan_ops.py`): GEMMs {hw['peak_tflops'] * 1e3:.1f} GFLOP/s, "
+        f"(`flexshard/testing/op_replay.py`): GEMMs {hw['peak_tflops'] * 1e3:.1f} GFLOP/s, "
         f"causal attention {hw.get('attention_tflops', 0.0) * 1e3:.1f} GFLOP/s; non-GEMM ops "
         f"{hw['op_overhead_us']:.2f} us each + bytes at {hw['elementwise_gbps']:.1f} GB/s; "
         f"buffer copies {hw['copy_gbps']:.1f} GB/s; gloo all-gather {hw['intra_gbps']:.3f} "
@@ -32,14 +33,14 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         f"{hw['collective_overhead_us'] / 1e3:.2f} ms per call; collectives overlap "
         f"compute by {hw['overlap']:.0%} in the micro-benchmark, but "
         f"{BLOCKING[bool(hw.get('blocking_collectives'))]}"
-        f"; DTensor {hw['dtensor_op_overhead_us']:.1f} us "
-        f"per op; contention x{hw.get('contention', 1.0):.2f} on what is timed op by op; "
-        f"eager autograd {hw.get('eager_op_us', 0.0):.1f} us per op; the runtimes' own "
+        f"; DTensor {host.get('dtensor_op_overhead_us', 0.0):.1f} us "
+        f"per op; contention x{host.get('contention', 1.0):.2f} on what is timed op by op; "
+        f"eager autograd {host.get('eager_op_us', 0.0):.1f} us per op; the runtimes' own "
         f"cost per parameter gathered / reduced: flexshard "
-        f"{hw.get('flexshard_gather_param_us', 0.0):.0f} / "
-        f"{hw.get('flexshard_reduce_param_us', 0.0):.0f} us, FSDP2 "
-        f"{hw.get('fsdp2_gather_param_us', 0.0):.0f} / "
-        f"{hw.get('fsdp2_reduce_param_us', 0.0):.0f} us (`benchmarks/plan_runtime.py`). "
+        f"{host.get('flexshard_gather_param_us', 0.0):.0f} / "
+        f"{host.get('flexshard_reduce_param_us', 0.0):.0f} us, FSDP2 "
+        f"{host.get('fsdp2_gather_param_us', 0.0):.0f} / "
+        f"{host.get('fsdp2_reduce_param_us', 0.0):.0f} us (`flexshard/testing/runtime_costs.py`). "
         f"Each of {result['reps']} repetitions runs W = 2, 3, 4 (reversed every "
         "other one), each W one launch that calibrates its profile with all W ranks at "
         "once (`benchmarks/plan_launch.py`), measures the rows, calibrates again; each "

@@ -9,7 +9,8 @@
    flexshard and torch FSDP2, and calibrates again; each row is predicted by the plan
    on its launch's profile (the load of the moment hits both). Nothing is tuned to
    the measurements: the profile comes from the micro-benchmarks alone. The median
-   profile is saved as benchmarks/results/cpu_gloo_profile.json (``--hardware``).
+   profile is saved as benchmarks/results/cpu_gloo_profile.json (``--hardware``: the
+   device's fields, the host's under ``host_costs``).
 2. Plan the published runs on the h100 profile and set the predictions next to the
    published figures.
 Results: benchmarks/results/plan_validation.{json,md}.
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from flexshard.plan.hardware import H100, Hardware
+from flexshard.plan.hardware import H100, Profile
 from flexshard.plan.report import make_plan
 from flexshard.testing import run_distributed
 from flexshard.trainer.config import Config, config_from_dict, load_config
@@ -166,9 +167,9 @@ def _measure(rank: int, world: int, steps: int, warmup: int, folder: str) -> dic
 PREDICTED = ("step_s", "compute_s", "gemm_s", "copy_s", "exposed_dp_s", "optimizer_s")
 
 
-def predict(cfg: Config, world: int, hw: Hardware) -> dict[str, float]:
+def predict(cfg: Config, world: int, profile: Profile) -> dict[str, float]:
     backend = cfg.parallelism.dp_backend
-    plan = make_plan(cfg, world, hw, None, (backend,))
+    plan = make_plan(cfg, world, profile.hardware, None, (backend,), profile.host)
     step = plan["backends"][backend]["step"]
     return {k: step[k] for k in PREDICTED}
 
@@ -177,12 +178,17 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def median_profile(profiles: list[Hardware]) -> Hardware:
-    fields = profiles[0].as_dict()
-    for name, value in fields.items():
-        if isinstance(value, float):
-            fields[name] = statistics.median(getattr(p, name) for p in profiles)
-    return Hardware(**fields)
+def median_profile(profiles: list[Profile]) -> Profile:
+    """Each float field's median over ``profiles`` (the other fields: the first's)."""
+
+    def median(parts: list[Any]) -> Any:
+        fields = parts[0].as_dict()
+        for name, value in fields.items():
+            if isinstance(value, float):
+                fields[name] = statistics.median(getattr(p, name) for p in parts)
+        return type(parts[0])(**fields)
+
+    return Profile(median([p.hardware for p in profiles]), median([p.host for p in profiles]))
 
 
 def _op_configs(steps: int) -> list[Config]:
@@ -192,7 +198,7 @@ def _op_configs(steps: int) -> list[Config]:
     ]
 
 
-Profiles = dict[int, list[Hardware]]  # per W, one per repetition
+Profiles = dict[int, list[Profile]]  # per W, one per repetition
 
 
 def cpu_rows(
@@ -211,8 +217,8 @@ def cpu_rows(
                 loads.append(uptime())
                 per_rank = run_distributed(_measure, world, steps, warmup, folder, timeout=3600)
                 calibrations = [[r["calibrations"][k] for r in per_rank] for k in (0, 1)]
-                hw, fit = launch_profile(calibrations)
-                profiles.setdefault(world, []).append(hw)
+                profile, fit = launch_profile(calibrations)
+                profiles.setdefault(world, []).append(profile)
                 fits.append({"world": world, "rep": rep, **fit})
                 for i in range(len(ROWS)):  # the slowest rank sets the step
                     samples.setdefault((world, i), []).append(max(r["rows"][i] for r in per_rank))
@@ -229,7 +235,7 @@ def compare(
     for (world, i), measured_s in sorted(samples.items()):
         row = ROWS[i]
         cfg = row_config(row, steps, "outputs/plan_validation")
-        predicted = [predict(cfg, world, hw) for hw in profiles[world]]
+        predicted = [predict(cfg, world, profile) for profile in profiles[world]]
         measured = [m * 1e3 for m in measured_s]
         gaps = [p["step_s"] * 1e3 / m - 1 for m, p in zip(measured, predicted)]
         rows.append(
@@ -264,7 +270,7 @@ DP_CONFIGS = {
 }
 
 
-def archived_rows(hw: Hardware, folder: Path) -> list[dict[str, Any]]:
+def archived_rows(profile: Profile, folder: Path) -> list[dict[str, Any]]:
     """The plan against the committed bench_trainer and bench_dp results."""
     rows = []
     for model, (rev, name, world_key, kind_key, ms_key) in ARCHIVED.items():
@@ -285,7 +291,7 @@ def archived_rows(hw: Hardware, folder: Path) -> list[dict[str, Any]]:
                 continue
             world = rec[world_key]
             cfg = row_config((model, backend, placement), 8, "outputs/plan_validation")
-            predicted = predict(cfg, world, hw)["step_s"] * 1e3
+            predicted = predict(cfg, world, profile)["step_s"] * 1e3
             rows.append(
                 {
                     "world": world,
@@ -336,11 +342,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.report_only:
         result = json.loads((args.out / "plan_validation.json").read_text())
-        hw = Hardware(**result["cpu_profile"])
+        profile = Profile.from_dict(result["cpu_profile"])
         profiles: Profiles = {}
         for p in result["cpu_profiles"]:
             world = p.pop("world")
-            profiles.setdefault(world, []).append(Hardware(**p))
+            profiles.setdefault(world, []).append(Profile.from_dict(p))
         samples = {
             (r["world"], ROWS.index((r["model"], r["backend"], r["placement"]))): [
                 m / 1e3 for m in r["measured_reps_ms"]
@@ -348,15 +354,15 @@ def main(argv: list[str] | None = None) -> None:
             for r in result["cpu"]
         }
         result["cpu"] = compare(samples, profiles, result["steps"])
-        result["archived"] = archived_rows(hw, RESULTS)
+        result["archived"] = archived_rows(profile, RESULTS)
         result["published"] = published_rows()
         _write(result, args.out)
         return
     args.out.mkdir(parents=True, exist_ok=True)  # before the runs: a missing folder wasted them
     samples, profiles, fits, loads = cpu_rows(args.worlds, args.steps, args.warmup, args.reps)
-    hw = median_profile([p for per_world in profiles.values() for p in per_world])
+    profile = median_profile([p for per_world in profiles.values() for p in per_world])
     rows = compare(samples, profiles, args.steps)
-    (args.out / "cpu_gloo_profile.json").write_text(json.dumps(hw.as_dict(), indent=1))
+    (args.out / "cpu_gloo_profile.json").write_text(json.dumps(profile.as_dict(), indent=1))
     result = {
         "command": " ".join(["python -m benchmarks.plan_validation", *(argv or sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -365,13 +371,13 @@ def main(argv: list[str] | None = None) -> None:
         "steps": args.steps,
         "warmup": args.warmup,
         "reps": args.reps,
-        "cpu_profile": hw.as_dict(),
+        "cpu_profile": profile.as_dict(),
         "cpu_profiles": [{"world": w, **p.as_dict()} for w, ps in profiles.items() for p in ps],
         "fit": fits,
         "cpu": rows,
         "uptime": loads,
     }
-    result["archived"] = archived_rows(hw, RESULTS)
+    result["archived"] = archived_rows(profile, RESULTS)
     result["published"] = published_rows()
     _write(result, args.out)
 

@@ -33,10 +33,11 @@ What stays where it is, judged a de-facto public API:
 
 from __future__ import annotations
 
+import importlib
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -49,12 +50,19 @@ from torch.distributed.tensor import DTensor
 
 __all__ = [
     "DOCS",
+    "IGNORE_OPS",
     "STATE_KEY",
     "TORCH_RANGE",
     "DTensorSpec",
+    "FakeStore",
+    "FakeTensorMode",
+    "MemRefType",
+    "MemTracker",
+    "ModState",
     "NormPartial",
     "StridedShard",
     "TensorMeta",
+    "TorchDispatchMode",
     "abort_cuda_backend",
     "apply_to_tensors",
     "backend_group_options",
@@ -67,10 +75,12 @@ __all__ = [
     "drop_cached_save_plans",
     "dtensor_spec",
     "dynamo_disable",
+    "fsdp_param_group",
     "full_state_dict_call",
     "fully_shard_state_key",
     "functional_collective_ops",
     "functional_collectives_module",
+    "get_num_bytes",
     "gloo_timeout",
     "hf_file_name",
     "init_optim_state",
@@ -85,6 +95,7 @@ __all__ = [
     "set_local_tensor",
     "storage_id",
     "tree_flatten",
+    "tree_leaves",
     "tree_map",
     "tree_map_only",
     "unsafe_preserve_version_counter",
@@ -236,9 +247,10 @@ def storage_id(tensor: torch.Tensor) -> int:
 # activation-checkpoint recompute needs. Public replacement: none.
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: E402
 
-# pytree walks of a module's forward args and outputs. Public replacement:
-# torch.utils.pytree (not in 2.13's public namespace yet).
-from torch.utils._pytree import tree_flatten, tree_map, tree_map_only  # noqa: E402
+# pytree walks of a module's forward args and outputs (and of a dispatched op's, in the
+# planner's op counter). Public replacement: torch.utils.pytree (not in 2.13's public
+# namespace yet).
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_only  # noqa: E402
 
 
 def functional_collective_ops() -> Any:
@@ -360,7 +372,63 @@ def backend_group_options(backend: str, timeout: Any) -> Any:
     return options
 
 
+# ------------------------------------------------------------------ planner (flexshard.plan)
+# a rank's model and its steps on shapes alone, without storage (the planner at
+# thousands of ranks from one CPU). Public replacement: none.
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+# W ranks in one process: the store of the ``fake`` process-group backend (every
+# collective a no-op). Public replacement: none (it comes with torch's test utilities).
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+
+# every aten op as it dispatches: the planner's op counter and live-bytes timeline.
+# Public replacement: none (``__torch_dispatch__`` modes are documented; their base
+# class lives in a private module).
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+if TYPE_CHECKING:  # the names of _LAZY, for type checkers
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mem_tracker import _MemRefType as MemRefType
+    from torch.distributed._tools.mem_tracker import _ModState as ModState
+    from torch.utils._runtime_estimation import _IGNORE_OPS as IGNORE_OPS
+    from torch.utils._runtime_estimation import get_num_bytes
+
+#: items whose torch modules take seconds to import (every ``import flexshard`` would
+#: pay), loaded when first read (``__getattr__`` below): name -> (module, torch's name)
+_LAZY: dict[str, tuple[str, str]] = {
+    # the bytes a model's forward saves for backward and backward's temporaries, by
+    # module state and reference type (the planner's activations).
+    # Public replacement: none (torch.cuda.memory's snapshots need a GPU and storage).
+    "MemTracker": ("torch.distributed._tools.mem_tracker", "MemTracker"),
+    "MemRefType": ("torch.distributed._tools.mem_tracker", "_MemRefType"),
+    "ModState": ("torch.distributed._tools.mem_tracker", "_ModState"),
+    # the bytes an op reads or writes, and the ops that move none (views, creations),
+    # as torch's RuntimeEstimator counts them (the planner's non-GEMM bytes).
+    # Public replacement: none.
+    "IGNORE_OPS": ("torch.utils._runtime_estimation", "_IGNORE_OPS"),
+    "get_num_bytes": ("torch.utils._runtime_estimation", "get_num_bytes"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """An item of :data:`_LAZY`, imported on first use (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, torch_name = _LAZY[name]
+    value = getattr(importlib.import_module(module), torch_name)
+    globals()[name] = value  # read once: later reads find it here
+    return value
+
+
 # ------------------------------------------------------------------ testing
+def fsdp_param_group(module: torch.nn.Module) -> Any | None:
+    """The parameter group FSDP2's ``fully_shard`` made for ``module`` (its
+    ``fsdp_params``: what one all-gather moves), None for a module without one (the
+    calibration counts parameters per all-gather). Public replacement: none."""
+    state = getattr(module, "_get_fsdp_state", None)
+    return state()._fsdp_param_group if state is not None else None
+
+
 def process_groups() -> list[dist.ProcessGroup]:
     """Every process group of this process. Public replacement: none."""
     return list(c10d._world.pg_map)

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
+from flexshard.torch_internals import FakeTensorMode, MemRefType, MemTracker, ModState
 from flexshard.trainer.activation_checkpoint import apply_ac
 from flexshard.trainer.config import ActivationCheckpointConfig, Config, ModelConfig
 from flexshard.trainer.model import Transformer, ffn_hidden_size
@@ -78,10 +77,10 @@ def _measure(
             )
             loss.backward()
     stats = tracker.memory_tracking[net].snapshots
-    (device,) = stats[_ModState.POST_FW][-1].keys()
-    saved = stats[_ModState.POST_FW][-1][device][_MemRefType.ACT]
-    peak = stats[_ModState.PEAK_BW][-1][device]
-    transient = peak[_MemRefType.TEMP] + max(0, peak[_MemRefType.ACT] - saved)
+    (device,) = stats[ModState.POST_FW][-1].keys()
+    saved = stats[ModState.POST_FW][-1][device][MemRefType.ACT]
+    peak = stats[ModState.PEAK_BW][-1][device]
+    transient = peak[MemRefType.TEMP] + max(0, peak[MemRefType.ACT] - saved)
     return {"saved": saved, "transient": transient}
 
 

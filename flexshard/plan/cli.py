@@ -11,7 +11,7 @@ from pathlib import Path
 
 from flexshard.trainer.config import ConfigError, load_config
 
-from .hardware import load_hardware
+from .hardware import load_profile
 from .report import BACKENDS, make_plan
 from .table import render, render_summary
 
@@ -27,7 +27,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="plan this rank only (default: the first rank of every pipeline stage)",
     )
     p.add_argument("--dp-backend", choices=(*BACKENDS, "both"), default="both")
-    p.add_argument("--hardware", default="h100", help="h100, h200 or a JSON profile")
+    p.add_argument(
+        "--hardware",
+        default="h100",
+        help="h100, h200 or a JSON profile file: Hardware's fields, and the host's costs "
+        "under host_costs (docs/planning_model.md)",
+    )
     p.add_argument("--json", type=Path, help="write the plan as JSON here")
     p.add_argument(
         "--sweep",
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dp_backend != "both":
             overrides = [*overrides, "--parallelism.dp_backend", args.dp_backend]
         cfg = load_config(args.config, overrides)
-        hw = load_hardware(args.hardware)
+        profile = load_profile(args.hardware)
     except (ConfigError, ValueError) as err:
         print(f"flexshard-plan: {err}", file=sys.stderr)
         return 2
@@ -91,10 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.suggest:
         from .suggest import suggest
 
-        print(suggest(cfg, args.world, hw, args.memory_limit))
+        print(suggest(cfg, args.world, profile.hardware, args.memory_limit, profile.host))
         return 0
     try:
-        plan = make_plan(cfg, args.world, hw, args.rank, backends)
+        plan = make_plan(cfg, args.world, profile.hardware, args.rank, backends, profile.host)
     except (ConfigError, ValueError) as err:
         print(f"flexshard-plan: {err}", file=sys.stderr)
         return 2
@@ -109,5 +114,5 @@ def main(argv: list[str] | None = None) -> int:
         from .sweep import sweep_plot
 
         worlds = sweep_worlds(args.sweep)
-        print(sweep_plot(cfg, worlds, hw, backends, args.plot))
+        print(sweep_plot(cfg, worlds, profile.hardware, backends, args.plot, profile.host))
     return 0

@@ -1,7 +1,13 @@
-"""Hardware profiles for the step-time model: compute, memory bandwidth and the two
-link classes a collective can run on. Built-ins come from vendor data sheets (not
-fitted to any figure the model is compared against); ``--hardware file.json`` takes
-the same fields, e.g. the CPU/gloo profile ``benchmarks/plan_validation.py`` fits."""
+"""Hardware profiles for the step-time model: the device (compute rates, memory
+bandwidth, the cost of a kernel and of a collective call, whether collectives run on
+streams) and the two link classes a collective can run on; with, apart, what the host
+adds around them (:class:`~flexshard.plan.host_costs.HostCosts`, off by default).
+
+Built-ins come from vendor data sheets and published kernel rates (not fitted to any
+figure the model is compared against). ``--hardware file.json`` takes a profile file:
+the fields of :class:`Hardware` at its top level and, optionally, the host's under
+``"host_costs"`` (the fields of ``HostCosts``), e.g. the CPU/gloo profile
+``benchmarks/plan_validation.py`` fits (``benchmarks/results/cpu_gloo_profile.json``)."""
 
 from __future__ import annotations
 
@@ -9,6 +15,12 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from .host_costs import NO_HOST_COSTS, HostCosts
+
+#: the section of a profile file that holds the host's costs
+HOST_SECTION = "host_costs"
 
 
 @dataclass(frozen=True)
@@ -22,9 +34,6 @@ class Hardware:
     intra_latency_us: float  # per ring step
     inter_gbps: float  # per device, between nodes (one NIC per GPU), GB/s
     inter_latency_us: float
-    # CPU profiles: the cores the ranks on one host share, as the ranks found them
-    # (fitted: fewer than the host has when other jobs run; 0: one device per rank)
-    cores: float = 0
     # what the step does besides GEMMs and the collectives' wire time (0: not modelled)
     op_overhead_us: float = 0.0  # per aten op the compute stream cannot hide
     elementwise_gbps: float = 0.0  # bytes the non-GEMM ops read + write, per second
@@ -32,47 +41,16 @@ class Hardware:
     collective_overhead_us: float = 0.0  # per collective call, on top of its ring steps
     reduce_scatter_gbps: float = 0.0  # when it differs from the all-gather's (0: the same)
     overlap: float = 1.0  # share of a collective's time that truly runs beside compute
-    dtensor_op_overhead_us: float = 0.0  # per op on a DTensor (the optimizer step)
     attention_tflops: float = 0.0  # causal attention's achieved rate (0: the GEMMs')
     # the runtime's schedule on this device: without streams (CPU) each data-parallel
     # collective is waited for at launch (runtime/collectives.py's Note on collectives
     # without streams, and FSDP2's unshard_async_op = False): ``overlap`` is moot
     blocking_collectives: bool = False
-    # eager autograd + nn.Module cost per forward / backward op beyond the op itself
-    eager_op_us: float = 0.0
-    # the sharding runtime's own cost on the compute stream, per parameter of a bucket:
-    # per all-gather (pre-forward / pre-backward hooks, unshard, copy-out loop, views)
-    # and per gradient reduction (post-backward hooks, pack loop, landing on .grad)
-    flexshard_gather_param_us: float = 0.0
-    flexshard_reduce_param_us: float = 0.0
-    fsdp2_gather_param_us: float = 0.0
-    fsdp2_reduce_param_us: float = 0.0
-    # compute time of a rank among W ranks sharing the host's cores over what the ops
-    # timed one by one (median) add up to: time slicing, shared caches, the slowest rank
-    contention: float = 1.0
-    # per data-parallel collective call, the wait for the slower rank (ranks drift
-    # apart between two collectives; the collectives' fit starts them together)
-    collective_wait_us: float = 0.0
 
-    def compute_slowdown(self, ranks_per_node: int) -> float:
-        """Ranks that share the host's cores run that much slower (CPU profiles)."""
-        if not self.cores:
-            return 1.0
-        return max(1.0, ranks_per_node / self.cores)
-
-    def non_gemm_s(self, ops: int, moved: float, eager: bool = False) -> float:
-        """Seconds of ``ops`` dispatched ops moving ``moved`` non-GEMM bytes (``eager``:
-        ops of an autograd forward / backward, each at ``eager_op_us`` more)."""
+    def non_gemm_s(self, ops: int, moved: float) -> float:
+        """Seconds of ``ops`` dispatched ops moving ``moved`` non-GEMM bytes."""
         bw = self.elementwise_gbps or self.hbm_gbps
-        per_op = self.op_overhead_us + (self.eager_op_us if eager else 0.0)
-        return ops * per_op * 1e-6 + moved / (bw * 1e9)
-
-    def runtime_param_s(self, backend: str, kind: str) -> float:
-        """Seconds the sharding runtime spends per parameter per all-gather
-        (``kind="gather"``) or per gradient reduction (``"reduce"``)."""
-        if backend not in ("flexshard", "fsdp2") or kind not in ("gather", "reduce"):
-            raise ValueError(f"runtime_param_s: unknown backend {backend!r} or kind {kind!r}")
-        return getattr(self, f"{backend}_{kind}_param_us") * 1e-6
+        return ops * self.op_overhead_us * 1e-6 + moved / (bw * 1e9)
 
     def copy_s(self, moved: float) -> float:
         return moved / ((self.copy_gbps or self.elementwise_gbps or self.hbm_gbps) * 1e9)
@@ -92,9 +70,9 @@ class Hardware:
 # SMs NCCL's kernels take are not modelled); DTensor's per-op Python cost in FSDP2's
 # optimizer step runs ahead of the kernels as well (0); attention at the 335 TFLOP/s
 # FlashAttention-2 reports on H100 (forward + backward, Dao 2023), a third of the
-# GEMMs' peak. The terms fitted on CPU for what the CPU runs between kernels take
-# no time on top of the kernels here: NCCL runs on its own streams (no blocking
-# collectives); the eager autograd / nn.Module cost per op (~10-20 us of CPU) and
+# GEMMs' peak. NCCL runs on its own streams (no blocking collectives). The host's
+# costs fitted on CPU take no time on top of the kernels here (a built-in profile's
+# host is NO_HOST_COSTS): the eager autograd / nn.Module cost per op (~10-20 us of CPU) and
 # the runtimes' per-parameter hook / bookkeeping Python run ahead of kernels that
 # take longer (the 2 us gap per op above stays; the per-parameter copy kernels are
 # charged by the copies' per-op term); one GPU per rank (contention 1); no wait for
@@ -122,22 +100,58 @@ H200 = dataclasses.replace(
 BUILTIN = {"h100": H100, "h200": H200}
 
 
-def load_hardware(spec: str) -> Hardware:
-    """``h100``, ``h200`` or a JSON file with the fields of :class:`Hardware`."""
+@dataclass(frozen=True)
+class Profile:
+    """What ``--hardware`` names: the device and its links, and what the host adds
+    around them (nothing, for the built-in GPU profiles)."""
+
+    hardware: Hardware
+    host: HostCosts = NO_HOST_COSTS
+
+    def as_dict(self) -> dict[str, Any]:
+        """The profile file's layout: :class:`Hardware`'s fields, the host's apart."""
+        return {**self.hardware.as_dict(), HOST_SECTION: self.host.as_dict()}
+
+    @classmethod
+    def from_dict(cls, table: dict[str, Any], source: str = "profile") -> Profile:
+        """A profile file's table: every required :class:`Hardware` field, no unknown
+        field (a host's field belongs under ``"host_costs"``)."""
+        table = dict(table)
+        host = table.pop(HOST_SECTION, {})
+        device = _checked(Hardware, table, source)
+        return cls(Hardware(**device), HostCosts(**_checked(HostCosts, host, source)))
+
+
+def _checked(kind: type, table: dict[str, Any], source: str) -> dict[str, Any]:
+    """``table`` if it holds every required field of the dataclass ``kind`` and no other."""
+    names = {f.name for f in dataclasses.fields(kind)}
+    required = {f.name for f in dataclasses.fields(kind) if f.default is dataclasses.MISSING}
+    unknown, missing = set(table) - names, required - set(table)
+    if not unknown and not missing:
+        return table
+    hint = ""
+    if kind is Hardware and unknown & {f.name for f in dataclasses.fields(HostCosts)}:
+        hint = f" (a host's costs go under {HOST_SECTION!r})"
+    section = f" {HOST_SECTION!r}" if kind is HostCosts else ""
+    raise ValueError(
+        f"hardware file {source}{section}: unknown fields {sorted(unknown)}, "
+        f"missing {sorted(missing)}{hint}"
+    )
+
+
+def load_profile(spec: str) -> Profile:
+    """``h100``, ``h200`` (no host costs) or a profile file (JSON): the fields of
+    :class:`Hardware`, and optionally ``"host_costs"`` with those of ``HostCosts``."""
     if spec in BUILTIN:
-        return BUILTIN[spec]
+        return Profile(BUILTIN[spec])
     path = Path(spec)
     if not path.exists():
         raise ValueError(
             f"--hardware {spec!r}: not a built-in profile ({', '.join(BUILTIN)}) nor a JSON file"
         )
-    table = json.loads(path.read_text())
-    names = {f.name for f in dataclasses.fields(Hardware)}
-    unknown = set(table) - names
-    required = {f.name for f in dataclasses.fields(Hardware) if f.default is dataclasses.MISSING}
-    missing = required - set(table)
-    if unknown or missing:
-        raise ValueError(
-            f"hardware file {spec}: unknown fields {sorted(unknown)}, missing {sorted(missing)}"
-        )
-    return Hardware(**table)
+    return Profile.from_dict(json.loads(path.read_text()), spec)
+
+
+def load_hardware(spec: str) -> Hardware:
+    """The device and links of :func:`load_profile`'s profile."""
+    return load_profile(spec).hardware

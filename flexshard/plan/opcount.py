@@ -10,8 +10,9 @@ outputs), GEMMs and attention are left to the FLOP count of ``steptime.bucket_fl
 The model is measured as a dense block of 1 and of 2 layers (as ``activations``), so
 the difference is one block and the rest the embedding / final norm / LM head / loss.
 The optimizer step (with the trainer's gradient clipping) is counted on fake tensors
-of one rank's shard sizes. ``benchmarks/plan_fit.py`` fits the seconds per op and the
-bandwidth these bytes move at with the same counter."""
+of one rank's shard sizes. ``oprecord`` records the same ops with their shapes, which
+the CPU profile's calibration replays to fit the seconds per op and the bandwidth
+these bytes move at (``flexshard.testing.op_replay``)."""
 
 from __future__ import annotations
 
@@ -19,26 +20,32 @@ import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._runtime_estimation import _IGNORE_OPS, get_num_bytes
 from torch.utils.flop_counter import flop_registry
 
+from flexshard.torch_internals import (
+    IGNORE_OPS,
+    FakeTensorMode,
+    TorchDispatchMode,
+    get_num_bytes,
+    tree_leaves,
+)
 from flexshard.trainer.config import Config, ModelConfig, TrainingConfig
 from flexshard.trainer.model import Transformer
 
 from .activations import dense_equivalent
 
 aten = torch.ops.aten
-#: compute-bound ops, timed from FLOPs elsewhere (CPU flash attention is not in
-#: torch's flop registry under its CPU name)
-_FLOP_OPS = set(flop_registry) | {
+#: causal flash attention on CPU, forward and backward (timed at its own rate)
+CPU_ATTENTION = {
     aten._scaled_dot_product_flash_attention_for_cpu,
     aten._scaled_dot_product_flash_attention_for_cpu_backward,
 }
+#: compute-bound ops, timed from FLOPs elsewhere (CPU flash attention is not in
+#: torch's flop registry under its CPU name)
+FLOP_OPS = set(flop_registry) | CPU_ATTENTION
 
 
 @dataclass(frozen=True)
@@ -68,15 +75,20 @@ class OpCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "prim":  # FakeTensorMode's own queries (prim.device)
             return out
-        packet = func._overloadpacket
-        moved = 0
-        if packet not in _IGNORE_OPS and packet not in _FLOP_OPS:
-            tensors = [
-                t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)
-            ]
-            moved = sum(get_num_bytes(t) for t in tensors)
+        moved = non_gemm_bytes(func, args, kwargs, out)
         self.counts[self.phase] = self.counts.get(self.phase, OpCount()) + OpCount(1, moved)
         return out
+
+
+def non_gemm_bytes(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+    """Bytes the op ``func`` reads and writes (its tensor arguments and outputs, as
+    torch's runtime estimator counts them); 0 for views, creations and the ops timed
+    from their FLOPs."""
+    packet = func.overloadpacket
+    if packet in IGNORE_OPS or packet in FLOP_OPS:
+        return 0
+    tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+    return sum(get_num_bytes(t) for t in tensors)
 
 
 def count_ops(fn: Callable[[OpCounter], None]) -> dict[str, OpCount]:

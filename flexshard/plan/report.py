@@ -17,7 +17,8 @@ from flexshard.trainer.parallel import ParallelDims
 from .activations import dense_equivalent, tp_share
 from .buckets import BucketInfo, flexshard_buckets, fsdp2_equivalent
 from .comm import bucket_comm, muon_work
-from .hardware import Hardware
+from .hardware import Hardware, Profile
+from .host_costs import NO_HOST_COSTS, HostCosts
 from .memory import rank_memory
 from .peak import step_moments
 from .recompute import kept_collective_bytes, op_level, recomputed_share
@@ -92,7 +93,12 @@ def activation_timeline(cfg: Config, sequences: int) -> ActivationTimeline:
 
 
 def _backend_plan(
-    cfg: Config, dims: ParallelDims, stages: list[list[BucketInfo]], hw: Hardware, backend: str
+    cfg: Config,
+    dims: ParallelDims,
+    stages: list[list[BucketInfo]],
+    hw: Hardware,
+    backend: str,
+    host: HostCosts,
 ) -> dict[str, Any]:
     if backend == "fsdp2":
         stages = [fsdp2_equivalent(s) for s in stages]
@@ -120,7 +126,7 @@ def _backend_plan(
         staging = cfg.checkpoint.async_mode != "disabled"
         memory = rank_memory(buckets, t.optimizer, 0, moments, staging)
         comms = [bucket_comm(b, micro, dims.pp > 1) for b in buckets]
-        step = step_time(cfg, dims, buckets, hw, muon, backend)
+        step = step_time(cfg, dims, buckets, hw, muon, backend, host)
         stage = {
             "stage": index,
             "memory": memory.as_dict(),
@@ -151,8 +157,10 @@ def make_plan(
     hw: Hardware,
     rank: int | None = None,
     backends: tuple[str, ...] = BACKENDS,
+    host: HostCosts = NO_HOST_COSTS,
 ) -> dict[str, Any]:
-    """Everything ``flexshard-plan`` prints, as a JSON-able dict."""
+    """Everything ``flexshard-plan`` prints, as a JSON-able dict; ``hw``'s device and
+    links, with ``host``'s costs around them (none by default)."""
     begin = time.perf_counter()
     cfg = planning_config(cfg)
     dims, stages = build_stages(cfg, world, rank)
@@ -164,8 +172,8 @@ def make_plan(
         "optimizer": cfg.training.optimizer,
         "parameters": total,
         "active_parameters": active,
-        "hardware": hw.as_dict(),
-        "backends": {b: _backend_plan(cfg, dims, stages, hw, b) for b in backends},
+        "hardware": Profile(hw, host).as_dict(),  # a profile file --hardware reads back
+        "backends": {b: _backend_plan(cfg, dims, stages, hw, b, host) for b in backends},
     }
     plan["planning_seconds"] = time.perf_counter() - begin
     return plan

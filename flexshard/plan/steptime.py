@@ -10,7 +10,8 @@ is issued when its gradients are complete and the oldest is waited for once more
 ``MAX_PENDING_REDUCTIONS`` are in flight; the end of backward waits for all. What
 compute does not cover is exposed communication; of what it covers, the share ``1 -
 hw.overlap`` still takes the compute's time (CPU: gloo's threads share the cores). The
-optimizer step (with gradient clipping) is counted op by op as well."""
+optimizer step (with gradient clipping) is counted op by op as well; what the host adds
+(``host``: Python per op and per parameter, shared cores, stragglers) only when given."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from .activations import tp_share
 from .buckets import BucketInfo
 from .comm import MatrixWork
 from .hardware import Hardware
+from .host_costs import NO_HOST_COSTS, HostCosts
 from .opcount import OpCount, model_ops, optimizer_ops
 from .recompute import recompute_parts
 
@@ -206,6 +208,7 @@ def bucket_costs(
     hw: Hardware,
     tokens: int,
     backend: str = "flexshard",
+    host: HostCosts = NO_HOST_COSTS,
 ) -> dict[int, BucketCost]:
     """Per bucket, one microbatch of ``tokens`` tokens per rank: GEMMs from FLOPs, the
     blocks' non-GEMM ops split over the non-root buckets by their FLOPs, the root's
@@ -214,7 +217,7 @@ def bucket_costs(
     per_node = min(dims.world_size, hw.devices_per_node)
     # what is timed op by op is slowed by the ranks sharing the cores; the eager and
     # runtime costs are timed end to end with all ranks at once (already in them)
-    slowdown = hw.compute_slowdown(per_node) * hw.contention
+    slowdown = host.compute_slowdown(per_node) * host.contention
     rate = hw.peak_tflops * 1e12 * hw.gemm_efficiency / slowdown
     attention_rate = hw.attention_tflops * 1e12 / slowdown if hw.attention_tflops else rate
     flops = {id(b): bucket_flops(b, cfg, tokens) for b in buckets}
@@ -227,12 +230,12 @@ def bucket_costs(
 
     def non_gemm(count: OpCount, part: float) -> float:
         ops = round(count.ops * part)
-        eager = ops * hw.eager_op_us * 1e-6
+        eager = ops * host.eager_op_us * 1e-6
         return hw.non_gemm_s(ops, count.bytes * share * part) * slowdown + eager
 
     def copies(info: BucketInfo, moved: int, kind: str) -> float:
         params = len(info.layout.params)
-        runtime = hw.runtime_param_s(backend, kind)
+        runtime = host.runtime_param_s(backend, kind)
         if runtime:  # measured on the runtime itself: its per-parameter copies included
             return params * runtime + hw.copy_s(moved) * slowdown
         return (hw.non_gemm_s(params, 0) + hw.copy_s(moved)) * slowdown
@@ -243,7 +246,7 @@ def bucket_costs(
         experts = b.world != dims.dp_shard * dims.cp
         dp_link = link(hw, dims.tp * (dims.ep if experts else 1), b.world)
         # a call's fixed cost and its wait for the slower rank
-        call = (hw.collective_overhead_us + hw.collective_wait_us) * 1e-6
+        call = (hw.collective_overhead_us + host.collective_wait_us) * 1e-6
         rs_link = (hw.reduce_scatter_gbps * 1e9 or dp_link[0], dp_link[1])
         ag = ring_time((b.world - 1) * b.shard_numel * b.gather_itemsize, b.world, dp_link, call)
         rs_bytes = (b.world - 1) * b.shard_numel * b.reduce_itemsize
@@ -288,12 +291,13 @@ def step_time(
     hw: Hardware,
     muon: MatrixWork | None,
     backend: str,
+    host: HostCosts = NO_HOST_COSTS,
 ) -> StepTime:
     t, par = cfg.training, cfg.parallelism
     micro = par.pp_microbatches or dims.pp if dims.pp > 1 else t.grad_accum
     seqs = t.batch_size // micro if dims.pp > 1 else t.batch_size
     tokens = seqs * t.seq_len // dims.cp  # per rank per microbatch
-    cost = bucket_costs(cfg, dims, buckets, hw, tokens, backend)
+    cost = bucket_costs(cfg, dims, buckets, hw, tokens, backend, host)
     root_prefetches = backend == "fsdp2"
     compute_micro = sum(c.forward + c.backward for c in cost.values())
     keep = dims.pp > 1  # stages stay gathered after backward until the last microbatch
@@ -323,6 +327,7 @@ def step_time(
         cfg,
         buckets,
         hw,
+        host,
         muon,
         link(hw, dims.tp, dims.dp_shard),
         # the optimizer steps DTensors on both backends, under TP too (flexshard's
@@ -362,6 +367,7 @@ def _optimizer_time(
     cfg: Config,
     buckets: list[BucketInfo],
     hw: Hardware,
+    host: HostCosts,
     muon: MatrixWork | None,
     dp_link: tuple[float, float],
     dtensors: bool = True,
@@ -369,8 +375,8 @@ def _optimizer_time(
     """Clipping and AdamW counted op by op on each bucket's busiest rank's shards (on
     DTensors each op costs DTensor's dispatch too); Muon: its momentum's
     bytes, Newton–Schulz FLOPs and all-to-all."""
-    slowdown = hw.compute_slowdown(min(max(b.world for b in buckets), hw.devices_per_node))
-    slowdown *= hw.contention
+    slowdown = host.compute_slowdown(min(max(b.world for b in buckets), hw.devices_per_node))
+    slowdown *= host.contention
     if cfg.training.optimizer != "muon" or muon is None:
         shards = []
         for b in buckets:
@@ -378,7 +384,7 @@ def _optimizer_time(
             rank = numels.index(max(numels))
             shards += [sum(r.numel for r in p.regions[rank]) for p in b.layout.params]
         count = optimizer_ops(shards, cfg.training)
-        dispatch = count.ops * hw.dtensor_op_overhead_us * 1e-6 if dtensors else 0.0
+        dispatch = count.ops * host.dtensor_op_overhead_us * 1e-6 if dtensors else 0.0
         return (hw.non_gemm_s(count.ops, count.bytes) + dispatch) * slowdown
     rate = hw.peak_tflops * 1e12 * hw.gemm_efficiency / slowdown
     elements = sum(b.shard_numel for b in buckets)

@@ -12,6 +12,7 @@ from flexshard.trainer.config import Config, ConfigError
 from flexshard.trainer.config_validation import validate
 
 from .hardware import Hardware
+from .host_costs import NO_HOST_COSTS, HostCosts
 from .report import make_plan
 
 GiB = 2**30
@@ -120,12 +121,14 @@ def _ac_candidates(cfg: Config) -> list[Candidate]:
     return out
 
 
-def evaluate(cfg: Config, world: int, hw: Hardware, limit_gib: float) -> list[dict[str, Any]]:
+def evaluate(
+    cfg: Config, world: int, hw: Hardware, limit_gib: float, host: HostCosts = NO_HOST_COSTS
+) -> list[dict[str, Any]]:
     rows = []
     for cand in candidates(cfg):
         try:
             validate(cand.cfg)
-            plan = make_plan(cand.cfg, world, hw, None, ("flexshard",))
+            plan = make_plan(cand.cfg, world, hw, None, ("flexshard",), host)
         except (ConfigError, ValueError) as err:
             rows.append({"label": cand.label, "error": str(err), "why": cand.why})
             continue
@@ -147,8 +150,10 @@ def evaluate(cfg: Config, world: int, hw: Hardware, limit_gib: float) -> list[di
     return rows
 
 
-def suggest(cfg: Config, world: int, hw: Hardware, limit_gib: float) -> str:
-    rows = evaluate(cfg, world, hw, limit_gib)
+def suggest(
+    cfg: Config, world: int, hw: Hardware, limit_gib: float, host: HostCosts = NO_HOST_COSTS
+) -> str:
+    rows = evaluate(cfg, world, hw, limit_gib, host)
     ok = sorted((r for r in rows if "error" not in r), key=lambda r: (not r["fits"], r["step_ms"]))
     lines = [
         f"suggestions for W = {world:,} on {hw.name}, memory limit {limit_gib:g} GiB per device",

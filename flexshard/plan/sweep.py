@@ -8,17 +8,22 @@ from typing import Any
 from flexshard.trainer.config import Config
 
 from .hardware import Hardware
+from .host_costs import NO_HOST_COSTS, HostCosts
 from .report import make_plan
 
 GiB = 2**30
 
 
 def sweep(
-    cfg: Config, worlds: list[int], hw: Hardware, backends: tuple[str, ...]
+    cfg: Config,
+    worlds: list[int],
+    hw: Hardware,
+    backends: tuple[str, ...],
+    host: HostCosts = NO_HOST_COSTS,
 ) -> list[dict[str, Any]]:
     rows = []
     for world in worlds:
-        plan = make_plan(cfg, world, hw, None, backends)
+        plan = make_plan(cfg, world, hw, None, backends, host)
         for backend, p in plan["backends"].items():
             rows.append(
                 {
@@ -38,14 +43,19 @@ def sweep(
 
 
 def sweep_plot(
-    cfg: Config, worlds: list[int], hw: Hardware, backends: tuple[str, ...], path: Path
+    cfg: Config,
+    worlds: list[int],
+    hw: Hardware,
+    backends: tuple[str, ...],
+    path: Path,
+    host: HostCosts = NO_HOST_COSTS,
 ) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = sweep(cfg, worlds, hw, backends)
+    rows = sweep(cfg, worlds, hw, backends, host)
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     panels = (
         ("memory_gib", "memory per rank (GiB)"),

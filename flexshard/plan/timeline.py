@@ -23,11 +23,9 @@ from functools import lru_cache, partial
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
+from flexshard.torch_internals import FakeTensorMode, TorchDispatchMode, tree_map_only
 from flexshard.trainer.config import ModelConfig
 from flexshard.trainer.loss import loss_fn  # the trainer's loss, as it runs it
 

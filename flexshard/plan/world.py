@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flexshard.torch_internals import FakeStore
 from flexshard.trainer import parallelize as trainer_parallelize
 from flexshard.trainer.config import Config
 from flexshard.trainer.parallel import Meshes, ParallelDims
@@ -24,8 +25,6 @@ META = torch.device("meta")
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     """This process is ``rank`` of ``world_size`` until the block ends."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError(
             "flexshard.plan needs its own (fake) process group; one is already initialised"

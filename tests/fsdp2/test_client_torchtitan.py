@@ -1,7 +1,7 @@
 """torchtitan 0.3.0's llama3 debug model through torchtitan's own ``parallelize_llama``
 (``apply_fsdp_to_decoder`` passes ``dp_mesh_dims`` under its ``full_dtensor`` backend),
 flexshard's ``fully_shard`` swapped in at torchtitan's import site, W = 2 gloo on CPU
-(the CPU patches: benchmarks/torchtitan_cpu.py). The sharded parameters are DTensors
+(the CPU patches: flexshard/testing/torchtitan_cpu.py). The sharded parameters are DTensors
 placed exactly as FSDP2 places them (same mesh, placements, shapes) and three training
 steps are bitwise FSDP2's."""
 
@@ -19,7 +19,7 @@ STEPS = 3
 
 
 def _train(rank: int, world_size: int, library: str) -> dict:
-    from benchmarks.torchtitan_cpu import batches, build, train_step
+    from flexshard.testing.torchtitan_cpu import batches, build, train_step
 
     run = build(world_size, library, bf16=False)
     params = dict(run.model.named_parameters())

@@ -1,7 +1,8 @@
-"""The CPU profile's op-replay calibration (``benchmarks/plan_ops.py``) against the
-planner's own accounting: it records the ops ``opcount`` counts, its FLOPs are the
-ones ``steptime`` divides by the rates, its fit keeps the timed sum; and the step
-model times attention at the attention rate. No timing is asserted."""
+"""The CPU profile's op-replay calibration (``flexshard.plan.oprecord``,
+``flexshard.testing.op_replay``) against the planner's own accounting: it records the
+ops ``opcount`` counts, its FLOPs are the ones ``steptime`` divides by the rates, its
+fit keeps the timed sum; and the step model times attention at the attention rate. No
+timing is asserted."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import dataclasses
 import pytest
 import torch
 
-from benchmarks.plan_ops import Meta, _weighted_fit, op_rates, record_model, recorded_flops
 from flexshard.plan.hardware import H100
 from flexshard.plan.opcount import _model_ops
+from flexshard.plan.oprecord import Meta, record_model, recorded_flops
 from flexshard.plan.report import build_stages, planning_config
 from flexshard.plan.steptime import attention_flops, step_time
+from flexshard.testing.op_replay import fit_op_costs, op_rates
 from flexshard.trainer.config import load_config
 
 TINY = ["--model.dim", "32", "--model.n_layers", "2", "--training.seq_len", "24"]
@@ -58,10 +60,10 @@ def _meta_model(cfg):  # type: ignore[no-untyped-def]
 
 def test_weighted_fit_keeps_the_sum() -> None:
     exact = [(c, float(b), 2e-6 + b / 5e9) for c, b in ((3, 0), (5, 4096), (2, 1 << 20))]
-    per_op, per_byte = _weighted_fit(exact)
+    per_op, per_byte = fit_op_costs(exact)
     assert per_op == pytest.approx(2e-6) and per_byte == pytest.approx(1 / 5e9)
     noisy = [(c, b, t * (1.3 if i % 2 else 0.8)) for i, (c, b, t) in enumerate(exact)]
-    per_op, per_byte = _weighted_fit(noisy)
+    per_op, per_byte = fit_op_costs(noisy)
     fitted = sum(c * (per_op + per_byte * b) for c, b, _ in noisy)
     assert fitted == pytest.approx(sum(c * t for c, _, t in noisy))
 

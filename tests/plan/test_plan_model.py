@@ -19,7 +19,7 @@ from flexshard.placements.layout import plan_bucket
 from flexshard.plan.activations import estimate_activations
 from flexshard.plan.buckets import BucketInfo, fsdp2_equivalent
 from flexshard.plan.comm import bucket_comm, is_muon_matrix, muon_work
-from flexshard.plan.hardware import H100, load_hardware
+from flexshard.plan.hardware import H100, load_hardware, load_profile
 from flexshard.plan.memory import gathered_in_flight
 from flexshard.plan.opcount import OpCount, OpCounter, count_ops, optimizer_ops, optimizer_step
 from flexshard.plan.report import build_stages, planning_config
@@ -196,10 +196,11 @@ def test_links_and_profiles(tmp_path) -> None:
         load_hardware(str(path))
     with pytest.raises(ValueError, match="h100"):
         load_hardware("b300")
-    fitted = load_hardware("benchmarks/results/cpu_gloo_profile.json")
+    fitted_profile = load_profile("benchmarks/results/cpu_gloo_profile.json")
+    fitted, fitted_host = fitted_profile.hardware, fitted_profile.host
     # calibrated with the W ranks running at once: no further slowdown for sharing cores
-    assert fitted.cores == 0 and fitted.compute_slowdown(4) == 1.0
-    shared = dataclasses.replace(fitted, cores=2.0)
+    assert fitted_host.cores == 0 and fitted_host.compute_slowdown(4) == 1.0
+    shared = dataclasses.replace(fitted_host, cores=2.0)
     assert shared.compute_slowdown(8) == pytest.approx(4.0) and shared.compute_slowdown(1) == 1.0
     assert fitted.op_overhead_us > 0 and fitted.elementwise_gbps > 0 and 0 <= fitted.overlap <= 1
     assert 0 < fitted.attention_tflops < fitted.peak_tflops  # CPU attention: below the GEMMs
@@ -250,19 +251,18 @@ def test_tp_optimizer_steps_dtensors_on_both_backends() -> None:
     DTensor's per-op dispatch as FSDP2's does (the CPU profile's calibrated cost)."""
     import dataclasses
 
-    from flexshard.plan.hardware import load_hardware
     from flexshard.plan.report import make_plan
     from flexshard.trainer.config import load_config
 
-    cpu = load_hardware("benchmarks/results/cpu_gloo_profile.json")
-    assert cpu.dtensor_op_overhead_us > 0
+    cpu = load_profile("benchmarks/results/cpu_gloo_profile.json")
+    assert cpu.host.dtensor_op_overhead_us > 0
     cfg = load_config("configs/debug.toml", ["--parallelism.tp", "2"])
 
-    def optimizer_s(hw) -> dict[str, float]:
-        plan = make_plan(cfg, 4, hw)
+    def optimizer_s(host) -> dict[str, float]:
+        plan = make_plan(cfg, 4, cpu.hardware, host=host)
         return {b: p["step"]["optimizer_s"] for b, p in plan["backends"].items()}
 
-    with_cost = optimizer_s(cpu)
-    without = optimizer_s(dataclasses.replace(cpu, dtensor_op_overhead_us=0.0))
+    with_cost = optimizer_s(cpu.host)
+    without = optimizer_s(dataclasses.replace(cpu.host, dtensor_op_overhead_us=0.0))
     for backend in ("flexshard", "fsdp2"):
         assert with_cost[backend] > without[backend], backend

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.plan_memory import compare
 from flexshard.plan.timeline import measure_timeline
+from flexshard.testing.plan_memory import compare
 from flexshard.trainer.config import ModelConfig
 
 TOLERANCE = 0.05

@@ -10,19 +10,20 @@ import json
 
 import pytest
 
-from benchmarks.plan_ops import record_model
-from benchmarks.plan_runtime import tiny_config
-from flexshard.plan.hardware import H100, Hardware, load_hardware
+from flexshard.plan.hardware import H100, Hardware, Profile, load_profile
+from flexshard.plan.host_costs import NO_HOST_COSTS, HostCosts
 from flexshard.plan.opcount import model_ops
+from flexshard.plan.oprecord import record_model
 from flexshard.plan.report import build_stages, planning_config
 from flexshard.plan.steptime import BucketCost, _simulate, step_time
+from flexshard.testing.runtime_costs import tiny_config
 from flexshard.trainer.config import load_config
 
 from .test_plan_model import bucket
 
 TINY = ["--model.dim", "32", "--model.n_layers", "2", "--training.seq_len", "24"]
 TINY += ["--training.batch_size", "3", "--model.ffn_hidden", "40"]
-#: a CPU-like profile: every term on, no stream overlap
+#: a CPU-like device: every term on, no stream overlap (its host costs: per test)
 CPU = dataclasses.replace(
     H100,
     name="cpu-like",
@@ -71,21 +72,23 @@ def test_blocking_collectives_hide_nothing() -> None:
     assert exposed == pytest.approx(serial)
 
 
-def _plan(hw: Hardware, backend: str = "flexshard"):  # type: ignore[no-untyped-def]
+def _plan(  # type: ignore[no-untyped-def]
+    hw: Hardware, backend: str = "flexshard", host: HostCosts = NO_HOST_COSTS
+):
     cfg = planning_config(load_config("configs/debug.toml", TINY))
     dims, (buckets,) = build_stages(cfg, 2, 0)
     if backend == "fsdp2":
         from flexshard.plan.buckets import fsdp2_equivalent
 
         buckets = fsdp2_equivalent(buckets)
-    return cfg, buckets, step_time(cfg, dims, buckets, hw, None, backend)
+    return cfg, buckets, step_time(cfg, dims, buckets, hw, None, backend, host)
 
 
 def test_eager_cost_is_per_forward_and_backward_op() -> None:
     """``eager_op_us`` adds that much per op of every block's and the head's forward
     and backward to the compute (not to the optimizer step)."""
     cfg, _, base = _plan(CPU)
-    _, _, eager = _plan(dataclasses.replace(CPU, eager_op_us=7.0))
+    _, _, eager = _plan(CPU, host=HostCosts(eager_op_us=7.0))
     t = cfg.training
     ops = model_ops(cfg, t.batch_size)
     layers = cfg.model.n_layers
@@ -102,23 +105,21 @@ def test_runtime_cost_per_parameter_gathered_and_reduced(backend: str) -> None:
     backend's constants change nothing."""
     other = "fsdp2" if backend == "flexshard" else "flexshard"
     _, buckets, base = _plan(CPU, backend)
-    gather = dataclasses.replace(CPU, **{f"{backend}_gather_param_us": 100.0})
-    _, _, g = _plan(gather, backend)
+    gather = HostCosts(**{f"{backend}_gather_param_us": 100.0})
+    _, _, g = _plan(CPU, backend, gather)
     gathers = sum(len(b.layout.params) * (1 + b.reshard_after_forward) for b in buckets)
     reduced = sum(len(b.layout.params) for b in buckets)
     # the measured cost replaces the copies' per-parameter op cost
     per_op = CPU.op_overhead_us * 1e-6
     assert g.copy_s - base.copy_s == pytest.approx(gathers * (100e-6 - per_op), rel=1e-6)
     assert g.step_s - base.step_s == pytest.approx(g.copy_s - base.copy_s, rel=1e-6)
-    reduce = dataclasses.replace(CPU, **{f"{backend}_reduce_param_us": 100.0})
-    _, _, r = _plan(reduce, backend)
+    reduce = HostCosts(**{f"{backend}_reduce_param_us": 100.0})
+    _, _, r = _plan(CPU, backend, reduce)
     assert r.copy_s - base.copy_s == pytest.approx(reduced * (100e-6 - per_op), rel=1e-6)
-    _, _, untouched = _plan(
-        dataclasses.replace(CPU, **{f"{other}_gather_param_us": 100.0}), backend
-    )
+    _, _, untouched = _plan(CPU, backend, HostCosts(**{f"{other}_gather_param_us": 100.0}))
     assert untouched.step_s == base.step_s
     with pytest.raises(ValueError, match="backend"):
-        CPU.runtime_param_s("ddp", "gather")
+        NO_HOST_COSTS.runtime_param_s("ddp", "gather")
 
 
 def test_contention_scales_what_is_timed_op_by_op() -> None:
@@ -126,20 +127,20 @@ def test_contention_scales_what_is_timed_op_by_op() -> None:
     optimizer step; the eager and runtime costs (timed end to end with all ranks
     at once) and the collectives stay."""
     terms = dict(eager_op_us=3.0, flexshard_gather_param_us=50.0, flexshard_reduce_param_us=40.0)
-    one = dataclasses.replace(CPU, **terms)
-    _, buckets, a = _plan(one)
-    _, _, b = _plan(dataclasses.replace(one, contention=2.0))
+    one = HostCosts(**terms)
+    _, buckets, a = _plan(CPU, host=one)
+    _, _, b = _plan(CPU, host=dataclasses.replace(one, contention=2.0))
     assert b.gemm_s == pytest.approx(2 * a.gemm_s)
     assert b.optimizer_s == pytest.approx(2 * a.optimizer_s)
-    _, _, no_eager = _plan(dataclasses.replace(one, eager_op_us=0.0))
+    _, _, no_eager = _plan(CPU, host=dataclasses.replace(one, eager_op_us=0.0))
     eager = a.compute_s - no_eager.compute_s
     assert b.compute_s == pytest.approx(2 * (a.compute_s - eager) + eager)
     gathers = sum(len(b.layout.params) * (1 + b.reshard_after_forward) for b in buckets)
     runtime = gathers * 50e-6 + sum(len(b.layout.params) for b in buckets) * 40e-6
     assert b.copy_s == pytest.approx(runtime + 2 * (a.copy_s - runtime))
     # with streams (and overlap) the prefetched all-gathers hide behind compute
-    streams = dataclasses.replace(one, blocking_collectives=False, overlap=1.0)
-    assert _plan(streams)[2].step_s < a.step_s
+    streams = dataclasses.replace(CPU, blocking_collectives=False, overlap=1.0)
+    assert _plan(streams, host=one)[2].step_s < a.step_s
 
 
 def test_collective_wait_is_per_call() -> None:
@@ -148,26 +149,45 @@ def test_collective_wait_is_per_call() -> None:
     bucket resharded again in backward, one reduce-scatter per bucket; FSDP2 on CPU,
     whose forward prefetches and reduce-scatters block too, so compute hides none)."""
     _, buckets, base = _plan(CPU, "fsdp2")
-    _, _, waited = _plan(dataclasses.replace(CPU, collective_wait_us=500.0), "fsdp2")
+    _, _, waited = _plan(CPU, "fsdp2", HostCosts(collective_wait_us=500.0))
     calls = sum(2 + b.reshard_after_forward for b in buckets)
     assert waited.step_s - base.step_s == pytest.approx(calls * 500e-6, rel=1e-6)
     assert waited.compute_s == base.compute_s
 
 
 def test_gpu_profiles_leave_the_new_terms_off() -> None:
-    for hw in (H100, load_hardware("h200")):
-        assert not hw.blocking_collectives and hw.contention == 1.0 and hw.eager_op_us == 0.0
-        assert hw.collective_wait_us == 0.0
+    for profile in (load_profile("h100"), load_profile("h200")):
+        hw, host = profile.hardware, profile.host
+        assert not hw.blocking_collectives and host.contention == 1.0 and host.eager_op_us == 0.0
+        assert host.collective_wait_us == 0.0
         for backend in ("flexshard", "fsdp2"):
-            assert hw.runtime_param_s(backend, "gather") == hw.runtime_param_s(backend, "reduce")
-            assert hw.runtime_param_s(backend, "gather") == 0.0
+            assert host.runtime_param_s(backend, "gather") == host.runtime_param_s(
+                backend, "reduce"
+            )
+            assert host.runtime_param_s(backend, "gather") == 0.0
 
 
 def test_profile_json_round_trip(tmp_path) -> None:
-    hw = dataclasses.replace(CPU, blocking_collectives=True, contention=1.5, eager_op_us=2.0)
+    hw = dataclasses.replace(CPU, blocking_collectives=True)
+    profile = Profile(hw, HostCosts(contention=1.5, eager_op_us=2.0))
     path = tmp_path / "hw.json"
-    path.write_text(json.dumps(hw.as_dict()))
-    assert load_hardware(str(path)) == hw
+    path.write_text(json.dumps(profile.as_dict()))
+    assert load_profile(str(path)) == profile
+
+
+def test_host_costs_live_in_their_own_section(tmp_path) -> None:
+    """A profile file keeps the host's costs under "host_costs": one at the top level
+    is refused naming the section, as is an unknown field inside it; a file without
+    the section has none (the GPU profiles' host)."""
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({**CPU.as_dict(), "contention": 1.5}))
+    with pytest.raises(ValueError, match="host_costs"):
+        load_profile(str(path))
+    path.write_text(json.dumps({**CPU.as_dict(), "host_costs": {"cores": 2, "turbo": 1}}))
+    with pytest.raises(ValueError, match="turbo"):
+        load_profile(str(path))
+    path.write_text(json.dumps(CPU.as_dict()))
+    assert load_profile(str(path)) == Profile(CPU, NO_HOST_COSTS)
 
 
 def test_tiny_model_dispatches_the_same_ops() -> None:
@@ -182,7 +202,7 @@ def test_tiny_model_dispatches_the_same_ops() -> None:
 
 
 def _runtime_costs_rank(rank: int, world: int) -> dict:
-    from benchmarks.plan_runtime import runtime_costs
+    from flexshard.testing.runtime_costs import runtime_costs
 
     cfg = load_config("configs/debug.toml", ["--training.seq_len", "16", "--job.progress", "false"])
     cfg.job.dump_folder = f"/tmp/flexshard_test_plan_terms/{world}"

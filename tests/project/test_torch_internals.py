@@ -9,6 +9,8 @@ import contextlib
 import dataclasses
 import datetime
 import inspect
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -184,6 +186,7 @@ def test_pytree() -> None:
     assert doubled == [2, (4,)]
     only = ti.tree_map_only(torch.Tensor, lambda t: t + 1, [torch.zeros(1), "s"])
     assert only[0].item() == 1 and only[1] == "s"
+    assert ti.tree_leaves(((1, [2]), {"k": 3}, None)) == [1, 2, 3, None]
 
 
 def test_disable_current_modes() -> None:
@@ -312,6 +315,77 @@ def test_drop_cached_save_plans() -> None:
     assert all("flexshard-test" not in cache for cache in caches)
 
 
+# ------------------------------------------------------------------ planner (flexshard.plan)
+def test_fake_tensor_mode() -> None:
+    with ti.FakeTensorMode():
+        huge = torch.empty(1 << 40, dtype=torch.uint8)  # a TiB: shapes only, no storage
+        out = huge.view(1 << 20, 1 << 20).float().sum(0)
+    assert type(huge).__name__ == "FakeTensor" and out.shape == (1 << 20,)
+
+
+def test_torch_dispatch_mode() -> None:
+    class Seen(ti.TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket)  # what the op counter keys on
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        torch.ones(2, 2) @ torch.ones(2, 2)
+    assert torch.ops.aten.mm in seen.ops
+
+
+def test_fake_store() -> None:
+    dist.init_process_group("fake", store=ti.FakeStore(), rank=3, world_size=8)
+    try:
+        assert dist.get_rank() == 3 and dist.get_world_size() == 8
+        dist.all_reduce(torch.ones(1))  # a no-op, with no other rank
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mem_tracker_snapshots() -> None:
+    """What activations.py reads: the saved activations after forward and backward's
+    temporaries at its peak, per device, under the fake mode."""
+    with ti.FakeTensorMode():
+        net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+        tracker = ti.MemTracker()
+        tracker.track_external(net)
+        with tracker:
+            net(torch.randn(32, 64)).sum().backward()
+    stats = tracker.memory_tracking[net].snapshots
+    (device,) = stats[ti.ModState.POST_FW][-1].keys()
+    assert stats[ti.ModState.POST_FW][-1][device][ti.MemRefType.ACT] >= 2 * 32 * 64 * 4
+    assert ti.MemRefType.TEMP in stats[ti.ModState.PEAK_BW][-1][device]
+
+
+def test_ignore_ops() -> None:
+    aten = torch.ops.aten
+    # views and random / index creations: no bytes of the op counter's
+    assert {aten.view, aten.t, aten.expand, aten.randn, aten.randint} <= set(ti.IGNORE_OPS)
+    assert aten.add not in ti.IGNORE_OPS and aten.copy_ not in ti.IGNORE_OPS
+
+
+def test_get_num_bytes() -> None:
+    assert ti.get_num_bytes(torch.ones(4, 3)) == 48
+    assert ti.get_num_bytes(torch.ones(4, 1).expand(4, 3)) == 16  # a broadcast reads once
+
+
+def test_heavy_items_load_on_first_use() -> None:
+    """``import flexshard`` leaves torch's mem_tracker and runtime estimation unloaded
+    (seconds of imports); reading an item loads it."""
+    code = (
+        "import sys, flexshard, flexshard.torch_internals as ti\n"
+        "heavy = ('torch.distributed._tools.mem_tracker', 'torch.utils._runtime_estimation')\n"
+        "assert not any(m in sys.modules for m in heavy), [m for m in heavy if m in sys.modules]\n"
+        "assert ti.MemTracker.__module__ == heavy[0] and heavy[1] in ti.get_num_bytes.__module__\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 # ------------------------------------------------------------------ process groups
 def test_gloo_timeout_and_group_options() -> None:
     seconds = datetime.timedelta(seconds=77)
@@ -326,6 +400,17 @@ def test_gloo_timeout_and_group_options() -> None:
         assert ti.gloo_timeout(mesh.get_group()) == five
         backend = world._get_backend(torch.device("cpu"))
         assert callable(backend.abort)  # what abort_cuda_backend calls on NCCL's
+
+
+def test_fsdp_param_group() -> None:
+    with fake_world(2, rank=1):
+        mesh = init_device_mesh("cpu", (2,))
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, bias=False))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        inner, root = ti.fsdp_param_group(model[0]), ti.fsdp_param_group(model)
+        assert len(inner.fsdp_params) == 2 and len(root.fsdp_params) == 1
+        assert ti.fsdp_param_group(model[1]) is None  # not a fully_shard module
 
 
 def test_process_groups_and_sequence_number() -> None:

@@ -1,15 +1,11 @@
 """What a sharded eager step costs beyond its ops timed one by one, for the CPU
-profile (``plan_launch``), each from its own micro-benchmark, all W ranks at once:
+profile (``benchmarks/plan_launch.py``), on a tiny-width copy of the model
+(:func:`tiny_config`: same layers, heads and op sequence; widths of 32, a few tokens, so
+the ops' own work is negligible), all W ranks at once:
 
-- ``contention``: the models' recorded ops (``plan_ops``) run end to end as one
-  window (each distinct op as often as the step runs it, inputs made first) on every
-  rank at once, the slowest rank's elapsed time over what the same ops' one-by-one
-  medians add up to: time slicing of W ranks on fewer cores, caches shared and
-  flushed by the context switches, the slowest rank setting the pace;
-- ``eager_op_us``: a tiny-width copy of the model (same layers, heads, op sequence;
-  widths of 32, a few tokens: the ops' own work is negligible) run forward +
-  backward end to end, less its ops timed one by one (x contention), per op
-  dispatched: autograd's graph and engine, nn.Module calls, Python between ops;
+- ``eager_op_us``: the tiny model run forward + backward end to end, less its ops
+  timed one by one (x contention), per op dispatched: autograd's graph and engine,
+  nn.Module calls, Python between ops;
 - ``<backend>_gather_param_us`` / ``_reduce_param_us``: the same tiny model set up by
   the trainer (``train.setup``, flexshard and FSDP2, the buckets of the real rows),
   forward and backward timed against the unsharded tiny model's, less the time
@@ -23,8 +19,9 @@ profile (``plan_launch``), each from its own micro-benchmark, all W ranks at onc
   (the ranks drift apart between two collectives; every other micro-benchmark
   starts its ranks together).
 
-None of this reads the rows ``plan_validation`` measures: the tiny model is not a
-validated row, and the op window is the unsharded models' ops on random inputs."""
+None of this reads the rows ``benchmarks/plan_validation.py`` measures: the tiny model
+is not a validated row. The values go to the profile's ``HostCosts``
+(``flexshard.plan.host_costs``)."""
 
 from __future__ import annotations
 
@@ -36,46 +33,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
+from flexshard.plan.oprecord import record_model
+from flexshard.torch_internals import fsdp_param_group
 from flexshard.trainer.config import Config
 from flexshard.trainer.model import Transformer
 
-from .plan_ops import Meta, op_rates, record_model
+from .op_replay import op_rates
 
-WINDOW_REPS = 3  # op windows per rank (the median is kept)
 TINY_STEPS = 12  # timed forward / backward passes of the tiny model (after 3 warm-up)
-
-
-def op_window(configs: list[Config], medians: float) -> float:
-    """``contention``: the slowest rank's median elapsed time of the models' recorded
-    ops run end to end, over ``medians`` (the same ops' one-by-one medians summed)."""
-    calls: list[tuple[Any, Any, Any, int]] = []
-    for cfg in configs:
-        recorder = record_model(cfg)
-        for key, (func, margs, mkwargs, _) in recorder.calls.items():
-            real = lambda m: m.real() if isinstance(m, Meta) else m  # noqa: E731
-            args, kwargs = pytree.tree_map(real, margs), pytree.tree_map(real, mkwargs)
-            try:
-                func(*args, **kwargs)
-            except Exception:  # as op_rates: an op that cannot run on random inputs
-                continue
-            calls.append((func, args, kwargs, recorder.counts[key]))
-
-    def window() -> None:
-        for func, args, kwargs, count in calls:
-            for _ in range(count):
-                func(*args, **kwargs)
-
-    times = []
-    for _ in range(WINDOW_REPS):
-        dist.barrier()
-        begin = time.perf_counter()
-        window()
-        times.append(time.perf_counter() - begin)
-    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return max(1.0, float(slowest) / max(medians, 1e-9))
 
 
 def tiny_config(cfg: Config, backend: str) -> Config:
@@ -181,14 +147,10 @@ def _params_per_bucket(model: torch.nn.Module, backend: str) -> float:
 
         sizes = [len(b.layout.params) for b in subtree_buckets(model)]
     else:
-        sizes = []
-        for module in model.modules():
-            state = getattr(module, "_get_fsdp_state", None)
-            group = state()._fsdp_param_group if state is not None else None
-            if group is not None:
-                sizes.append(len(group.fsdp_params))
+        groups = (fsdp_param_group(module) for module in model.modules())
+        sizes = [len(group.fsdp_params) for group in groups if group is not None]
     if not sizes:
-        raise RuntimeError(f"plan_runtime: no {backend} buckets found on the tiny model")
+        raise RuntimeError(f"runtime_costs: no {backend} buckets found on the tiny model")
     return sum(sizes) / len(sizes)
 
 

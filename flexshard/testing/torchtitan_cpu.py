@@ -1,7 +1,9 @@
 """torchtitan 0.3.0's llama3 debug model on CPU gloo, through torchtitan's own
 ``parallelize_llama`` (its ``apply_fsdp_to_decoder`` calls ``fully_shard`` with
 ``dp_mesh_dims`` under the ``full_dtensor`` backend), with FSDP2 or flexshard's
-``fully_shard`` swapped in at torchtitan's import site, as a user would.
+``fully_shard`` swapped in at torchtitan's import site, as a user would. Shared by
+``tests/fsdp2/test_client_torchtitan.py`` and ``benchmarks/bench_clients.py``; torchtitan
+(the ``bench`` extra) is imported when a function here is called, not with this module.
 
 torchtitan needs small CPU patches, applied here and checked, never in torchtitan:
 
@@ -70,7 +72,18 @@ def apply_cpu_patches() -> list[str]:
     return applied
 
 
-def _causal_sdpa(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux, **_):
+def _causal_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    score_mod: Any,
+    block_mask: Any,
+    scale: float | None,
+    enable_gqa: bool,
+    return_aux: Any,
+    **_: Any,
+) -> tuple[torch.Tensor, None]:
     """FlexAttention's call, for the causal mask with no score_mod and no lse."""
     if score_mod is not None or return_aux.lse or return_aux.max_scores:
         raise NotImplementedError("the CPU attention patch covers causal attention only")
@@ -110,8 +123,14 @@ def build(world_size: int, library: str, bf16: bool) -> Run:
     )
     spec.model.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     dims = ParallelDims(
-        dp_replicate=1, dp_shard=world_size, cp=1, tp=1, pp=1, ep=1,
-        world_size=world_size, spmd_backend="full_dtensor",
+        dp_replicate=1,
+        dp_shard=world_size,
+        cp=1,
+        tp=1,
+        pp=1,
+        ep=1,
+        world_size=world_size,
+        spmd_backend="full_dtensor",
     )
     dims.build_mesh()
     dist_utils.set_spmd_backend("full_dtensor")  # as torchtitan's Trainer does
@@ -125,8 +144,13 @@ def build(world_size: int, library: str, bf16: bool) -> Run:
     )
     with swap:
         model = spec.parallelize_fn(
-            model, parallel_dims=dims, training=training, parallelism=parallelism,
-            compile_config=CompileConfig(), ac_config=None, dump_folder="/tmp/torchtitan_cpu",
+            model,
+            parallel_dims=dims,
+            training=training,
+            parallelism=parallelism,
+            compile_config=CompileConfig(),
+            ac_config=None,
+            dump_folder="/tmp/torchtitan_cpu",
         )
     from torch.distributed.fsdp import FSDPModule
 
@@ -151,7 +175,9 @@ def batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def train_step(run: Run, opt: torch.optim.Optimizer, inputs, labels) -> torch.Tensor:
+def train_step(
+    run: Run, opt: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
     """torchtitan's step without its Trainer's data loading, logging and checkpoints:
     its input wrapping (``full_dtensor.parallelize_inputs``), forward, its loss over
     the global token count, backward, gradient clipping, optimizer step."""
