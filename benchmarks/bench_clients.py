@@ -79,12 +79,16 @@ def _memory(rank: int, world_size: int, bf16: bool, library: str) -> float:
 
 def measure(world_size: int, bf16: bool, reps: int, steps: int, memory: bool) -> dict:
     ranks = run_distributed(_timing, world_size, bf16, reps, steps, timeout=1800)
-    row: dict[str, Any] = {"W": world_size, "precision": "bf16" if bf16 else "fp32",
-                           "reps": reps, "steps": steps, "patches": ranks[0]["patches"]}
+    row: dict[str, Any] = {
+        "W": world_size,
+        "precision": "bf16" if bf16 else "fp32",
+        "reps": reps,
+        "steps": steps,
+        "patches": ranks[0]["patches"],
+    }
     for kind in ("cpu", "wall"):
         # a step is as slow as its slowest rank: the max over ranks, per repetition
-        per = {lib: [max(r[lib][kind][i] for r in ranks) for i in range(reps)]
-               for lib in LIBRARIES}
+        per = {lib: [max(r[lib][kind][i] for r in ranks) for i in range(reps)] for lib in LIBRARIES}
         row[kind] = {lib: spread(v).as_dict() for lib, v in per.items()}
         row[f"{kind}_ratio"] = summary(paired_ratios(per["flexshard"], per["fsdp2"]), 1.0)
     if memory:
@@ -123,9 +127,13 @@ def markdown(command: str, rows: list[dict]) -> str:
             f"| {cell(r['wall_ratio'])} ({r['wall_ratio']['verdict']}) | {mem_cell} |"
         )
     patches = sorted({p for r in rows for p in r["patches"]})
-    lines += ["", "CPU patches applied to torchtitan (benchmarks/torchtitan_cpu.py): "
-              + "; ".join(patches) + "; gloo SUM instead of PREMUL_SUM(1) "
-              "(set_force_sum_reduction_for_comms, both libraries)."]
+    lines += [
+        "",
+        "CPU patches applied to torchtitan (benchmarks/torchtitan_cpu.py): "
+        + "; ".join(patches)
+        + "; gloo SUM instead of PREMUL_SUM(1) "
+        "(set_force_sum_reduction_for_comms, both libraries).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -141,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     steps = 1 if args.quick else args.steps
     rows = [
         measure(w, bf16, args.reps, steps, memory=not args.quick)
-        for w in sizes for bf16 in (False, True)
+        for w in sizes
+        for bf16 in (False, True)
     ]
     command = "python -m benchmarks.bench_clients " + " ".join(argv or sys.argv[1:])
     text = markdown(command.strip(), rows)

@@ -24,8 +24,13 @@ def _train(rank: int, world_size: int, library: str) -> dict:
     run = build(world_size, library, bf16=False)
     params = dict(run.model.named_parameters())
     layout = {
-        n: (p.device_mesh.mesh_dim_names, p.device_mesh.mesh.tolist(), tuple(p.placements),
-            tuple(p.shape), tuple(p.to_local().shape))
+        n: (
+            p.device_mesh.mesh_dim_names,
+            p.device_mesh.mesh.tolist(),
+            tuple(p.placements),
+            tuple(p.shape),
+            tuple(p.to_local().shape),
+        )
         for n, p in params.items()
     }
     opt = torch.optim.AdamW(run.model.parameters(), lr=1e-3)
@@ -43,8 +48,9 @@ def test_torchtitan_llama3_debug_dp_mesh_dims_is_fsdp2() -> None:
     for result in run_distributed(_both, 2, timeout=900):
         torch_run, flex = result["fsdp2"], result["flexshard"]
         assert flex["layout"] == torch_run["layout"]
-        assert any(p[2] != (torch.distributed.tensor.Replicate(),)
-                   for p in flex["layout"].values())  # sharded, not left whole
+        assert any(
+            p[2] != (torch.distributed.tensor.Replicate(),) for p in flex["layout"].values()
+        )  # sharded, not left whole
         assert all(torch.equal(a, b) for a, b in zip(torch_run["losses"], flex["losses"]))
         theirs = flex["params"]
         differ = [n for n, p in torch_run["params"].items() if not torch.equal(p, theirs[n])]
