@@ -129,7 +129,7 @@ def markdown(command: str, rows: list[dict]) -> str:
     patches = sorted({p for r in rows for p in r["patches"]})
     lines += [
         "",
-        "CPU patches applied to torchtitan (benchmarks/torchtitan_cpu.py): "
+        "CPU patches applied to torchtitan (flexshard/testing/torchtitan_cpu.py): "
         + "; ".join(patches)
         + "; gloo SUM instead of PREMUL_SUM(1) "
         "(set_force_sum_reduction_for_comms, both libraries).",

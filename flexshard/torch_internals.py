@@ -83,7 +83,6 @@ __all__ = [
     "get_num_bytes",
     "gloo_timeout",
     "hf_file_name",
-    "init_optim_state",
     "local_tensor",
     "patch_full_state_dict_distribute",
     "post_accumulate_grad_hooks",
@@ -289,11 +288,6 @@ def full_state_dict_call() -> Literal["get", "load"] | None:
     if getter is not None and getattr(getter.f_locals.get("info"), "full_state_dict", False):
         return "get"
     return None
-
-
-# give an optimizer its lazily created state (zeros) before a load. Public
-# replacement: none (``optimizer.step()`` with zero grads, which changes parameters).
-from torch.distributed.checkpoint.state_dict import _init_optim_state as init_optim_state  # noqa: E402
 
 
 # ------------------------------------------------------------------ state dict / DCP

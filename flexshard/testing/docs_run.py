@@ -116,12 +116,25 @@ def blocks(path: Path) -> list[Block]:
     return found
 
 
+# after a torchrun block, as a training script ends: a gloo process that exits right
+# after collectives without this now and then aborts at exit ("terminate called
+# without an active exception"), torch's own fully_shard alike (docs/limitations.md)
+TORCHRUN_TEARDOWN = (
+    "import torch.distributed as _dist\n"
+    "if _dist.is_initialized():\n"
+    "    _dist.barrier()\n"
+    "    _dist.destroy_process_group()"
+)
+
+
 def script(block: Block) -> str:
-    """The file that runs: the block's hidden setup, the block as printed, its checks."""
+    """The file that runs: the block's hidden setup, the block as printed, its checks
+    (and, on torchrun, the process group's teardown)."""
     code = block.code
     if block.lang == "console":  # commands are the '$ ' lines; the rest is output
         code = "".join(ln[2:] + "\n" for ln in code.splitlines() if ln.startswith("$ "))
-    return "\n".join([*block.setup, code, *block.check]) + "\n"
+    teardown = [TORCHRUN_TEARDOWN] if block.torchrun else []
+    return "\n".join([*block.setup, code, *block.check, *teardown]) + "\n"
 
 
 def run(block: Block, root: Path, timeout_s: int | None = None) -> subprocess.CompletedProcess:

@@ -24,9 +24,9 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
+
+from ..torch_internals import TorchDispatchMode, tree_map_only
 
 MB = 1024 * 1024
 

@@ -22,6 +22,14 @@ from .preflight import check_before_start
 from .train import run
 
 
+def leave_together() -> None:
+    """Every rank done before any tears gloo down: a rank that exits while its peers
+    still talk to it now and then aborts at exit ("terminate called without an active
+    exception"; torch's own fully_shard alike)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def one_line(err: ConfigError) -> str:
     """The line ``flexshard-train`` prints for a problem with the job's input."""
     what = getattr(err, "what", "config error")
@@ -43,6 +51,7 @@ def _rank_main(local_rank: int, nproc: int, port: int, table: dict, errors: Simp
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     try:
         run(config_from_dict(table))
+        leave_together()
     except ConfigError as err:
         errors.put(one_line(err))
         sys.exit(1)
@@ -106,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         run(cfg)
+        leave_together()
     except ConfigError as err:  # the ranks meet the same input: rank 0 says it
         sys.exit(one_line(err) if os.environ["RANK"] == "0" else 1)
     finally:

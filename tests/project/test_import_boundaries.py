@@ -21,9 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 TORCH_INTERNALS = "flexshard/torch_internals.py"
 #: flexshard modules that still import torch's privates themselves, each with what
 #: torch_internals already offers for it (remove the entry once the module uses it)
-NOT_YET_ROUTED = {
-    "flexshard/testing/live_memory.py": "TorchDispatchMode, tree_map_only",
-}
+NOT_YET_ROUTED: dict[str, str] = {}
 
 
 def imported_names(path: Path) -> Iterator[tuple[int, str]]:

@@ -260,13 +260,6 @@ def test_full_state_dict_call() -> None:
         assert "load" in _Recording.calls
 
 
-def test_init_optim_state() -> None:
-    p = nn.Parameter(torch.ones(2))
-    opt = torch.optim.Adam([p])
-    ti.init_optim_state(opt)
-    assert set(opt.state[p]) >= {"exp_avg", "exp_avg_sq"} and p.tolist() == [1.0, 1.0]
-
-
 # ------------------------------------------------------------------ state dict / DCP
 def test_distribute_tensors_signature() -> None:
     from torch.distributed import _state_dict_utils as utils
