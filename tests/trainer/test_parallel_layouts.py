@@ -133,7 +133,19 @@ def _cases(rank: int, world_size: int, folder: str, names: list[str]) -> dict:
 
 def _check(name: str, result: dict) -> dict[str, float]:
     _, parallelism, moe = LAYOUTS[name]
-    cfg = layout_config("-", parallelism, moe)
+    return compare_with_single_process(name, layout_config("-", parallelism, moe), result)
+
+
+def compare_with_single_process(
+    name: str,
+    cfg: Config,
+    result: dict,
+    loss_rtol: float = LOSS_RTOL,
+    norm_rtol: float = NORM_RTOL,
+    param_atol: float = PARAM_ATOL,
+) -> dict[str, float]:
+    """``result`` (a layout's losses, norms, parameters) against one process under
+    ``cfg``: gaps within the tolerances, and the run learns."""
     dp = cfg.parallelism.dp_replicate * cfg.parallelism.dp_shard
     losses, norms, params = single_process(cfg, dp)
     loss_gap = max(abs(a - b) / b for a, b in zip(result["losses"], losses))
@@ -143,7 +155,7 @@ def _check(name: str, result: dict) -> dict[str, float]:
         float((torch.from_numpy(result["params"][k]) - v).abs().max()) for k, v in params.items()
     )
     gaps = {"loss": loss_gap, "norm": norm_gap, "param": param_gap}
-    assert loss_gap < LOSS_RTOL and norm_gap < NORM_RTOL and param_gap < PARAM_ATOL, (name, gaps)
+    assert loss_gap < loss_rtol and norm_gap < norm_rtol and param_gap < param_atol, (name, gaps)
     assert result["losses"][-1] < result["losses"][0], name  # it learns
     return gaps
 

@@ -18,7 +18,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from flexshard.testing import run_distributed
@@ -26,7 +25,13 @@ from flexshard.trainer.checkpointing import latest_step
 from flexshard.trainer.config import ConfigError
 from flexshard.trainer.train import run, setup
 
-from .test_parallel_layouts import MOE, layout_config, single_process, trained
+from .test_parallel_layouts import (
+    MOE,
+    compare_with_single_process,
+    layout_config,
+    single_process,
+    trained,
+)
 
 STEPS = 6
 MUON = {"optimizer": "muon", "steps": STEPS}
@@ -103,18 +108,7 @@ def _cases(rank: int, world_size: int, folder: str, names: list[str], ckpt: str 
 
 def _check(name: str, result: dict) -> dict[str, float]:
     cfg = _config("-", name)
-    dp = cfg.parallelism.dp_replicate * cfg.parallelism.dp_shard
-    losses, norms, params = single_process(cfg, dp)
-    loss_gap = max(abs(a - b) / b for a, b in zip(result["losses"], losses))
-    norm_gap = max(abs(a - b) / b for a, b in zip(result["norms"], norms))
-    assert set(result["params"]) == set(params), name
-    param_gap = max(
-        float((torch.from_numpy(result["params"][k]) - v).abs().max()) for k, v in params.items()
-    )
-    gaps = {"loss": loss_gap, "norm": norm_gap, "param": param_gap}
-    assert loss_gap < LOSS_RTOL and norm_gap < NORM_RTOL and param_gap < PARAM_ATOL, (name, gaps)
-    assert result["losses"][-1] < result["losses"][0], name  # it learns
-    return gaps
+    return compare_with_single_process(name, cfg, result, LOSS_RTOL, NORM_RTOL, PARAM_ATOL)
 
 
 def _check_checkpoint(name: str, results: list[dict]) -> None:
