@@ -6,11 +6,11 @@ them, then keeps its own shard of each update."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from flexshard.optim import DistMuon
 from flexshard.placements.packing import unpack
 from flexshard.runtime.bucket import slot_of
+from flexshard.torch_internals import all_gather_single
 
 
 class GatherMuon(DistMuon):
@@ -39,7 +39,7 @@ class GatherMuon(DistMuon):
                 offset = layout.params[index].offsets[bucket.rank]
                 send[offset : offset + update.numel()] = update.reshape(-1)
             gathered = torch.empty(layout.world_size, layout.shard_numel, dtype=torch.bfloat16)
-            dist.all_gather_single(gathered.view(-1), send, group=bucket.comm.shard_group)
+            all_gather_single(gathered.view(-1), send, group=bucket.comm.shard_group)
             moved = (layout.world_size - 1) * send.numel() * send.element_size()  # ring
             self.comm.bytes_sent += moved
             self.comm.bytes_received += moved

@@ -45,6 +45,7 @@ from flexshard.plan.opcount import OpCount, count_ops
 from flexshard.runtime.storage import alloc, free
 from flexshard.testing import run_distributed
 from flexshard.testing.op_replay import op_rates
+from flexshard.torch_internals import all_gather_single, reduce_scatter_single
 from flexshard.trainer.config import Config
 
 SIZES = (1 << 12, 1 << 16, 1 << 18, 1 << 20)  # fp32 elements per rank
@@ -198,14 +199,14 @@ def _rank(rank: int, world: int) -> dict:
         def gather_call() -> None:
             free(full)  # noqa: B023
             alloc(full)  # noqa: B023
-            dist.all_gather_single(full, local)  # noqa: B023
+            all_gather_single(full, local)  # noqa: B023
 
         def fill() -> None:
             flush_caches()
             inputs[:] = [torch.empty(n * world).copy_(src)]  # noqa: B023
 
         def reduce_call() -> None:
-            dist.reduce_scatter_single(torch.empty(n), inputs[0])  # noqa: B023
+            reduce_scatter_single(torch.empty(n), inputs[0])  # noqa: B023
 
         gather = _in_step(gather_call, REPS, pre=flush_caches)
         reduce = _in_step(reduce_call, REPS, pre=fill)
@@ -222,10 +223,10 @@ def _rank(rank: int, world: int) -> dict:
             gemm()
 
     def gather() -> None:
-        dist.all_gather_single(full, local)
+        all_gather_single(full, local)
 
     def both() -> None:
-        work = dist.all_gather_single(full, local, async_op=True)
+        work = all_gather_single(full, local, async_op=True)
         compute()
         work.wait()
 

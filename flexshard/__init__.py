@@ -3,7 +3,6 @@
 # the names FSDP2 users import beside fully_shard, so the one-line import swap covers them
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
-    DataParallelMeshDims,
     FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -21,6 +20,7 @@ from .runtime.collectives import CollectiveError
 from .runtime.module import FlexShardModule
 from .runtime.region_distribute import distribute_tensor
 from .state_dict import full_state_dict, load_full_state_dict
+from .torch_internals import DataParallelMeshDims  # torch's own from 2.13 on
 
 __all__ = [
     "BlockShard",

@@ -13,7 +13,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
-    DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
@@ -38,6 +37,7 @@ from .runtime.groups import MeshGroups, resolve_mesh
 from .runtime.hooks import StepState, install_bucket_hooks, install_root_hooks
 from .runtime.module import FlexShardModule, make_flexshard_class
 from .state_dict_hooks import install_state_dict_hooks
+from .torch_internals import DataParallelMeshDims
 from .validation import check_module, check_options
 
 __all__ = ["BucketSpec", "flex_shard", "fully_shard"]

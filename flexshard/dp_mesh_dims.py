@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import DTensor
 
 from .bucket_plans import _parameter_locations
 from .runtime.tp_params import SpmdDims, register_spmd_mesh
-from .torch_internals import concatenate_meshes
+from .torch_internals import DataParallelMeshDims, concatenate_meshes
 
 WHO = "fully_shard(dp_mesh_dims=...)"
 

@@ -6,9 +6,13 @@ public API would replace it if torch had one. ``tests/project/test_torch_interna
 test per item that fails when torch renames it or changes the behaviour relied on, so a
 torch upgrade breaks there first, by name (docs/architecture.md, "torch internals").
 
-The version gate: written for torch :data:`TORCH_RANGE` (2.13.x). On another version
-importing this module warns once (it does not raise: most items usually survive a
-release, and the test file says which did not).
+The supported releases: torch :data:`TORCH_RANGE` (2.11 to 2.15), every feature on each,
+proven by running the whole suite on each (``bash scripts/test.sh --torch X.Y.Z``). Where
+the releases differ, the variant is chosen here by what torch has (a feature check), not
+by its version string; a feature an older release cannot give raises
+:class:`TorchTooOld` naming the feature and the first release that has it. On a torch
+outside the range importing this module warns once (it does not raise: most items
+usually survive a release, and the test file says which did not).
 
 The boundary, what goes through here:
 
@@ -37,6 +41,7 @@ import importlib
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -54,6 +59,7 @@ __all__ = [
     "STATE_KEY",
     "TORCH_RANGE",
     "DTensorSpec",
+    "DataParallelMeshDims",
     "FakeStore",
     "FakeTensorMode",
     "MemRefType",
@@ -63,7 +69,9 @@ __all__ = [
     "StridedShard",
     "TensorMeta",
     "TorchDispatchMode",
+    "TorchTooOld",
     "abort_cuda_backend",
+    "all_gather_single",
     "apply_to_tensors",
     "backend_group_options",
     "clear_sharding_prop_cache",
@@ -89,6 +97,7 @@ __all__ = [
     "process_groups",
     "profiler_enabled",
     "queue_backward_callback",
+    "reduce_scatter_single",
     "register_global_optimizer_step_post_hook",
     "sequence_number",
     "set_local_tensor",
@@ -101,9 +110,14 @@ __all__ = [
     "version_warning",
 ]
 
-#: the torch versions (major, minor) these internals were checked against
-TORCH_RANGE: tuple[tuple[int, int], ...] = ((2, 13),)
+#: the first and the last torch release (major, minor) flexshard supports, both included
+TORCH_RANGE: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 15))
 DOCS = "docs/architecture.md (torch internals)"
+
+
+def _range_text() -> str:
+    (a, b), (c, d) = TORCH_RANGE
+    return f"{a}.{b} to {c}.{d}"
 
 
 def version_warning(version: str) -> str | None:
@@ -112,19 +126,77 @@ def version_warning(version: str) -> str | None:
         major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
     except ValueError:
         return f"flexshard.torch_internals cannot read torch version {version!r}; see {DOCS}"
-    if (major, minor) in TORCH_RANGE:
+    if TORCH_RANGE[0] <= (major, minor) <= TORCH_RANGE[1]:
         return None
-    written = ", ".join(f"{a}.{b}.x" for a, b in TORCH_RANGE)
     return (
-        f"flexshard.torch_internals was written for torch {written}, this is torch {version}: "
-        f"the private torch names flexshard uses may have changed; run "
-        f"tests/project/test_torch_internals.py and see {DOCS}"
+        f"flexshard supports torch {_range_text()}, this is torch {version}: the private "
+        f"torch names flexshard uses may have changed; run tests/project/test_torch_internals.py "
+        f"and see {DOCS}"
     )
+
+
+class TorchTooOld(NotImplementedError):
+    """A feature the running torch release lacks and flexshard cannot build on it."""
+
+    def __init__(self, feature: str, first: str) -> None:
+        super().__init__(
+            f"{feature} needs torch {first} or newer; this is torch {torch.__version__} "
+            f"(flexshard supports torch {_range_text()})"
+        )
 
 
 _WARNING = version_warning(torch.__version__)
 if _WARNING is not None:  # once: a module body runs once per process
     warnings.warn(_WARNING, RuntimeWarning, stacklevel=2)
+
+
+# ------------------------------------------------------------------ collectives
+# One all-gather and one reduce-scatter of equal-sized pieces into (from) one tensor:
+# named all_gather_single / reduce_scatter_single from torch 2.13 on, where the older
+# all_gather_into_tensor / reduce_scatter_tensor became deprecated aliases of them; the
+# same collective with the same arguments on every release. Public API either way.
+all_gather_single: Callable[..., Any] = getattr(
+    dist, "all_gather_single", dist.all_gather_into_tensor
+)
+reduce_scatter_single: Callable[..., Any] = getattr(
+    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
+)
+
+
+# ------------------------------------------------------------------ FSDP2's API
+# fully_shard(dp_mesh_dims=...) names the data-parallel dims of a full SPMD mesh; torch's
+# FSDP2 has it from 2.13 on. Before that flexshard's fully_shard still takes it (its own
+# implementation, dp_mesh_dims.py), with this class of the same fields and checks.
+try:
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:
+
+    @dataclass
+    class DataParallelMeshDims:  # type: ignore[no-redef]
+        """The data-parallel dims of a full SPMD mesh, as torch.distributed.fsdp's
+        (torch 2.13 and newer): ``shard`` and ``replicate``, a name or a tuple of names."""
+
+        shard: str | tuple[str, ...] | None = None
+        replicate: str | tuple[str, ...] | None = None
+
+        def __post_init__(self) -> None:
+            if self.shard is None and self.replicate is None:
+                raise ValueError(
+                    "At least one of shard or replicate must be set in DataParallelMeshDims"
+                )
+
+        @property
+        def shard_names(self) -> tuple[str, ...]:
+            return _names(self.shard)
+
+        @property
+        def replicate_names(self) -> tuple[str, ...]:
+            return _names(self.replicate)
+
+    def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        return (value,) if isinstance(value, str) else tuple(value)
 
 
 # ------------------------------------------------------------------ DTensor

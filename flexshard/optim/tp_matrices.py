@@ -15,13 +15,13 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 from ..runtime.bucket import Bucket
 from ..runtime.collectives import Pending
 from ..runtime.dcp_chunks import local_boxes
 from ..runtime.tp_params import global_tensor, local_piece, tp_sharded
+from ..torch_internals import all_gather_single
 
 
 def is_tp_matrix(bucket: Bucket, index: int) -> bool:
@@ -111,7 +111,7 @@ def _assemble(bucket: Bucket, index: int, gathered: torch.Tensor, start: int) ->
 def _all_gather(gathered: torch.Tensor, send: torch.Tensor, bucket: Bucket) -> None:
     group = bucket.comm.shard_group
     Pending.launch(  # bounded by the bucket's timeout; not counted in the model's comm_stats
-        lambda: dist.all_gather_single(gathered.view(-1), send, group=group, async_op=True),
+        lambda: all_gather_single(gathered.view(-1), send, group=group, async_op=True),
         "tensor-parallel piece all-gather",
         bucket.name,
         bucket.comm.timeout,

@@ -12,6 +12,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from ..torch_internals import all_gather_single, reduce_scatter_single
 from .device import HOST, DeviceRuntime, abort, device_runtime
 from .wait_thread import wait_in_thread
 from .watchdog import WATCHDOG
@@ -324,7 +325,7 @@ class BucketComm:
                 out.copy_(local.view(-1))
             return self._done("all-gather", group)
         pending = self._launch(
-            lambda: dist.all_gather_single(out, local, group=group, async_op=True),
+            lambda: all_gather_single(out, local, group=group, async_op=True),
             "all-gather",
             group,
             out,
@@ -342,7 +343,7 @@ class BucketComm:
             out.copy_(full)
             return self._done("reduce-scatter", group)
         pending = self._launch(
-            lambda: dist.reduce_scatter_single(out, full, op=op, group=group, async_op=True),
+            lambda: reduce_scatter_single(out, full, op=op, group=group, async_op=True),
             "reduce-scatter",
             group,
             out,
@@ -399,7 +400,7 @@ class BucketComm:
             out.copy_(local.view(-1))
             return self._done("finite-gradient check all-gather", group)
         pending = self._launch(
-            lambda: dist.all_gather_single(out, local, group=group, async_op=True),
+            lambda: all_gather_single(out, local, group=group, async_op=True),
             "finite-gradient check all-gather",
             group,
             out,

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..placements import Placement
+from ..torch_internals import all_gather_single
 from .collectives import DEFAULT_TIMEOUT, Pending, check_timeout
 from .groups import MeshGroups
 
@@ -41,7 +42,7 @@ def _gather(
     local = torch.tensor(values, dtype=torch.int64, device=device)
     out = torch.empty(dist.get_world_size(group) * len(values), dtype=torch.int64, device=device)
     Pending.launch(
-        lambda: dist.all_gather_single(out, local, group=group, async_op=True),
+        lambda: all_gather_single(out, local, group=group, async_op=True),
         "set-up agreement all-gather",
         ", ".join(buckets) or "(none planned on this rank)",
         timeout,

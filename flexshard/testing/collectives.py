@@ -63,6 +63,17 @@ FUNCTIONAL_COLLECTIVES = (
     "all_to_all_single_autograd", "all_to_all_inplace", "broadcast", "permute_tensor",
 )  # fmt: skip
 UNNAMED = "unnamed"
+#: the older names of one collective, logged under its name from torch 2.13 on (where the
+#: older became deprecated aliases), so that a count reads the same on every release
+SAME_COLLECTIVE = {
+    "all_gather_into_tensor": "all_gather_single",  # torch.distributed's
+    "reduce_scatter_tensor": "reduce_scatter_single",  # both modules'
+    "all_gather_tensor": "all_gather_single",  # funcol's
+    "all_gather_tensor_autograd": "all_gather_single_autograd",
+    "reduce_scatter_tensor_autograd": "reduce_scatter_single_autograd",
+    "all_gather_into_tensor_coalesced": "all_gather_single_coalesced",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_single_coalesced",
+}
 
 
 class CollectiveForbidden(AssertionError):
@@ -192,7 +203,7 @@ def _install() -> None:
         for name in names:
             fn = getattr(module, name, None)
             if callable(fn) and id(fn) not in wrappers:
-                wrappers[id(fn)] = _wrap(prefix + name, fn)
+                wrappers[id(fn)] = _wrap(prefix + SAME_COLLECTIVE.get(name, name), fn)
                 originals[id(fn)] = fn
     # torch.distributed, distributed_c10d, funcol, and any module that bound one by name
     for module in list(sys.modules.values()):

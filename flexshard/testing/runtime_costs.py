@@ -39,6 +39,7 @@ from flexshard.torch_internals import fsdp_param_group
 from flexshard.trainer.config import Config
 from flexshard.trainer.model import Transformer
 
+from ..torch_internals import all_gather_single, reduce_scatter_single
 from .op_replay import op_rates
 
 TINY_STEPS = 12  # timed forward / backward passes of the tiny model (after 3 warm-up)
@@ -132,9 +133,9 @@ def _barrier_call_s(numel: int, world: int, reps: int = 11) -> float:
             dist.barrier()
             begin = time.perf_counter()
             if gather:
-                dist.all_gather_single(full, local)
+                all_gather_single(full, local)
             else:
-                dist.reduce_scatter_single(torch.empty(shard), full)
+                reduce_scatter_single(torch.empty(shard), full)
             times.append(time.perf_counter() - begin)
         medians.append(statistics.median(times[1:]))
     return sum(medians) / 2

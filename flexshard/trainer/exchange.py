@@ -31,6 +31,7 @@ from torch import nn
 from flexshard.runtime.collectives import DEFAULT_TIMEOUT, Pending, check_timeout
 from flexshard.runtime.device import device_runtime
 from flexshard.runtime.traffic import TrafficStats, attach_traffic
+from flexshard.torch_internals import all_gather_single, reduce_scatter_single
 
 Kind = Literal["ep", "cp"]
 
@@ -127,7 +128,7 @@ class Exchange:
         moved = (self.size - 1) * local.numel() * local.element_size()  # each way (ring)
         self.wait(
             self._launch(
-                lambda: dist.all_gather_single(out, local, group=group, async_op=True),
+                lambda: all_gather_single(out, local, group=group, async_op=True),
                 collective,
                 local,
                 ("all_gather", moved, moved) if counted else None,
@@ -143,7 +144,7 @@ class Exchange:
         moved = (self.size - 1) * out.numel() * out.element_size()  # each way (ring)
         self.wait(
             self._launch(
-                lambda: dist.reduce_scatter_single(out, full, group=group, async_op=True),
+                lambda: reduce_scatter_single(out, full, group=group, async_op=True),
                 collective,
                 full,
                 ("reduce_scatter", moved, moved),

@@ -42,12 +42,42 @@ def gloo_world(timeout: datetime.timedelta) -> Iterator[dist.ProcessGroup]:
 
 # ------------------------------------------------------------------ version gate
 def test_version_gate() -> None:
-    assert ti.version_warning("2.13.0+cpu") is None
-    assert ti.version_warning("2.13.1") is None
-    message = ti.version_warning("2.14.0")
-    assert message is not None and "flexshard.torch_internals" in message
-    assert "docs/architecture.md" in message and "2.14.0" in message
+    for inside in ("2.11.0", "2.13.0+cpu", "2.13.1", "2.14.1", "2.15.0+cu130"):
+        assert ti.version_warning(inside) is None, inside
+    for outside in ("2.10.0", "2.16.0", "3.0.0"):
+        message = ti.version_warning(outside)
+        assert message is not None and "2.11 to 2.15" in message and outside in message
+        assert "docs/architecture.md" in message
     assert ti._WARNING == ti.version_warning(torch.__version__)
+
+
+def test_torch_too_old_names_feature_and_release() -> None:
+    error = ti.TorchTooOld("fully_shard(dp_mesh_dims=...) against torch's FSDP2", "2.13")
+    assert isinstance(error, NotImplementedError)
+    assert "dp_mesh_dims" in str(error) and "torch 2.13 or newer" in str(error)
+    assert torch.__version__ in str(error) and "2.11 to 2.15" in str(error)
+
+
+def test_single_tensor_collectives_are_torchs() -> None:
+    """The all-gather and reduce-scatter into (from) one tensor, under this release's name."""
+    for name, older in (
+        ("all_gather_single", "all_gather_into_tensor"),
+        ("reduce_scatter_single", "reduce_scatter_tensor"),
+    ):
+        assert getattr(ti, name) is getattr(dist, name, getattr(dist, older))
+
+
+def test_data_parallel_mesh_dims() -> None:
+    """torch's class where torch has it (2.13+), else one of the same fields and checks."""
+    from torch.distributed import fsdp
+
+    if hasattr(fsdp, "DataParallelMeshDims"):
+        assert ti.DataParallelMeshDims is fsdp.DataParallelMeshDims
+    dims = ti.DataParallelMeshDims(shard="dp", replicate=("a", "b"))
+    assert dims.shard_names == ("dp",) and dims.replicate_names == ("a", "b")
+    assert ti.DataParallelMeshDims(replicate="r").shard_names == ()
+    with pytest.raises(ValueError, match="At least one of shard or replicate"):
+        ti.DataParallelMeshDims()
 
 
 # ------------------------------------------------------------------ DTensor

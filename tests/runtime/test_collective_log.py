@@ -18,6 +18,7 @@ from flexshard.testing.collectives import (
     forbid_collectives,
     record_collectives,
 )
+from flexshard.torch_internals import all_gather_single, reduce_scatter_single
 
 W = 2
 
@@ -33,9 +34,10 @@ def _routes(rank: int, world_size: int) -> dict:
         c10d.all_reduce(t)
         bound_by_name(t)
         local_name(t)  # bound before the log opened, in a local variable: no name
-        dist.all_gather_single(torch.empty(4 * world_size), t)
-        dist.reduce_scatter_single(torch.empty(4 // world_size), t)
+        all_gather_single(torch.empty(4 * world_size), t)
+        reduce_scatter_single(torch.empty(4 // world_size), t)
         dist.all_to_all_single(torch.empty(4), t)
+        # the same two under their older names: logged under the names above
         dist.all_gather_into_tensor(torch.empty(4 * world_size), t)
         dist.reduce_scatter_tensor(torch.empty(4 // world_size), t)
         dist.broadcast(t, 0)
@@ -44,7 +46,7 @@ def _routes(rank: int, world_size: int) -> dict:
         peer = 1 - rank
         for work in (dist.isend(t, peer), dist.irecv(torch.empty(4), peer)):
             work.wait()
-        funcol.all_gather_single(t, 0, dist.group.WORLD).wait()
+        funcol.all_gather_tensor(t, 0, dist.group.WORLD).wait()  # every release has this name
         sharded.redistribute(mesh, [Replicate()]).to_local()  # DTensor: funcol inside
         dist.group.WORLD.allreduce([t]).wait()  # a direct ProcessGroup call: no name
         group = dist.new_group()
@@ -57,7 +59,7 @@ def _routes(rank: int, world_size: int) -> dict:
     out["restored"] = dist.all_reduce is local_name and bound_by_name is local_name
     # the guard: a named collective raises, even when the caller swallows the error
     for attempt in (
-        lambda: dist.all_gather_single(torch.empty(4 * world_size), t),
+        lambda: all_gather_single(torch.empty(4 * world_size), t),
         lambda: funcol.all_reduce(t, "sum", dist.group.WORLD),
     ):
         try:
@@ -97,8 +99,8 @@ def test_every_route_is_logged_once_by_name(routes):
             "all_gather_single",
             "reduce_scatter_single",
             "all_to_all_single",
-            "all_gather_into_tensor",
-            "reduce_scatter_tensor",
+            "all_gather_single",  # all_gather_into_tensor: the same collective
+            "reduce_scatter_single",  # reduce_scatter_tensor
             "broadcast",
             "barrier",
             "all_gather_object",
