@@ -51,7 +51,7 @@ from torch.autograd import Variable
 from torch.autograd import profiler as _autograd_profiler
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 __all__ = [
     "DOCS",
@@ -83,6 +83,7 @@ __all__ = [
     "drop_cached_save_plans",
     "dtensor_spec",
     "dynamo_disable",
+    "ensure_own_dispatch",
     "fsdp_param_group",
     "full_state_dict_call",
     "fully_shard_state_key",
@@ -99,6 +100,7 @@ __all__ = [
     "queue_backward_callback",
     "reduce_scatter_single",
     "register_global_optimizer_step_post_hook",
+    "saved_metadata",
     "sequence_number",
     "set_local_tensor",
     "storage_id",
@@ -218,6 +220,67 @@ from torch.distributed.tensor._utils import (  # noqa: E402
 # dp Shard(d) over tp Shard(d): the placement FSDP2 itself gives such a parameter.
 # Public replacement: none.
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: E402
+
+# every aten op as it dispatches: the planner's op counter and live-bytes timeline, and
+# a DTensor subclass's ops where torch skips its own dispatch (ensure_own_dispatch).
+# Public replacement: none (``__torch_dispatch__`` modes are documented; their base
+# class lives in a private module).
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
+class _SubclassDispatch(TorchDispatchMode):
+    """Hands the aten ops on instances of ``cls`` to ``cls.__torch_dispatch__``."""
+
+    def __init__(self, cls: type[DTensor]) -> None:
+        super().__init__()
+        self.cls = cls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if any(issubclass(t, self.cls) for t in types):
+            return self.cls.__torch_dispatch__(func, types, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
+def _dispatch_through_mode(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    with torch._C.DisableTorchFunctionSubclass(), _SubclassDispatch(cls):
+        return func(*args, **(kwargs or {}))
+
+
+#: DTensor subclasses checked by ensure_own_dispatch
+_OWN_DISPATCH: set[type] = set()
+
+
+def ensure_own_dispatch(cls: type[DTensor], spec: DTensorSpec) -> None:
+    """Make sure ``cls.__torch_dispatch__`` sees the aten ops on instances of ``cls``.
+
+    torch 2.11's C++ DTensor fast path takes any DTensor subclass for a plain DTensor and
+    never calls the subclass's own ``__torch_dispatch__`` (pytorch#177716, fixed in 2.12).
+    Checked once per class, by behaviour, on a replicated probe of ``spec``'s mesh (no
+    collective); where it is skipped, ``cls`` gets a ``__torch_function__`` that runs each
+    torch call on its instances under a dispatch mode handing their ops to
+    ``cls.__torch_dispatch__``. That covers every op called from Python (optimizers,
+    ``clip_grad_norm_``, ``nn.Parameter``); flexshard calls none from C++ on them.
+    Public replacement: none (the fast path has no switch)."""
+    if cls in _OWN_DISPATCH:
+        return
+    seen: list[Any] = []
+
+    class Probe(DTensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+            seen.append(func)
+            return args[0]
+
+    local = torch.zeros(1, device=spec.mesh.device_type)
+    replicated = DTensorSpec(
+        spec.mesh,
+        tuple(Replicate() for _ in spec.placements),
+        tensor_meta=TensorMeta(local.shape, local.stride(), local.dtype),
+    )
+    torch.ops.aten.alias.default(Probe(local, replicated, requires_grad=False))
+    if not seen:
+        cls.__torch_function__ = classmethod(_dispatch_through_mode)  # type: ignore[assignment]
+    _OWN_DISPATCH.add(cls)
 
 
 def local_tensor(tensor: DTensor) -> torch.Tensor:
@@ -395,6 +458,19 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import (  # noqa: 
 from torch.distributed.checkpoint._hf_utils import _gen_file_name as hf_file_name  # noqa: E402
 
 
+def saved_metadata(returned: Any, path: str) -> Any:
+    """The metadata of the checkpoint ``dcp.save`` just wrote to ``path``, with every
+    chunk's storage: what it returned where that has it (every rank from torch 2.13 on),
+    else read back from the ``.metadata`` file (on 2.11 only the coordinator's copy has
+    ``storage_data``; the file is complete once dcp.save returns on any rank). Public
+    replacement: none needed from 2.13 on."""
+    if returned.storage_data is not None:
+        return returned
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(path).read_metadata()
+
+
 def drop_cached_save_plans(key: str) -> None:
     """Free the plans ``DefaultSavePlanner(enable_plan_caching=True)`` keeps per key in
     class-level dicts (they outlive the saver otherwise). Public replacement: none."""
@@ -446,11 +522,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 # W ranks in one process: the store of the ``fake`` process-group backend (every
 # collective a no-op). Public replacement: none (it comes with torch's test utilities).
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
-
-# every aten op as it dispatches: the planner's op counter and live-bytes timeline.
-# Public replacement: none (``__torch_dispatch__`` modes are documented; their base
-# class lives in a private module).
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 if TYPE_CHECKING:  # the names of _LAZY, for type checkers
     from torch.distributed._tools.mem_tracker import MemTracker

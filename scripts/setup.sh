@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sourced by demo.sh and test.sh: make the venv $VENV with torch $TORCH and flexshard with
-# its test and trainer extras, unless that is done already.
+# its test and trainer extras, unless that is done already (`source scripts/setup.sh
+# --functions` only defines find_python).
 #   TORCH   torch release (default 2.13.0, the CPU build on this machine's disk; another
 #           release is PyPI's CUDA build, several GB, which runs on the CPU)
 #   PYVER   Python X.Y of the venv (default: python3), found on PATH or in pyenv
@@ -25,16 +26,20 @@ find_python() {  # python3, or python$1 from PATH or pyenv's versions
   return 1
 }
 
-if ! { [ -x $VENV/bin/flexshard-train ] && [ -x $VENV/bin/flexshard-generate ] &&
-       [ -x $VENV/bin/ruff ] && [ -x $VENV/bin/lint-imports ] && $VENV/bin/python -c \
-         'import sys, torch, flexshard, pytest, hypothesis, matplotlib, safetensors, transformers
+setup_venv() {
+  if ! { [ -x $VENV/bin/flexshard-train ] && [ -x $VENV/bin/flexshard-generate ] &&
+         [ -x $VENV/bin/ruff ] && [ -x $VENV/bin/lint-imports ] && $VENV/bin/python -c \
+           'import sys, torch, flexshard, pytest, hypothesis, matplotlib, safetensors, transformers
 import tokenizers, tqdm, tiktoken, accelerate, pytorch_optimizer, heavyball
 sys.exit(torch.__version__.split("+")[0] != sys.argv[1])' "$TORCH" 2>/dev/null; }; then
-  [ -x $VENV/bin/python ] || "$(find_python "$PYVER")" -m venv $VENV
-  # torch pinned in every install, so that installing flexshard never pulls another build
-  # (this constraint file also replaces any machine-wide pip constraint)
-  mkdir -p $VENV/etc
-  echo "torch==$TORCH" >$VENV/etc/torch-constraint.txt
-  PIP_CONSTRAINT=$VENV/etc/torch-constraint.txt $VENV/bin/pip install "torch==$TORCH"
-  PIP_CONSTRAINT=$VENV/etc/torch-constraint.txt $VENV/bin/pip install -e '.[test,train]'
-fi
+    [ -x $VENV/bin/python ] || "$(find_python "$PYVER")" -m venv $VENV
+    # torch pinned in every install, so that installing flexshard never pulls another build
+    # (this constraint file also replaces any machine-wide pip constraint)
+    mkdir -p $VENV/etc
+    echo "torch==$TORCH" >$VENV/etc/torch-constraint.txt
+    PIP_CONSTRAINT=$VENV/etc/torch-constraint.txt $VENV/bin/pip install "torch==$TORCH"
+    PIP_CONSTRAINT=$VENV/etc/torch-constraint.txt $VENV/bin/pip install -e '.[test,train]'
+  fi
+}
+
+[ "${1:-}" = --functions ] || setup_venv

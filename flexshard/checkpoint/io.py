@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ..torch_internals import saved_metadata
 from .bounded import Ranks, model_timeout
 from .frames import Frames, framed_state, unframed
 from .manifest import (
@@ -118,6 +119,7 @@ def _save(final: str, state: dict[str, Any], extra: Any, ranks: Ranks) -> None:
             process_group=ranks.group,
             no_dist=ranks.no_dist,
         )
+    metadata = saved_metadata(metadata, partial)
     _finish(partial, metadata, ranks.all_gather(extra is not None, "extra all-gather"), ranks)
     ranks.barrier("barrier before the rename")
     if ranks.rank == 0:

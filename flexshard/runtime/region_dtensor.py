@@ -22,6 +22,7 @@ from ..torch_internals import (
     TensorMeta,
     compute_local_shape_and_global_offset,
     dtensor_spec,
+    ensure_own_dispatch,
     local_tensor,
 )
 from .dcp_chunks import region_tensor
@@ -103,8 +104,10 @@ def wrap(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False) ->
         spec = DTensorSpec(
             spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype)
         )
-    cls = RegionDTensor if _region_of(spec) is not None else DTensor
-    return cls(local, spec, requires_grad=requires_grad)
+    if _region_of(spec) is None:
+        return DTensor(local, spec, requires_grad=requires_grad)
+    ensure_own_dispatch(RegionDTensor, spec)
+    return RegionDTensor(local, spec, requires_grad=requires_grad)
 
 
 class RegionDTensor(DTensor):
