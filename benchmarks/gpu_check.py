@@ -1,4 +1,4 @@
-"""The prepared one-shot GPU check (issue 12): run by benchmarks/gpu_check.sh on a machine
+"""The prepared one-shot GPU check: run by benchmarks/gpu_check.sh on a machine
 with one or more CUDA GPUs; writes gpu_check.json and gpu_check.md to OUT.
 
     benchmarks/gpu_check.sh OUT [NPROC]                      # W = 1, then torchrun W = NPROC

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The prepared one-shot GPU check (issue 12); see benchmarks/gpu_check.py.
+# The prepared one-shot GPU check; see benchmarks/gpu_check.py and docs/gpu.md.
 #   benchmarks/gpu_check.sh OUT [NPROC [ARGS...]]
+# Runs as the GPU machine is: its own python3 (PYTHON= to choose another), this checkout
+# on PYTHONPATH, no venv and no install; everything it writes goes under OUT.
 # W = 1 on GPU 0 (about 3 minutes on one H200, by estimate), then, with NPROC > 1, the
 # same under torchrun on NPROC GPUs. Each run is capped so the whole stays under 8
 # minutes; the JSON and Markdown land in OUT (gpu_check_w1.*, gpu_check_wN.*) with the
@@ -9,9 +11,15 @@ set -u
 out=${1:?usage: benchmarks/gpu_check.sh OUT [NPROC [ARGS...]]}
 nproc=${2:-1}
 shift $(( $# < 2 ? $# : 2 ))
-cd "$(dirname "$0")/.."
-python=${PYTHON:-.venv/bin/python}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# torch's compile caches and the NCCL/gloo scratch of this run stay under OUT too
+export TORCHINDUCTOR_CACHE_DIR="$out/cache/inductor" TRITON_CACHE_DIR="$out/cache/triton"
+export TMPDIR="$out/cache/tmp"
+mkdir -p "$TMPDIR"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8  # deterministic GEMMs for the bitwise parity checks
 status=0
 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 240 "$python" -m benchmarks.gpu_check \

@@ -263,13 +263,14 @@ def ensure_own_dispatch(cls: type[DTensor], spec: DTensorSpec) -> None:
     Public replacement: none (the fast path has no switch)."""
     if cls in _OWN_DISPATCH:
         return
-    seen: list[Any] = []
+
+    class Reached(Exception):
+        pass
 
     class Probe(DTensor):
         @classmethod
         def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-            seen.append(func)
-            return args[0]
+            raise Reached
 
     local = torch.zeros(1, device=spec.mesh.device_type)
     replicated = DTensorSpec(
@@ -277,8 +278,11 @@ def ensure_own_dispatch(cls: type[DTensor], spec: DTensorSpec) -> None:
         tuple(Replicate() for _ in spec.placements),
         tensor_meta=TensorMeta(local.shape, local.stride(), local.dtype),
     )
-    torch.ops.aten.alias.default(Probe(local, replicated, requires_grad=False))
-    if not seen:
+    try:
+        torch.ops.aten.clone.default(Probe(local, replicated, requires_grad=False))
+    except Reached:
+        pass
+    else:  # the fast path ran the op itself
         cls.__torch_function__ = classmethod(_dispatch_through_mode)  # type: ignore[assignment]
     _OWN_DISPATCH.add(cls)
 

@@ -127,10 +127,19 @@ TORCHRUN_TEARDOWN = (
 )
 
 
+def _this_venv(code: str) -> str:
+    """``code`` with the README's venv (``.venv/bin/``) replaced by the one running the
+    suite, when that is another (``scripts/test.sh --torch X`` runs in ``.venvs/...``)."""
+    venv_bin = Path(sys.executable).parent
+    if venv_bin.parent.name == ".venv":
+        return code
+    return re.sub(r"(?<![\w/.])\.venv/bin/", f"{venv_bin}/", code)
+
+
 def script(block: Block) -> str:
     """The file that runs: the block's hidden setup, the block as printed, its checks
     (and, on torchrun, the process group's teardown)."""
-    code = block.code
+    code = _this_venv(block.code) if block.runner == "bash" else block.code
     if block.lang == "console":  # commands are the '$ ' lines; the rest is output
         code = "".join(ln[2:] + "\n" for ln in code.splitlines() if ln.startswith("$ "))
     teardown = [TORCHRUN_TEARDOWN] if block.torchrun else []

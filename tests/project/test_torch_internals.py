@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexshard.torch_internals as ti
 from flexshard.plan.world import fake_world
-from flexshard.testing.collectives import FUNCTIONAL_COLLECTIVES
+from flexshard.testing.collectives import FUNCTIONAL_COLLECTIVES, SAME_COLLECTIVE
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed")
 
@@ -447,5 +447,44 @@ def test_process_groups_and_sequence_number() -> None:
 def test_functional_collectives_module() -> None:
     funcol = ti.functional_collectives_module()
     assert funcol.__name__ == "torch.distributed._functional_collectives"
-    missing = [n for n in FUNCTIONAL_COLLECTIVES if not callable(getattr(funcol, n, None))]
+    # the *_single names are 2.13's; before, the same collectives had the older names only
+    older = {new: old for old, new in SAME_COLLECTIVE.items()}
+    missing = [
+        n
+        for n in FUNCTIONAL_COLLECTIVES
+        if not callable(getattr(funcol, n, None))
+        and not callable(getattr(funcol, older.get(n, n), None))
+    ]
     assert not missing
+
+
+def test_ensure_own_dispatch_reaches_a_dtensor_subclass() -> None:
+    """A DTensor subclass's own __torch_dispatch__ sees its ops from Python calls, on every
+    release (torch 2.11's fast path skips it unless routed), and the probe moves nothing."""
+    seen: list[str] = []
+
+    class Logged(DTensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+            seen.append(func.overloadpacket.__name__)
+            first = ti.tree_leaves(args)[0]
+            local = ti.tree_map_only(DTensor, ti.local_tensor, args)
+            out = func(*local, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                return cls(out, ti.dtensor_spec(first), requires_grad=False)
+            return out
+
+    with gloo_world(datetime.timedelta(seconds=30)):
+        mesh = init_device_mesh("cpu", (1,))
+        plain = DTensor.from_local(torch.arange(3.0), mesh, [Shard(0)])
+        issued = ti.sequence_number(dist.group.WORLD)
+        ti.ensure_own_dispatch(Logged, ti.dtensor_spec(plain))
+        assert ti.sequence_number(dist.group.WORLD) == issued
+        tensor = Logged(torch.arange(3.0), ti.dtensor_spec(plain), requires_grad=False)
+        detached, doubled = tensor.detach(), tensor * 2
+        param = nn.Parameter(tensor)  # nn.Parameter needs detach to keep the type
+        torch._foreach_add_([tensor], [tensor])
+    assert type(detached) is Logged and type(doubled) is Logged and type(param) is Logged
+    assert doubled._local_tensor.tolist() == [0.0, 2.0, 4.0]
+    assert tensor._local_tensor.tolist() == [0.0, 2.0, 4.0]
+    assert {"detach", "mul", "_foreach_add_"} <= set(seen), seen
