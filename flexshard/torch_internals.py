@@ -9,10 +9,9 @@ torch upgrade breaks there first, by name (docs/architecture.md, "torch internal
 The supported releases: torch :data:`TORCH_RANGE` (2.11 to 2.15), every feature on each,
 proven by running the whole suite on each (``bash scripts/test.sh --torch X.Y.Z``). Where
 the releases differ, the variant is chosen here by what torch has (a feature check), not
-by its version string; a feature an older release cannot give raises
-:class:`TorchTooOld` naming the feature and the first release that has it. On a torch
-outside the range importing this module warns once (it does not raise: most items
-usually survive a release, and the test file says which did not).
+by its version string. On a torch outside the range importing this module warns once
+(it does not raise: most items usually survive a release, and the test file says which
+did not).
 
 The boundary, what goes through here:
 
@@ -50,6 +49,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch.autograd import Variable
 from torch.autograd import profiler as _autograd_profiler
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -62,6 +62,7 @@ __all__ = [
     "DataParallelMeshDims",
     "FakeStore",
     "FakeTensorMode",
+    "GradientReductionHandle",
     "MemRefType",
     "MemTracker",
     "ModState",
@@ -69,7 +70,6 @@ __all__ = [
     "StridedShard",
     "TensorMeta",
     "TorchDispatchMode",
-    "TorchTooOld",
     "abort_cuda_backend",
     "all_gather_single",
     "apply_to_tensors",
@@ -91,7 +91,9 @@ __all__ = [
     "functional_collectives_module",
     "get_num_bytes",
     "gloo_timeout",
+    "grad_reduce_dtype",
     "hf_file_name",
+    "in_autograd_backward",
     "local_tensor",
     "patch_full_state_dict_distribute",
     "post_accumulate_grad_hooks",
@@ -135,16 +137,6 @@ def version_warning(version: str) -> str | None:
         f"torch names flexshard uses may have changed; run tests/project/test_torch_internals.py "
         f"and see {DOCS}"
     )
-
-
-class TorchTooOld(NotImplementedError):
-    """A feature the running torch release lacks and flexshard cannot build on it."""
-
-    def __init__(self, feature: str, first: str) -> None:
-        super().__init__(
-            f"{feature} needs torch {first} or newer; this is torch {torch.__version__} "
-            f"(flexshard supports torch {_range_text()})"
-        )
 
 
 _WARNING = version_warning(torch.__version__)
@@ -199,6 +191,21 @@ except ImportError:
         if value is None:
             return ()
         return (value,) if isinstance(value, str) else tuple(value)
+
+
+# What FSDPModule.finalize_backward(async_op=True) returns: torch's FSDP2 has the class
+# from 2.15 on. Before that flexshard's FlexShardModule.finalize_backward still takes
+# async_op, and its handle derives from this class of the same ``wait()``.
+try:
+    from torch.distributed.fsdp import GradientReductionHandle
+except ImportError:
+
+    class GradientReductionHandle:  # type: ignore[no-redef]
+        """A handle for asynchronous backward finalization, as torch.distributed.fsdp's
+        (torch 2.15 and newer): ``wait()`` lands the gradient reductions."""
+
+        def wait(self) -> None:
+            return
 
 
 # ------------------------------------------------------------------ DTensor
@@ -342,6 +349,34 @@ def fully_shard_state_key() -> Any:
     return _torch_fully_shard.state.__closure__[0].cell_contents  # type: ignore[union-attr]
 
 
+def _reduces_in_param_dtype() -> bool:
+    """Whether FSDP2 reduces gradients in the parameters' own dtype when
+    ``reduce_dtype`` is unset: from torch 2.15 a parameter group promotes over the
+    gradients' accumulation dtypes (``_get_reduce_dtype``), and the reduce-scatter
+    copy-in upcasts the ``param_dtype`` gradients; before, it reduced in the dtype the
+    gradients come in, ``param_dtype``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    return hasattr(FSDPParamGroup, "_get_reduce_dtype")
+
+
+def _reduce_in_param_dtype(policy: MixedPrecisionPolicy, widest: torch.dtype) -> torch.dtype:
+    return policy.reduce_dtype or widest
+
+
+def _reduce_in_compute_dtype(policy: MixedPrecisionPolicy, widest: torch.dtype) -> torch.dtype:
+    return policy.reduce_dtype or policy.param_dtype or widest
+
+
+#: the dtype FSDP2 reduces a parameter group's gradients in, for its mixed-precision
+#: ``policy`` and ``widest``, the widest dtype of its trainable parameters. Chosen here
+#: once, as this release's FSDP2 decides it (``_reduces_in_param_dtype``). Public
+#: replacement: none (MixedPrecisionPolicy documents only a set ``reduce_dtype``).
+grad_reduce_dtype: Callable[[MixedPrecisionPolicy, torch.dtype], torch.dtype] = (
+    _reduce_in_param_dtype if _reduces_in_param_dtype() else _reduce_in_compute_dtype
+)
+
+
 # ------------------------------------------------------------------ autograd
 # refilling a gathered buffer that autograd saved must not look like an in-place
 # change (FSDP2 does the same). Public replacement: none.
@@ -358,6 +393,13 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the current backward pass ends (FSDP2's end-of-backward
     hook). Public replacement: none."""
     Variable._execution_engine.queue_callback(callback)
+
+
+def in_autograd_backward() -> bool:
+    """Whether an autograd backward is running on this thread (FSDP2 refuses to change
+    the backward finalization mode then, even before its own hooks ran). Public
+    replacement: none."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def post_accumulate_grad_hooks(tensor: torch.Tensor) -> dict[int, Callable] | None:

@@ -41,7 +41,12 @@ def eager(fn: _F) -> _F:
 class StepState:
     """What all buckets of one model share: the forward order (learned on the first
     step, used to prefetch), the order gradient reductions launch in, and the
-    end-of-backward callback."""
+    end-of-backward callback.
+
+    With manual backward finalization (``set_manual_backward_finalization(True)`` on the
+    root, as FSDP2's) a backward's end launches no more reductions and waits for none:
+    the buckets that still owe one are remembered, and ``finalize_backward`` reduces
+    them, waits and finishes the gradients, once for any number of backward calls."""
 
     def __init__(self, root: nn.Module, buckets: list[Bucket]) -> None:
         self.root = root
@@ -54,6 +59,14 @@ class StepState:
         self._gathers: deque[Bucket] = deque()  # prefetches launched, oldest first
         self.in_backward = False
         self._end_of_backward_eager = eager(self._end_of_backward)
+        # the finalization mode of the backward iteration under way, fixed when its
+        # first backward begins (None: none began since the last finalization)
+        self.manual_active: bool | None = None
+        # manual mode: buckets whose gradients still owe a reduction (held while
+        # gradient sync was off, or never reported by a backward)
+        self._unreduced: list[Bucket] = []
+        # an asynchronous finalization whose handle was not waited on yet (its token)
+        self.pending_finalization: object | None = None
         self.agree_on_unused = UnusedGradAgreement()
         attach_traffic(root, AGREEMENT, self.agree_on_unused.stats)
         for bucket in buckets:
@@ -61,6 +74,8 @@ class StepState:
 
     # ---------------------------------------------------------------- forward
     def before_forward(self, bucket: Bucket) -> None:
+        if self.pending_finalization is not None:
+            raise RuntimeError("The previous gradient reduction must be waited on before forward")
         if not self.order_known and bucket not in self.forward_order:
             self.forward_order.append(bucket)
         bucket.unshard()
@@ -101,10 +116,17 @@ class StepState:
         if self.in_backward:
             return
         self.in_backward = True
-        rest = [b for b in self.buckets if b not in self.forward_order]
-        self._launch_queue = list(reversed(self.forward_order)) + rest
+        if self.manual_active is None:
+            self.manual_active = manual_finalization(self.root)
+        self._launch_queue = self._reduction_order()
         self._launched = 0
         queue_backward_callback(self._end_of_backward_eager)
+
+    def _reduction_order(self) -> list[Bucket]:
+        """Backward's order (the forward's reversed), then buckets no forward ran: the
+        same on every rank, so their reductions pair up."""
+        rest = [b for b in self.buckets if b not in self.forward_order]
+        return list(reversed(self.forward_order)) + rest
 
     def before_backward(self, bucket: Bucket) -> None:
         self._backward_begins()
@@ -148,7 +170,15 @@ class StepState:
             bucket.reshard()  # a bucket whose modules never reported: free it first too
         if not bucket.schedule.requires_grad_sync:
             bucket.hold_grads()
+            if self.manual_active and bucket not in self._unreduced:
+                self._unreduced.append(bucket)
             return
+        # manual mode with gradient sync on over several backwards: a bucket's previous
+        # reduction lands (oldest first, as always) before its next one launches
+        while bucket in self._in_flight:
+            self._in_flight.popleft().finish_reduce()
+        if bucket in self._unreduced:
+            self._unreduced.remove(bucket)
         bucket.launch_reduce()
         self._in_flight.append(bucket)
         limit = bucket.schedule.reductions_in_flight or MAX_PENDING_REDUCTIONS
@@ -156,6 +186,52 @@ class StepState:
             self._in_flight.popleft().finish_reduce()
 
     def _end_of_backward(self) -> None:
+        if self.manual_active:
+            self._end_of_manual_backward()
+        else:
+            self._finish_backward()
+
+    def _end_of_manual_backward(self) -> None:
+        """A backward ended under manual finalization: buckets that never reported hold
+        their gradients (sync off) or owe their reduction (sync on: FSDP2 defers it to
+        ``finalize_backward`` too); launched reductions stay in flight."""
+        try:
+            for bucket in self._launch_queue[self._launched :]:
+                if bucket.schedule.requires_grad_sync:
+                    if bucket not in self._unreduced:
+                        self._unreduced.append(bucket)
+                else:
+                    self._launch(bucket)
+        except BaseException:
+            self._reset_step()
+            raise
+        self._end_pass()
+
+    def finalize(self, wait: bool) -> None:
+        """``finalize_backward``: launch the reductions the backwards left owing (in the
+        same order on every rank), reshard, and with ``wait`` land them and finish the
+        gradients (else ``finish_finalization`` does, from the handle's ``wait``)."""
+        order = self._reduction_order()
+        with self._abort_step_on_error():
+            for bucket in order:
+                if bucket in self._unreduced:
+                    self._launch(bucket)
+                elif bucket.schedule.reshard_after_backward:
+                    bucket.reshard()
+        self._launch_queue, self._launched = order, len(order)
+        if wait:
+            self._finish_backward()
+        else:
+            self.pending_finalization = object()
+
+    def finish_finalization(self, token: object) -> None:
+        """What an asynchronous finalization's handle ``wait()`` does: land its
+        reductions and finish the gradients."""
+        if self.pending_finalization is not token:
+            raise RuntimeError("This gradient reduction handle was invalidated")
+        self._finish_backward()
+
+    def _finish_backward(self) -> None:
         try:
             # buckets whose modules never reported a backward (their inputs need no
             # gradient, like the root's token ids) reduce now, still in queue order
@@ -179,15 +255,33 @@ class StepState:
         does (torch's pipeline schedules call this after the last microbatch, whose
         backwards ran with gradient sync off)."""
         self._launch_queue, self._launched = list(buckets), 0
-        self._end_of_backward()
+        self._finish_backward()
 
-    def _reset_step(self) -> None:
+    def _end_pass(self) -> None:
+        """Forget one backward pass: its hook counts and prefetches."""
         for bucket in self.buckets:
             bucket.step.reset()
-        self._in_flight.clear()
         self._gathers.clear()
         self._launched = len(self._launch_queue)
         self.in_backward = False
+
+    def _reset_step(self) -> None:
+        """Forget the backward iteration: its passes and what they left to reduce."""
+        self._end_pass()
+        self._in_flight.clear()
+        self._unreduced.clear()
+        self.manual_active = None
+        self.pending_finalization = None
+
+
+#: where FlexShardModule.set_manual_backward_finalization keeps the mode, on the root
+#: module itself: it may be set before the first forward decides which module is root
+MANUAL_FINALIZATION = "_flexshard_manual_finalization"
+
+
+def manual_finalization(module: nn.Module) -> bool:
+    """Whether ``set_manual_backward_finalization(True)`` was called on ``module``."""
+    return bool(module.__dict__.get(MANUAL_FINALIZATION, False))
 
 
 class _PostBackward(torch.autograd.Function):
@@ -237,6 +331,11 @@ def install_root_hooks(module: nn.Module) -> None:
     @eager
     def pre_forward(mod: nn.Module, args: tuple) -> None:
         if getattr(mod, "_flexshard_state", None) is None:
+            for m in mod.modules():  # FSDP2's lazy init refuses the mode off the root too
+                if m is not mod and manual_finalization(m):
+                    raise RuntimeError(
+                        "set_manual_backward_finalization must be called on the root FSDP module"
+                    )
             buckets = []
             for fqn, m in mod.named_modules():
                 for bucket in getattr(m, "_flexshard_buckets", ()):

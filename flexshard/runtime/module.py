@@ -9,9 +9,14 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
-from ..torch_internals import STATE_KEY, fully_shard_state_key
+from ..torch_internals import (
+    STATE_KEY,
+    GradientReductionHandle,
+    fully_shard_state_key,
+    in_autograd_backward,
+)
 from .bucket import Bucket
-from .hooks import StepState
+from .hooks import MANUAL_FINALIZATION, StepState, manual_finalization
 from .traffic import subtree_traffic, summed
 
 
@@ -46,6 +51,21 @@ class FlexUnshardHandle(UnshardHandle):
     def wait(self) -> None:
         for bucket in self._buckets:
             bucket.unshard()
+
+
+class FlexGradientReductionHandle(GradientReductionHandle):
+    """What ``finalize_backward(async_op=True)`` returns: ``wait()`` lands the gradient
+    reductions and finishes the gradients (once; later calls return at once)."""
+
+    def __init__(self, state: StepState | None, token: object | None) -> None:
+        self._state = state
+        self._token = token
+
+    def wait(self) -> None:
+        if self._state is None:
+            return
+        self._state.finish_finalization(self._token)
+        self._state = self._token = None
 
 
 class _ForwardHooks:
@@ -87,6 +107,10 @@ _NOT_APPLICABLE = {
     "set_allocate_memory_from_process_group_for_comm": "no NCCL memory pools on this runtime",
     "set_symm_mem_for_comm": "no symmetric-memory collectives on this runtime",
     "_set_unshard_async_op": "flexshard's forward all-gathers are already asynchronous",
+    "set_keep_unsharded_storage": (
+        "a bucket's reshard always frees its all-gather buffer; keeping it for stable "
+        "data pointers (CUDA graph capture) is not implemented"
+    ),
 }
 
 
@@ -232,7 +256,8 @@ class FlexShardModule(FSDPModule, nn.Module):
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 code: flexshard completes every reduction it launched at
-        the end of each backward, so there is nothing left to defer."""
+        the end of each backward (or at ``finalize_backward`` under manual backward
+        finalization), so there is nothing left to defer."""
         _check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
@@ -312,6 +337,59 @@ class FlexShardModule(FSDPModule, nn.Module):
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook: hook must be callable, got {hook!r}")
         self._set_on_buckets("reduction", "all_reduce_hook", hook, recurse=False)
+
+    def _root_state(self, method: str) -> StepState | None:
+        """This module's StepState (None before the first forward), refusing a module
+        that is not the root, as FSDP2 does."""
+        state = getattr(self, "_flexshard_state", None)
+        if state is not None and state.root is not self:
+            raise RuntimeError(f"{method} must be called on the root FSDP module")
+        return state
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """True: the end of a backward neither waits for the gradient reductions nor
+        finishes the gradients; ``finalize_backward`` does, after every backward of the
+        step (torch's pipeline schedules reduce as an action of their own). Call it on
+        the root, before the backward; the mode stays fixed until that finalization."""
+        _check_bool("set_manual_backward_finalization", "enabled", enabled)
+        state = self._root_state("set_manual_backward_finalization")
+        if enabled != manual_finalization(self) and in_autograd_backward():
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode during backward"
+            )
+        if state is not None and state.manual_active is not None and enabled != state.manual_active:
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode after backward starts"
+            )
+        self.__dict__[MANUAL_FINALIZATION] = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """Under manual finalization, after the step's backwards: reduce the gradients
+        still owed (with the current gradient sync and reshard settings), wait for every
+        reduction and finish the gradients. ``async_op``: launch them and return a
+        handle whose ``wait()`` does the rest; it must be waited on before the next
+        forward or finalization. Before the first forward: nothing to do."""
+        _check_bool("finalize_backward", "async_op", async_op)
+        state = getattr(self, "_flexshard_state", None)
+        if state is None:
+            return FlexGradientReductionHandle(None, None) if async_op else None
+        if state.pending_finalization is not None:
+            raise RuntimeError(
+                "The previous gradient reduction must be waited on before finalizing backward again"
+            )
+        self._root_state("finalize_backward")
+        active = state.manual_active
+        if not (manual_finalization(self) if active is None else active):
+            raise RuntimeError(
+                "FSDP finalize_backward requires manual backward finalization. Call "
+                "set_manual_backward_finalization(True) before forward"
+            )
+        if state.in_backward:
+            raise RuntimeError("FSDP finalize_backward must be called after backward completes")
+        state.finalize(wait=not async_op)
+        if not async_op:
+            return None
+        return FlexGradientReductionHandle(state, state.pending_finalization)
 
     def reset_iter_state(self) -> None:
         """Forget the step in progress (after an exception in forward or backward)."""

@@ -10,6 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from ..placements.bytes import as_bytes, byte_view
 from ..placements.layout import BucketLayout
 from ..placements.packing import pack_rank
+from ..torch_internals import grad_reduce_dtype
 
 
 def free(tensor: torch.Tensor) -> None:
@@ -42,8 +43,10 @@ class BucketStorage:
     Parameters of several dtypes share one uint8 buffer (``packed``), each region as
     its bytes; ``storage_layout`` then counts bytes while ``layout`` counts elements.
     ``param_dtype``/``reduce_dtype`` are what the mixed-precision policy makes of them;
-    gradients are reduced in the widest dtype of the parameters that were ``trainable``
-    when sharded (FSDP2's rule: a frozen parameter's dtype does not count).
+    gradients are reduced in ``reduce_dtype`` when set, else as this torch release's
+    FSDP2 does (``grad_reduce_dtype``) over the widest dtype of the parameters that
+    were ``trainable`` when sharded (FSDP2's rule: a frozen parameter's dtype does not
+    count).
     """
 
     def __init__(
@@ -73,7 +76,7 @@ class BucketStorage:
         self.full_dtypes = [policy.param_dtype or d for d in self.dtypes]
         graded = [d for d, t in zip(self.dtypes, self.trainable) if t] or self.dtypes
         widest = functools.reduce(torch.promote_types, graded)
-        self.reduce_dtype = policy.reduce_dtype or policy.param_dtype or widest
+        self.reduce_dtype = grad_reduce_dtype(policy, widest)
 
     def recast(self, buffer: torch.Tensor) -> None:
         """Adopt ``buffer`` (the storage moved or cast by ``module.to(...)``); a cast

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import state_dict as dcp_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -51,13 +51,6 @@ def test_version_gate() -> None:
     assert ti._WARNING == ti.version_warning(torch.__version__)
 
 
-def test_torch_too_old_names_feature_and_release() -> None:
-    error = ti.TorchTooOld("fully_shard(dp_mesh_dims=...) against torch's FSDP2", "2.13")
-    assert isinstance(error, NotImplementedError)
-    assert "dp_mesh_dims" in str(error) and "torch 2.13 or newer" in str(error)
-    assert torch.__version__ in str(error) and "2.11 to 2.15" in str(error)
-
-
 def test_single_tensor_collectives_are_torchs() -> None:
     """The all-gather and reduce-scatter into (from) one tensor, under this release's name."""
     for name, older in (
@@ -78,6 +71,20 @@ def test_data_parallel_mesh_dims() -> None:
     assert ti.DataParallelMeshDims(replicate="r").shard_names == ()
     with pytest.raises(ValueError, match="At least one of shard or replicate"):
         ti.DataParallelMeshDims()
+
+
+def test_gradient_reduction_handle() -> None:
+    """torch's class where torch has it (2.15+), else one with the same ``wait()``: what
+    FlexShardModule.finalize_backward(async_op=True) returns derives from it."""
+    from torch.distributed import fsdp
+
+    from flexshard.runtime.module import FlexGradientReductionHandle
+
+    if hasattr(fsdp, "GradientReductionHandle"):
+        assert ti.GradientReductionHandle is fsdp.GradientReductionHandle
+    assert ti.GradientReductionHandle().wait() is None
+    empty = FlexGradientReductionHandle(None, None)  # before the first forward
+    assert isinstance(empty, ti.GradientReductionHandle) and empty.wait() is None
 
 
 # ------------------------------------------------------------------ DTensor
@@ -149,6 +156,30 @@ def test_apply_to_tensors_reaches_dataclasses() -> None:
     assert out["a"][0].item() == 2 and out["b"].x.item() == 2 and out["b"].n == 3
 
 
+def test_grad_reduce_dtype_is_fsdp2s() -> None:
+    """The dtype torch's own FSDP2 allocates its reduce-scatter buffers in, with
+    ``reduce_dtype`` unset and set (one gloo rank: FSDP2 still allocates them)."""
+    unset = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    explicit = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float16)
+    with gloo_world(datetime.timedelta(seconds=30)):
+        mesh = init_device_mesh("cpu", (1,))
+        for policy in (unset, explicit):
+            model = nn.Linear(4, 4)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            model(torch.ones(2, 4)).sum().backward()  # lazy init builds the group's comm
+            comm = ti.fsdp_param_group(model)._reduce_scatter_comm
+            allocate, dtypes = comm.allocate, []
+
+            def recording(*args, dtype, allocate=allocate, dtypes=dtypes, **kwargs):
+                dtypes.append(dtype)
+                return allocate(*args, dtype=dtype, **kwargs)
+
+            comm.allocate = recording
+            model(torch.ones(2, 4)).sum().backward()
+            assert dtypes and set(dtypes) == {ti.grad_reduce_dtype(policy, torch.float32)}
+    assert ti.grad_reduce_dtype(explicit, torch.float32) == torch.float16
+
+
 # ------------------------------------------------------------------ autograd
 def test_unsafe_preserve_version_counter() -> None:
     t = torch.zeros(3)
@@ -177,6 +208,21 @@ def test_queue_backward_callback_runs_after_backward() -> None:
     y.register_hook(hook)
     y.sum().backward()
     assert len(seen) == 1 and seen[0] is not None and seen[0].tolist() == [3.0, 3.0]
+
+
+def test_in_autograd_backward() -> None:
+    x = torch.ones(2, requires_grad=True)
+    seen: list[bool] = []
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        seen.append(ti.in_autograd_backward())
+        return grad
+
+    y = x * 3
+    y.register_hook(hook)
+    assert not ti.in_autograd_backward()
+    y.sum().backward()
+    assert seen == [True] and not ti.in_autograd_backward()
 
 
 def test_post_accumulate_grad_hooks() -> None:
