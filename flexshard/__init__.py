@@ -20,7 +20,10 @@ from .runtime.collectives import CollectiveError
 from .runtime.module import FlexShardModule
 from .runtime.region_distribute import distribute_tensor
 from .state_dict import full_state_dict, load_full_state_dict
-from .torch_internals import DataParallelMeshDims  # torch's own from 2.13 on
+
+# torch's own where torch has them (DataParallelMeshDims from 2.13, GradientReductionHandle
+# from 2.15), flexshard's of the same fields before
+from .torch_internals import DataParallelMeshDims, GradientReductionHandle
 
 __all__ = [
     "BlockShard",
@@ -31,6 +34,7 @@ __all__ = [
     "FSDPModule",
     "FlatShard",
     "FlexShardModule",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "Owned",

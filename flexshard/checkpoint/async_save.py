@@ -305,7 +305,7 @@ class AsyncCheckpointer:
                 os.fsync(f.fileno())
         if not job.manifest:
             return {}
-        entries = share(chunk_entries(metadata), ranks.rank, ranks.world)
+        entries = share(chunk_entries(metadata, job.partial), ranks.rank, ranks.world)
         if job.extra is not None:
             entries.append(Entry(f"extra (rank {ranks.rank})", _extra_file(ranks.rank), 0, -1))
         return {e.key: digest(job.partial, e) for e in entries}
@@ -317,7 +317,7 @@ class AsyncCheckpointer:
         when the checkpoint is complete and only ``after`` failed) or None."""
         try:
             if job.manifest:
-                entries = chunk_entries(metadata)
+                entries = chunk_entries(metadata, job.partial)
                 entries += [
                     Entry(f"extra (rank {r})", _extra_file(r), 0, -1)
                     for r, (_, has, _) in enumerate(parts)

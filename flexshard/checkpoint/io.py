@@ -27,7 +27,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..torch_internals import saved_metadata
 from .bounded import Ranks, model_timeout
 from .frames import Frames, framed_state, unframed
 from .manifest import (
@@ -65,7 +64,7 @@ def _extra_file(rank: int) -> str:
 def _finish(root: str, metadata: Metadata, has_extra: list[bool], ranks: Ranks) -> None:
     """Checksum every chunk (each rank a share of the files), then rank 0 writes the
     manifest that marks the directory complete."""
-    entries = chunk_entries(metadata)
+    entries = chunk_entries(metadata, root)
     entries += [
         Entry(f"extra (rank {r})", _extra_file(r), 0, -1) for r, has in enumerate(has_extra) if has
     ]
@@ -119,7 +118,6 @@ def _save(final: str, state: dict[str, Any], extra: Any, ranks: Ranks) -> None:
             process_group=ranks.group,
             no_dist=ranks.no_dist,
         )
-    metadata = saved_metadata(metadata, partial)
     _finish(partial, metadata, ranks.all_gather(extra is not None, "extra all-gather"), ranks)
     ranks.barrier("barrier before the rename")
     if ranks.rank == 0:

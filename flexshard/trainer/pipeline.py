@@ -187,6 +187,10 @@ class PipelineRunner:
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
         self._check_batch(tokens, labels)
+        # contiguous, before the stages are built from it: the batch may be a window of a
+        # longer sequence, and torch 2.11's stage checks each microbatch's strides
+        # against those of the example input it was built with
+        tokens, labels = tokens.contiguous(), labels.contiguous()
         if self._schedule is None:
             self._build_schedule(tokens)
             self._batch_shape = tuple(tokens.shape)

@@ -14,6 +14,11 @@ from torch.distributed.pipelining import PipelineStage
 import flexshard as fs
 
 
+class StageOutputError(ValueError):
+    """A stage's output differs from the static shape or dtype the next stage
+    receives into."""
+
+
 class FlexShardStage(PipelineStage):
     """A PipelineStage that turns flexshard's gradient sync and reshard-after-backward
     on only for the last microbatch's backward (torch does this for FSDP2 modules
@@ -36,17 +41,33 @@ class FlexShardStage(PipelineStage):
         self.sent_bytes["backward"] += _op_bytes(ops)
         return ops
 
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().forward_maybe_with_nosync(*args, **kwargs)
+        # checked here, before torch validates the output against the static metadata
+        # (torch 2.11 always does, with an error that names neither activation_dtype
+        # nor sequence_shards), so a mismatch raises flexshard's error on every release
+        self._check_output(output)
+        return output
+
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        except RuntimeError as err:
+            # torch wraps errors of the forward in a RuntimeError listing the args
+            if isinstance(err.__cause__, StageOutputError):
+                raise err.__cause__ from None
+            raise
+
+    def _check_output(self, output: Any) -> None:
         want = self.expected_output
         if output.shape != want.shape or output.dtype != want.dtype:
-            # a mismatch would not fail in torch: the receiver would read garbage
-            raise ValueError(
+            # torch 2.13 checks only under TORCH_DISTRIBUTED_DEBUG=DETAIL (and never
+            # the last stage): else the receiver would read garbage
+            raise StageOutputError(
                 f"pipeline stage {self.stage_index}: output {output.dtype} "
                 f"{tuple(output.shape)}, but the stages were built for {want.dtype} "
                 f"{tuple(want.shape)} (activation_dtype / sequence_shards)"
             )
-        return output
 
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 import torch.distributed.fsdp as torch_fsdp
 
 import flexshard
@@ -16,6 +17,7 @@ FSDP2_NAMES = {
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "FSDPModule",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
@@ -42,12 +44,19 @@ FLEXSHARD_NAMES = {
 }
 
 
+#: FSDP2's names an older supported torch lacks (flexshard gives its own there)
+NEWER = {"DataParallelMeshDims": "2.13", "GradientReductionHandle": "2.15"}
+
+
 def test_top_level_is_fsdp2_plus_what_flexshard_adds() -> None:
     assert set(flexshard.__all__) == FSDP2_NAMES | FLEXSHARD_NAMES
     for name in FSDP2_NAMES:  # the very objects torch exports, where flexshard does not replace one
-        if name not in ("fully_shard", "share_comm_ctx"):
+        if not hasattr(torch_fsdp, name):
+            assert torch.__version__ < NEWER[name], f"torch.distributed.fsdp no longer has {name}"
+        elif name not in ("fully_shard", "share_comm_ctx"):
             assert getattr(flexshard, name) is getattr(torch_fsdp, name), name
-        assert hasattr(torch_fsdp, name), f"torch.distributed.fsdp no longer has {name}"
+    torch_fsdp2 = {n for n in torch_fsdp.__all__ if n in FSDP2_NAMES or n in NEWER}
+    assert torch_fsdp2 <= set(flexshard.__all__), "a name FSDP2 exports that flexshard lacks"
 
 
 def test_placements_package_exports_placements_only() -> None:
