@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..torch_internals import TorchDispatchMode, tree_map_only
@@ -123,7 +124,10 @@ class LiveTensors(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if any(t not in (torch.Tensor, torch.nn.Parameter) for t in types):
-            return NotImplemented  # let the subclass (DTensor) run its local ops
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented  # let the subclass (DTensor) run its local ops
+            # fake tensors (torch 2.11's DTensor propagates shapes on them): no memory
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         tree_map_only(torch.Tensor, self._track_tensor, out)
         return out

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -90,7 +91,11 @@ def _timed_collectives(timers: dict[str, float]) -> Callable[[], None]:
     issues them async and waits at launch; FSDP2 on CPU calls them synchronously)
     and count them."""
     names = ("all_gather_single", "reduce_scatter_single")
-    originals = {n: getattr(dist, n) for n in names}
+    # torch's functions under this release's names (all_gather_into_tensor before 2.13)
+    originals = {
+        "all_gather_single": all_gather_single,
+        "reduce_scatter_single": reduce_scatter_single,
+    }
     timers.update(dict.fromkeys(("collective", "numel", *names), 0.0))
 
     def timed(name: str, original: Callable) -> Callable:
@@ -109,12 +114,19 @@ def _timed_collectives(timers: dict[str, float]) -> Callable[[], None]:
 
         return call
 
-    for name, fn in originals.items():
-        setattr(dist, name, timed(name, fn))
+    # wrapped wherever bound: torch.distributed (FSDP2's calls) and every module that
+    # imported the function under its own name (flexshard's, through torch_internals)
+    wrapped = {id(fn): timed(name, fn) for name, fn in originals.items()}
+    patched = []
+    for module in list(sys.modules.values()):
+        for attr, value in list(getattr(module, "__dict__", {}).items()):
+            if id(value) in wrapped and any(value is fn for fn in originals.values()):
+                patched.append((module, attr, value))
+                setattr(module, attr, wrapped[id(value)])
 
     def undo() -> None:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+        for module, attr, value in patched:
+            setattr(module, attr, value)
 
     return undo
 
