@@ -15,7 +15,7 @@ image=("torch==$TORCH" numpy safetensors tokenizers tiktoken tqdm matplotlib
        transformers==5.17.0 accelerate==1.15.0)
 if ! $VENV/bin/python -c 'import sys, torch, numpy, safetensors, tokenizers, tiktoken, tqdm
 import matplotlib, transformers, accelerate
-sys.exit(torch.__version__.split("+")[0] != "2.11.0")' 2>/dev/null; then
+sys.exit(torch.__version__.split("+")[0] != sys.argv[1])' "$TORCH" 2>/dev/null; then
   rm -rf $VENV
   "$(find_python $PYVER)" -m venv $VENV
   echo "torch==$TORCH" >$VENV/torch-constraint.txt
