@@ -119,23 +119,19 @@ TORCH_RANGE: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 15))
 DOCS = "docs/architecture.md (torch internals)"
 
 
-def _range_text() -> str:
-    (a, b), (c, d) = TORCH_RANGE
-    return f"{a}.{b} to {c}.{d}"
-
-
 def version_warning(version: str) -> str | None:
     """The warning for torch ``version`` (None: inside :data:`TORCH_RANGE`)."""
     try:
         major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
     except ValueError:
         return f"flexshard.torch_internals cannot read torch version {version!r}; see {DOCS}"
+    (first, first_minor), (last, last_minor) = TORCH_RANGE
     if TORCH_RANGE[0] <= (major, minor) <= TORCH_RANGE[1]:
         return None
     return (
-        f"flexshard supports torch {_range_text()}, this is torch {version}: the private "
-        f"torch names flexshard uses may have changed; run tests/project/test_torch_internals.py "
-        f"and see {DOCS}"
+        f"flexshard supports torch {first}.{first_minor} to {last}.{last_minor}, this is "
+        f"torch {version}: the private torch names flexshard uses may have changed; run "
+        f"tests/project/test_torch_internals.py and see {DOCS}"
     )
 
 

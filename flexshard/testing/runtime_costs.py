@@ -120,7 +120,7 @@ def _timed_collectives(timers: dict[str, float]) -> Callable[[], None]:
     patched = []
     for module in list(sys.modules.values()):
         for attr, value in list(getattr(module, "__dict__", {}).items()):
-            if id(value) in wrapped and any(value is fn for fn in originals.values()):
+            if any(value is fn for fn in originals.values()):
                 patched.append((module, attr, value))
                 setattr(module, attr, wrapped[id(value)])
 
