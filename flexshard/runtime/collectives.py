@@ -81,13 +81,26 @@ def check_timeout(timeout: object) -> None:
 class CollectiveError(RuntimeError):
     """A bucket's collective failed or did not complete within the timeout: a rank of
     its group died, stalled or skipped it. The process group is unusable afterwards,
-    the local shards are as they were before the step (restart from a checkpoint)."""
+    the local shards are as they were before the step (restart from a checkpoint).
 
-    def __init__(self, message: str, *, bucket: str, collective: str, rank: int) -> None:
+    ``backend_error``: what the backend raised, when it noticed first (its first line
+    is in the message). Kept here, not chained: a chained cause is printed first, and
+    the first error line a user reads must name the collective, whichever wait won."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        bucket: str,
+        collective: str,
+        rank: int,
+        backend_error: BaseException | None = None,
+    ) -> None:
         super().__init__(message)
         self.bucket = bucket
         self.collective = collective
         self.rank = rank
+        self.backend_error = backend_error
 
 
 #: what gloo's and NCCL's failures say (a timeout, a peer that closed its pair)
@@ -107,6 +120,16 @@ def backend_cause(err: BaseException) -> str:
     """The first line of a backend failure, for a CollectiveError's message."""
     text = str(err).strip()
     return text.splitlines()[0][:300] if text else type(err).__name__
+
+
+#: what c10d's ``Work.wait(timeout)`` raises (a RuntimeError) when that timeout passes
+_WAIT_TIMED_OUT = "Operation timed out!"
+
+
+def _wait_gave_up(err: BaseException) -> bool:
+    """``err`` is a bounded ``work.wait(timeout)`` giving up (flexshard's own timeout),
+    not the backend's failure: the backend's own timeout says "Timed out waiting Nms"."""
+    return isinstance(err, RuntimeError) and str(err).strip() == _WAIT_TIMED_OUT
 
 
 #: what a bucket's failed collective leaves: its error's last words
@@ -179,7 +202,7 @@ class Pending:
             pending.event = runtime.enqueue_wait(pending.work)
         except Exception as err:
             pending.error = pending._error(err)
-            raise pending.error from err
+            raise pending.error from None  # the backend's words are in its message
         if pending.event is not None:
             WATCHDOG.watch(pending, timeout.total_seconds(), lambda: abort(group))
         return pending
@@ -204,8 +227,14 @@ class Pending:
             f"collective; {self.afterwards}"
         )
         if cause is not None:
-            message += f" [backend: {str(cause).strip().splitlines()[0][:300]}]"
-        return CollectiveError(message, bucket=self.bucket, collective=self.collective, rank=rank)
+            message += f" [backend: {backend_cause(cause)}]"
+        return CollectiveError(
+            message,
+            bucket=self.bucket,
+            collective=self.collective,
+            rank=rank,
+            backend_error=cause,
+        )
 
     def wait(self) -> None:
         if self.error is not None:
@@ -228,8 +257,9 @@ class Pending:
                 # here only for the one-time set-up agreement; buckets are stream-ordered)
                 ok = self.work.wait(datetime.timedelta(seconds=left))
         except Exception as err:  # our timeout, gloo's own, or a peer that closed
-            self.error = self._error(err)
-            raise self.error from err
+            # whichever noticed first, the same error: not chained (see CollectiveError)
+            self.error = self._error(None if _wait_gave_up(err) else err)
+            raise self.error from None
         if ok is False:
             self.error = self._error(None)
             raise self.error

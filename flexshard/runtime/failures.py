@@ -16,8 +16,8 @@ def backend_failures_raise(
 ) -> Iterator[None]:
     """The one converter of a collective torch ran itself into flexshard's error: a
     backend failure (timeout, lost peer) raised inside becomes ``error(err, cause)``
-    (``cause``: the backend's first line); flexshard's own CollectiveErrors pass, with
-    ``note`` added (where they struck)."""
+    (``cause``: the backend's first line; the failure itself is its ``backend_error``);
+    flexshard's own CollectiveErrors pass, with ``note`` added (where they struck)."""
     try:
         yield
     except CollectiveError as err:
@@ -27,4 +27,6 @@ def backend_failures_raise(
     except Exception as err:
         if not is_backend_failure(err):
             raise
-        raise error(err, backend_cause(err)) from err
+        named = error(err, backend_cause(err))
+        named.backend_error = err
+        raise named from None  # not chained: see CollectiveError

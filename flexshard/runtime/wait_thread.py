@@ -41,18 +41,18 @@ _idle_waiters: list[_WaitThread] = []
 
 
 def wait_in_thread(work: dist.Work, seconds: float) -> bool:
-    """``work.wait()`` given up after ``seconds``. gloo's reduce-scatter work (torch
-    2.13) ignores wait's timeout and never reports ``is_completed``, so a helper thread
-    waits (and stays blocked, harmlessly, when the peer never comes)."""
+    """``work.wait()`` given up after ``seconds`` (False then; the backend's failure
+    raises). gloo's reduce-scatter work (torch 2.13) ignores wait's timeout and never
+    reports ``is_completed``, so a helper thread waits (and stays blocked, harmlessly,
+    when the peer never comes)."""
     try:
         waiter = _idle_waiters.pop()
     except IndexError:
         waiter = _WaitThread()
     outcome = waiter.wait(work, seconds)
-    if outcome is not None:  # a waiter blocked on a peer that never comes is dropped
-        _idle_waiters.append(waiter)
-    if outcome is None:
-        raise TimeoutError("Operation timed out!")
+    if outcome is None:  # a waiter blocked on a peer that never comes is dropped
+        return False
+    _idle_waiters.append(waiter)
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome is not False

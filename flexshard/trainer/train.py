@@ -268,7 +268,8 @@ def run(cfg: Config) -> list[dict[str, Any]]:
         writer.close()
         _report(job, writer.note)
     # end together: no rank tears its process group down while another still reports
-    dist.barrier()
+    with bounded_waits.in_flight("end-of-run barrier", "the job", {"world": dist.group.WORLD}):
+        dist.barrier()
     return records
 
 

@@ -14,8 +14,11 @@ import functools
 import math
 import os
 import queue
+import re
 import signal
+import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -28,10 +31,11 @@ from torch.autograd import Variable
 import flexshard as fs
 from flexshard.optim import DistMuon
 from flexshard.runtime.bucket import slot_of as fs_slot_of
-from flexshard.runtime.collectives import DEFAULT_TIMEOUT
+from flexshard.runtime.collectives import DEFAULT_TIMEOUT, CollectiveError, Pending
+from flexshard.runtime.failures import backend_failures_raise
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 from flexshard.testing.collectives import record_collectives
-from flexshard.testing.launch import next_result, start_ranks
+from flexshard.testing.launch import free_port, next_result, start_ranks
 
 W = 3
 VICTIM = 2
@@ -275,6 +279,102 @@ def test_a_killed_rank_makes_the_others_raise_naming_bucket_and_collective(how, 
         assert got["bucket"] in ("layer0", "layer1", "outer"), got
         assert f"{got['collective']} of bucket '{got['bucket']}'" in got["error"][1]
         assert got["unchanged"], got
+
+
+# ------------------------------------------------ whichever wait notices first
+#: a Python exception line ("pkg.Class: message"), the first one a user reads
+ERROR_LINE = re.compile(r"^([\w.]*(?:Error|Exception)): (.*)$")
+#: what gloo's own timeout raises from ``work.wait()`` (torch 2.13, a RuntimeError)
+GLOO_TIMEOUT = (
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+    "waiting 200ms for recv operation to complete"
+)
+
+
+def first_error_line(text: str, prefix: str = "") -> tuple[str, str] | None:
+    """(exception class, message) of the first exception line of ``text`` (a printed
+    traceback; ``prefix``: what starts each line of the rank's output)."""
+    for line in text.splitlines():
+        if line.startswith(prefix) and (found := ERROR_LINE.match(line[len(prefix) :])):
+            return found.group(1), found.group(2)
+    return None
+
+
+@pytest.fixture
+def one_rank():
+    """A one-process gloo group: the cases below are about the error one rank raises."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+class _Work:
+    """A collective's work that ends as a stalled peer makes it end: ``raises`` after
+    ``seconds`` (the backend's timeout, or c10d's bounded wait giving up), or never."""
+
+    def __init__(self, raises: BaseException | None, seconds: float) -> None:
+        self.raises, self.seconds = raises, seconds
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if self.raises is None:  # gloo's reduce-scatter: blocks past any timeout
+            threading.Event().wait()
+        time.sleep(self.seconds)
+        raise self.raises
+
+
+WAITS = {  # which wait notices first: (work, wait_ignores_timeout, backend words)
+    "flexshard's bounded wait": (_Work(RuntimeError("Operation timed out!"), 0.2), False, None),
+    "flexshard's wait thread": (_Work(None, 0), True, None),
+    # its clock starts when gloo's thread runs the collective: earlier here, so it wins
+    "gloo's own timeout": (_Work(RuntimeError(GLOO_TIMEOUT), 0.1), False, "Timed out waiting"),
+    "gloo's timeout, reduce-scatter": (_Work(RuntimeError(GLOO_TIMEOUT), 0.1), True, "Timed"),
+    "a peer gone": (_Work(RuntimeError("Connection reset by peer"), 0), False, "Connection"),
+}
+
+
+@pytest.mark.parametrize("wait", WAITS)
+def test_whichever_wait_notices_first_the_first_error_line_names_the_collective(one_rank, wait):
+    work, ignores_timeout, backend = WAITS[wait]
+    timeout = datetime.timedelta(seconds=0.2)
+    pending = Pending(work, "all-gather", "outer", timeout, one_rank, ignores_timeout)
+    with pytest.raises(CollectiveError) as caught:
+        pending.wait()
+    err = caught.value
+    printed = "".join(traceback.format_exception(err))
+    name, message = first_error_line(printed)
+    assert name.endswith("CollectiveError") and "The above exception" not in printed, printed
+    assert re.match(
+        r"flexshard: all-gather of bucket 'outer' (did not complete within the timeout "
+        r"\(0.2 s\)|failed 0.\d s after launch \(timeout 0.2 s\)) on rank 0 \(group ranks \[0\]\)",
+        message,
+    ), message
+    if backend is None:  # flexshard's own timeout: no backend words, nothing kept
+        assert "[backend:" not in message and err.backend_error is None
+    else:
+        assert backend in message.partition(" [backend: ")[2], message
+        assert err.backend_error is work.raises
+    with pytest.raises(CollectiveError) as again:  # sticky, and still not chained
+        pending.wait()
+    assert again.value is err and "The above" not in "".join(traceback.format_exception(err))
+
+
+def test_a_backend_failure_of_torchs_own_collective_is_named_first(one_rank):
+    def error(err: BaseException, cause: str) -> CollectiveError:
+        return CollectiveError(f"flexshard: TP redistribution [backend: {cause}]", bucket="b",
+                               collective="c", rank=0)  # fmt: skip
+
+    gloo = RuntimeError(GLOO_TIMEOUT + "\nException raised from recv at ...")
+    with pytest.raises(CollectiveError) as caught, backend_failures_raise(error):
+        raise gloo
+    printed = "".join(traceback.format_exception(caught.value))
+    assert first_error_line(printed) == (
+        "flexshard.runtime.collectives.CollectiveError",
+        f"flexshard: TP redistribution [backend: {GLOO_TIMEOUT}]",
+    )
+    assert "The above exception" not in printed and caught.value.backend_error is gloo
 
 
 # ----------------------------------------------------------- finite-gradient check

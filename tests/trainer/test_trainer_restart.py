@@ -3,21 +3,27 @@
 shares the agent's store across attempts: pytorch/pytorch#135712), the job resumes
 from the newest complete checkpoint and every loss after it equals the uninterrupted
 run's bit for bit. On one node (``--standalone``) and on two "nodes" of one machine
-(two torchruns, c10d rendezvous)."""
+(two torchruns, c10d rendezvous). And what a worker SIGSTOPped mid-run leaves the
+other to say first."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from flexshard.trainer.metrics import read_metrics
+
+from ..runtime.test_faults import first_error_line
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULT_SCRIPT = str(ROOT / "tests" / "torchrun_fault.py")
@@ -132,3 +138,48 @@ def test_standalone_restart_after_a_hang_is_bit_for_bit(tmp_path, reference):
     [(code, output)] = _run_all([_launch(launcher, job, env)])
     assert code == 0, output[-4000:]
     _check_resumed(tmp_path / "out", output, Path(env["FAULT_MARKER"]), reference)
+
+
+def _until_workers_stopped(proc: subprocess.Popen, marker: Path) -> str:
+    """torchrun's output up to its stopping the workers after the first failure; then
+    torchrun and the stopped worker (``marker`` names it) are killed: torchrun would
+    wait 30 s for that worker to take SIGTERM, and its workers have their own session."""
+    timer = threading.Timer(TIMEOUT_S, os.killpg, (proc.pid, signal.SIGKILL))
+    timer.start()
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "closing signal" in line and first_error_line("".join(lines), "[rank0]: "):
+                break
+    finally:
+        timer.cancel()
+        stopped = re.search(r"pid (\d+)", marker.read_text()) if marker.exists() else None
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(stopped.group(1)), signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return "".join(lines)
+
+
+def test_a_sigstopped_worker_makes_the_other_name_the_collective_first(tmp_path):
+    """Rank 1 SIGSTOPped before step 8: rank 0's first error line names the all-gather,
+    its bucket, the group's ranks and the timeout, whether flexshard's bounded wait or
+    gloo's own timeout (the group's, the same ``timeout_s``) noticed first."""
+    env = _fault_env(tmp_path, "stop")
+    launcher = ["--standalone", "--nproc-per-node", "2"]
+    job = _job_args(tmp_path / "out", "--parallelism.timeout_s", "4")
+    output = _until_workers_stopped(_launch(launcher, job, env), Path(env["FAULT_MARKER"]))
+    assert Path(env["FAULT_MARKER"]).exists(), output[-3000:]
+    first = first_error_line(output, "[rank0]: ")
+    assert first is not None, output[-3000:]
+    name, message = first
+    assert name.endswith("CollectiveError"), output[-3000:]
+    assert re.match(
+        r"flexshard: all-gather of bucket 'outer' (did not complete within the timeout "
+        r"\(4 s\)|failed [\d.]+ s after launch \(timeout 4 s\)) on rank 0 "
+        r"\(group ranks \[0, 1\]\)",
+        message,
+    ), message
