@@ -108,6 +108,9 @@ class Bucket:
         )
         self.grads = GradAccumulator(len(params))
         self.gathered_once = False  # unshard() ran: FSDP2's reduce_scatter_unused_params
+        # parameter index -> the index whose local parameter its modules were given
+        # since sharding (a tie made again after sharding): it gathers that one's values
+        self.ties: dict[int, int] = {}
         if first.device.type != "meta":
             self.store.load(initial)
         self._build_params()
@@ -195,13 +198,22 @@ class Bucket:
             torch.empty(p.shape, dtype=d, device=device)
             for p, d in zip(self.layout.params, self.dtypes)
         ]
+        self._follow_ties()
         gathered = self.collective.gather_storage(self.comm)
         unpack(self.store.storage_layout, gathered, self.store.as_units(fulls))
         return fulls
 
     def local_tensor(self, index: int) -> torch.Tensor:
         """This rank's part of parameter ``index``: a view of the storage."""
+        self._follow_ties()
         return self.store.view(index)
+
+    def _follow_ties(self) -> None:
+        """A parameter tied since sharding takes the values of the one it is tied to
+        (the optimizer steps that one): before they are gathered or read."""
+        with torch.no_grad():
+            for index, source in self.ties.items():
+                self.store.view(index).copy_(self.store.view(source))
 
     def local_grad(self, index: int) -> torch.Tensor | None:
         """The local tensor of the sharded parameter's gradient, if it has one."""
@@ -237,6 +249,8 @@ class Bucket:
         ]
         for i, local in enumerate(self.local_params):
             _mark(local, self, i)
+        for index, source in self.ties.items():
+            self.local_params[index] = self.local_params[source]
         self._build_full_params()
         self._set_on_modules(self.local_params)
 
@@ -258,7 +272,29 @@ class Bucket:
     def adopt(self, assigned: dict[int, nn.Parameter]) -> None:
         """Make the parameters ``load_state_dict(assign=True)`` put on the modules (by
         index) the sharded ones: their values go into the storage and their local
-        tensors become views of it again, as FSDP2 re-adopts assigned parameters."""
+        tensors become views of it again, as FSDP2 re-adopts assigned parameters.
+
+        A module given another of this bucket's sharded parameters (weights tied again
+        after sharding, as torchtitan ties its embedding to its head after
+        ``to_empty``) keeps it: its parameter gathers that one's values and adds its
+        gradient to that one's, as FSDP2's parameter whose module holds another's."""
+        for i, param in list(assigned.items()):
+            slot = slot_of(param)
+            if slot is None:
+                continue
+            if slot[0] is not self:
+                raise ValueError(
+                    f"bucket '{self.name}': parameter '{self.params[i].fqn}' was tied after "
+                    f"sharding to '{slot[0].params[slot[1]].fqn}' of bucket '{slot[0].name}': "
+                    "tie them before sharding, or shard both modules in one fully_shard call"
+                )
+            if slot[1] != i:
+                self.ties[i] = slot[1]
+                self.local_params[i] = param
+                del assigned[i]
+        if not assigned:
+            self._set_on_modules(self.local_params)
+            return
         locals_ = {i: local_of(param) for i, param in assigned.items()}
         if self.storage.is_meta and any(not t.is_meta for t in locals_.values()):
             device = next(t.device for t in locals_.values() if not t.is_meta)
@@ -309,6 +345,7 @@ class Bucket:
         if self.unsharded:
             return
         if self.full.pending is None:
+            self._follow_ties()
             self._launch_gather(async_op and overlap)
         if not async_op:
             self._finish_gather()
@@ -385,6 +422,12 @@ class Bucket:
     # ---------------------------------------------------------------- gradients
     def _take_grads(self) -> list[torch.Tensor | None]:
         return self.grads.take(self.full_params, [p.tp_spec for p in self.params])
+
+    def holds_grads(self) -> bool:
+        """A gradient waits to be reduced: on a full parameter, or held back by no-sync."""
+        return any(p.grad is not None for p in self.full_params) or any(
+            held is not None for held in self.grads.held
+        )
 
     def hold_grads(self) -> None:
         """Gradient sync is off: keep the unsharded gradients, in ``reduce_dtype``."""

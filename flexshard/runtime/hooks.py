@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -16,6 +17,7 @@ from ..torch_internals import dynamo_disable, queue_backward_callback, tree_flat
 from .bucket import Bucket
 from .forward_casts import cast_floating
 from .grad_check import check_finite_grads
+from .schedule import ForwardCall
 from .traffic import attach_traffic
 from .unused_grads import AGREEMENT, UnusedGradAgreement
 
@@ -53,6 +55,9 @@ class StepState:
         self.buckets = buckets
         self.forward_order: list[Bucket] = []
         self.order_known = False
+        # the root's forward is running: a bucket's call then follows the recorded
+        # order (a chunked loss calls the head again after it, out of that order)
+        self.in_root_forward = False
         self._launch_queue: list[Bucket] = []
         self._launched = 0
         self._in_flight: deque[Bucket] = deque()
@@ -73,13 +78,22 @@ class StepState:
             bucket.step.state = self
 
     # ---------------------------------------------------------------- forward
-    def before_forward(self, bucket: Bucket) -> None:
+    def begin_root_forward(self) -> None:
+        """A new step: backward calls the last one still owed (an output no loss used)
+        are forgotten; a graph kept across this only loses early launches."""
+        if not self.in_root_forward:
+            for bucket in self.buckets:
+                bucket.step.reset()
+        self.in_root_forward = True
+
+    def before_forward(self, bucket: Bucket, in_order: bool) -> None:
         if self.pending_finalization is not None:
             raise RuntimeError("The previous gradient reduction must be waited on before forward")
         if not self.order_known and bucket not in self.forward_order:
             self.forward_order.append(bucket)
         bucket.unshard()
-        self._prefetch(bucket, +1)
+        if in_order:
+            self._prefetch(bucket, +1)
 
     def _prefetch(self, bucket: Bucket, step: int) -> None:
         """Start gathering the bucket that runs next, so it lands while this one computes
@@ -128,12 +142,17 @@ class StepState:
         rest = [b for b in self.buckets if b not in self.forward_order]
         return list(reversed(self.forward_order)) + rest
 
-    def before_backward(self, bucket: Bucket) -> None:
+    def before_backward(self, bucket: Bucket, call: ForwardCall) -> None:
+        """The backward of one forward call of the bucket's modules begins."""
         self._backward_begins()
+        call.began = bucket.step.reached = True
         with self._abort_step_on_error():
             if bucket.schedule.unshard_in_backward:
                 bucket.unshard()
-            self._prefetch(bucket, -1)
+            # the recorded order says which bucket's backward comes next only for a
+            # call made inside the root's forward (not a chunked loss's head call)
+            if call.in_order or bucket.schedule.backward_prefetch is not None:
+                self._prefetch(bucket, -1)
 
     @contextlib.contextmanager
     def _abort_step_on_error(self) -> Iterator[None]:
@@ -232,23 +251,45 @@ class StepState:
         self._finish_backward()
 
     def _finish_backward(self) -> None:
+        owed: list[Bucket] = []  # left for a later backward call of this step
         try:
             # buckets whose modules never reported a backward (their inputs need no
-            # gradient, like the root's token ids) reduce now, still in queue order
+            # gradient, like the root's token ids) reduce now, still in queue order;
+            # those this backward never reached and that hold no gradient wait
             for bucket in self._launch_queue[self._launched :]:
-                self._launch(bucket)
+                if self._reduces_now(bucket):
+                    self._launch(bucket)
+                elif bucket.step.owes_backward:
+                    owed.append(bucket)
             while self._in_flight:
                 self._in_flight.popleft().finish_reduce()
             self.agree_on_unused(self.buckets)  # no gradient where none was
             for bucket in self.buckets:
                 bucket.join_reductions()  # CUDA: compute waits on the gradient copies
             for bucket in self.buckets:
-                if bucket.schedule.reshard_after_backward:
+                if bucket.schedule.reshard_after_backward and bucket not in owed:
                     bucket.reshard()
             if any(bucket.grads.check_finite for bucket in self.buckets):
                 check_finite_grads(self.buckets)  # every rank raises alike, or none
         finally:
-            self._reset_step()
+            self._reset_step(owed)
+
+    @staticmethod
+    def _reduces_now(bucket: Bucket) -> bool:
+        """Whether the end of this backward call reduces ``bucket``: its backward ran in
+        it; or none of its forward calls' backward is still to come and it holds
+        gradients (fresh, or held by no-sync calls) or reduces even without any
+        (``set_reduce_scatter_unused_params``). Otherwise the backward call that reaches
+        it reduces it, as FSDP2 reduces a group only where its backward runs or, at a
+        root's backward end, where it holds gradients. Every rank decides alike: a
+        bucket's backward runs on every rank or on none (a resharded bucket's
+        re-gather in backward needs that already)."""
+        step = bucket.step
+        if step.reached:
+            return True
+        if step.owes_backward:
+            return False
+        return bucket.holds_grads() or bucket.reduction.reduce_unused
 
     def reduce_held(self, buckets: list[Bucket]) -> None:
         """Reduce ``buckets``' gradients now, in this order, as the end of a backward
@@ -257,17 +298,22 @@ class StepState:
         self._launch_queue, self._launched = list(buckets), 0
         self._finish_backward()
 
-    def _end_pass(self) -> None:
-        """Forget one backward pass: its hook counts and prefetches."""
+    def _end_pass(self, owed: list[Bucket] | None = None) -> None:
+        """Forget one backward pass: its hook counts and prefetches. ``owed``: buckets
+        whose backward is still to come in a later pass keep their forward calls'
+        counts; with none owed, the step's counts start afresh."""
         for bucket in self.buckets:
-            bucket.step.reset()
+            if not owed:
+                bucket.step.reset()
+            elif bucket not in owed:
+                bucket.step.reset_pass()
         self._gathers.clear()
         self._launched = len(self._launch_queue)
         self.in_backward = False
 
-    def _reset_step(self) -> None:
+    def _reset_step(self, owed: list[Bucket] | None = None) -> None:
         """Forget the backward iteration: its passes and what they left to reduce."""
-        self._end_pass()
+        self._end_pass(owed)
         self._in_flight.clear()
         self._unreduced.clear()
         self.manual_active = None
@@ -340,18 +386,23 @@ def install_root_hooks(module: nn.Module) -> None:
             for fqn, m in mod.named_modules():
                 for bucket in getattr(m, "_flexshard_buckets", ()):
                     bucket.rename(fqn or "root")  # fully_shard buckets are named by module
-                    bucket.adopt_replaced()  # parameters assigned since sharding
-                    buckets.append(bucket)
+                    if bucket not in buckets:  # a grouped fully_shard: one bucket, several modules
+                        bucket.adopt_replaced()  # parameters assigned since sharding
+                        buckets.append(bucket)
             state = StepState(mod, buckets)
             for m in mod.modules():
                 if hasattr(m, "_flexshard_buckets"):
                     m._flexshard_state = state
+        state = mod._flexshard_state
+        if state.root is mod and not state.in_backward:
+            state.begin_root_forward()
 
     @eager
     def post_forward(mod: nn.Module, args: tuple, output: Any) -> None:
         state = mod._flexshard_state
         if state.root is mod:  # the first full forward fixes the prefetch order
             state.order_known = bool(state.forward_order)
+            state.in_root_forward = False
 
     module.register_forward_pre_hook(pre_forward)
     module.register_forward_hook(post_forward)
@@ -372,6 +423,7 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
     finish its forward reshards, and the bucket's gradients are complete once every
     one of them finished its backward."""
     policy = bucket.mp_policy
+    open_calls: list[ForwardCall | None] = []  # forward calls between pre and post hooks
 
     @eager
     def pre_forward(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -381,27 +433,30 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
         if state.in_backward:  # activation checkpointing recomputes inside backward
             bucket.unshard()
             return args, kwargs
-        state.before_forward(bucket)
+        in_order = state.in_root_forward
+        state.before_forward(bucket, in_order)
+        call = None
         if torch.is_grad_enabled():
-            bucket.step.forwards_started += 1
-            wrapped = _wrap_inputs(args, kwargs, post_backward)
+            call = ForwardCall(in_order)
+            wrapped = _wrap_inputs(args, kwargs, functools.partial(post_backward, call))
             if wrapped is not None:
-                bucket.step.forwards_wrapped += 1
                 args, kwargs = wrapped
+            else:  # inputs needing no gradient never report: the end of backward decides
+                call.reported = None
+        open_calls.append(call)
         return args, kwargs
 
     @eager  # compiled autograd traces backward hooks: keep these out too, as FSDP2 does
-    def post_backward() -> None:
-        # complete once every forward call of this step has run its backward; a call
-        # whose inputs need no gradient never reports, so the end of backward decides
+    def post_backward(call: ForwardCall) -> None:
+        # complete once every forward call owed has run its backward
         step = bucket.step
-        step.backwards_done += 1
-        if step.backwards_done == step.forwards_wrapped == step.forwards_started:
+        call.began = call.reported = step.reached = True
+        if any(c is call for c in step.calls) and step.complete:
             step.state.after_backward(bucket)
 
     @eager
-    def before_backward(_grads: Any) -> None:
-        bucket.step.state.before_backward(bucket)
+    def before_backward(call: ForwardCall, _grads: Any) -> None:
+        bucket.step.state.before_backward(bucket, call)
 
     @eager
     def post_forward(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -415,9 +470,13 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
         last = bucket.step.forwards_done % len(modules) == 0
         if reshard and last:  # a no_grad forward too: FSDP2 keeps what the option says
             bucket.reshard()
+        call = open_calls.pop() if open_calls else None
         tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        if call is not None and (tensors or call.reported is False):
+            bucket.step.add(call)
         if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, before_backward, mode="any")
+            hook = functools.partial(before_backward, call or ForwardCall(False))
+            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         return cast_floating(output, policy.output_dtype)
 
     for module in modules:

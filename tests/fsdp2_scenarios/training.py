@@ -285,14 +285,7 @@ def check(selection: str, module: str, name: str) -> None:
 
 # Known differences, kept so the suite stays green while they are tracked (strict
 # xfail: fixing flexshard turns them into failures that ask for the mark's removal).
-XFAIL: dict[str, str] = {
-    "chunked_grad_accum[raf=True,grouped=True]": (
-        "rounding (7.6e-6 on body.weight): flexshard's grouped [norm, head] run equals "
-        "its and torch's ungrouped runs; torch's grouped run alone differs (and equals a "
-        "plain reference), so accumulation order differs on torch's partial-group path"
-    ),
-    "chunked_grad_accum[raf=False,grouped=True]": "rounding, as raf=True above",
-}
+XFAIL: dict[str, str] = {}
 # Scenarios this torch release's FSDP2 cannot be the reference for: a method it lacks, or
 # a bug of that release (it raises or hangs where later releases and flexshard train). On
 # such a release the comparison is skipped, naming why; later releases still run it.

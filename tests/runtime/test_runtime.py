@@ -257,3 +257,68 @@ def test_reduce_scatter_max_input_buffers_bounds_reductions_in_flight():
     for most, errors in run_distributed(_reductions_in_flight, 2):
         assert most == {None: 1, 2: 2}
         assert errors == ["TypeError", "ValueError", "TypeError"]  # as FSDP2 raises
+
+
+class _TiedLM(torch.nn.Module):
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(29, 17)
+        self.norm = torch.nn.RMSNorm(17)
+        self.head = torch.nn.Linear(17, 29, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(tokens)))
+
+
+def _tied_after_sharding(rank, world_size):
+    """The embedding given the head's sharded parameter after sharding (torchtitan's
+    Trainer shards the two apart, then ties them after ``to_empty``) trains as the
+    model tied before sharding does: the embedding gathers the head's values every
+    step (the optimizer steps that one parameter) and both gradients reach it."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    runs = {}
+    for when in ("before", "after"):
+        with torch.device("meta"):
+            model = _TiedLM(tie=when == "before")
+        fs.fully_shard([model.embed, model.norm, model.head], mesh=mesh)
+        fs.fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        if when == "after":
+            model.embed.weight = model.head.weight
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(fs.distribute_tensor(torch.randn(p.shape), p.device_mesh, p.placements))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(rank)
+        losses, seen = [], []
+        for _ in range(3):
+            tokens = torch.randint(0, 29, (2, 8), generator=gen)
+            seen.append([])
+            embed = model.embed
+
+            def same_values(head, _args, embed=embed, seen=seen):
+                seen[-1].append(torch.equal(head.weight, embed.weight))
+
+            hook = model.head.register_forward_pre_hook(same_values)
+            logits = model(tokens)
+            hook.remove()
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        names = [n for n, _ in model.named_parameters()]
+        runs[when] = (losses, seen, names, model.head.weight.full_tensor())
+    return runs
+
+
+def test_weights_tied_after_sharding():
+    for runs in run_distributed(_tied_after_sharding, 3):
+        losses, seen, names, head = runs["after"]
+        assert seen == [[True]] * 3  # the head's and the embedding's values agree
+        assert names == runs["before"][2]
+        assert losses == pytest.approx(runs["before"][0], rel=1e-6)
+        torch.testing.assert_close(head, runs["before"][3], rtol=1e-6, atol=1e-6)
