@@ -27,8 +27,7 @@ from .bucket_plans import (
     _plan,
     _resolve_placement,
 )
-from .dp_mesh_dims import check_spmd_params, dp_mesh
-from .placements import Shard
+from .dp_mesh_dims import check_spmd_param, dp_mesh, result_spmd_dims
 from .replaced import mark_replaced
 from .runtime.bucket import Bucket
 from .runtime.collectives import DEFAULT_TIMEOUT, check_timeout
@@ -36,8 +35,9 @@ from .runtime.forward_casts import install_forward_casts
 from .runtime.groups import MeshGroups, resolve_mesh
 from .runtime.hooks import StepState, install_bucket_hooks, install_root_hooks
 from .runtime.module import FlexShardModule, make_flexshard_class
+from .runtime.tp_params import SpmdDims
 from .state_dict_hooks import install_state_dict_hooks
-from .torch_internals import DataParallelMeshDims
+from .torch_internals import DataParallelMeshDims, PlacementMesh, placement_mesh
 from .validation import check_module, check_options
 
 __all__ = ["BucketSpec", "flex_shard", "fully_shard"]
@@ -70,9 +70,7 @@ def flex_shard(
     check_options("flex_shard", mp_policy, reshard_after_forward, allow_none_policy=True)
     check_timeout(timeout)
     groups = resolve_mesh(mesh)
-    plan = functools.partial(
-        _plan_flex, module, buckets, groups.shard_size, mp_policy, reshard_after_forward
-    )
+    plan = functools.partial(_plan_flex, module, buckets, groups, mp_policy, reshard_after_forward)
     built = _build_marked(module, plan, groups, timeout, "flex_shard")
     make_flexshard_class(module)
     install_state_dict_hooks(module)
@@ -87,7 +85,7 @@ def flex_shard(
 def _plan_flex(
     module: nn.Module,
     buckets: Sequence[BucketSpec],
-    world_size: int,
+    call_groups: MeshGroups,
     mp_policy: MixedPrecisionPolicy | None,
     reshard_after_forward: bool | None,
 ) -> list[_Plan]:
@@ -132,6 +130,9 @@ def _plan_flex(
         placements = [
             _resolve_placement(spec.placement, fqns[0], p, names[b]) for p, fqns in members
         ]
+        # a bucket on its own mesh (the ranks agree on the plan over flex_shard's mesh)
+        groups = resolve_mesh(spec.mesh) if spec.mesh is not None else call_groups
+        world_size = groups.shard_size
         # successive buckets start LPT ties on successive ranks, spreading Owned params
         policy = spec.mp_policy or mp_policy or MixedPrecisionPolicy()
         layout = _plan(
@@ -151,6 +152,7 @@ def _plan_flex(
                 if spec.reshard_after_forward is not None
                 else reshard_after_forward,
                 spec.quant,
+                groups if spec.mesh is not None else None,
             )
         )
     return plans
@@ -202,8 +204,11 @@ def fully_shard(
 ) -> FlexShardModule:
     """torch FSDP2's ``fully_shard``: one bucket of the parameters of ``module`` (or of
     a list of modules, gathered together by whichever runs first) that no earlier call
-    took. ``shard_placement_fn`` may return torch's ``Shard(dim)`` or any flexshard
-    placement. ``dp_mesh_dims``: ``mesh`` is the full SPMD mesh (see ``dp_mesh_dims.py``)."""
+    took. ``shard_placement_fn`` may return torch's ``Shard(dim)``, any flexshard
+    placement, or FSDP2's ``ShardPlacementResult`` (a mesh per parameter: one bucket per
+    mesh, as FSDP2's parameter groups; a mesh info from ``dp_mesh_dims`` shards over that
+    full SPMD mesh's dp dims). ``dp_mesh_dims``: ``mesh`` is the full SPMD mesh (see
+    ``dp_mesh_dims.py``)."""
     if isinstance(module, nn.ModuleDict):  # a container without forward: its modules
         module = list(module.values())
     modules = list(module) if isinstance(module, (list, tuple, nn.ModuleList)) else [module]
@@ -218,9 +223,9 @@ def fully_shard(
         )
     check_timeout(timeout)
     ignored = {id(p) for p in ignored_params or ()}
+    spmd = None
     if dp_mesh_dims is not None:  # shard over the dp dims of the full SPMD mesh
         mesh, spmd = dp_mesh(mesh, dp_mesh_dims, reshard_after_forward)
-        check_spmd_params(modules, ignored, spmd)
     groups = resolve_mesh(mesh)
     _offload_option(offload_policy, groups.device)
     reshard = _reshard_option(reshard_after_forward, groups.shard_size)
@@ -242,15 +247,31 @@ def fully_shard(
             return []
         name = type(modules[0]).__name__
         members = [(param_of[pid], fqns) for pid, fqns in locations.items()]
-        placement = (lambda f, p: shard_placement_fn(p)) if shard_placement_fn else Shard(0)
-        placements = [_resolve_placement(placement, fqns[0], p, name) for p, fqns in members]
-        # frozen parameters of other dtypes (fp8 or fp64 weights beside trainable ones,
-        # as FSDP2 takes them) travel packed as bytes, each in its own dtype; trainable
-        # ones of several dtypes are refused (by _plan), as FSDP2 refuses them
-        trained = {p.dtype for p, _ in members if p.requires_grad}
-        packed = len({p.dtype for p, _ in members}) > 1 and len(trained) <= 1
-        layout = _plan(name, members, placements, groups.shard_size, 0, mp_policy, packed)
-        return [_Plan(name, members, placements, layout, modules, mp_policy, reshard)]
+        plans = []
+        for mesh_groups, group_spmd, group, chosen in _split_by_mesh(
+            members, shard_placement_fn, groups, spmd, reshard_after_forward
+        ):
+            # FSDP2 checks each parameter against its own group's mesh info
+            for param, fqns in group if group_spmd is not None else ():
+                check_spmd_param(param, fqns[0], group_spmd)
+            placements = [
+                _resolve_placement(c, fqns[0], p, name) for (p, fqns), c in zip(group, chosen)
+            ]
+            # frozen parameters of other dtypes (fp8 or fp64 weights beside trainable ones,
+            # as FSDP2 takes them) travel packed as bytes, each in its own dtype; trainable
+            # ones of several dtypes are refused (by _plan), as FSDP2 refuses them
+            trained = {p.dtype for p, _ in group if p.requires_grad}
+            packed = len({p.dtype for p, _ in group}) > 1 and len(trained) <= 1
+            size = mesh_groups.shard_size
+            layout = _plan(name, group, placements, size, 0, mp_policy, packed)
+            own = mesh_groups if mesh_groups is not groups else None
+            group_reshard = reshard if own is None else _reshard_option(reshard_after_forward, size)
+            plans.append(
+                _Plan(
+                    name, group, placements, layout, modules, mp_policy, group_reshard, groups=own
+                )
+            )
+        return plans
 
     built = _build_marked(_root_of(modules), plan, groups, timeout, "fully_shard")
     for bucket, _ in built:  # FSDP2's collectives exactly (set_agree_on_unused_params)
@@ -267,6 +288,88 @@ def fully_shard(
         for m in modules:
             install_forward_casts(m, mp_policy)
     return module  # type: ignore[return-value]
+
+
+#: the mesh ``fully_shard`` was called with, as a group's key (FSDP2's own mesh info)
+_CALL_MESH = object()
+
+_Member = tuple[nn.Parameter, list[str]]
+
+
+def _split_by_mesh(
+    members: list[_Member],
+    shard_placement_fn: Callable[[nn.Parameter], object] | None,
+    call_groups: MeshGroups,
+    call_spmd: SpmdDims | None,
+    reshard_after_forward: object,
+) -> list[tuple[MeshGroups, SpmdDims | None, list[_Member], list[object]]]:
+    """FSDP2's grouping of one call's parameters: a ``ShardPlacementResult`` puts its
+    parameter on its mesh info's mesh, anything else on the call's mesh; one group (one
+    bucket) per distinct (shard, replicate) process-group pair, in the order of each
+    group's first parameter, with each parameter's placement as returned and the group's
+    full SPMD mesh dims (None: a plain data-parallel mesh)."""
+    found: dict[
+        tuple[object, object],
+        tuple[object, MeshGroups, SpmdDims | None, list[_Member], list[object]],
+    ] = {}
+    for param, fqns in members:
+        result = shard_placement_fn(param) if shard_placement_fn is not None else None
+        read = placement_mesh(result)
+        if read is None:
+            info, mesh_groups, spmd, placement = _CALL_MESH, call_groups, call_spmd, result
+        else:
+            mesh_groups, spmd = _mesh_groups(read, fqns[0], call_spmd, reshard_after_forward)
+            info, placement = read.info, read.placement
+        key = (mesh_groups.shard, mesh_groups.replicate)
+        entry = found.setdefault(key, (info, mesh_groups, spmd, [], []))
+        if entry[0] is not info:  # FSDP2's rule: one mesh info object per process group
+            seen = "the mesh passed to fully_shard" if entry[0] is _CALL_MESH else entry[0]
+            mine = "the mesh passed to fully_shard" if info is _CALL_MESH else info
+            raise ValueError(
+                "Params sharing the same process group must use the same FSDPMeshInfo "
+                f"object, but got different objects: {seen} vs {mine} (parameter '{fqns[0]}')"
+            )
+        entry[3].append((param, fqns))
+        entry[4].append(placement)
+    return [(g, spmd, group, chosen) for _, g, spmd, group, chosen in found.values()]
+
+
+def _mesh_groups(
+    read: PlacementMesh, fqn: str, call_spmd: SpmdDims | None, reshard_after_forward: object
+) -> tuple[MeshGroups, SpmdDims | None]:
+    """The process groups of a ``ShardPlacementResult``'s mesh info, as FSDP2 shards over
+    them: FSDPMeshInfo shards over its 1-D mesh, HSDPMeshInfo over dim 1 of its 2-D mesh
+    and replicates over dim 0. A mesh info from ``dp_mesh_dims`` (torch's
+    ``_get_mesh_info(mesh, dims)``) holds that dp sub-mesh and the full SPMD mesh its
+    parameters are DTensors on: returned with the SPMD mesh's dp dims, so they are
+    sharded and placed as ``fully_shard(dp_mesh_dims=...)`` does. Anything else raises,
+    naming the parameter, before any collective (NotImplementedError is not one the
+    ranks agree on: every rank raises it)."""
+    where = f"fully_shard: parameter '{fqn}': shard_placement_fn returned a ShardPlacementResult"
+    if not read.known:
+        raise NotImplementedError(
+            f"{where} with a {read.kind}, which flexshard cannot map; it takes FSDPMeshInfo "
+            "(a 1-D shard mesh) and HSDPMeshInfo (a 2-D (replicate, shard) mesh)"
+        )
+    dims = (read.mesh.ndim, read.replicate_dim if read.hsdp else None, read.shard_dim)
+    if dims != ((2, 0, 1) if read.hsdp else (1, None, 0)):
+        raise NotImplementedError(
+            f"{where} with a {read.kind} on a {read.mesh.ndim}-D mesh, shard_mesh_dim="
+            f"{read.shard_dim}, replicate_mesh_dim={read.replicate_dim}; flexshard takes "
+            "FSDPMeshInfo(1-D mesh, shard_mesh_dim=0) and HSDPMeshInfo(2-D mesh, "
+            "shard_mesh_dim=1, replicate_mesh_dim=0), as FSDP2's own mesh infos are"
+        )
+    if read.spmd:
+        spmd = result_spmd_dims(read.spmd_mesh, read.dp_mesh_dims, reshard_after_forward, fqn)
+        return resolve_mesh(read.mesh), spmd
+    if call_spmd is not None:
+        # FSDP2 would take the parameter (a DTensor on the call's SPMD mesh) as tensor
+        # parallel over a second copy of that mesh: nothing flexshard can mirror
+        raise NotImplementedError(
+            f"{where} without dp_mesh_dims in a call with dp_mesh_dims (a full SPMD mesh); "
+            "build its mesh info from dp_mesh_dims too (torch's _get_mesh_info(mesh, dims))"
+        )
+    return resolve_mesh(read.mesh), None
 
 
 def _build_marked(

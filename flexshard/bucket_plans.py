@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .placements import BlockShard, Placement, Shard
@@ -43,9 +44,17 @@ class BucketSpec:
     #: all-gather block-quantized (FP8Blockwise or MXFP8): BlockShard tiles that are
     #: multiples of the format's block, each rank quantizing its own tiles
     quant: QuantFormat | None = None
+    #: the bucket's own mesh, 1-D (shard) or 2-D (replicate, shard); None: flex_shard's.
+    #: FSDP2 says the same with a shard_placement_fn's ShardPlacementResult
+    mesh: DeviceMesh | None = None
 
     def __post_init__(self) -> None:
         check_bucket_spec(self)
+        if self.mesh is not None and not isinstance(self.mesh, DeviceMesh):
+            raise TypeError(
+                f"BucketSpec({self.patterns!r}): mesh must be a DeviceMesh or None, "
+                f"got {self.mesh!r}"
+            )
 
     @property
     def pattern_list(self) -> list[str]:
@@ -137,6 +146,8 @@ class _Plan:
     mp_policy: MixedPrecisionPolicy
     reshard_after_forward: bool | None
     quant: QuantFormat | None = None
+    #: the bucket's own process groups and mesh (None: those of the call)
+    groups: MeshGroups | None = None
 
 
 def _check_quant(
@@ -215,7 +226,9 @@ def _agree_and_build(
         plans, error = [], err
     check_same_plan(groups, [(p.name, p.members, p.placements) for p in plans], error, timeout)
     built = []
+    call_groups = groups
     for plan in plans:
+        groups = plan.groups or call_groups
         params = [
             BucketParam(
                 fqns[0],

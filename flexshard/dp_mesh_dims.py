@@ -3,7 +3,9 @@
 the named data-parallel dims. flexshard shards over the dp dims (one shard dim, HSDP's
 replicate dim beside it) and keeps every other dim's placement, as its tensor-parallel
 support does; the sharded parameters are DTensors on the same mesh, placed as FSDP2
-places them."""
+places them. A ``shard_placement_fn``'s ``ShardPlacementResult`` whose mesh info came
+from ``dp_mesh_dims`` (torch's ``_get_mesh_info(mesh, dims)``: torchtitan's routed
+experts on their own SPMD mesh) is taken the same way, over that mesh's dp dims."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .bucket_plans import _parameter_locations
 from .runtime.tp_params import SpmdDims, register_spmd_mesh
 from .torch_internals import DataParallelMeshDims, concatenate_meshes
 
@@ -58,30 +59,43 @@ def dp_mesh(
     return concatenate_meshes([mesh[replicate], mesh[shard]]), spmd
 
 
-def check_spmd_params(modules: list[nn.Module], ignored: set[int], spmd: SpmdDims) -> None:
-    """Every parameter the call takes is a DTensor on the SPMD mesh itself, Replicate
-    on the dp dims (FSDP2's requirement); raise naming the first that is not."""
+def check_spmd_param(param: nn.Parameter, fqn: str, spmd: SpmdDims) -> None:
+    """A parameter sharded over the dp dims of ``spmd``'s mesh is a DTensor on that mesh,
+    Replicate on the dp dims (FSDP2's requirement, its messages); raise naming it."""
+    if not isinstance(param, DTensor):
+        raise ValueError(
+            "When dp_mesh_dims is provided, all parameters must be DTensors on the "
+            f"full SPMD mesh (e.g. via distribute_module). Got plain tensor for "
+            f"parameter '{fqn}'."
+        )
+    if param.device_mesh != spmd.mesh:
+        raise ValueError(
+            f"{WHO}: parameter '{fqn}' is a DTensor on {param.device_mesh}, not on its "
+            f"full SPMD mesh ({spmd.mesh})"
+        )
     names = spmd.mesh.mesh_dim_names or ()
-    for module in modules:
-        params = {id(p): p for p in module.parameters()}
-        for pid, fqns in _parameter_locations(module).items():
-            param = params[pid]
-            if pid in ignored:
-                continue
-            if not isinstance(param, DTensor):
-                raise ValueError(
-                    "When dp_mesh_dims is provided, all parameters must be DTensors on the "
-                    f"full SPMD mesh (e.g. via distribute_module). Got plain tensor for "
-                    f"parameter '{fqns[0]}'."
-                )
-            if param.device_mesh != spmd.mesh:
-                raise ValueError(
-                    f"{WHO}: parameter '{fqns[0]}' is a DTensor on {param.device_mesh}, not "
-                    f"on the mesh passed to fully_shard ({spmd.mesh})"
-                )
-            for i in sorted(spmd.dp):
-                if not param.placements[i].is_replicate():
-                    raise ValueError(
-                        f"{WHO}: parameter '{fqns[0]}' has {param.placements[i]} on dp dim "
-                        f"'{names[i]}' (index {i}); expected Replicate()"
-                    )
+    for i in sorted(spmd.dp):
+        if not param.placements[i].is_replicate():
+            raise ValueError(
+                f"{WHO}: parameter '{fqn}' has {param.placements[i]} on dp dim "
+                f"'{names[i]}' (index {i}); expected Replicate()"
+            )
+
+
+def result_spmd_dims(
+    spmd_mesh: DeviceMesh | None,
+    dims: DataParallelMeshDims | None,
+    reshard_after_forward: object,
+    fqn: str,
+) -> SpmdDims:
+    """The dp dims of a ``ShardPlacementResult``'s mesh info built from ``dp_mesh_dims``
+    (torch's ``_get_mesh_info(mesh, dims)``, as torchtitan builds its experts' one):
+    the same checks and registration as ``fully_shard(dp_mesh_dims=...)``, the refusal
+    naming the parameter."""
+    try:
+        return dp_mesh(spmd_mesh, dims, reshard_after_forward)[1]
+    except NotImplementedError as err:
+        raise NotImplementedError(
+            f"fully_shard: parameter '{fqn}': shard_placement_fn returned a "
+            f"ShardPlacementResult whose mesh info came from dp_mesh_dims: {err}"
+        ) from None

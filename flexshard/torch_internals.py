@@ -60,13 +60,17 @@ __all__ = [
     "TORCH_RANGE",
     "DTensorSpec",
     "DataParallelMeshDims",
+    "FSDPMeshInfo",
     "FakeStore",
     "FakeTensorMode",
     "GradientReductionHandle",
+    "HSDPMeshInfo",
     "MemRefType",
     "MemTracker",
     "ModState",
     "NormPartial",
+    "PlacementMesh",
+    "ShardPlacementResult",
     "StridedShard",
     "TensorMeta",
     "TorchDispatchMode",
@@ -96,6 +100,7 @@ __all__ = [
     "in_autograd_backward",
     "local_tensor",
     "patch_full_state_dict_distribute",
+    "placement_mesh",
     "post_accumulate_grad_hooks",
     "process_groups",
     "profiler_enabled",
@@ -202,6 +207,64 @@ except ImportError:
 
         def wait(self) -> None:
             return
+
+
+# What an FSDP2 ``shard_placement_fn`` may return to put a parameter on a mesh of its
+# own, ``ShardPlacementResult(placement, mesh_info)`` (torch 2.13 on; torchtitan's expert
+# parallelism), and the mesh-info classes that say which mesh dim shards and which
+# replicates (HSDP). None before 2.13, where no shard_placement_fn can return one.
+# Public replacement: none (torchtitan imports them from the same private module).
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        HSDPMeshInfo,
+        ShardPlacementResult,
+    )
+except ImportError:
+    FSDPMeshInfo = HSDPMeshInfo = ShardPlacementResult = None  # type: ignore[assignment,misc]
+
+
+@dataclass(frozen=True)
+class PlacementMesh:
+    """A ``ShardPlacementResult`` as flexshard reads it: the placement (None: Shard(0))
+    and the mesh the parameter is sharded on; ``kind`` names the mesh-info class,
+    ``hsdp`` whether it replicates over a second dim, ``spmd`` whether it came from
+    ``dp_mesh_dims`` (then ``mesh`` is the dp sub-mesh of ``spmd_mesh``, the full SPMD
+    mesh its parameters are DTensors on, and ``dp_mesh_dims`` names the dp dims),
+    ``info`` the object itself (FSDP2 groups parameters by it)."""
+
+    placement: Any
+    mesh: DeviceMesh
+    kind: str
+    known: bool  # exactly FSDPMeshInfo or HSDPMeshInfo (a subclass may change them)
+    hsdp: bool
+    shard_dim: int | None
+    replicate_dim: int | None
+    spmd: bool
+    info: Any
+    spmd_mesh: DeviceMesh | None = None
+    dp_mesh_dims: Any = None
+
+
+def placement_mesh(result: object) -> PlacementMesh | None:
+    """``result`` of a ``shard_placement_fn`` read as a :class:`PlacementMesh` when it is
+    FSDP2's ``ShardPlacementResult``; None for anything else (a plain placement)."""
+    if ShardPlacementResult is None or not isinstance(result, ShardPlacementResult):
+        return None
+    info = result.mesh_info
+    return PlacementMesh(
+        result.placement,
+        info.mesh,
+        type(info).__name__,
+        type(info) in (FSDPMeshInfo, HSDPMeshInfo),
+        type(info) is HSDPMeshInfo,
+        getattr(info, "shard_mesh_dim", None),
+        getattr(info, "replicate_mesh_dim", None),
+        bool(getattr(info, "is_spmd_mesh", False)),
+        info,
+        getattr(info, "spmd_mesh", None),
+        getattr(info, "dp_mesh_dims", None),
+    )
 
 
 # ------------------------------------------------------------------ DTensor

@@ -87,6 +87,36 @@ def test_gradient_reduction_handle() -> None:
     assert isinstance(empty, ti.GradientReductionHandle) and empty.wait() is None
 
 
+def test_shard_placement_result_and_mesh_infos() -> None:
+    """FSDP2's per-parameter mesh result where torch has it (2.13+), None before; read as
+    flexshard's PlacementMesh: the placement, the mesh, which dims shard and replicate."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    assert ti.placement_mesh(Shard(0)) is None and ti.placement_mesh(None) is None
+    if not hasattr(_fsdp_common, "ShardPlacementResult"):
+        assert ti.ShardPlacementResult is None
+        return
+    assert ti.ShardPlacementResult is _fsdp_common.ShardPlacementResult
+    assert ti.FSDPMeshInfo is _fsdp_common.FSDPMeshInfo
+    assert ti.HSDPMeshInfo is _fsdp_common.HSDPMeshInfo
+    with fake_world(4, rank=1):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        hsdp = ti.HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+        read = ti.placement_mesh(ti.ShardPlacementResult(placement=Shard(1), mesh_info=hsdp))
+        assert read is not None and read.placement == Shard(1) and read.mesh is mesh
+        assert (read.kind, read.known, read.hsdp, read.spmd) == ("HSDPMeshInfo", True, True, False)
+        assert (read.shard_dim, read.replicate_dim) == (1, 0) and read.info is hsdp
+        ep = mesh["ep"]
+        fsdp = ti.FSDPMeshInfo(ep, shard_mesh_dim=0)
+        read = ti.placement_mesh(ti.ShardPlacementResult(placement=None, mesh_info=fsdp))
+        assert read is not None and read.placement is None and read.mesh is ep
+        assert (read.kind, read.known, read.hsdp) == ("FSDPMeshInfo", True, False)
+        assert (read.shard_dim, read.replicate_dim) == (0, None)
+        ddp = _fsdp_common.DDPMeshInfo(mesh["dp"], replicate_mesh_dim=0)
+        read = ti.placement_mesh(ti.ShardPlacementResult(placement=None, mesh_info=ddp))
+        assert read is not None and not read.known and read.kind == "DDPMeshInfo"
+
+
 # ------------------------------------------------------------------ DTensor
 def test_dtensor_spec_local_tensor_and_set_local_tensor() -> None:
     with fake_world(4, rank=1):
