@@ -1,19 +1,30 @@
-"""FSDP2 vs flexshard on a client's own model: torchtitan 0.3.0's llama3 debug model
-through torchtitan's ``parallelize_llama`` and its train step (forward, its loss,
-backward, clipping, AdamW), flexshard's ``fully_shard`` swapped in at torchtitan's
-import site; W = 1 and 2 (gloo, CPU), fp32 and bf16 mixed precision.
+"""FSDP2 vs flexshard on a client's own code: torchtitan 0.3.0, flexshard's ``fully_shard``
+swapped in at torchtitan's import site, CPU gloo. Two kinds of rows:
 
-Both libraries run in one launch per (W, precision): each rank builds both models and
-alternates them repetition by repetition (A B, B A, ...) on the same batches. Per step:
-CPU time (``time.process_time``: every thread of the rank process, gloo's included) and
-wall time; medians and IQRs over the repetitions, and the per-repetition ratio
-flexshard / FSDP2 (``stats.paired_ratios``). Peak memory: each library in a launch of
-its own (the peak RSS of a rank process, imports included alike); skipped by
-``--quick``. The CPU patches torchtitan needs are applied and listed
-(``torchtitan_cpu.apply_cpu_patches``).
+* **torchtitan's own Trainer** (``flexshard/testing/torchtitan_trainer.py``): built from
+  torchtitan's config registry (llama3, qwen3 and deepseek_v3 debug models) and run by
+  its own ``train()`` loop: ``ChunkedLossWrapper`` (8 chunks: 9 backward calls a step,
+  gradient sync off on the lm_head until its last chunk), ``default_adamw``, its LR
+  schedule, clipping, gradient accumulation, its metrics; W = 1, 2 (3), fp32 and bf16
+  mixed precision. Per step, besides the times: the collectives each library issued,
+  per kind (all-gather / reduce-scatter / all-reduce, "other" if any), in the first
+  step (lazy initialisation included) and the second; and whether the losses torchtitan
+  logged were bitwise the same.
+* **a re-implemented step** (``flexshard/testing/torchtitan_cpu.py``): the llama3 debug
+  model through torchtitan's ``parallelize_llama`` and this repository's own step (one
+  forward, torchtitan's loss, one backward, clipping, AdamW); peak memory too.
 
-    python -m benchmarks.bench_clients --quick      # W = 2, fp32 and bf16, < 3 minutes
-    python -m benchmarks.bench_clients              # W = 1 and 2, memory too
+Both libraries run in one launch per row: each rank builds both and alternates them
+repetition by repetition (A B, B A, ...) on the same batches. Per step: CPU time
+(``time.process_time``: every thread of the rank process, gloo's included) and wall
+time; medians and IQRs over the repetitions, and the per-repetition ratio flexshard /
+FSDP2 (``stats.paired_ratios``). Peak memory (re-implemented rows): each library in a
+launch of its own (the peak RSS of a rank process, imports included alike); skipped by
+``--quick``. The CPU patches torchtitan needs are applied and listed.
+
+    python -m benchmarks.bench_clients --quick      # W = 2: Trainer llama3 fp32; step fp32, bf16
+    python -m benchmarks.bench_clients              # every row, memory too
+    python -m benchmarks.bench_clients --only trainer --out /tmp/clients
 """
 
 from __future__ import annotations
@@ -30,9 +41,25 @@ import torch
 from benchmarks.output import write_results
 from flexshard.testing import run_distributed
 from flexshard.testing.stats import alternating, cell, paired_ratios, spread, summary
+from flexshard.testing.torchtitan_trainer import KINDS
 
 LIBRARIES = ("fsdp2", "flexshard")
 RESULTS = Path(__file__).parent / "results"
+#: the Trainer's rows, (W, setup); the first steps of each library are counted, not timed
+#: (the first includes lazy initialisation and is the warm-up)
+TRAINER_ROWS = {
+    "quick": ((2, {"model": "llama3"}),),
+    "full": (
+        (1, {"model": "llama3"}),
+        (2, {"model": "llama3"}),
+        (2, {"model": "llama3", "bf16": True}),
+        (2, {"model": "llama3", "accumulation": 2}),
+        (3, {"model": "llama3"}),
+        (2, {"model": "qwen3"}),
+        (2, {"model": "deepseek_v3"}),
+    ),
+}
+COUNTED_STEPS = 2
 
 
 def _timed_steps(run: Any, opt: Any, data: list, warmup: int) -> tuple[list, list]:
@@ -80,17 +107,14 @@ def _memory(rank: int, world_size: int, bf16: bool, library: str) -> float:
 def measure(world_size: int, bf16: bool, reps: int, steps: int, memory: bool) -> dict:
     ranks = run_distributed(_timing, world_size, bf16, reps, steps, timeout=1800)
     row: dict[str, Any] = {
+        "path": "re-implemented step",
         "W": world_size,
         "precision": "bf16" if bf16 else "fp32",
         "reps": reps,
         "steps": steps,
         "patches": ranks[0]["patches"],
     }
-    for kind in ("cpu", "wall"):
-        # a step is as slow as its slowest rank: the max over ranks, per repetition
-        per = {lib: [max(r[lib][kind][i] for r in ranks) for i in range(reps)] for lib in LIBRARIES}
-        row[kind] = {lib: spread(v).as_dict() for lib, v in per.items()}
-        row[f"{kind}_ratio"] = summary(paired_ratios(per["flexshard"], per["fsdp2"]), 1.0)
+    _times(row, ranks, reps)
     if memory:
         row["peak_rss_mib"] = {
             lib: max(run_distributed(_memory, world_size, bf16, lib, timeout=1800))
@@ -99,19 +123,114 @@ def measure(world_size: int, bf16: bool, reps: int, steps: int, memory: bool) ->
     return row
 
 
+def _trainer_timing(rank: int, world_size: int, setup: Any, reps: int, steps: int) -> dict:
+    """torchtitan's Trainer with each library in this rank process: the first
+    ``COUNTED_STEPS`` of each counted (collectives per step, not timed), then ``reps``
+    repetitions of ``steps`` timed steps, alternating; per repetition the median step."""
+    from flexshard.testing.torchtitan_trainer import build_trainer, measure_steps
+
+    harnesses = {lib: build_trainer(setup, lib, world_size) for lib in LIBRARIES}
+    out: dict[str, Any] = {lib: {"cpu": [], "wall": [], "losses": []} for lib in LIBRARIES}
+    try:
+        for lib, harness in harnesses.items():
+            counted = measure_steps(harness, COUNTED_STEPS, count=True)
+            out[lib]["collectives"] = [r.by_kind() for r in counted]
+            out[lib]["losses"] += [r.loss for r in counted]
+        for rep in range(reps):
+            for lib in alternating(LIBRARIES, rep):
+                timed = measure_steps(harnesses[lib], steps, count=False)
+                out[lib]["cpu"].append(spread([r.cpu for r in timed]).median)
+                out[lib]["wall"].append(spread([r.wall for r in timed]).median)
+                out[lib]["losses"] += [r.loss for r in timed]
+        out["changes"] = harnesses["fsdp2"].changes
+    finally:
+        for harness in harnesses.values():
+            harness.close()
+    return out
+
+
+def measure_trainer(world_size: int, options: dict, reps: int, steps: int) -> dict:
+    from flexshard.testing.torchtitan_trainer import Setup
+
+    setup = Setup(**options, steps=COUNTED_STEPS + reps * steps)
+    ranks = run_distributed(_trainer_timing, world_size, setup, reps, steps, timeout=3600)
+    row: dict[str, Any] = {
+        "path": "torchtitan Trainer",
+        "W": world_size,
+        "setup": setup.label(),
+        "reps": reps,
+        "steps": steps,
+        "patches": ranks[0]["changes"],
+        # SPMD: every rank issues the same collectives; rank 0's
+        "collectives": {lib: ranks[0][lib]["collectives"] for lib in LIBRARIES},
+        "losses": {lib: ranks[0][lib]["losses"] for lib in LIBRARIES},
+    }
+    row["losses_equal"] = row["losses"]["fsdp2"] == row["losses"]["flexshard"]
+    _times(row, ranks, reps)
+    return row
+
+
+def _times(row: dict, ranks: list[dict], reps: int) -> None:
+    for kind in ("cpu", "wall"):
+        # a step is as slow as its slowest rank: the max over ranks, per repetition
+        per = {lib: [max(r[lib][kind][i] for r in ranks) for i in range(reps)] for lib in LIBRARIES}
+        row[kind] = {lib: spread(v).as_dict() for lib, v in per.items()}
+        row[f"{kind}_ratio"] = summary(paired_ratios(per["flexshard"], per["fsdp2"]), 1.0)
+
+
 def _ms(entry: dict) -> str:
     scaled = {k: v * 1000 if isinstance(v, float) else v for k, v in entry.items()}
     return cell(scaled, 1)
 
 
-def markdown(command: str, rows: list[dict]) -> str:
+def _counts(per_step: list[dict]) -> str:
+    """``16/9/6; 16/9/6``: all-gathers / reduce-scatters / all-reduces per counted step
+    (``+N other`` where a step issued any other collective)."""
+    out = []
+    for counts in per_step:
+        text = "/".join(str(counts.get(k, 0)) for k in KINDS)
+        other = counts.get("other", 0)
+        out.append(text + (f" +{other} other" if other else ""))
+    return "; ".join(out)
+
+
+def _trainer_table(rows: list[dict]) -> list[str]:
     lines = [
-        "# Client benchmark: torchtitan llama3 debug model, FSDP2 vs flexshard",
+        "## torchtitan's own Trainer",
         "",
-        f"Command: `{command}`",
+        "torchtitan's `Trainer` from its config registry, run by its own `train()` loop "
+        "(ChunkedLossWrapper, default_adamw, LR schedule, clipping, accumulation); "
+        "flexshard's `fully_shard` swapped in at `torchtitan.distributed.fsdp` "
+        "(flexshard/testing/torchtitan_trainer.py). Collectives: all-gather / "
+        "reduce-scatter / all-reduce issued in step 1 (lazy initialisation included); "
+        "step 2, per rank. Losses: whether every step's logged loss was bitwise the same.",
         "",
-        "Per step, median [IQR] over repetitions (each repetition's median step, the "
-        "slowest rank); ratio = flexshard / FSDP2 per repetition, target <= 1.0.",
+        "| model, precision | W | CPU ms FSDP2 | CPU ms flexshard | CPU ratio | wall ms FSDP2 "
+        "| wall ms flexshard | wall ratio | collectives FSDP2 | collectives flexshard "
+        "| losses equal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['setup']} | {r['W']} | {_ms(r['cpu']['fsdp2'])} "
+            f"| {_ms(r['cpu']['flexshard'])} | {cell(r['cpu_ratio'])} ({r['cpu_ratio']['verdict']})"
+            f" | {_ms(r['wall']['fsdp2'])} | {_ms(r['wall']['flexshard'])} "
+            f"| {cell(r['wall_ratio'])} ({r['wall_ratio']['verdict']}) "
+            f"| {_counts(r['collectives']['fsdp2'])} | {_counts(r['collectives']['flexshard'])} "
+            f"| {'yes' if r['losses_equal'] else 'no'} |"
+        )
+    patches = sorted({p for r in rows for p in r["patches"]})
+    lines += ["", "Changes for CPU, no network (both libraries): " + "; ".join(patches) + "."]
+    return lines
+
+
+def _step_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "## A re-implemented step",
+        "",
+        "The llama3 debug model through torchtitan's `parallelize_llama`, stepped by "
+        "flexshard/testing/torchtitan_cpu.py's `train_step` (one forward, one backward; "
+        "not torchtitan's Trainer).",
         "",
         "| W | precision | CPU ms FSDP2 | CPU ms flexshard | CPU ratio | wall ms FSDP2 "
         "| wall ms flexshard | wall ratio | peak RSS MiB (FSDP2 / flexshard) |",
@@ -134,27 +253,61 @@ def markdown(command: str, rows: list[dict]) -> str:
         + "; gloo SUM instead of PREMUL_SUM(1) "
         "(set_force_sum_reduction_for_comms, both libraries).",
     ]
+    return lines
+
+
+def markdown(command: str, rows: list[dict]) -> str:
+    lines = [
+        "# Client benchmark: torchtitan debug models, FSDP2 vs flexshard",
+        "",
+        f"Command: `{command}`",
+        "",
+        "Per step, median [IQR] over repetitions (each repetition's median step, the "
+        "slowest rank); ratio = flexshard / FSDP2 per repetition, target <= 1.0.",
+    ]
+    for path, table in (
+        ("torchtitan Trainer", _trainer_table),
+        ("re-implemented step", _step_table),
+    ):
+        chosen = [r for r in rows if r["path"] == path]
+        if chosen:
+            lines += ["", *table(chosen)]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="W = 2 only, no memory launches")
+    parser.add_argument(
+        "--quick", action="store_true", help="W = 2 only, fewer rows, no memory launches"
+    )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per repetition")
+    parser.add_argument(
+        "--only",
+        choices=("trainer", "step"),
+        help="only torchtitan's Trainer, or only the re-implemented step",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go")
     args = parser.parse_args(argv)
     if args.reps < 5:
         parser.error("--reps must be >= 5 (medians and IQRs need them)")
-    sizes = (2,) if args.quick else (1, 2)
     steps = 1 if args.quick else args.steps
-    rows = [
-        measure(w, bf16, args.reps, steps, memory=not args.quick)
-        for w in sizes
-        for bf16 in (False, True)
-    ]
+    rows = []
+    if args.only != "step":
+        rows += [
+            measure_trainer(w, options, args.reps, steps)
+            for w, options in TRAINER_ROWS["quick" if args.quick else "full"]
+        ]
+    if args.only != "trainer":
+        sizes = (2,) if args.quick else (1, 2)
+        rows += [
+            measure(w, bf16, args.reps, steps, memory=not args.quick)
+            for w in sizes
+            for bf16 in (False, True)
+        ]
     command = "python -m benchmarks.bench_clients " + " ".join(argv or sys.argv[1:])
     text = markdown(command.strip(), rows)
-    write_results(RESULTS, "clients_bench", {"command": command.strip()}, rows, text)
+    write_results(args.out, "clients_bench", {"command": command.strip()}, rows, text)
     print(text)
 
 

@@ -3,7 +3,9 @@
 flexshard's ``fully_shard`` swapped in at torchtitan's import site, W = 2 gloo on CPU
 (the CPU patches: flexshard/testing/torchtitan_cpu.py). The sharded parameters are DTensors
 placed exactly as FSDP2 places them (same mesh, placements, shapes) and three training
-steps are bitwise FSDP2's."""
+steps are bitwise FSDP2's: through a re-implemented step, and through torchtitan's own
+``Trainer`` (flexshard/testing/torchtitan_trainer.py), which also issues no more
+collectives of any kind per step with flexshard."""
 
 from __future__ import annotations
 
@@ -55,3 +57,52 @@ def test_torchtitan_llama3_debug_dp_mesh_dims_is_fsdp2() -> None:
         theirs = flex["params"]
         differ = [n for n, p in torch_run["params"].items() if not torch.equal(p, theirs[n])]
         assert differ == []
+
+
+# torchtitan's own Trainer (flexshard/testing/torchtitan_trainer.py): its train() loop,
+# ChunkedLossWrapper (9 backward calls a step), AdamW, LR schedule and clipping
+def _own_trainer(rank: int, world_size: int, library: str, model: str) -> dict:
+    from flexshard.testing.torchtitan_trainer import (
+        Setup,
+        build_trainer,
+        full_weights,
+        measure_steps,
+    )
+
+    harness = build_trainer(Setup(model=model, steps=STEPS), library, world_size)
+    try:
+        records = measure_steps(harness, STEPS, count=True)
+        weights = full_weights(harness)
+    finally:
+        harness.close()
+    return {
+        "losses": [r.loss for r in records],
+        "collectives": [r.by_kind() for r in records],
+        "weights": weights,
+    }
+
+
+def _own_trainer_both(rank: int, world_size: int, model: str) -> dict:
+    return {lib: _own_trainer(rank, world_size, lib, model) for lib in ("fsdp2", "flexshard")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama3", "qwen3", "deepseek_v3"])
+def test_torchtitan_own_trainer_is_fsdp2(model: str) -> None:
+    """W = 2, fp32, the debug model of each family (qwen3: its embedding tied to its head
+    after sharding): torchtitan's Trainer with flexshard trains bitwise as with FSDP2,
+    issuing no more collectives of any kind in any step."""
+    for result in run_distributed(_own_trainer_both, 2, model, timeout=900):
+        torch_run, flex = result["fsdp2"], result["flexshard"]
+        assert None not in torch_run["losses"]
+        assert flex["losses"] == torch_run["losses"]
+        theirs = flex["weights"]
+        differ = [n for n, p in torch_run["weights"].items() if not torch.equal(p, theirs[n])]
+        assert differ == []
+        more = [
+            (step, kind, ours, torch_run["collectives"][step][kind])
+            for step, counts in enumerate(flex["collectives"])
+            for kind, ours in counts.items()
+            if ours > torch_run["collectives"][step].get(kind, 0)
+        ]
+        assert more == [], f"(step, kind, flexshard, FSDP2): {more}"
