@@ -182,6 +182,9 @@ def _chunked_counts(rank: int, world: int, micro: int, tie: bool) -> dict:
     return out
 
 
+@pytest.mark.skipif(
+    torch.__version__ < "2.13", reason="torch before 2.13: its FSDP2 hangs in the chunked loss"
+)
 @pytest.mark.parametrize("world,micro,tie", [(3, 1, False), (2, 2, False), (2, 1, True)])
 def test_chunked_loss_issues_no_more_than_fsdp2(world: int, micro: int, tie: bool) -> None:
     """Several backward calls per step (torchtitan's chunked loss, with accumulation):
