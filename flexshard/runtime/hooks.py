@@ -86,13 +86,13 @@ class StepState:
                 bucket.step.reset()
         self.in_root_forward = True
 
-    def before_forward(self, bucket: Bucket, in_order: bool) -> None:
+    def before_forward(self, bucket: Bucket) -> None:
         if self.pending_finalization is not None:
             raise RuntimeError("The previous gradient reduction must be waited on before forward")
         if not self.order_known and bucket not in self.forward_order:
             self.forward_order.append(bucket)
         bucket.unshard()
-        if in_order:
+        if self.in_root_forward:
             self._prefetch(bucket, +1)
 
     def _prefetch(self, bucket: Bucket, step: int) -> None:
@@ -433,11 +433,10 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
         if state.in_backward:  # activation checkpointing recomputes inside backward
             bucket.unshard()
             return args, kwargs
-        in_order = state.in_root_forward
-        state.before_forward(bucket, in_order)
+        state.before_forward(bucket)
         call = None
         if torch.is_grad_enabled():
-            call = ForwardCall(in_order)
+            call = ForwardCall(state.in_root_forward)
             wrapped = _wrap_inputs(args, kwargs, functools.partial(post_backward, call))
             if wrapped is not None:
                 args, kwargs = wrapped
@@ -471,11 +470,13 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
         if reshard and last:  # a no_grad forward too: FSDP2 keeps what the option says
             bucket.reshard()
         call = open_calls.pop() if open_calls else None
+        if call is None:  # a forward without grad: no backward to come
+            return cast_floating(output, policy.output_dtype)
         tensors = [t for t in _tensors_in(output) if t.requires_grad]
-        if call is not None and (tensors or call.reported is False):
+        if tensors or call.reported is False:
             bucket.step.add(call)
         if tensors:
-            hook = functools.partial(before_backward, call or ForwardCall(False))
+            hook = functools.partial(before_backward, call)
             torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         return cast_floating(output, policy.output_dtype)
 

@@ -109,19 +109,14 @@ def build(world_size: int, library: str, bf16: bool) -> Run:
     """The debug model, parallelized by torchtitan (FSDP over every rank), initialised
     from one seed. ``library``: "fsdp2" or "flexshard" (swapped in for torchtitan)."""
     apply_cpu_patches()
-    import torchtitan.distributed.fsdp as tt_fsdp
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.llama3 import model_registry
 
-    import flexshard as fs
-
-    spec = model_registry("debugmodel", attn_backend="flex")
     parallelism = ParallelismConfig(
         data_parallel_shard_degree=world_size, spmd_backend="full_dtensor"
     )
-    spec.model.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     dims = ParallelDims(
         dp_replicate=1,
         dp_shard=world_size,
@@ -134,9 +129,32 @@ def build(world_size: int, library: str, bf16: bool) -> Run:
     )
     dims.build_mesh()
     dist_utils.set_spmd_backend("full_dtensor")  # as torchtitan's Trainer does
+    model = parallelized(
+        model_registry("debugmodel", attn_backend="flex"),
+        dims,
+        parallelism,
+        library,
+        "bfloat16" if bf16 else "float32",
+    )
+    return Run(model, dims, world_size)
+
+
+def parallelized(
+    spec: Any, dims: Any, parallelism: Any, library: str, param_dtype: str
+) -> nn.Module:
+    """A torchtitan model spec's model, built on meta and parallelized by its own
+    ``parallelize_fn`` over ``dims`` with FSDP2's or flexshard's ``fully_shard`` at
+    torchtitan's import site, then materialised on the CPU and initialised from one seed."""
+    apply_cpu_patches()
+    import torchtitan.distributed.fsdp as tt_fsdp
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import CompileConfig, TrainingConfig
+
+    import flexshard as fs
+
+    spec.model.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     with torch.device("meta"):
         model = spec.model.build()
-    training = TrainingConfig(mixed_precision_param="bfloat16" if bf16 else "float32")
     swap = (
         mock.patch.object(tt_fsdp, "fully_shard", fs.fully_shard)
         if library == "flexshard"
@@ -146,14 +164,12 @@ def build(world_size: int, library: str, bf16: bool) -> Run:
         model = spec.parallelize_fn(
             model,
             parallel_dims=dims,
-            training=training,
+            training=TrainingConfig(mixed_precision_param=param_dtype),
             parallelism=parallelism,
             compile_config=CompileConfig(),
             ac_config=None,
             dump_folder="/tmp/torchtitan_cpu",
         )
-    from torch.distributed.fsdp import FSDPModule
-
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     assert sharded, "torchtitan applied no fully_shard"
     for m in sharded:  # gloo has no PREMUL_SUM: see the module docstring
@@ -162,7 +178,7 @@ def build(world_size: int, library: str, bf16: bool) -> Run:
     torch.manual_seed(0)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    return Run(model, dims, world_size)
+    return model
 
 
 def batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -595,51 +595,21 @@ def _deepseek_dims(world: int, replicate: int):
 def _build_deepseek(world: int, replicate: int, library: str, param_dtype: str):
     """torchtitan's DeepSeek-V3 debug model through its own parallelize_fn, with FSDP2
     or flexshard's fully_shard at torchtitan's import site, initialised from one seed."""
-    from contextlib import nullcontext
-    from types import SimpleNamespace
-    from unittest import mock
-
-    from flexshard.testing.torchtitan_cpu import Run, apply_cpu_patches
+    from flexshard.testing.torchtitan_cpu import Run, apply_cpu_patches, parallelized
 
     apply_cpu_patches()
-    import torchtitan.distributed.fsdp as tt_fsdp
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import ParallelismConfig
     from torchtitan.models.deepseek_v3 import model_registry
 
-    spec = model_registry("debugmodel", attn_backend="flex")
     parallelism = ParallelismConfig(
         data_parallel_replicate_degree=replicate,
         data_parallel_shard_degree=world // replicate,
         expert_parallel_degree=TT_EP,
         spmd_backend="full_dtensor",
     )
-    spec.model.update_from_config(config=SimpleNamespace(parallelism=parallelism))
     dims = _deepseek_dims(world, replicate)
-    with torch.device("meta"):
-        model = spec.model.build()
-    swap = (
-        mock.patch.object(tt_fsdp, "fully_shard", fs.fully_shard)
-        if library == "flexshard"
-        else nullcontext()
-    )
-    with swap:
-        model = spec.parallelize_fn(
-            model,
-            parallel_dims=dims,
-            training=TrainingConfig(mixed_precision_param=param_dtype),
-            parallelism=parallelism,
-            compile_config=CompileConfig(),
-            ac_config=None,
-            dump_folder="/tmp/torchtitan_cpu",
-        )
-    for m in model.modules():  # gloo has no PREMUL_SUM (torchtitan_cpu's docstring)
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
+    spec = model_registry("debugmodel", attn_backend="flex")
+    model = parallelized(spec, dims, parallelism, library, param_dtype)
     return Run(model, dims, world)
 
 

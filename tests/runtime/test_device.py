@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import time
 
 import pytest
@@ -18,25 +17,13 @@ from flexshard.runtime import collectives
 from flexshard.runtime.collectives import CollectiveError, Pending
 from flexshard.runtime.device import HOST, DeviceRuntime, device_runtime
 from flexshard.runtime.watchdog import Watchdog
-from flexshard.testing.launch import free_port
 
 
-@pytest.fixture(scope="module")
-def group():
-    """A one-process gloo group (no spawn: the cases below are about one rank)."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
-def test_cpu_runtime_is_a_no_op(group):
-    runtime = device_runtime(torch.device("cpu"), group)
+def test_cpu_runtime_is_a_no_op(one_rank_group):
+    runtime = device_runtime(torch.device("cpu"), one_rank_group)
     assert runtime is HOST and not runtime.streams
     assert runtime.all_gather_stream is None and runtime.reduce_scatter_stream is None
-    assert device_runtime(torch.device("meta"), group) is HOST
+    assert device_runtime(torch.device("meta"), one_rank_group) is HOST
     with runtime.on(runtime.all_gather_stream):
         x = torch.ones(3) * 2
     assert runtime.record() is None
@@ -87,12 +74,12 @@ def _launch(group, runtime, timeout_s: float) -> Pending:
     )
 
 
-def test_stream_ordered_wait_does_not_block(group, monkeypatch):
+def test_stream_ordered_wait_does_not_block(one_rank_group, monkeypatch):
     dog = Watchdog(interval=0.02)
     monkeypatch.setattr(collectives, "WATCHDOG", dog)
     event = _Event()
     runtime = _StreamRuntime(event)
-    pending = _launch(group, runtime, timeout_s=30)
+    pending = _launch(one_rank_group, runtime, timeout_s=30)
     started = time.monotonic()
     pending.wait()  # not complete: the stream waits, the CPU returns at once
     pending.wait()  # waited once only
@@ -102,26 +89,26 @@ def test_stream_ordered_wait_does_not_block(group, monkeypatch):
     assert dog._watched == [] and dog.failure is None
 
 
-def test_watchdog_times_out_naming_bucket_collective_rank(group, monkeypatch):
+def test_watchdog_times_out_naming_bucket_collective_rank(one_rank_group, monkeypatch):
     dog = Watchdog(interval=0.02)
     monkeypatch.setattr(collectives, "WATCHDOG", dog)
     aborted = []
     monkeypatch.setattr(collectives, "abort", lambda g: aborted.append(g))
-    pending = _launch(group, _StreamRuntime(_Event()), timeout_s=0.1)
+    pending = _launch(one_rank_group, _StreamRuntime(_Event()), timeout_s=0.1)
     pending.wait()
     deadline = time.monotonic() + 10
     while dog.failure is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert aborted == [group]
+    assert aborted == [one_rank_group]
     with pytest.raises(CollectiveError, match="all-reduce of bucket 'layers.3' did not") as err:
         pending.wait()
     assert (err.value.bucket, err.value.collective, err.value.rank) == ("layers.3", "all-reduce", 0)
     # sticky: the next launch on any bucket refuses, naming the first failure
     with pytest.raises(CollectiveError, match="layers.3"):
-        _launch(group, HOST, timeout_s=30)
+        _launch(one_rank_group, HOST, timeout_s=30)
 
 
-def test_post_optim_event_is_consumed_by_the_next_gather(group):
+def test_post_optim_event_is_consumed_by_the_next_gather(one_rank_group):
     mesh = DeviceMesh("cpu", [0])
     model = fs.fully_shard(torch.nn.Linear(4, 3), mesh=mesh)
     (bucket,) = model._flexshard_buckets

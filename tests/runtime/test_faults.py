@@ -35,7 +35,7 @@ from flexshard.runtime.collectives import DEFAULT_TIMEOUT, CollectiveError, Pend
 from flexshard.runtime.failures import backend_failures_raise
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 from flexshard.testing.collectives import record_collectives
-from flexshard.testing.launch import free_port, next_result, start_ranks
+from flexshard.testing.launch import next_result, start_ranks
 
 W = 3
 VICTIM = 2
@@ -300,17 +300,6 @@ def first_error_line(text: str, prefix: str = "") -> tuple[str, str] | None:
     return None
 
 
-@pytest.fixture
-def one_rank():
-    """A one-process gloo group: the cases below are about the error one rank raises."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 class _Work:
     """A collective's work that ends as a stalled peer makes it end: ``raises`` after
     ``seconds`` (the backend's timeout, or c10d's bounded wait giving up), or never."""
@@ -336,10 +325,12 @@ WAITS = {  # which wait notices first: (work, wait_ignores_timeout, backend word
 
 
 @pytest.mark.parametrize("wait", WAITS)
-def test_whichever_wait_notices_first_the_first_error_line_names_the_collective(one_rank, wait):
+def test_whichever_wait_notices_first_the_first_error_line_names_the_collective(
+    one_rank_group, wait
+):
     work, ignores_timeout, backend = WAITS[wait]
     timeout = datetime.timedelta(seconds=0.2)
-    pending = Pending(work, "all-gather", "outer", timeout, one_rank, ignores_timeout)
+    pending = Pending(work, "all-gather", "outer", timeout, one_rank_group, ignores_timeout)
     with pytest.raises(CollectiveError) as caught:
         pending.wait()
     err = caught.value
@@ -361,7 +352,7 @@ def test_whichever_wait_notices_first_the_first_error_line_names_the_collective(
     assert again.value is err and "The above" not in "".join(traceback.format_exception(err))
 
 
-def test_a_backend_failure_of_torchs_own_collective_is_named_first(one_rank):
+def test_a_backend_failure_of_torchs_own_collective_is_named_first(one_rank_group):
     def error(err: BaseException, cause: str) -> CollectiveError:
         return CollectiveError(f"flexshard: TP redistribution [backend: {cause}]", bucket="b",
                                collective="c", rank=0)  # fmt: skip
