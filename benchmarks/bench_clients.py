@@ -1,5 +1,5 @@
-"""FSDP2 vs flexshard on a client's own code: torchtitan 0.3.0, flexshard's ``fully_shard``
-swapped in at torchtitan's import site, CPU gloo. Two kinds of rows:
+"""FSDP2 vs flexshard through clients' own entry points, flexshard's ``fully_shard``
+swapped in where each client imports it, CPU gloo. Three kinds of rows:
 
 * **torchtitan's own Trainer** (``flexshard/testing/torchtitan_trainer.py``): built from
   torchtitan's config registry (llama3, qwen3 and deepseek_v3 debug models) and run by
@@ -10,6 +10,10 @@ swapped in at torchtitan's import site, CPU gloo. Two kinds of rows:
   per kind (all-gather / reduce-scatter / all-reduce, "other" if any), in the first
   step (lazy initialisation included) and the second; and whether the losses torchtitan
   logged were bitwise the same.
+* **accelerate's and Lightning's own loops** (``flexshard/testing/client_loops.py``): a
+  transformers Llama through accelerate's FSDP2 plugin and its documented loop, and
+  through Lightning's ``Trainer.fit`` with ``ModelParallelStrategy``; W = 1, 2, fp32,
+  bf16 and gradient accumulation; counted and compared as the Trainer's rows.
 * **a re-implemented step** (``flexshard/testing/torchtitan_cpu.py``): the llama3 debug
   model through torchtitan's ``parallelize_llama`` and this repository's own step (one
   forward, torchtitan's loss, one backward, clipping, AdamW); peak memory too.
@@ -25,6 +29,7 @@ launch of its own (the peak RSS of a rank process, imports included alike); skip
     python -m benchmarks.bench_clients --quick      # W = 2: Trainer llama3 fp32; step fp32, bf16
     python -m benchmarks.bench_clients              # every row, memory too
     python -m benchmarks.bench_clients --only trainer --out /tmp/clients
+    python -m benchmarks.bench_clients --only loops --out /tmp/clients
 """
 
 from __future__ import annotations
@@ -40,8 +45,8 @@ import torch
 
 from benchmarks.output import write_results
 from flexshard.testing import run_distributed
+from flexshard.testing.collectives import KINDS
 from flexshard.testing.stats import alternating, cell, paired_ratios, spread, summary
-from flexshard.testing.torchtitan_trainer import KINDS
 
 LIBRARIES = ("fsdp2", "flexshard")
 RESULTS = Path(__file__).parent / "results"
@@ -60,6 +65,11 @@ TRAINER_ROWS = {
     ),
 }
 COUNTED_STEPS = 2
+#: accelerate's and Lightning's loops, (W, LoopSetup options) per client
+LOOP_ROWS = {
+    "quick": ((2, {}),),
+    "full": ((1, {}), (2, {}), (2, {"bf16": True}), (2, {"accumulation": 2})),
+}
 
 
 def _timed_steps(run: Any, opt: Any, data: list, warmup: int) -> tuple[list, list]:
@@ -170,6 +180,46 @@ def measure_trainer(world_size: int, options: dict, reps: int, steps: int) -> di
     return row
 
 
+def _loop_timing(rank: int, world_size: int, setup: Any, reps: int, steps: int) -> dict:
+    """A client's loop with each library in this rank process, as ``_trainer_timing``."""
+    from flexshard.testing.client_loops import accelerator, build_loop
+
+    total = COUNTED_STEPS + reps * steps
+    acc = accelerator(rank, world_size, setup) if setup.client == "accelerate" else None
+    loops = {lib: build_loop(rank, world_size, setup, lib, total, acc) for lib in LIBRARIES}
+    out: dict[str, Any] = {lib: {"cpu": [], "wall": [], "losses": []} for lib in LIBRARIES}
+    for lib, loop in loops.items():
+        counted = loop.run(COUNTED_STEPS, count=True)
+        out[lib]["collectives"] = [r.by_kind() for r in counted]
+        out[lib]["losses"] += [r.loss for r in counted]
+    for rep in range(reps):
+        for lib in alternating(LIBRARIES, rep):
+            timed = loops[lib].run(steps, count=False)
+            out[lib]["cpu"].append(spread([r.cpu for r in timed]).median)
+            out[lib]["wall"].append(spread([r.wall for r in timed]).median)
+            out[lib]["losses"] += [r.loss for r in timed]
+    return out
+
+
+def measure_loop(world_size: int, client: str, options: dict, reps: int, steps: int) -> dict:
+    from flexshard.testing.client_loops import LoopSetup
+
+    setup = LoopSetup(client, size="bench", **options)
+    ranks = run_distributed(_loop_timing, world_size, setup, reps, steps, timeout=3600)
+    row: dict[str, Any] = {
+        "path": "client loop",
+        "W": world_size,
+        "setup": setup.label(),
+        "reps": reps,
+        "steps": steps,
+        "collectives": {lib: ranks[0][lib]["collectives"] for lib in LIBRARIES},
+        "losses": {lib: ranks[0][lib]["losses"] for lib in LIBRARIES},
+    }
+    row["losses_equal"] = row["losses"]["fsdp2"] == row["losses"]["flexshard"]
+    _times(row, ranks, reps)
+    return row
+
+
 def _times(row: dict, ranks: list[dict], reps: int) -> None:
     for kind in ("cpu", "wall"):
         # a step is as slow as its slowest rank: the max over ranks, per repetition
@@ -194,18 +244,34 @@ def _counts(per_step: list[dict]) -> str:
     return "; ".join(out)
 
 
-def _trainer_table(rows: list[dict]) -> list[str]:
+TRAINER_HEADING = [
+    "## torchtitan's own Trainer",
+    "",
+    "torchtitan's `Trainer` from its config registry, run by its own `train()` loop "
+    "(ChunkedLossWrapper, default_adamw, LR schedule, clipping, accumulation); "
+    "flexshard's `fully_shard` swapped in at `torchtitan.distributed.fsdp` "
+    "(flexshard/testing/torchtitan_trainer.py). Collectives: all-gather / "
+    "reduce-scatter / all-reduce issued in step 1 (lazy initialisation included); "
+    "step 2, per rank. Losses: whether every step's logged loss was bitwise the same.",
+]
+LOOP_HEADING = [
+    "## accelerate's and Lightning's own loops",
+    "",
+    "A transformers `LlamaForCausalLM` (4 layers, hidden 256, vocab 1024, 128 tokens, "
+    "batch 4 per rank) through accelerate 1.15's FSDP2 plugin and its documented loop "
+    "(`accumulate`, `backward`, `clip_grad_norm_`, AdamW, LR schedule), and through "
+    "Lightning 2.6's `Trainer.fit` with `ModelParallelStrategy` (`fully_shard` in "
+    "`configure_model`; its clipping and accumulation); flexshard's `fully_shard` where "
+    "each imports it (flexshard/testing/client_loops.py). Each Lightning repetition is a "
+    "`fit` of its own. Collectives and losses as above.",
+]
+
+
+def _trainer_table(rows: list[dict], heading: list[str]) -> list[str]:
     lines = [
-        "## torchtitan's own Trainer",
+        *heading,
         "",
-        "torchtitan's `Trainer` from its config registry, run by its own `train()` loop "
-        "(ChunkedLossWrapper, default_adamw, LR schedule, clipping, accumulation); "
-        "flexshard's `fully_shard` swapped in at `torchtitan.distributed.fsdp` "
-        "(flexshard/testing/torchtitan_trainer.py). Collectives: all-gather / "
-        "reduce-scatter / all-reduce issued in step 1 (lazy initialisation included); "
-        "step 2, per rank. Losses: whether every step's logged loss was bitwise the same.",
-        "",
-        "| model, precision | W | CPU ms FSDP2 | CPU ms flexshard | CPU ratio | wall ms FSDP2 "
+        "| setup | W | CPU ms FSDP2 | CPU ms flexshard | CPU ratio | wall ms FSDP2 "
         "| wall ms flexshard | wall ratio | collectives FSDP2 | collectives flexshard "
         "| losses equal |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -219,8 +285,9 @@ def _trainer_table(rows: list[dict]) -> list[str]:
             f"| {_counts(r['collectives']['fsdp2'])} | {_counts(r['collectives']['flexshard'])} "
             f"| {'yes' if r['losses_equal'] else 'no'} |"
         )
-    patches = sorted({p for r in rows for p in r["patches"]})
-    lines += ["", "Changes for CPU, no network (both libraries): " + "; ".join(patches) + "."]
+    patches = sorted({p for r in rows for p in r.get("patches", ())})
+    if patches:
+        lines += ["", "Changes for CPU, no network (both libraries): " + "; ".join(patches) + "."]
     return lines
 
 
@@ -258,7 +325,7 @@ def _step_table(rows: list[dict]) -> list[str]:
 
 def markdown(command: str, rows: list[dict]) -> str:
     lines = [
-        "# Client benchmark: torchtitan debug models, FSDP2 vs flexshard",
+        "# Client benchmark: FSDP2 vs flexshard through clients' own entry points",
         "",
         f"Command: `{command}`",
         "",
@@ -266,7 +333,8 @@ def markdown(command: str, rows: list[dict]) -> str:
         "slowest rank); ratio = flexshard / FSDP2 per repetition, target <= 1.0.",
     ]
     for path, table in (
-        ("torchtitan Trainer", _trainer_table),
+        ("torchtitan Trainer", lambda chosen: _trainer_table(chosen, TRAINER_HEADING)),
+        ("client loop", lambda chosen: _trainer_table(chosen, LOOP_HEADING)),
         ("re-implemented step", _step_table),
     ):
         chosen = [r for r in rows if r["path"] == path]
@@ -284,8 +352,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per repetition")
     parser.add_argument(
         "--only",
-        choices=("trainer", "step"),
-        help="only torchtitan's Trainer, or only the re-implemented step",
+        choices=("trainer", "loops", "step"),
+        help="only torchtitan's Trainer, accelerate's and Lightning's loops, or the "
+        "re-implemented step",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go")
     args = parser.parse_args(argv)
@@ -293,12 +362,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--reps must be >= 5 (medians and IQRs need them)")
     steps = 1 if args.quick else args.steps
     rows = []
-    if args.only != "step":
+    mode = "quick" if args.quick else "full"
+    if args.only in (None, "trainer"):
+        rows += [measure_trainer(w, options, args.reps, steps) for w, options in TRAINER_ROWS[mode]]
+    if args.only in (None, "loops"):
         rows += [
-            measure_trainer(w, options, args.reps, steps)
-            for w, options in TRAINER_ROWS["quick" if args.quick else "full"]
+            measure_loop(w, client, options, args.reps, steps)
+            for client in ("accelerate", "lightning")
+            for w, options in LOOP_ROWS[mode]
         ]
-    if args.only != "trainer":
+    if args.only in (None, "step"):
         sizes = (2,) if args.quick else (1, 2)
         rows += [
             measure(w, bf16, args.reps, steps, memory=not args.quick)

@@ -253,3 +253,30 @@ def forbid_collectives() -> Iterator[CollectiveLog]:
         yield log
     if len(log):
         raise CollectiveForbidden(f"collectives ran while forbidden: {log.names()}")
+
+
+#: a collective's name -> the kind it is counted as
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def kind(name: str) -> str:
+    """The kind a logged collective counts as: one of ``KINDS`` or ``"other"``."""
+    return next((k for k in KINDS if k in name), "other")
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step: its loss (or its micro-batches' losses), collectives by name,
+    CPU and wall seconds."""
+
+    loss: float | list[float] | None = None
+    collectives: Counter = field(default_factory=Counter)
+    cpu: float | None = None
+    wall: float | None = None
+
+    def by_kind(self) -> dict[str, int]:
+        """Collectives per kind (``KINDS``, and ``"other"`` where any)."""
+        out = Counter({k: 0 for k in KINDS})
+        for name, n in self.collectives.items():
+            out[kind(name)] += n
+        return dict(out)

@@ -47,7 +47,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -55,7 +55,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from .collectives import record_collectives
+from .collectives import StepRecord, record_collectives
 from .torchtitan_cpu import apply_cpu_patches
 
 LIBRARIES = ("fsdp2", "flexshard")
@@ -68,15 +68,6 @@ MODELS = {
 SEQ = 64  # divisible by ChunkedLossWrapper's 8 chunks
 BATCH = 2
 SEED = 0
-#: a collective's name -> the kind it is counted as
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-
-
-def kind(name: str) -> str:
-    """The kind a logged collective counts as: one of ``KINDS`` or ``"other"``."""
-    return next((k for k in KINDS if k in name), "other")
-
-
 # the CPU stand-in for torch.cuda where torchtitan calls it through ``device_module``
 class _CpuDeviceModule:
     """What torchtitan calls on ``device_module`` (``set_device``, ``device_count``,
@@ -393,23 +384,6 @@ def build_trainer(setup: Setup, library: str, world_size: int) -> Harness:
 
 
 # measuring
-@dataclass
-class StepRecord:
-    """One optimizer step: its loss, collectives by name, CPU and wall seconds."""
-
-    loss: float | None = None
-    collectives: Counter = field(default_factory=Counter)
-    cpu: float | None = None
-    wall: float | None = None
-
-    def by_kind(self) -> dict[str, int]:
-        """Collectives per kind (``KINDS``, and ``"other"`` where any)."""
-        out = Counter({k: 0 for k in KINDS})
-        for name, n in self.collectives.items():
-            out[kind(name)] += n
-        return dict(out)
-
-
 def measure_steps(harness: Harness, steps: int, count: bool) -> list[StepRecord]:
     """Run ``steps`` more optimizer steps through the Trainer's own ``train()`` loop;
     per step its record: its loss, and its collectives if ``count``, else its CPU and
