@@ -62,6 +62,7 @@ TRAINER_ROWS = {
         (3, {"model": "llama3"}),
         (2, {"model": "qwen3"}),
         (2, {"model": "deepseek_v3"}),
+        (2, {"model": "deepseek_v3", "expert_parallel": 2}),
     ),
 }
 COUNTED_STEPS = 2

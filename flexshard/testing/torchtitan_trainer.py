@@ -264,6 +264,8 @@ class Setup:
     steps: int = 3
     #: the debug configs' ``SelectiveAC``; off: no activation checkpointing
     activation_checkpoint: bool = True
+    #: ``parallelism.expert_parallel_degree`` (the MoE models' experts over that many ranks)
+    expert_parallel: int = 1
 
     def label(self) -> str:
         parts = [self.model, "bf16" if self.bf16 else "fp32"]
@@ -271,6 +273,8 @@ class Setup:
             parts.append(f"accum {self.accumulation}")
         if not self.activation_checkpoint:
             parts.append("no AC")
+        if self.expert_parallel > 1:
+            parts.append(f"EP {self.expert_parallel}")
         return ", ".join(parts)
 
 
@@ -293,6 +297,7 @@ def trainer_config(setup: Setup, world_size: int, assets: Path, dump: Path) -> A
     training.mixed_precision_param = "bfloat16" if setup.bf16 else "float32"
     training.disable_cuda_graphs = True  # CUDA graphs: CUDA only
     config.parallelism.data_parallel_shard_degree = -1  # every rank
+    config.parallelism.expert_parallel_degree = setup.expert_parallel
     # the default "spmd_types" hands fully_shard plain parameters with dp_mesh_dims,
     # which torch 2.13's FSDP2 refuses; "full_dtensor" is torchtitan's DTensor path
     config.parallelism.spmd_backend = "full_dtensor"

@@ -61,7 +61,7 @@ def test_torchtitan_llama3_debug_dp_mesh_dims_is_fsdp2() -> None:
 
 # torchtitan's own Trainer (flexshard/testing/torchtitan_trainer.py): its train() loop,
 # ChunkedLossWrapper (9 backward calls a step), AdamW, LR schedule and clipping
-def _own_trainer(rank: int, world_size: int, library: str, model: str) -> dict:
+def _own_trainer(rank: int, world_size: int, library: str, model: str, ep: int) -> dict:
     from flexshard.testing.torchtitan_trainer import (
         Setup,
         build_trainer,
@@ -69,7 +69,8 @@ def _own_trainer(rank: int, world_size: int, library: str, model: str) -> dict:
         measure_steps,
     )
 
-    harness = build_trainer(Setup(model=model, steps=STEPS), library, world_size)
+    setup = Setup(model=model, steps=STEPS, expert_parallel=ep)
+    harness = build_trainer(setup, library, world_size)
     try:
         records = measure_steps(harness, STEPS, count=True)
         weights = full_weights(harness)
@@ -82,17 +83,20 @@ def _own_trainer(rank: int, world_size: int, library: str, model: str) -> dict:
     }
 
 
-def _own_trainer_both(rank: int, world_size: int, model: str) -> dict:
-    return {lib: _own_trainer(rank, world_size, lib, model) for lib in ("fsdp2", "flexshard")}
+def _own_trainer_both(rank: int, world_size: int, model: str, ep: int) -> dict:
+    return {lib: _own_trainer(rank, world_size, lib, model, ep) for lib in ("fsdp2", "flexshard")}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama3", "qwen3", "deepseek_v3"])
-def test_torchtitan_own_trainer_is_fsdp2(model: str) -> None:
+@pytest.mark.parametrize(
+    ("model", "ep"), [("llama3", 1), ("qwen3", 1), ("deepseek_v3", 1), ("deepseek_v3", 2)]
+)
+def test_torchtitan_own_trainer_is_fsdp2(model: str, ep: int) -> None:
     """W = 2, fp32, the debug model of each family (qwen3: its embedding tied to its head
-    after sharding): torchtitan's Trainer with flexshard trains bitwise as with FSDP2,
-    issuing no more collectives of any kind in any step."""
-    for result in run_distributed(_own_trainer_both, 2, model, timeout=900):
+    after sharding; deepseek_v3 also with its experts over both ranks, EP = 2, their
+    parameters on a mesh of their own): torchtitan's Trainer with flexshard trains
+    bitwise as with FSDP2, issuing no more collectives of any kind in any step."""
+    for result in run_distributed(_own_trainer_both, 2, model, ep, timeout=900):
         torch_run, flex = result["fsdp2"], result["flexshard"]
         assert None not in torch_run["losses"]
         assert flex["losses"] == torch_run["losses"]
