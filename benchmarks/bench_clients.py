@@ -2,14 +2,15 @@
 swapped in where each client imports it, CPU gloo. Three kinds of rows:
 
 * **torchtitan's own Trainer** (``flexshard/testing/torchtitan_trainer.py``): built from
-  torchtitan's config registry (llama3, qwen3 and deepseek_v3 debug models) and run by
-  its own ``train()`` loop: ``ChunkedLossWrapper`` (8 chunks: 9 backward calls a step,
-  gradient sync off on the lm_head until its last chunk), ``default_adamw``, its LR
-  schedule, clipping, gradient accumulation, its metrics; W = 1, 2 (3), fp32 and bf16
-  mixed precision. Per step, besides the times: the collectives each library issued,
-  per kind (all-gather / reduce-scatter / all-reduce, "other" if any), in the first
-  step (lazy initialisation included) and the second; and whether the losses torchtitan
-  logged were bitwise the same.
+  torchtitan's config registry (llama3, qwen3, deepseek_v3 and qwen3_moe debug models,
+  the MoE ones also with expert parallel) and run by its own ``train()`` loop:
+  ``ChunkedLossWrapper`` (8 chunks: 9 backward calls a step, gradient sync off on the
+  lm_head until its last chunk), ``default_adamw``, its LR schedule, clipping, gradient
+  accumulation, its metrics; W = 1, 2 (3), fp32 and bf16 mixed precision. Per step,
+  besides the times: the collectives each library issued, per kind (all-gather /
+  reduce-scatter / all-reduce, "other" if any), in the first step (lazy initialisation
+  included) and the second; and whether the losses torchtitan logged were bitwise the
+  same.
 * **accelerate's and Lightning's own loops** (``flexshard/testing/client_loops.py``): a
   transformers Llama through accelerate's FSDP2 plugin and its documented loop, and
   through Lightning's ``Trainer.fit`` with ``ModelParallelStrategy``; W = 1, 2, fp32,
@@ -63,6 +64,7 @@ TRAINER_ROWS = {
         (2, {"model": "qwen3"}),
         (2, {"model": "deepseek_v3"}),
         (2, {"model": "deepseek_v3", "expert_parallel": 2}),
+        (2, {"model": "qwen3_moe", "expert_parallel": 2}),
     ),
 }
 COUNTED_STEPS = 2

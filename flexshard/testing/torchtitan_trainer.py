@@ -1,7 +1,7 @@
 """torchtitan 0.3.0's own ``Trainer`` on CPU gloo, with FSDP2 or flexshard's
 ``fully_shard`` swapped in at torchtitan's one import site (``torchtitan.distributed.fsdp``,
-where ``apply_fsdp_to_decoder`` of llama3, qwen3 and deepseek_v3 finds it), as a user who
-changes one import would. The Trainer is built from torchtitan's config registry
+where ``apply_fsdp_to_decoder`` of llama3, qwen3 (dense and MoE) and deepseek_v3 finds
+it), as a user who changes one import would. The Trainer is built from torchtitan's config registry
 (``llama3_debugmodel()`` ...) and runs its own ``train()`` loop: its ``ChunkedLossWrapper``
 (the LM head per chunk with its own backward, ``set_requires_gradient_sync(False,
 recurse=False)`` on the lm_head FSDP module), ``default_adamw``, LR scheduler, clipping,
@@ -64,6 +64,7 @@ MODELS = {
     "llama3": ("torchtitan.models.llama3.config_registry", "llama3_debugmodel"),
     "qwen3": ("torchtitan.models.qwen3.config_registry", "qwen3_debugmodel"),
     "deepseek_v3": ("torchtitan.models.deepseek_v3.config_registry", "deepseek_v3_debugmodel"),
+    "qwen3_moe": ("torchtitan.models.qwen3.config_registry", "qwen3_moe_debug"),
 }
 SEQ = 64  # divisible by ChunkedLossWrapper's 8 chunks
 BATCH = 2

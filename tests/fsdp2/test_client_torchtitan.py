@@ -89,13 +89,15 @@ def _own_trainer_both(rank: int, world_size: int, model: str, ep: int) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("model", "ep"), [("llama3", 1), ("qwen3", 1), ("deepseek_v3", 1), ("deepseek_v3", 2)]
+    ("model", "ep"),
+    [("llama3", 1), ("qwen3", 1), ("deepseek_v3", 1), ("deepseek_v3", 2), ("qwen3_moe", 2)],
 )
 def test_torchtitan_own_trainer_is_fsdp2(model: str, ep: int) -> None:
     """W = 2, fp32, the debug model of each family (qwen3: its embedding tied to its head
-    after sharding; deepseek_v3 also with its experts over both ranks, EP = 2, their
-    parameters on a mesh of their own): torchtitan's Trainer with flexshard trains
-    bitwise as with FSDP2, issuing no more collectives of any kind in any step."""
+    after sharding; deepseek_v3 and qwen3's MoE debug model with their experts over both
+    ranks, EP = 2, the experts' parameters on a mesh of their own): torchtitan's Trainer
+    with flexshard trains bitwise as with FSDP2, issuing no more collectives of any kind in
+    any step."""
     for result in run_distributed(_own_trainer_both, 2, model, ep, timeout=900):
         torch_run, flex = result["fsdp2"], result["flexshard"]
         assert None not in torch_run["losses"]
