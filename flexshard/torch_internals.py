@@ -58,6 +58,8 @@ __all__ = [
     "IGNORE_OPS",
     "STATE_KEY",
     "TORCH_RANGE",
+    "DCPMemoryFormat",
+    "DCPStorageInfo",
     "DTensorSpec",
     "DataParallelMeshDims",
     "FSDPMeshInfo",
@@ -83,6 +85,7 @@ __all__ = [
     "concatenate_meshes",
     "consolidate_safetensors_files",
     "consolidate_safetensors_files_on_every_rank",
+    "dcp_metadata_file",
     "disable_current_modes",
     "drop_cached_save_plans",
     "dtensor_spec",
@@ -98,6 +101,7 @@ __all__ = [
     "grad_reduce_dtype",
     "hf_file_name",
     "in_autograd_backward",
+    "layout_by_name",
     "local_tensor",
     "patch_full_state_dict_distribute",
     "placement_mesh",
@@ -110,6 +114,7 @@ __all__ = [
     "saved_metadata",
     "sequence_number",
     "set_local_tensor",
+    "set_nested",
     "storage_id",
     "tree_flatten",
     "tree_leaves",
@@ -563,17 +568,32 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import (  # noqa: 
 from torch.distributed.checkpoint._hf_utils import _gen_file_name as hf_file_name  # noqa: E402
 
 
-def saved_metadata(returned: Any, path: str) -> Any:
-    """The metadata of the checkpoint ``dcp.save`` just wrote to ``path``, with every
-    chunk's storage: what it returned where that has it (every rank from torch 2.13 on),
-    else read back from the ``.metadata`` file (on 2.11 only the coordinator's copy has
+def saved_metadata(returned: Any, read: Callable[[], Any]) -> Any:
+    """The metadata of the checkpoint ``dcp.save`` just wrote, with every chunk's
+    storage: what it returned where that has it (every rank from torch 2.13 on), else
+    ``read()`` of the ``.metadata`` file (on 2.11 only the coordinator's copy has
     ``storage_data``; the file is complete once dcp.save returns on any rank). Public
     replacement: none needed from 2.13 on."""
-    if returned.storage_data is not None:
-        return returned
-    from torch.distributed.checkpoint import FileSystemReader
+    return returned if returned.storage_data is not None else read()
 
-    return FileSystemReader(path).read_metadata()
+
+# DCP's .metadata pickle names these private classes and helper (torch 2.11 to 2.15
+# write the same names), and DefaultLoadPlanner.load_bytes places a non-tensor value it
+# read in the nested state dict with set_element: a safe reader allows exactly those
+# names and places values as torch does. Public replacement: none (DCP reads the file
+# with pickle.load and the values with torch.load(weights_only=False)).
+from torch.distributed.checkpoint._traverse import set_element as set_nested  # noqa: E402
+from torch.distributed.checkpoint.filesystem import _StorageInfo as DCPStorageInfo  # noqa: E402
+from torch.distributed.checkpoint.metadata import (  # noqa: E402
+    _MEM_FORMAT_ENCODING as DCPMemoryFormat,
+)
+from torch.serialization import _get_layout as layout_by_name  # noqa: E402
+
+
+def dcp_metadata_file(reader: Any, rank: int | None) -> Any:
+    """The ``.metadata`` file (``__<rank>.metadata`` with ``rank``) a FileSystemReader
+    reads. Public replacement: none."""
+    return reader._get_metadata_path(rank)
 
 
 def drop_cached_save_plans(key: str) -> None:

@@ -50,6 +50,7 @@ from ..torch_internals import (
     local_tensor,
 )
 from .frames import Frames, framed
+from .safe_load import dcp_load
 
 SHARDED_DIR = "sharded"  # per-rank chunk files, removed once consolidated
 INDEX_FILE = "model.safetensors.index.json"
@@ -397,12 +398,7 @@ def load_hf_safetensors(
         }
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(
-                load,
-                storage_reader=HuggingFaceStorageReader(root),
-                process_group=process_group,
-                no_dist=no_dist,
-            )
+            dcp_load(load, root, process_group, no_dist, HuggingFaceStorageReader(root))
         for chunks, target, heads in round_.values():
             if heads and target is not None:
                 with torch.no_grad():

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .bounded import Ranks, model_timeout
@@ -39,6 +39,7 @@ from .manifest import (
     share,
     write_manifest,
 )
+from .safe_load import dcp_load, load_data, read_metadata
 from .stages import Model, modules_of
 from .state import (
     apply,
@@ -246,20 +247,17 @@ def _verified(root: str, ranks: Ranks, require_manifest: bool) -> Metadata:
         except ValueError as err:
             problems = [str(err)]
     _raise_if_any(problems, ranks, root)
-    return FileSystemReader(root).read_metadata()
+    return read_metadata(root)
 
 
 def _read(root: str, state: dict[str, Any], ranks: Ranks) -> Any:
     """``dcp.load`` into ``state``; this rank's ``extra`` (rank 0's when it had none)."""
     with ranks.step("dcp.load"):
-        dcp.load(
-            state, storage_reader=FileSystemReader(root), process_group=ranks.group,
-            no_dist=ranks.no_dist,
-        )  # fmt: skip
+        dcp_load(state, root, ranks.group, ranks.no_dist)
     for rank in (ranks.rank, 0):
         extra = os.path.join(root, _extra_file(rank))
         if os.path.isfile(extra):
-            return torch.load(extra)
+            return load_data(extra, f"'{extra}'")
     return None
 
 

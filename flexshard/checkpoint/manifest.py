@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..torch_internals import saved_metadata
+from .safe_load import read_metadata
 
 MANIFEST = "flexshard.json"
 FORMAT = "flexshard-checkpoint/1"
@@ -32,7 +33,7 @@ def chunk_entries(metadata: Metadata, root: str) -> list[Entry]:
     """One entry per chunk DCP wrote to ``root`` (``metadata``: what dcp.save returned),
     plus its ``.metadata`` file."""
     entries = [Entry(".metadata", ".metadata", 0, -1)]
-    for index, info in saved_metadata(metadata, root).storage_data.items():
+    for index, info in saved_metadata(metadata, lambda: read_metadata(root)).storage_data.items():
         where = f"{index.fqn} at offsets {list(index.offset)}" if index.offset else index.fqn
         entries.append(Entry(where, info.relative_path, info.offset, info.length))
     return entries

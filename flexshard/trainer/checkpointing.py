@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -22,6 +21,7 @@ from flexshard.checkpoint import load, load_state
 from flexshard.checkpoint import save as save_checkpoint
 from flexshard.checkpoint.async_save import AsyncCheckpointer, SaveError, one_line
 from flexshard.checkpoint.bounded import in_flight
+from flexshard.checkpoint.safe_load import read_metadata
 from flexshard.checkpoint.stages import Model
 
 from .exchange import configured_timeout
@@ -176,7 +176,7 @@ def _schedule(job: Job, path: Path, extra: dict[str, Any] | None) -> dict[str, A
     none) the DCP entry, when the checkpoint has one."""
     if extra is not None:
         return extra.get(SCHEDULER)
-    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_metadata(path).state_dict_metadata
     if not any(key.startswith(f"{SCHEDULER}.") for key in saved):
         return None
     state = {SCHEDULER: job.lr_scheduler.state_dict()}

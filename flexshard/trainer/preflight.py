@@ -127,11 +127,13 @@ def model_shapes(cfg: Config) -> dict[str, torch.Size]:
 def check_checkpoint_shapes(cfg: Config, path: Path, fix: str) -> None:
     """The DCP checkpoint's ``model.*`` tensors against the config's parameters;
     ``fix``: what the user can do about a mismatch."""
-    import torch.distributed.checkpoint as dcp
+    from flexshard.checkpoint.safe_load import read_metadata
 
     try:
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as err:  # a .metadata that does not unpickle: say which file
+        saved = read_metadata(path).state_dict_metadata
+    except ValueError as err:  # not DCP metadata, or a type loading may not build: named
+        raise StartupError("checkpoint", str(err)) from None
+    except OSError as err:
         raise StartupError("checkpoint", f"'{path / '.metadata'}': unreadable ({err})") from None
     wrong = []
     for fqn, shape in model_shapes(cfg).items():
