@@ -61,7 +61,8 @@ class MatrixState:
     """The inner optimizer's state of one matrix, whole. One opaque value per matrix:
     torch.distributed.checkpoint pickles it, so it is written once (by the rank that
     computes the matrix) and read by whichever rank computes it after a change of world
-    size or placement."""
+    size or placement. flexshard's checkpoint loads allow it by name
+    (``flexshard/checkpoint/safe_load.py``: nothing else a pickle names is built)."""
 
     state: dict[str, Any] = field(default_factory=dict)
 

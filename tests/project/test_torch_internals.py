@@ -564,3 +564,26 @@ def test_ensure_own_dispatch_reaches_a_dtensor_subclass() -> None:
     assert doubled._local_tensor.tolist() == [0.0, 2.0, 4.0]
     assert tensor._local_tensor.tolist() == [0.0, 2.0, 4.0]
     assert {"detach", "mul", "_foreach_add_"} <= set(seen), seen
+
+
+def test_dcp_metadata_names_and_helpers(tmp_path) -> None:
+    """The private names a DCP ``.metadata`` pickle holds are these items' (the safe
+    reader allows exactly them), the file the reader opens, and set_element placing a
+    value in a nested state dict."""
+    import pickletools
+
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(2), "n": {"k": 1}}, checkpoint_id=str(tmp_path), no_dist=True)
+    data = (tmp_path / ".metadata").read_bytes()
+    strings = [arg for _, arg, _ in pickletools.genops(data) if isinstance(arg, str)]
+    for item in (ti.DCPStorageInfo, ti.DCPMemoryFormat, ti.layout_by_name):
+        assert item.__module__ in strings and item.__qualname__ in strings, item
+    assert ti.layout_by_name("torch.strided") is torch.strided
+    assert ti.DCPMemoryFormat.__members__  # an enum of memory formats
+    reader = dcp.FileSystemReader(str(tmp_path))
+    assert str(ti.dcp_metadata_file(reader, None)) == str(tmp_path / ".metadata")
+    assert str(ti.dcp_metadata_file(reader, 1)) == str(tmp_path / "__1.metadata")
+    state: dict = {"a": {"b": [0, 0]}}
+    ti.set_nested(state, ("a", "b", 1), 5)
+    assert state == {"a": {"b": [0, 5]}}
