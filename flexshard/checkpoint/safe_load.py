@@ -103,9 +103,13 @@ _METADATA_GLOBALS: dict[str, Any] = {
 DATA_TYPES: tuple[type, ...] = (MatrixState,)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):
     """``pickle``'s unpickler, resolving only ``_METADATA_GLOBALS`` (every global, and
-    so every callable it can reach, goes through ``find_class``)."""
+    so every callable it can reach, goes through ``find_class``). The pure-Python one:
+    its BUILD can be refused on a class, where the C one would set attributes on an
+    allowed class itself, for the whole process."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def __init__(self, file: IO[bytes], where: str) -> None:
         super().__init__(file)
@@ -116,6 +120,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         if found is None:
             raise _refused(self._where, f"{module}.{name}")
         return found
+
+    def load_build(self) -> None:
+        target = self.stack[-2]
+        if isinstance(target, type):
+            raise _refused(self._where, f"attributes of {_name(target)}")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 def read_metadata_file(file: IO[bytes], path: str) -> Metadata:

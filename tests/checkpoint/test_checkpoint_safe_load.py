@@ -388,6 +388,23 @@ def test_metadata_refuses_a_global_at_every_pickle_protocol(tmp_path, protocol: 
         read_metadata_file(io.BytesIO(data), "x/.metadata")
 
 
+def test_metadata_cannot_set_attributes_of_an_allowed_class() -> None:
+    """BUILD on an allowed class itself (not an instance) would change that class for the
+    whole process: refused, the class untouched."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    # GLOBAL Metadata, then (None, {"__doc__": "planted"}) as its state: BUILD
+    data = (
+        b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n"
+        + pickle.dumps((None, {"__doc__": "planted"}), protocol=2)[2:-1]
+        + b"b."
+    )
+    before = Metadata.__doc__
+    with pytest.raises(UnsafeCheckpointError, match="attributes of .*Metadata"):
+        read_metadata_file(io.BytesIO(data), "x/.metadata")
+    assert Metadata.__doc__ == before
+
+
 def test_not_metadata_is_named(tmp_path) -> None:
     with pytest.raises(ValueError, match="'x/.metadata' holds a list, not DCP metadata"):
         read_metadata_file(io.BytesIO(pickle.dumps([1])), "x/.metadata")
