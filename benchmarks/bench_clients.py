@@ -383,7 +383,8 @@ def main(argv: list[str] | None = None) -> None:
         ]
     command = "python -m benchmarks.bench_clients " + " ".join(argv or sys.argv[1:])
     text = markdown(command.strip(), rows)
-    write_results(args.out, "clients_bench", {"command": command.strip()}, rows, text)
+    name = "clients_bench" + (f"_{args.only}" if args.only else "")
+    write_results(args.out, name, {"command": command.strip()}, rows, text)
     print(text)
 
 
