@@ -2,8 +2,8 @@
 swapped in where each client imports it, CPU gloo. Three kinds of rows:
 
 * **torchtitan's own Trainer** (``flexshard/testing/torchtitan_trainer.py``): built from
-  torchtitan's config registry (llama3, qwen3, deepseek_v3 and qwen3_moe debug models,
-  the MoE ones also with expert parallel) and run by its own ``train()`` loop:
+  torchtitan's config registry (llama3, qwen3 and deepseek_v3 debug models,
+  deepseek_v3 also with expert parallel) and run by its own ``train()`` loop:
   ``ChunkedLossWrapper`` (8 chunks: 9 backward calls a step, gradient sync off on the
   lm_head until its last chunk), ``default_adamw``, its LR schedule, clipping, gradient
   accumulation, its metrics; W = 1, 2 (3), fp32 and bf16 mixed precision. Per step,
@@ -52,7 +52,9 @@ from flexshard.testing.stats import alternating, cell, paired_ratios, spread, su
 LIBRARIES = ("fsdp2", "flexshard")
 RESULTS = Path(__file__).parent / "results"
 #: the Trainer's rows, (W, setup); the first steps of each library are counted, not timed
-#: (the first includes lazy initialisation and is the warm-up)
+#: (the first includes lazy initialisation and is the warm-up). qwen3_moe (64 experts, about
+#: 11 GiB a rank) is checked by tests/fsdp2/test_client_torchtitan.py only: both libraries
+#: in each rank process would not fit this machine's 24 GiB
 TRAINER_ROWS = {
     "quick": ((2, {"model": "llama3"}),),
     "full": (
@@ -64,7 +66,6 @@ TRAINER_ROWS = {
         (2, {"model": "qwen3"}),
         (2, {"model": "deepseek_v3"}),
         (2, {"model": "deepseek_v3", "expert_parallel": 2}),
-        (2, {"model": "qwen3_moe", "expert_parallel": 2}),
     ),
 }
 COUNTED_STEPS = 2
