@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from .runtime.collectives import BucketComm
 from .runtime.consistency import check_same_plan
 from .runtime.groups import MeshGroups
 from .runtime.tp_params import check_tp_param, local_of, spec_of
+from .torch_internals import grad_dtype_override, resolved_param_dtype
 from .validation import check_bucket_spec
 
 PlacementFn = Callable[[str, nn.Parameter], Placement]
@@ -148,6 +149,18 @@ class _Plan:
     quant: QuantFormat | None = None
     #: the bucket's own process groups and mesh (None: those of the call)
     groups: MeshGroups | None = None
+    #: per member, its ``param_dtype`` (``param_dtype_override_fn`` resolved)
+    param_dtypes: list[torch.dtype | None] = field(init=False)
+
+    def __post_init__(self) -> None:
+        # resolved while planning, so a refusal is agreed by every rank (FSDP2 calls the
+        # function once per parameter when it shards)
+        self.param_dtypes = [resolved_param_dtype(self.mp_policy, p) for p, _ in self.members]
+        if self.quant is not None and len(set(self.param_dtypes)) > 1:
+            raise ValueError(
+                f"bucket '{self.name}' (quant={self.quant}): param_dtype_override_fn gives "
+                "its parameters several dtypes; a quantized bucket gathers one"
+            )
 
 
 def _check_quant(
@@ -236,8 +249,12 @@ def _agree_and_build(
                 [_owner(root, f) for f in fqns],
                 spec_of(param),
                 placement,
+                param_dtype,
+                grad_dtype_override(param),
             )
-            for (param, fqns), placement in zip(plan.members, plan.placements)
+            for (param, fqns), placement, param_dtype in zip(
+                plan.members, plan.placements, plan.param_dtypes
+            )
         ]
         initial = [_on_device(param, groups.device) for param, _ in plan.members]
         comm = BucketComm(plan.name, groups.shard, groups.replicate, timeout)

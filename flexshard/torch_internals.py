@@ -36,6 +36,7 @@ What stays where it is, judged a de-facto public API:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 import warnings
@@ -64,8 +65,10 @@ __all__ = [
     "DataParallelMeshDims",
     "FSDPMeshInfo",
     "FakeStore",
+    "FOLLOWS_GRAD_DTYPE",
     "FakeTensorMode",
     "GradientReductionHandle",
+    "HAS_PARAM_DTYPE_OVERRIDE",
     "HSDPMeshInfo",
     "MemRefType",
     "MemTracker",
@@ -98,6 +101,7 @@ __all__ = [
     "functional_collectives_module",
     "get_num_bytes",
     "gloo_timeout",
+    "grad_dtype_override",
     "grad_reduce_dtype",
     "hf_file_name",
     "in_autograd_backward",
@@ -110,6 +114,7 @@ __all__ = [
     "profiler_enabled",
     "queue_backward_callback",
     "reduce_scatter_single",
+    "resolved_param_dtype",
     "register_global_optimizer_step_post_hook",
     "saved_metadata",
     "sequence_number",
@@ -439,6 +444,49 @@ def _reduce_in_compute_dtype(policy: MixedPrecisionPolicy, widest: torch.dtype) 
 grad_reduce_dtype: Callable[[MixedPrecisionPolicy, torch.dtype], torch.dtype] = (
     _reduce_in_param_dtype if _reduces_in_param_dtype() else _reduce_in_compute_dtype
 )
+
+
+def _follows_grad_dtype() -> bool:
+    """Whether FSDP2 keeps a parameter's unsharded gradients in its gradient dtype
+    (``Tensor.grad_dtype``: the original dtype unless set on the parameter; the policy's
+    ``reduce_dtype`` when set) rather than the compute dtype: from torch 2.15
+    (``FSDPParam.unsharded_grad_dtype``) it accumulates no-sync gradients in it, leaves a
+    backward's gradient in autograd's own dtype until it accumulates, and casts the
+    reduced shard to the sharded gradient dtype; before, gradients followed
+    ``param_dtype``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return hasattr(FSDPParam, "unsharded_grad_dtype")
+
+
+#: this release's FSDP2 follows the parameters' ``grad_dtype`` (``_follows_grad_dtype``).
+#: Public replacement: none (MixedPrecisionPolicy documents the behaviour, not a flag).
+FOLLOWS_GRAD_DTYPE: bool = _follows_grad_dtype()
+
+
+def grad_dtype_override(param: torch.Tensor) -> tuple[bool, torch.dtype | None]:
+    """``(True, dtype)`` when ``param.grad_dtype`` was set on the parameter (``None``
+    included: any dtype), else ``(False, None)``. Public replacement: none
+    (``Tensor.grad_dtype`` reads the default too)."""
+    if getattr(param, "_has_grad_dtype_override", False):
+        return True, param.grad_dtype
+    return False, None
+
+
+#: MixedPrecisionPolicy takes ``param_dtype_override_fn`` (torch 2.15): a public field
+HAS_PARAM_DTYPE_OVERRIDE: bool = any(
+    f.name == "param_dtype_override_fn" for f in dataclasses.fields(MixedPrecisionPolicy)
+)
+
+
+def resolved_param_dtype(policy: MixedPrecisionPolicy, param: torch.Tensor) -> torch.dtype | None:
+    """The ``param_dtype`` FSDP2 gives ``param`` under ``policy``: its
+    ``param_dtype_override_fn``'s answer where it has one, checked (and refused with a
+    ``ValueError``) by FSDP2's own rule. Public replacement: none (FSDP2 resolves it in
+    ``MixedPrecisionPolicy._resolve_for_param``)."""
+    if getattr(policy, "param_dtype_override_fn", None) is None:
+        return policy.param_dtype
+    return policy._resolve_for_param(param).param_dtype  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------ autograd

@@ -22,7 +22,12 @@ from torch.profiler import record_function
 from ..placements.layout import BucketLayout
 from ..placements.packing import unpack
 from ..quant import QuantFormat, QuantizedTensor
-from ..torch_internals import profiler_enabled, set_local_tensor, unsafe_preserve_version_counter
+from ..torch_internals import (
+    grad_dtype_override,
+    profiler_enabled,
+    set_local_tensor,
+    unsafe_preserve_version_counter,
+)
 from .bucket_param import BucketParam
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime, device_runtime
@@ -99,6 +104,7 @@ class Bucket:
             mp_policy,
             first.device,
             [p.requires_grad for p in params],
+            params,
         )
         self.collective = choose_collective(
             name, [p.fqn for p in params], [p.placement for p in params], quant, self.store
@@ -247,12 +253,26 @@ class Bucket:
             nn.Parameter(wrap(self.store.view(i), spec), flag)
             for i, (spec, flag) in enumerate(zip(self.specs, trainable))
         ]
-        for i, local in enumerate(self.local_params):
+        for i, (local, info) in enumerate(zip(self.local_params, self.store.per_param)):
             _mark(local, self, i)
+            if info.follows and self.params[i].grad_override[0]:
+                local.grad_dtype = info.sharded_grad  # FSDP2 keeps it on the sharded parameter
         for index, source in self.ties.items():
             self.local_params[index] = self.local_params[source]
         self._build_full_params()
         self._set_on_modules(self.local_params)
+
+    def capture_grad_dtypes(self) -> None:
+        """A ``grad_dtype`` set on a sharded parameter before the first forward holds, as
+        FSDP2 reads it at lazy init (torch 2.15)."""
+        changed = False
+        for param, local in zip(self.params, self.local_params):
+            override = grad_dtype_override(local)
+            if override[0] and override != param.grad_override:
+                param.grad_override, changed = override, True
+        if changed:
+            self.store.refresh_dtypes()
+            self._set_full_grad_dtypes()
 
     def adopt_replaced(self) -> None:
         """Adopt the parameters assigned on the modules since sharding (``load_state_dict(
@@ -320,6 +340,12 @@ class Bucket:
         self.full = FullParams(
             self.collective, self.layout, self.params, self.store.full_dtypes, device
         )
+        self._set_full_grad_dtypes()
+
+    def _set_full_grad_dtypes(self) -> None:
+        for full, info in zip(self.full.params, self.store.per_param):
+            if info.follows:  # FSDP2's unsharded parameter's grad_dtype (torch 2.15)
+                full.grad_dtype = info.grad
 
     @property
     def full_params(self) -> list[nn.Parameter]:
@@ -421,7 +447,9 @@ class Bucket:
 
     # ---------------------------------------------------------------- gradients
     def _take_grads(self) -> list[torch.Tensor | None]:
-        return self.grads.take(self.full_params, [p.tp_spec for p in self.params])
+        grads = self.grads.take(self.full_params, [p.tp_spec for p in self.params])
+        self.restore_grad_casts()
+        return grads
 
     def holds_grads(self) -> bool:
         """A gradient waits to be reduced: on a full parameter, or held back by no-sync."""
@@ -430,8 +458,26 @@ class Bucket:
         )
 
     def hold_grads(self) -> None:
-        """Gradient sync is off: keep the unsharded gradients, in ``reduce_dtype``."""
-        self.grads.hold(self._take_grads(), self.reduce_dtype)
+        """Gradient sync is off: keep the unsharded gradients, in ``reduce_dtype`` (from
+        torch 2.15 in each parameter's gradient dtype, as FSDP2)."""
+        self.grads.hold(self._take_grads(), self.store.hold_dtypes())
+
+    def defer_grad_casts(self) -> None:
+        """Before the bucket's backward (torch 2.15's FSDP2): a parameter whose gradient
+        dtype is wider than its compute dtype takes autograd's gradient uncast when it
+        is added to a held one or reduced in this backward; else autograd casts it."""
+        sync = self.schedule.requires_grad_sync
+        for full, info, held in zip(self.full_params, self.store.per_param, self.grads.held):
+            accumulates = held is not None or full.grad is not None
+            if info.widen and full.requires_grad and (sync or accumulates):
+                full.grad_dtype = None
+
+    def restore_grad_casts(self) -> None:
+        """After the bucket's backward: the full parameters' ``grad_dtype`` as FSDP2 sets
+        it between backwards (its gradient dtype)."""
+        for full, info in zip(self.full_params, self.store.per_param):
+            if info.widen:
+                full.grad_dtype = info.grad
 
     def launch_reduce(self) -> None:
         # copy-in on compute, as FSDP2; the collective on the reduce-scatter stream
@@ -442,9 +488,8 @@ class Bucket:
             # set_reduce_scatter_unused_params(True): zeros for a missing gradient, as
             # FSDP2 gives them in a group unsharded at least once (others keep None)
             agree = not (self.reduction.reduce_unused and self.gathered_once)
-            self.reduction.launch(
-                self.collective, grads, self.reduce_dtype, self.runtime(), trainable, agree
-            )
+            dtype = self.store.reduce_dtype_of(grads)
+            self.reduction.launch(self.collective, grads, dtype, self.runtime(), trainable, agree)
 
     def finish_reduce(self) -> None:
         """Land the reduced gradient shards on ``.grad``. CUDA: on the reduce-scatter
@@ -453,9 +498,9 @@ class Bucket:
             return
         runtime = self.runtime()
         with self._span("grad_copy"), runtime.on(runtime.reduce_scatter_stream):
-            # unpacked: one cast of the buffer, the gradients stay views of one buffer
-            cast_to = None if self.store.packed else self.dtype
-            self.reduction.finish(self.local_params, self.specs, cast_to)
+            # one dtype: one cast of the buffer, the gradients stay views of one buffer
+            sharded = [info.sharded_grad for info in self.store.per_param]
+            self.reduction.finish(self.local_params, self.specs, self.store.grad_cast, sharded)
 
     def settle_unused(self, used_anywhere: dict[int, bool]) -> None:
         """The ranks agreed which parameters some rank used: land those this rank did

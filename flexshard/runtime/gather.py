@@ -118,7 +118,8 @@ class PlainGather(ShardedCollective):
         super().__init__(store)
         layout = store.storage_layout
         probe = torch.empty(layout.world_size, layout.shard_numel, device="meta")
-        self.aliases = all(
+        # several compute dtypes (param_dtype_override_fn): each copied out in its own
+        self.aliases = len(set(store.full_dtypes)) == 1 and all(
             param.numel == 0 or gathered_alias(layout, i, probe) is not None
             for i, param in enumerate(layout.params)
         )
@@ -202,7 +203,7 @@ class ReplicatedGather:
 
     def full_base(self, index: int, gathered: torch.Tensor | None) -> torch.Tensor | None:
         store = self.store  # without a cast the storage already is the full bucket
-        return store.view(index) if store.param_dtype == store.dtype else None
+        return store.view(index) if store.full_dtypes[index] == store.dtype else None
 
     def payload(self, version: object, gathered: torch.Tensor | None) -> torch.Tensor:
         return self.store.buffer

@@ -27,7 +27,7 @@ def nonfinite_codes(grads: Sequence[torch.Tensor | None]) -> list[int]:
 
 class GradAccumulator:
     """Per parameter of a bucket: the gradient held back by ``set_requires_gradient_sync
-    (False)`` steps (in ``reduce_dtype``), and the non-finite codes of the last backward
+    (False)`` steps (``BucketStorage.hold_dtypes``), and the non-finite codes of the last backward
     when ``check_finite`` is on."""
 
     def __init__(self, count: int) -> None:
@@ -52,10 +52,11 @@ class GradAccumulator:
             self.nonfinite = nonfinite_codes(grads)
         return grads
 
-    def hold(self, grads: list[torch.Tensor | None], dtype: torch.dtype) -> None:
-        """Gradient sync is off: keep ``grads`` for the next backward, in ``dtype``."""
-        for i, grad in enumerate(grads):
-            if grad is not None and grad.dtype != dtype:
+    def hold(self, grads: list[torch.Tensor | None], dtypes: Sequence[torch.dtype | None]) -> None:
+        """Gradient sync is off: keep ``grads`` for the next backward, each in its
+        ``dtypes`` entry (None: as it is)."""
+        for i, (grad, dtype) in enumerate(zip(grads, dtypes)):
+            if grad is not None and dtype is not None and grad.dtype != dtype:
                 grad = grad.to(dtype)
             self.held[i] = grad
 

@@ -149,6 +149,7 @@ class StepState:
         with self._abort_step_on_error():
             if bucket.schedule.unshard_in_backward:
                 bucket.unshard()
+            bucket.defer_grad_casts()
             # the recorded order says which bucket's backward comes next only for a
             # call made inside the root's forward (not a chunked loss's head call)
             if call.in_order or bucket.schedule.backward_prefetch is not None:
@@ -388,6 +389,7 @@ def install_root_hooks(module: nn.Module) -> None:
                     bucket.rename(fqn or "root")  # fully_shard buckets are named by module
                     if bucket not in buckets:  # a grouped fully_shard: one bucket, several modules
                         bucket.adopt_replaced()  # parameters assigned since sharding
+                        bucket.capture_grad_dtypes()
                         buckets.append(bucket)
             state = StepState(mod, buckets)
             for m in mod.modules():

@@ -113,10 +113,12 @@ class GradReduction:
         local_params: Sequence[nn.Parameter],
         specs: Sequence[DTensorSpec],
         cast_to: torch.dtype | None,
+        grad_dtypes: Sequence[torch.dtype | None],
     ) -> None:
         """Wait for the reduction, finish it (HSDP all-reduce, division, hook) and
-        add this rank's shards to ``local_params``' gradients (``cast_to``: one cast
-        of the whole buffer first, so the gradients stay views of one buffer)."""
+        add this rank's shards to ``local_params``' gradients, each in ``grad_dtypes``
+        (None: the reduced dtype; ``cast_to``: one cast of the whole buffer first, so
+        the gradients stay views of one buffer)."""
         assert self._pending is not None
         pending, out = self._pending
         self._pending = None
@@ -132,9 +134,9 @@ class GradReduction:
         for i, local in enumerate(local_params):
             if not local.requires_grad:
                 continue
-            grad = self.view(out, i)
-            if grad.dtype != local.dtype:
-                grad = grad.to(local.dtype)
+            grad, dtype = self.view(out, i), grad_dtypes[i]
+            if dtype is not None and grad.dtype != dtype:
+                grad = grad.to(dtype)
             if self.used_here is not None and not self.used_here.get(i, True):
                 self.unused_here.append((i, grad))  # used elsewhere? the ranks agree
                 continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -10,7 +11,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from ..placements.bytes import as_bytes, byte_view
 from ..placements.layout import BucketLayout
 from ..placements.packing import pack_rank
-from ..torch_internals import grad_reduce_dtype
+from ..torch_internals import FOLLOWS_GRAD_DTYPE, grad_reduce_dtype
+from .bucket_param import BucketParam
+from .mp_dtypes import ParamDtypes, param_dtypes
 
 
 def free(tensor: torch.Tensor) -> None:
@@ -58,11 +61,13 @@ class BucketStorage:
         policy: MixedPrecisionPolicy,
         device: torch.device,
         trainable: list[bool] | None = None,
+        params: Sequence[BucketParam] | None = None,
     ) -> None:
         self.layout = layout
         self.rank = rank
         self.policy = policy
         self.trainable = list(trainable) if trainable is not None else [True] * len(dtypes)
+        self.params = list(params) if params is not None else None
         self.dtypes = list(dtypes)
         self.packed = len(set(dtypes)) > 1
         self.storage_layout = as_bytes(layout, element_sizes) if self.packed else layout
@@ -72,11 +77,49 @@ class BucketStorage:
     def _set_dtype(self, dtype: torch.dtype) -> None:
         policy = self.policy
         self.dtype = dtype  # the buffer's
-        self.param_dtype = policy.param_dtype or dtype
-        self.full_dtypes = [policy.param_dtype or d for d in self.dtypes]
+        self.per_param = [self._param_dtypes(i, d) for i, d in enumerate(self.dtypes)]
+        self.full_dtypes = [info.compute for info in self.per_param]
+        # the all-gather's dtype: several compute dtypes (param_dtype_override_fn) gather
+        # the storage uncast, each parameter cast as it is copied out
+        computed = set(self.full_dtypes)
+        self.param_dtype = computed.pop() if len(computed) == 1 and not self.packed else dtype
         graded = [d for d, t in zip(self.dtypes, self.trainable) if t] or self.dtypes
         widest = functools.reduce(torch.promote_types, graded)
         self.reduce_dtype = grad_reduce_dtype(policy, widest)
+        sharded = {info.sharded_grad for info in self.per_param}
+        # one cast of the whole reduced buffer when every shard takes the same dtype
+        self.grad_cast = sharded.pop() if len(sharded) == 1 and not self.packed else None
+
+    def _param_dtypes(self, index: int, dtype: torch.dtype) -> ParamDtypes:
+        policy = self.policy
+        if self.params is None:
+            return param_dtypes(dtype, policy.param_dtype, policy.reduce_dtype)
+        param = self.params[index]
+        resolved = param.param_dtype if param.param_dtype is not None else policy.param_dtype
+        return param_dtypes(
+            dtype, resolved, policy.reduce_dtype, param.grad_override, param.grad_outside_dp
+        )
+
+    def hold_dtypes(self) -> list[torch.dtype | None]:
+        """The dtype each parameter's no-sync gradient is held in (None: its own)."""
+        return [info.grad if info.follows else self.reduce_dtype for info in self.per_param]
+
+    def reduce_dtype_of(self, grads: Sequence[torch.Tensor | None]) -> torch.dtype:
+        """The dtype this backward's ``grads`` reduce in: the policy's ``reduce_dtype``,
+        else from torch 2.15 the promotion of the gradients' accumulation dtypes (a
+        gradient's own where it has none), as FSDP2's ``_get_reduce_dtype``."""
+        if self.policy.reduce_dtype is not None or not FOLLOWS_GRAD_DTYPE:
+            return self.reduce_dtype
+        dtypes = {
+            info.grad or grad.dtype
+            for info, grad in zip(self.per_param, grads)
+            if grad is not None or info.grad is not None
+        }
+        return functools.reduce(torch.promote_types, dtypes) if dtypes else self.reduce_dtype
+
+    def refresh_dtypes(self) -> None:
+        """Recompute the dtypes after a parameter's ``grad_override`` changed."""
+        self._set_dtype(self.dtype)
 
     def recast(self, buffer: torch.Tensor) -> None:
         """Adopt ``buffer`` (the storage moved or cast by ``module.to(...)``); a cast
