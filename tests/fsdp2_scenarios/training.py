@@ -29,6 +29,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 import flexshard as fs
+import flexshard.torch_internals as ti
 from flexshard.testing import run_distributed
 
 # ------------------------------------------------------------------ models
@@ -286,6 +287,13 @@ def check(selection: str, module: str, name: str) -> None:
 # Known differences, kept so the suite stays green while they are tracked (strict
 # xfail: fixing flexshard turns them into failures that ask for the mark's removal).
 XFAIL: dict[str, str] = {}
+# the same, for one selection only: (selection, name) -> reason
+XFAIL_AT: dict[tuple[str, str], str] = {}
+if not ti.FOLLOWS_GRAD_DTYPE:
+    XFAIL_AT["w3", "bf16_accum[chunked=True,reduce=None]"] = (
+        "gradients held in bf16 (before torch 2.15): the chunked head on three ranks "
+        "differs from FSDP2 by 0.031 on norm.weight (not traced yet)"
+    )
 # Scenarios this torch release's FSDP2 cannot be the reference for: a method it lacks, or
 # a bug of that release (it raises or hangs where later releases and flexshard train). On
 # such a release the comparison is skipped, naming why; later releases still run it.
@@ -329,8 +337,18 @@ _TORCH_GAPS: dict[str, tuple[bool, str]] = {
 }
 
 
+# scenarios of a feature by name prefix (every parametrization)
+_TORCH_GAP_PREFIXES: dict[str, tuple[bool, str]] = {
+    "param_dtype_override_fn[": (
+        not ti.HAS_PARAM_DTYPE_OVERRIDE,
+        "MixedPrecisionPolicy.param_dtype_override_fn (torch 2.15 and newer)",
+    ),
+}
+
+
 def _torch_gap(name: str) -> str | None:
-    gap, why = _TORCH_GAPS.get(name, (False, ""))
+    prefixed = [v for k, v in _TORCH_GAP_PREFIXES.items() if name.startswith(k)]
+    gap, why = _TORCH_GAPS.get(name, prefixed[0] if prefixed else (False, ""))
     return f"torch {torch.__version__} cannot be the reference: {why}" if gap else None
 
 
@@ -354,7 +372,7 @@ def cases(module: str) -> list:
     for selection in SELECTIONS:
         for name in _all_names(module, selection):
             marks = [pytest.mark.slow] if selection != "fast" else []
-            reason = _reason(name)
+            reason = _reason(name) or XFAIL_AT.get((selection, name))
             if reason:
                 marks.append(pytest.mark.xfail(strict=True, reason=f"flexshard: {reason}"))
             gap = _torch_gap(name)

@@ -210,6 +210,53 @@ def test_grad_reduce_dtype_is_fsdp2s() -> None:
     assert ti.grad_reduce_dtype(explicit, torch.float32) == torch.float16
 
 
+def test_follows_grad_dtype_is_fsdp2s() -> None:
+    """FOLLOWS_GRAD_DTYPE says whether torch's own FSDP2 keeps a bf16-computed
+    parameter's no-sync gradient in fp32 (its original dtype) or in bf16."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    with gloo_world(datetime.timedelta(seconds=30)):
+        mesh = init_device_mesh("cpu", (1,))
+        model = nn.Linear(4, 4)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        model.set_requires_gradient_sync(False)
+        model(torch.ones(2, 4)).sum().backward()
+        held = ti.fsdp_param_group(model).fsdp_params[0].unsharded_param.grad
+        assert held.dtype == (torch.float32 if ti.FOLLOWS_GRAD_DTYPE else torch.bfloat16)
+
+
+def test_grad_dtype_override() -> None:
+    """A ``grad_dtype`` set on a parameter, None included, told apart from the default
+    where torch's FSDP2 reads it (torch 2.15; before, torch cannot tell them apart)."""
+    param = nn.Parameter(torch.zeros(2))
+    assert ti.grad_dtype_override(param) == (False, None)
+    if not ti.FOLLOWS_GRAD_DTYPE:
+        return
+    param.grad_dtype = None
+    assert ti.grad_dtype_override(param) == (True, None)
+    param.grad_dtype = torch.bfloat16
+    assert ti.grad_dtype_override(param) == (True, torch.bfloat16)
+
+
+def test_resolved_param_dtype() -> None:
+    """FSDP2's own resolution of ``param_dtype_override_fn``, its refusal included."""
+    plain = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    param = nn.Parameter(torch.zeros(2))
+    assert ti.resolved_param_dtype(plain, param) == torch.bfloat16
+    has = "param_dtype_override_fn" in {f.name for f in dataclasses.fields(MixedPrecisionPolicy)}
+    assert ti.HAS_PARAM_DTYPE_OVERRIDE == has
+    if not has:
+        return
+    keep = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p: p.dtype
+    )
+    assert ti.resolved_param_dtype(keep, param) == torch.float32
+    bad = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p: torch.float16
+    )
+    with pytest.raises(ValueError, match="param_dtype_override_fn"):
+        ti.resolved_param_dtype(bad, param)
+
+
 # ------------------------------------------------------------------ autograd
 def test_unsafe_preserve_version_counter() -> None:
     t = torch.zeros(3)
