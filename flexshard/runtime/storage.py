@@ -111,9 +111,7 @@ class BucketStorage:
         if self.policy.reduce_dtype is not None or not FOLLOWS_GRAD_DTYPE:
             return self.reduce_dtype
         dtypes = {
-            info.grad or grad.dtype
-            for info, grad in zip(self.per_param, grads)
-            if grad is not None or info.grad is not None
+            info.grad or grad.dtype for info, grad in zip(self.per_param, grads) if grad is not None
         }
         return functools.reduce(torch.promote_types, dtypes) if dtypes else self.reduce_dtype
 
