@@ -488,7 +488,7 @@ class Bucket:
             # set_reduce_scatter_unused_params(True): zeros for a missing gradient, as
             # FSDP2 gives them in a group unsharded at least once (others keep None)
             agree = not (self.reduction.reduce_unused and self.gathered_once)
-            dtype = self.store.reduce_dtype_of(grads)
+            dtype = self.store.reduce_dtype_of(grads, trainable)
             self.reduction.launch(self.collective, grads, dtype, self.runtime(), trainable, agree)
 
     def finish_reduce(self) -> None:

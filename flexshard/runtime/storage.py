@@ -104,14 +104,20 @@ class BucketStorage:
         """The dtype each parameter's no-sync gradient is held in (None: its own)."""
         return [info.grad if info.follows else self.reduce_dtype for info in self.per_param]
 
-    def reduce_dtype_of(self, grads: Sequence[torch.Tensor | None]) -> torch.dtype:
+    def reduce_dtype_of(
+        self, grads: Sequence[torch.Tensor | None], trainable: Sequence[bool]
+    ) -> torch.dtype:
         """The dtype this backward's ``grads`` reduce in: the policy's ``reduce_dtype``,
-        else from torch 2.15 the promotion of the gradients' accumulation dtypes (a
-        gradient's own where it has none), as FSDP2's ``_get_reduce_dtype``."""
+        else from torch 2.15 the promotion of the trainable parameters' accumulation
+        dtypes (a gradient's own where it has none), as FSDP2's ``_get_reduce_dtype``.
+        A trainable parameter without a gradient here counts too: it reduces zeros
+        where another rank used it, and every rank must pick the same dtype."""
         if self.policy.reduce_dtype is not None or not FOLLOWS_GRAD_DTYPE:
             return self.reduce_dtype
         dtypes = {
-            info.grad or grad.dtype for info, grad in zip(self.per_param, grads) if grad is not None
+            info.grad or grad.dtype
+            for info, grad, used in zip(self.per_param, grads, trainable)
+            if used and (info.grad is not None or grad is not None)
         }
         return functools.reduce(torch.promote_types, dtypes) if dtypes else self.reduce_dtype
 
