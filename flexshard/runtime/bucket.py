@@ -482,14 +482,30 @@ class Bucket:
     def launch_reduce(self) -> None:
         # copy-in on compute, as FSDP2; the collective on the reduce-scatter stream
         with self._span("reduce_scatter"):
-            grads = self._take_grads()
             shown = self.full_params if self.unsharded else self.local_params
             trainable = tuple(p.requires_grad for p in shown)
+            self._check_unused_grad_dtypes(trainable)
+            grads = self._take_grads()
             # set_reduce_scatter_unused_params(True): zeros for a missing gradient, as
             # FSDP2 gives them in a group unsharded at least once (others keep None)
             agree = not (self.reduction.reduce_unused and self.gathered_once)
             dtype = self.store.reduce_dtype_of(grads, trainable)
             self.reduction.launch(self.collective, grads, dtype, self.runtime(), trainable, agree)
+
+    def _check_unused_grad_dtypes(self, trainable: tuple[bool, ...]) -> None:
+        """As FSDP2 (torch 2.15), before any collective and on every rank alike: zeros for
+        unused parameters need one dtype, which a parameter whose ``grad_dtype`` is None
+        (any) lacks without the policy's ``reduce_dtype``."""
+        if not self.reduction.reduce_unused:
+            return
+        for param, info, used in zip(self.params, self.store.per_param, trainable):
+            if used and info.follows and info.grad is None:
+                raise ValueError(
+                    "Reducing unused parameters with grad_dtype=None requires an explicit "
+                    "MixedPrecisionPolicy.reduce_dtype so every rank can build zero gradients "
+                    f"of the same dtype: {param.fqn} (bucket '{self.name}'). Set "
+                    "reduce_dtype to the dtype its gradients already have."
+                )
 
     def finish_reduce(self) -> None:
         """Land the reduced gradient shards on ``.grad``. CUDA: on the reduce-scatter

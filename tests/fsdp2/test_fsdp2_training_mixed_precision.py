@@ -107,6 +107,20 @@ def sc_grad_dtype(rank, world, shard, mesh, grad_dtype):
     return _train_mlps(model, rank, torch.optim.SGD(model.parameters(), lr=1e-2), nosync=True)
 
 
+def sc_grad_dtype_unused(rank, world, shard, mesh):
+    """``grad_dtype = None`` with ``set_reduce_scatter_unused_params(True)`` and no
+    ``reduce_dtype``: torch 2.15's FSDP2 refuses it (zeros need one dtype) before any
+    collective; before 2.15 it ignores ``grad_dtype`` and trains."""
+    torch.manual_seed(0)
+    model = nn.Sequential(NormedMLP(), NormedMLP())
+    model[0].norm.weight.grad_dtype = None
+    policy = MixedPrecisionPolicy(param_dtype=BF16)
+    shard(model[0], mesh=mesh, mp_policy=policy)
+    shard(model, mesh=mesh, mp_policy=policy)
+    model.set_reduce_scatter_unused_params(True)
+    return _train_mlps(model, rank, torch.optim.SGD(model.parameters(), lr=1e-2), nosync=False)
+
+
 SCENARIOS: dict[str, tuple] = {}
 for _chunked in (False, True):
     for _reduce in (None, torch.float32):
@@ -122,6 +136,7 @@ for _nosync in (False, True):
         )
 for _grad_dtype in (None, BF16):
     SCENARIOS[f"grad_dtype[{_grad_dtype}]"] = (sc_grad_dtype, {"grad_dtype": _grad_dtype})
+SCENARIOS["grad_dtype[None,reduce_unused]"] = (sc_grad_dtype_unused, {})
 
 FAST = [
     "bf16_accum[chunked=False,reduce=None]",
@@ -129,6 +144,7 @@ FAST = [
     "param_dtype_override_fn[nosync=True,reduce=None]",
     "grad_dtype[None]",
     "grad_dtype[torch.bfloat16]",
+    "grad_dtype[None,reduce_unused]",
 ]
 
 
