@@ -290,28 +290,34 @@ def load(
     timeout: datetime.timedelta | None = None,
     *,
     require_manifest: bool = True,
+    entries: dict[str, Any] | None = None,
 ) -> Any:
     """Load a checkpoint written by ``save`` (or by torch's ``get_state_dict`` and
     ``dcp.save``, nested or flattened) at any world size and placements into ``model``
     (and ``optimizer``); returns this rank's ``extra`` (rank 0's when this rank had
     none). Every rank calls it. Raises ValueError naming the key for a missing,
     truncated, corrupted or mismatched checkpoint, before anything changes. ``model``,
-    ``frames`` and ``timeout`` as for ``save``; ``require_manifest`` as for ``load_state``."""
+    ``frames`` and ``timeout`` as for ``save``; ``require_manifest`` as for ``load_state``;
+    ``entries``: the state saved beside (``save``'s ``entries``), read into these dicts
+    in place, each one required."""
     root = os.path.abspath(os.fspath(path))
     ranks = Ranks.of(process_group, root, _timeout(model, timeout))
     metadata = _verified(root, ranks, require_manifest)
     flat = saved_flat(metadata)
     target = fresh(state_dict(model, optimizer, flat=flat))
-    loaded = framed_state(target, frames)
-    problems = []
-    if optimizer is not None and "optim" not in saved_entries(metadata):
+    entries = entries if entries is not None else {}
+    loaded = {**framed_state(target, frames), **entries}
+    saved, problems = saved_entries(metadata), []
+    if optimizer is not None and "optim" not in saved:
         problems.append("the checkpoint holds no optimizer state")
+    problems += [f"the checkpoint holds no '{name}' state" for name in entries if name not in saved]
     checked = loaded if not problems else {"model": loaded["model"]}
     _raise_if_any(problems + _mismatches(checked, metadata, ranks, ("model",)), ranks, root)
     mine = None
     if optimizer is not None and not flat:  # before the read puts the saved lists there
         mine = union_groups(group_params(target["optim"]), ranks)
     extra = _read(root, loaded, ranks)
+    entries.update({name: loaded[name] for name in entries})  # a plain value is replaced
     state = unframed(loaded, target)
     if mine is not None:
         _raise_if_any(group_problems(mine, group_params(state["optim"])), ranks, root)

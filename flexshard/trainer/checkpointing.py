@@ -17,11 +17,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from flexshard.checkpoint import load, load_state
+from flexshard.checkpoint import load
 from flexshard.checkpoint import save as save_checkpoint
 from flexshard.checkpoint.async_save import AsyncCheckpointer, SaveError, one_line
 from flexshard.checkpoint.bounded import in_flight
-from flexshard.checkpoint.safe_load import read_metadata
 from flexshard.checkpoint.stages import Model
 
 from .exchange import configured_timeout
@@ -32,7 +31,10 @@ if TYPE_CHECKING:
     from .job import Job
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
-SCHEDULER = "lr_scheduler"  # the LambdaLR's state_dict, beside the optimizer's
+# The LambdaLR's state_dict, a DCP entry beside the optimizer's (not a per-rank extra):
+# covered by the manifest, its keys checked before anything loads, one copy whatever
+# the world size, and readable by torch's own dcp.load.
+SCHEDULER = "lr_scheduler"
 
 
 def folder(job: Job) -> Path:
@@ -69,13 +71,11 @@ def _timeout(job: Job) -> datetime.timedelta:
     return configured_timeout(job.cfg.parallelism.timeout_s)
 
 
-def _extra(job: Job, step: int) -> dict[str, Any]:
-    return {"step": step, SCHEDULER: job.lr_scheduler.state_dict()}
+def _extra(step: int) -> dict[str, Any]:
+    return {"step": step}
 
 
 def _entries(job: Job) -> dict[str, Any]:
-    # the scheduler also as a DCP entry, where FSDP2 runs before this one kept it
-    # (theirs load these checkpoints, and ours theirs: ``_schedule``)
     return {SCHEDULER: job.lr_scheduler.state_dict()}
 
 
@@ -99,7 +99,7 @@ def save(job: Job, step: int) -> Path:
             path,
             _model(job),
             job.optimizer,
-            extra=_extra(job, step),
+            extra=_extra(step),
             frames=frames_of(job),
             timeout=_timeout(job),
             stages=_stages(job),
@@ -136,7 +136,7 @@ def _save_async(job: Job, step: int, path: Path) -> None:
     keep, root = job.cfg.checkpoint.keep_latest_k, folder(job)
     after = functools.partial(purge, root, keep) if keep and job.rank == 0 else None
     label = f"checkpoint step {step}"
-    saver.save(path, {**state, **_entries(job)}, label=label, extra=_extra(job, step), after=after)
+    saver.save(path, {**state, **_entries(job)}, label=label, extra=_extra(step), after=after)
 
 
 def wait_for_saves(job: Job) -> None:
@@ -155,43 +155,18 @@ def maybe_resume(job: Job) -> int:
     if step is None:
         return 0
     path = folder(job) / f"step-{step}"
-    # require_manifest=False: FSDP2 runs before this one saved plain DCP folders
-    extra = load(
-        path,
-        _model(job),
-        job.optimizer,
-        frames=frames_of(job),
-        timeout=_timeout(job),
-        require_manifest=False,
-    )
+    entries = _entries(job)
+    model, frames = _model(job), frames_of(job)
+    extra = load(path, model, job.optimizer, frames=frames, timeout=_timeout(job), entries=entries)
     step = int((extra or {}).get("step", step))
-    _restore_schedule(job, _schedule(job, path, extra), step, path)
+    _restore_schedule(job, entries[SCHEDULER], step, path)
     if job.rank == 0:
         print(f"resumed from {path} at step {step}", flush=True)
     return step
 
 
-def _schedule(job: Job, path: Path, extra: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The saved scheduler state: in ``extra``, or (FSDP2 runs before this one saved
-    none) the DCP entry, when the checkpoint has one."""
-    if extra is not None:
-        return extra.get(SCHEDULER)
-    saved = read_metadata(path).state_dict_metadata
-    if not any(key.startswith(f"{SCHEDULER}.") for key in saved):
-        return None
-    state = {SCHEDULER: job.lr_scheduler.state_dict()}
-    load_state(path, state, timeout=_timeout(job), require_manifest=False)
-    return state[SCHEDULER]
-
-
-def _restore_schedule(job: Job, state: dict[str, Any] | None, step: int, path: Path) -> None:
+def _restore_schedule(job: Job, state: dict[str, Any], step: int, path: Path) -> None:
     """The scheduler where the saved run left it: its next lr is step ``step``'s."""
-    if state is None:
-        raise ValueError(
-            f"checkpoint '{path}' has no '{SCHEDULER}' state (written before the trainer "
-            "kept it); start afresh with --checkpoint.resume false or another "
-            "checkpoint.folder"
-        )
     if state["last_epoch"] != step:
         raise ValueError(
             f"checkpoint '{path}': the lr scheduler's state is at step "

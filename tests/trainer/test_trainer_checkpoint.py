@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 import flexshard as fs
+from flexshard.checkpoint.safe_load import read_metadata
 from flexshard.testing import run_distributed
 from flexshard.trainer import checkpointing
 from flexshard.trainer.checkpointing import latest_step
@@ -130,10 +131,42 @@ def test_resume_is_exact_and_reshardable(tmp_path):
     assert all(torch.allclose(flex[k], fsdp2[k], atol=1e-5) for k in flex)
 
 
-def test_resume_refuses_a_missing_or_mismatched_lr_scheduler_state():
+def _scheduler_saved(rank: int, world_size: int, folder: str) -> dict:
+    """A run saving step 3, and one whose step-3 save held no scheduler state (as if
+    ``_entries`` left it out), resumed with more steps."""
+    out: dict = {}
+    for name, entries in (("kept", checkpointing._entries), ("dropped", lambda job: {})):
+        cfg = tiny_config(f"{folder}/{name}", training={"steps": 3}, checkpoint=CKPT)
+        real, checkpointing._entries = checkpointing._entries, entries
+        try:
+            run(cfg)
+        finally:
+            checkpointing._entries = real
+        longer = tiny_config(f"{folder}/{name}", training={"steps": 4}, checkpoint=CKPT)
+        try:
+            out[name] = [r["step"] for r in run(longer)]
+        except Exception as err:
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def test_scheduler_state_is_saved_once_and_required_on_resume(tmp_path):
+    results = run_distributed(_scheduler_saved, 2, str(tmp_path), timeout=300)
+    step = tmp_path / "kept" / "checkpoint" / "step-3"
+    saved = read_metadata(step).state_dict_metadata
+    assert any(key.startswith("lr_scheduler.") for key in saved)  # the DCP entry ...
+    for extra in step.glob("extra_*.pt"):  # ... and no second copy in the per-rank extras
+        assert set(torch.load(extra)) == {"step"}, extra
+    for rank, out in enumerate(results):
+        assert out["kept"] == [4], rank
+        error = out["dropped"]
+        assert isinstance(error, str) and "\n" not in error, (rank, error)
+        assert f"{tmp_path / 'dropped' / 'checkpoint' / 'step-3'}" in error, error
+        assert "holds no 'lr_scheduler' state" in error, error
+
+
+def test_resume_refuses_a_mismatched_lr_scheduler_state():
     import pytest
 
-    with pytest.raises(ValueError, match="has no 'lr_scheduler' state"):
-        checkpointing._restore_schedule(None, None, 3, Path("ckpt/step-3"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="at step 2, the checkpoint at step 3"):
         checkpointing._restore_schedule(None, {"last_epoch": 2}, 3, Path("ckpt/step-3"))  # type: ignore[arg-type]
