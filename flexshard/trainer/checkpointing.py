@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import os
 import re
 import shutil
 from pathlib import Path
@@ -21,6 +20,7 @@ from flexshard.checkpoint import load
 from flexshard.checkpoint import save as save_checkpoint
 from flexshard.checkpoint.async_save import AsyncCheckpointer, SaveError, one_line
 from flexshard.checkpoint.bounded import in_flight
+from flexshard.checkpoint.safetensors_export import write_safetensors
 from flexshard.checkpoint.stages import Model
 
 from .exchange import configured_timeout
@@ -199,18 +199,7 @@ def export(job: Job) -> Path:
         full = {**full_parameters(parallel, meshes), **full_buffers(parallel, meshes)}
     else:  # torch's full state dict: every DTensor gathered, flexshard's placements too
         full = get_model_state_dict(job.model, options=StateDictOptions(full_state_dict=True))
-    _write_full(job, full, path)
-    return path
-
-
-def _write_full(job: Job, full: dict[str, Any], path: Path) -> None:
-    """Rank 0 writes the gathered tensors (under a temporary name, then renamed); every
-    rank waits for it."""
-    from safetensors.torch import save_file
-
     if job.rank == 0:
-        partial = f"{path}.partial"
-        tensors = {k: v.detach().cpu().contiguous() for k, v in full.items()}
-        save_file(tensors, partial, metadata={"format": "pt"})
-        os.replace(partial, path)
+        write_safetensors(full, path)
     _barrier(job, "barrier after the export", path)
+    return path

@@ -2,7 +2,8 @@
 (``save_pretrained``, several safetensors shards) loads into the sharded trainer at
 W = 1, 2 and 3 under several placements and gives the same logits; the trainer's HF
 export of it is the same tensors and ``from_pretrained`` loads it; RoPE rows change
-order both ways."""
+order both ways; the trainer's ``model.safetensors`` of a tied-embedding model loads
+tied."""
 
 from __future__ import annotations
 
@@ -203,3 +204,53 @@ def test_hf_train_hf_round_trip(tmp_path):
     after = hf_logits(exported)
     assert (after - expected).abs().max().item() < 1e-4
     assert (after - start).abs().max().item() > 1e-2  # it did train
+
+
+def _export_tied(rank: int, world_size: int, folder: str, backend: str) -> None:
+    """The trainer's ``model.safetensors`` export of a sharded tied-embedding model."""
+    from types import SimpleNamespace
+
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+
+    import flexshard as fs
+
+    model = transformers.LlamaForCausalLM.from_pretrained(f"{folder}/hf")
+    shard = fs.fully_shard if backend == "flexshard" else fully_shard
+    for layer in model.model.layers:
+        shard(layer)
+    shard(model)
+    out = Path(folder) / backend
+    out.mkdir(exist_ok=True)
+    job = SimpleNamespace(
+        folder=out,
+        rank=rank,
+        model=model,
+        dims=SimpleNamespace(pp=1, ep=1),
+        cfg=SimpleNamespace(parallelism=SimpleNamespace(timeout_s=120)),
+    )
+    checkpointing.export(job)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["flexshard", "fsdp2"])
+def test_tied_embedding_export_loads_in_transformers(tmp_path, backend):
+    transformers = _transformers()
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=40,
+        intermediate_size=34,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    original = transformers.LlamaForCausalLM(config).eval()
+    original.save_pretrained(tmp_path / "hf")
+    run_distributed(_export_tied, 2, str(tmp_path), backend)
+    (tmp_path / backend / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / backend).eval()
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    expected, got = original.state_dict(), loaded.state_dict()
+    assert got.keys() == expected.keys()
+    assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
