@@ -38,8 +38,9 @@ from typing import Any
 import torch
 
 from flexshard.testing import run_distributed
-from flexshard.testing.stats import RULE, alternating, cell, range_cell, spread, verdict_cell
+from flexshard.testing.stats import RULE, alternating, cell, range_cell, verdict_cell
 
+from .backend_plot import plot_backends
 from .bench_trainer import compare, measured_run, per_rep, timed_row, trainer_table
 from .output import write_results
 from .parallel_muon import MUON_LAYOUTS, muon_markdown, muon_rank, summarise_muon
@@ -236,40 +237,10 @@ def markdown(rows: list[dict], meta: dict[str, Any]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(r["layout"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for ax, key, label in (
-        (axes[0], "tokens_per_s", "tokens/s (global), median and IQR"),
-        (axes[1], "peak_rss_mb", "peak RSS per rank, MB, median and IQR"),
-    ):
-        for i, backend in enumerate(BACKENDS):
-            picked = [
-                spread(r["per_rep"][key])
-                for n in names
-                for r in rows
-                if r["layout"] == n and r["backend"] == backend
-            ]
-            ax.bar(
-                [x + 0.38 * i for x in range(len(names))],
-                [p.median for p in picked],
-                yerr=[[p.median - p.q1 for p in picked], [p.q3 - p.median for p in picked]],
-                width=0.36,
-                label=backend,
-                capsize=3,
-            )
-        ax.set_xticks([x + 0.19 for x in range(len(names))], names, rotation=30, ha="right")
-        ax.set_ylabel(label)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].legend()
-    fig.suptitle("flexshard-train 5-D layouts: flexshard vs FSDP2 data parallelism (CPU)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    names = dict.fromkeys(r["layout"] for r in rows)
+    groups = {n: [r for r in rows if r["layout"] == n] for n in names}
+    title = "flexshard-train 5-D layouts: flexshard vs FSDP2 data parallelism (CPU)"
+    plot_backends(groups, BACKENDS, path, title, figsize=(12, 4.2), capsize=3, rotate=True)
 
 
 def _load() -> str:

@@ -35,7 +35,6 @@ from flexshard.testing.stats import (
     cell,
     paired_ratios,
     range_cell,
-    spread,
     summary,
     verdict_cell,
 )
@@ -43,6 +42,7 @@ from flexshard.trainer.config import config_from_dict
 from flexshard.trainer.model import count_params
 from flexshard.trainer.train import run
 
+from .backend_plot import plot_backends
 from .measure import peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
 from .output import write_results
 
@@ -282,40 +282,10 @@ def markdown(rows: list[dict], meta: dict[str, Any]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sizes = sorted({r["world_size"] for r in rows})
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    for ax, key, label in (
-        (axes[0], "tokens_per_s", "tokens/s (global), median and IQR"),
-        (axes[1], "peak_rss_mb", "peak RSS per rank, MB, median and IQR"),
-    ):
-        for i, backend in enumerate(BACKENDS):
-            picked = [
-                spread(r["per_rep"][key])
-                for w in sizes
-                for r in rows
-                if r["world_size"] == w and r["backend"] == backend
-            ]
-            ax.bar(
-                [x + 0.38 * i for x in range(len(sizes))],
-                [p.median for p in picked],
-                yerr=[[p.median - p.q1 for p in picked], [p.q3 - p.median for p in picked]],
-                width=0.36,
-                label=backend,
-                capsize=4,
-            )
-        ax.set_xticks([x + 0.19 for x in range(len(sizes))], [f"W = {w}" for w in sizes])
-        ax.set_ylabel(label)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].legend()
-    fig.suptitle("flexshard-train vs dp_backend = fsdp2 (CPU, gloo)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    groups = {f"W = {w}": [r for r in rows if r["world_size"] == w] for w in sizes}
+    title = "flexshard-train vs dp_backend = fsdp2 (CPU, gloo)"
+    plot_backends(groups, BACKENDS, path, title, figsize=(9, 3.6), capsize=4)
 
 
 def main(argv: list[str] | None = None) -> None:
