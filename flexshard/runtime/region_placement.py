@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Placement as TorchPlacement
 
 from ..placements.layout import ParamLayout
+from ..torch_internals import all_gather_single
 
 
 class RegionShard(TorchPlacement):
@@ -58,7 +59,7 @@ class RegionShard(TorchPlacement):
         send = local.new_zeros(width)
         send[: local.numel()].copy_(local.reshape(-1))
         received = local.new_empty(len(layout.regions) * width)
-        dist.all_gather_into_tensor(received, send, group=group)
+        all_gather_single(received, send, group=group)
         full = local.new_empty(layout.shape)
         for rank, regions in enumerate(layout.regions):
             cursor = rank * width
