@@ -36,11 +36,12 @@ What stays where it is, judged a de-facto public API:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -120,6 +121,7 @@ __all__ = [
     "sequence_number",
     "set_local_tensor",
     "set_nested",
+    "single_process_dcp",
     "storage_id",
     "tree_flatten",
     "tree_leaves",
@@ -623,6 +625,17 @@ def saved_metadata(returned: Any, read: Callable[[], Any]) -> Any:
     ``storage_data``; the file is complete once dcp.save returns on any rank). Public
     replacement: none needed from 2.13 on."""
     return returned if returned.storage_data is not None else read()
+
+
+@contextlib.contextmanager
+def single_process_dcp(no_dist: bool) -> Iterator[None]:
+    """Around a ``dcp.save`` / ``dcp.load`` given ``no_dist``: without a process group
+    torch 2.11 to 2.15 warn on every call, even one passing ``no_dist=True``, that they
+    assume one process. The caller said so: that one warning is dropped, here only."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 # DCP's .metadata pickle names these private classes and helper (torch 2.11 to 2.15

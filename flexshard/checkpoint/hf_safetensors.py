@@ -29,7 +29,6 @@ import math
 import os
 import shutil
 import struct
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +47,7 @@ from ..torch_internals import (
     consolidate_safetensors_files_on_every_rank,
     hf_file_name,
     local_tensor,
+    single_process_dcp,
 )
 from .frames import Frames, framed
 from .safe_load import dcp_load
@@ -271,8 +271,7 @@ def save_hf_safetensors(
         for name, chunks in _by_name(_framed_chunks(fqn, value, frames), keys[fqn]).items()
     }
     writer = _ChunkFileWriter(sharded, fqn_to_index_mapping=mapping, save_distributed=True)
-    with warnings.catch_warnings():  # one process: DCP warns that it assumes so
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with single_process_dcp(no_dist):
         dcp.save(export, storage_writer=writer, process_group=process_group, no_dist=no_dist)
     del export
     # each rank builds the output files with index % world == rank, one tensor at a time
@@ -396,8 +395,7 @@ def load_hf_safetensors(
             )
             for name, (chunks, target, _) in round_.items()
         }
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with single_process_dcp(no_dist):
             dcp_load(load, root, process_group, no_dist, HuggingFaceStorageReader(root))
         for chunks, target, heads in round_.values():
             if heads and target is not None:

@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ..torch_internals import single_process_dcp
 from .bounded import Ranks, model_timeout
 from .frames import Frames, framed_state, unframed
 from .manifest import (
@@ -112,7 +113,7 @@ def _save(final: str, state: dict[str, Any], extra: Any, ranks: Ranks) -> None:
     ranks.barrier("barrier before writing")
     if extra is not None:
         torch.save(extra, os.path.join(partial, _extra_file(ranks.rank)))
-    with ranks.step("dcp.save"):
+    with ranks.step("dcp.save"), single_process_dcp(ranks.no_dist):
         metadata = dcp.save(
             state,
             storage_writer=FileSystemWriter(partial, sync_files=True),
@@ -252,7 +253,7 @@ def _verified(root: str, ranks: Ranks, require_manifest: bool) -> Metadata:
 
 def _read(root: str, state: dict[str, Any], ranks: Ranks) -> Any:
     """``dcp.load`` into ``state``; this rank's ``extra`` (rank 0's when it had none)."""
-    with ranks.step("dcp.load"):
+    with ranks.step("dcp.load"), single_process_dcp(ranks.no_dist):
         dcp_load(state, root, ranks.group, ranks.no_dist)
     for rank in (ranks.rank, 0):
         extra = os.path.join(root, _extra_file(rank))

@@ -171,3 +171,21 @@ def test_sharded_generation_equals_one_process(tmp_path):
     assert [r[:2] for r in results] == [(greedy, sampled)] * 3
     total = sum(p.numel() for p in model.parameters())
     assert sum(r[2] for r in results) == total and max(r[2] for r in results) < total / 2
+
+
+def test_one_process_generation_from_a_dcp_checkpoint_warns_nothing(tmp_path):
+    """No warning of flexshard's making: DCP's "assuming one process" included."""
+    import warnings
+    from pathlib import Path
+
+    import flexshard.checkpoint as ckpt
+
+    config = str(Path(__file__).parents[2] / "configs" / "debug.toml")
+    model = Transformer(load_config(config).model)
+    init_weights(model, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckpt.save(tmp_path / "step-1", model)
+        loaded, tokenizer = load_model(tmp_path / "step-1", config)
+        generate(loaded, tokenizer.encode("a"), 2, 0.0, 0, 0)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), model.parameters()))
