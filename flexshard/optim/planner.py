@@ -22,6 +22,7 @@ from torch import nn
 
 from ..api import BucketSpec
 from ..placements import BlockShard, Owned, Placement, Shard
+from ..placements.by_name import PlacementByName
 from ..placements.layout import plan_bucket
 from ..placements.owned import lpt_owners
 from .matrix_units import preconditioner_flops
@@ -97,7 +98,7 @@ def _plan(
         specs.append(
             BucketSpec(
                 [name for name, _, _ in blocks],
-                placement=lambda fqn, _p, table=placements: table[fqn],
+                placement=PlacementByName(placements),
                 name=f"{prefix}_blocks",
             )
         )
@@ -110,7 +111,7 @@ def _plan(
         specs.append(
             BucketSpec(
                 [name for name, _ in whole],
-                placement=lambda fqn, _p, table=pinned: table[fqn],
+                placement=PlacementByName(pinned),
                 name=f"{prefix}_owned",
             )
         )

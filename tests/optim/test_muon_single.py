@@ -169,6 +169,12 @@ def test_planner_buckets() -> None:
     assert all(isinstance(owned.placement(n, None), fs.Owned) for n in owned.pattern_list)
     assert {owned.placement(n, None).rank for n in owned.pattern_list} == {0, 1, 2}
     assert "embed.weight" in by_name["adamw"].pattern_list
+    # the repr says who owns which matrix and how each block is cut, not "<lambda>"
+    for name in owned.pattern_list:
+        assert f"'{name}': Owned(rank={owned.placement(name, None).rank})" in repr(owned), name
+    assert "'layers.0.qkv.weight': BlockShard(block=(6, 18))" in repr(blocks)
+    with pytest.raises(KeyError, match="'embed.weight'"):
+        owned.placement("embed.weight", None)
 
 
 @pytest.mark.parametrize(
