@@ -235,14 +235,18 @@ def _spawned(rank: int, nproc: int, port: int, args: argparse.Namespace) -> None
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="flexshard-generate", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="flexshard-generate",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--checkpoint", required=True, help="HF folder or DCP step folder")
     parser.add_argument("--config", help="the run's TOML (DCP checkpoints only)")
-    parser.add_argument("--prompt", default="")
-    parser.add_argument("--max-new-tokens", type=int, default=100)
+    parser.add_argument("--prompt", default="", help="text to continue (empty: a newline)")
+    parser.add_argument("--max-new-tokens", type=int, default=100, help="tokens to add")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0: the whole vocabulary")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument(
         "--nproc", type=int, help="shard the model over this many local ranks (gloo)"
     )

@@ -5,10 +5,13 @@ flexshard.trainer``) every process runs the job as torchrun describes it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
+import textwrap
 from multiprocessing.queues import SimpleQueue
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,11 +82,51 @@ def spawn(cfg: Config, nproc: int) -> None:
         sys.exit(errors.get())
 
 
+def _keys(section: Any, prefix: str) -> list[str]:
+    """``[prefix] key=default, ...`` lines of a config section, its subsections after."""
+    plain, nested = [], []
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            nested += _keys(value, f"{prefix}.{f.name}")
+        else:
+            plain.append(f"{f.name}={value!r}")
+    line = textwrap.fill(
+        f"[{prefix}] " + ", ".join(plain), width=92, initial_indent="  ", subsequent_indent="    "
+    )
+    return [line, *nested]
+
+
+def epilog() -> str:
+    """What ``--help`` says after the options: every config key, resuming, the docs."""
+    cfg = Config()
+    sections = [
+        line for f in dataclasses.fields(cfg) for line in _keys(getattr(cfg, f.name), f.name)
+    ]
+    return "\n".join(
+        [
+            "Config: a TOML file of these sections and keys (defaults shown); any key can",
+            "be overridden on the command line: --training.steps 20 --parallelism.dp_shard 3",
+            *sections,
+            "",
+            "Resuming: with --checkpoint.enable true, a checkpoint is saved every",
+            "checkpoint.interval steps (and at the last) to <job.dump_folder>/<checkpoint.folder>/",
+            "step-N. Running the same command again, e.g. with a larger --training.steps,",
+            "resumes from the latest complete one (checkpoint.resume, on by default), the",
+            "lr schedule then following the new training.steps;",
+            "--checkpoint.resume false or another job.dump_folder starts afresh.",
+            "",
+            "Every section and key explained: docs/trainer.md",
+        ]
+    )
+
+
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="flexshard-train",
         description="Train a Llama-style model with flexshard (or torch FSDP2) data parallelism.",
-        epilog="Any config key can be overridden: --training.steps 20 --parallelism.dp_shard 3",
+        epilog=epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", help="TOML config file (configs/debug.toml, ...)")
     parser.add_argument(

@@ -287,3 +287,41 @@ def test_hf_dataset_saved_to_disk(tmp_path):
         base = ["--data.source", "hf_disk", "--data.hf_path", str(tmp_path / "dd")]
         with pytest.raises(ConfigError, match=message):
             load_tokens(load_config(None, base + overrides).data, ByteTokenizer())
+
+
+def test_train_help_lists_every_key_resuming_and_the_docs(capsys):
+    import dataclasses
+
+    from flexshard.trainer.config import Config
+    from flexshard.trainer.launch import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # the wrapping undone
+
+    def sections(obj, prefix: str):
+        yield prefix, obj
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                yield from sections(value, f"{prefix}.{f.name}")
+
+    cfg = Config()
+    for top in dataclasses.fields(cfg):
+        for name, section in sections(getattr(cfg, top.name), top.name):
+            assert f"[{name}]" in text, name
+            for f in dataclasses.fields(section):
+                if not dataclasses.is_dataclass(getattr(section, f.name)):
+                    assert f"{f.name}={getattr(section, f.name)!r}" in text, (name, f.name)
+    assert "Running the same command again" in text and "checkpoint.resume" in text
+    assert "docs/trainer.md" in text
+
+
+def test_generate_help_shows_the_defaults(capsys):
+    from flexshard.trainer.generate import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("tokens to add (default: 100)", "0: greedy (default: 0.0)", "(default: 0)"):
+        assert default in text, default
