@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from flexshard.checkpoint import load
 from flexshard.checkpoint import save as save_checkpoint
@@ -25,6 +24,7 @@ from flexshard.checkpoint.stages import Model
 
 from .exchange import configured_timeout
 from .hf_checkpoint import frames_of, load_hf, world_group
+from .parallelize import full_model_state
 from .retention import purge
 
 if TYPE_CHECKING:
@@ -192,13 +192,7 @@ def initial_load(job: Job) -> None:
 def export(job: Job) -> Path:
     """The final model, unsharded, as ``model.safetensors`` in the dump folder."""
     path = job.folder / "model.safetensors"
-    if job.dims.pp * job.dims.ep > 1:  # stages and expert slices gathered into one model
-        from .parallelize import full_buffers, full_parameters
-
-        parallel, meshes = job.parallel, job.meshes
-        full = {**full_parameters(parallel, meshes), **full_buffers(parallel, meshes)}
-    else:  # torch's full state dict: every DTensor gathered, flexshard's placements too
-        full = get_model_state_dict(job.model, options=StateDictOptions(full_state_dict=True))
+    full = full_model_state(job.parallel, job.meshes)
     if job.rank == 0:
         write_safetensors(full, path)
     _barrier(job, "barrier after the export", path)

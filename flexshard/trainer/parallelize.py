@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import flexshard as fs
 
@@ -118,51 +118,37 @@ def local_batch(
     return split_sequence(inputs, meshes.cp), split_sequence(targets, meshes.cp)
 
 
-# ------------------------------------------------------------------ full parameters
-def full_parameters(parallel: Parallelized, meshes: Meshes) -> dict[str, torch.Tensor]:
-    """The whole model's parameters, gathered on every rank (tests, export): flexshard
-    or FSDP2 shards, TP pieces, EP's experts and PP's stages put back together."""
-    params: dict[str, torch.Tensor] = {}
+# ------------------------------------------------------------------ the full model
+def full_model_state(
+    parallel: Parallelized, meshes: Meshes, parameters_only: bool = False
+) -> dict[str, torch.Tensor]:
+    """The whole model's state dict (``parameters_only``: without its buffers), gathered
+    on every rank (tests, export), by name. Each module's through torch's full
+    ``get_model_state_dict``, the FSDP2 contract both backends keep (flexshard's
+    placements and TP's pieces are DTensors it gathers); then EP's experts and PP's
+    stages put back together."""
+    state: dict[str, torch.Tensor] = {}
+    full = StateDictOptions(full_state_dict=True)
     for module in parallel.modules:
-        if isinstance(module, fs.FlexShardModule):
-            params.update(fs.full_state_dict(module))
-        else:
-            for name, param in module.named_parameters():
-                value = param.full_tensor() if isinstance(param, DTensor) else param
-                params[name] = value.detach()
-    for name, value in list(params.items()):
-        if isinstance(value, DTensor):
-            params[name] = value.full_tensor()
+        names = dict(module.named_parameters()) if parameters_only else None
+        for name, value in get_model_state_dict(module, options=full).items():
+            if names is None or name in names:
+                state[name] = value
+    for name, value in list(state.items()):
         if meshes.ep is not None and any(name.startswith(f + ".") for f in parallel.expert_fqns):
             group = meshes.ep.get_group()
             pieces = [torch.empty_like(value) for _ in range(group.size())]
             dist.all_gather(pieces, value.contiguous(), group=group)
-            params[name] = torch.cat(pieces)
+            state[name] = torch.cat(pieces)
     if meshes.pp is not None:
         stages: list[Any] = [None] * meshes.pp.size()
-        mine = {k: v.cpu() for k, v in params.items()}
+        mine = {k: v.cpu() for k, v in state.items()}
         dist.all_gather_object(stages, mine, group=meshes.pp.get_group())
         for stage in stages:
-            params.update(stage)
-    return {name: params[name] for name in sorted(params)}
+            state.update(stage)
+    return {name: state[name] for name in sorted(state)}
 
 
-def full_buffers(parallel: Parallelized, meshes: Meshes) -> dict[str, torch.Tensor]:
-    """The persistent buffers of every stage module (the MoE ``"bias"`` balance's
-    biases), gathered over pp: with ``full_parameters``, the single process's state
-    dict. No data-, tensor- or expert-parallel wrapper shards a buffer."""
-    buffers: dict[str, torch.Tensor] = {}
-    for module in parallel.modules:
-        params = {name for name, _ in module.named_parameters()}
-        for name, value in module.state_dict().items():
-            if name not in params and isinstance(value, torch.Tensor):
-                full = value.full_tensor() if isinstance(value, DTensor) else value
-                buffers[name] = full.detach()
-    if meshes.pp is not None:
-        stages: list[Any] = [None] * meshes.pp.size()
-        dist.all_gather_object(
-            stages, {k: v.cpu() for k, v in buffers.items()}, group=meshes.pp.get_group()
-        )
-        for stage in stages:
-            buffers.update(stage)
-    return {name: buffers[name] for name in sorted(buffers)}
+def full_parameters(parallel: Parallelized, meshes: Meshes) -> dict[str, torch.Tensor]:
+    """``full_model_state``'s parameters."""
+    return full_model_state(parallel, meshes, parameters_only=True)

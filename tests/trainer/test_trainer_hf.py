@@ -225,8 +225,8 @@ def _export_tied(rank: int, world_size: int, folder: str, backend: str) -> None:
     job = SimpleNamespace(
         folder=out,
         rank=rank,
-        model=model,
-        dims=SimpleNamespace(pp=1, ep=1),
+        parallel=SimpleNamespace(modules=[model], expert_fqns=()),
+        meshes=SimpleNamespace(ep=None, pp=None),
         cfg=SimpleNamespace(parallelism=SimpleNamespace(timeout_s=120)),
     )
     checkpointing.export(job)  # type: ignore[arg-type]
