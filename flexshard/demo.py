@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import time
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -67,9 +66,6 @@ def learnable_batches(steps: int, world_size: int) -> list[tuple[torch.Tensor, t
 
 
 def train(rank: int, world_size: int, placement_name: str, steps: int) -> dict[str, object]:
-    # torch 2.13 renamed the tensor collectives; the old names still work but warn
-    # once per process, which would bury the first lines of the demo
-    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)  # the same initial weights on every rank
     model = TinyTransformer(CFG)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +79,6 @@ def setup(cfg: Config) -> Job:
     device = pick_device(cfg.training.device)
     init_distributed(device, cfg.parallelism.timeout_s)  # the world's waits bounded too
     dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
-    # torch 2.13 renamed the tensor collectives; the old names warn once per process
-    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")
     mesh = dims.build_mesh(device.type)
     meshes, dp_rank = dims.meshes(mesh), dims.dp_rank(mesh)
     t = cfg.training

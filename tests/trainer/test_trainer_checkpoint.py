@@ -170,3 +170,29 @@ def test_resume_refuses_a_mismatched_lr_scheduler_state():
 
     with pytest.raises(ValueError, match="at step 2, the checkpoint at step 3"):
         checkpointing._restore_schedule(None, {"last_epoch": 2}, 3, Path("ckpt/step-3"))  # type: ignore[arg-type]
+
+
+def _warned(rank: int, world_size: int, folder: str) -> list[str]:
+    """Both backends: train, save, resume and export with every warning an error."""
+    import warnings
+
+    out = []
+    for backend in ("flexshard", "fsdp2"):
+        for steps in (2, 3):
+            cfg = tiny_config(
+                f"{folder}/{backend}",
+                training={"steps": steps},
+                parallelism={"dp_backend": backend},
+                checkpoint={**CKPT, "interval": 2, "export_safetensors": True},
+            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                try:
+                    run(cfg)
+                except Warning as warning:
+                    out.append(f"{backend}: {type(warning).__name__}: {warning}")
+    return out
+
+
+def test_training_saving_and_resuming_warn_nothing(tmp_path):
+    assert run_distributed(_warned, 2, str(tmp_path), timeout=300) == [[], []]
