@@ -42,9 +42,8 @@ from flexshard.trainer.config import config_from_dict
 from flexshard.trainer.model import count_params
 from flexshard.trainer.train import run
 
-from .backend_plot import plot_backends
 from .measure import peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
-from .output import write_results
+from .output import plot_backends, write_results
 
 RESULTS = Path(__file__).parent / "results"
 BACKENDS = ("flexshard", "fsdp2")

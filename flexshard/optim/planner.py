@@ -22,7 +22,6 @@ from torch import nn
 
 from ..api import BucketSpec
 from ..placements import BlockShard, Owned, Placement, Shard
-from ..placements.by_name import PlacementByName
 from ..placements.layout import plan_bucket
 from ..placements.owned import lpt_owners
 from .matrix_units import preconditioner_flops
@@ -30,6 +29,25 @@ from .muon_adamw import full_shape, split_named_params
 from .newton_schulz import ns_flops
 
 Shape = tuple[int, ...]
+
+
+class PlacementByName:
+    """What a plan decided, parameter FQN -> Placement, as a ``BucketSpec``'s placement
+    policy, called as ``placement(fqn, param)``; ``repr`` shows it whole (each matrix's
+    owner or block). Compares by identity, as the function it stands in for would."""
+
+    def __init__(self, table: Mapping[str, Placement]) -> None:
+        self.table = dict(table)
+
+    def __call__(self, fqn: str, param: object) -> Placement:
+        try:
+            return self.table[fqn]
+        except KeyError:
+            raise KeyError(f"no placement was planned for parameter '{fqn}'") from None
+
+    def __repr__(self) -> str:
+        entries = ", ".join(f"{fqn!r}: {placement!r}" for fqn, placement in self.table.items())
+        return f"PlacementByName({{{entries}}})"
 
 
 @dataclass(frozen=True)
