@@ -36,6 +36,7 @@ launch of its own (the peak RSS of a rank process, imports included alike); skip
 from __future__ import annotations
 
 import argparse
+import functools
 import resource
 import sys
 import time
@@ -52,9 +53,8 @@ from flexshard.testing.stats import alternating, cell, paired_ratios, spread, su
 LIBRARIES = ("fsdp2", "flexshard")
 RESULTS = Path(__file__).parent / "results"
 #: the Trainer's rows, (W, setup); the first steps of each library are counted, not timed
-#: (the first includes lazy initialisation and is the warm-up). qwen3_moe (64 experts, about
-#: 11 GiB a rank) is checked by tests/fsdp2/test_client_torchtitan.py only: both libraries
-#: in each rank process would not fit this machine's 24 GiB
+#: (the first includes lazy initialisation and is the warm-up). qwen3_moe (64 experts a
+#: layer: minutes a row here) is checked by tests/fsdp2/test_client_torchtitan.py (slow)
 TRAINER_ROWS = {
     "quick": ((2, {"model": "llama3"}),),
     "full": (
@@ -137,25 +137,35 @@ def measure(world_size: int, bf16: bool, reps: int, steps: int, memory: bool) ->
     return row
 
 
+def _alternate(runs: dict[str, Any], reps: int, steps: int) -> dict:
+    """``runs[lib](n, count)`` trains ``n`` more steps of ``lib`` and returns their
+    records: the first ``COUNTED_STEPS`` of each counted (collectives per step, not
+    timed), then ``reps`` repetitions of ``steps`` timed steps, alternating; per
+    repetition the median step."""
+    out: dict[str, Any] = {lib: {"cpu": [], "wall": [], "losses": []} for lib in LIBRARIES}
+    for lib, run in runs.items():
+        counted = run(COUNTED_STEPS, True)
+        out[lib]["collectives"] = [r.by_kind() for r in counted]
+        out[lib]["losses"] += [r.loss for r in counted]
+    for rep in range(reps):
+        for lib in alternating(LIBRARIES, rep):
+            timed = runs[lib](steps, False)
+            out[lib]["cpu"].append(spread([r.cpu for r in timed]).median)
+            out[lib]["wall"].append(spread([r.wall for r in timed]).median)
+            out[lib]["losses"] += [r.loss for r in timed]
+    return out
+
+
 def _trainer_timing(rank: int, world_size: int, setup: Any, reps: int, steps: int) -> dict:
-    """torchtitan's Trainer with each library in this rank process: the first
-    ``COUNTED_STEPS`` of each counted (collectives per step, not timed), then ``reps``
-    repetitions of ``steps`` timed steps, alternating; per repetition the median step."""
+    """torchtitan's Trainer with each library in this rank process (``_alternate``)."""
     from flexshard.testing.torchtitan_trainer import build_trainer, measure_steps
 
     harnesses = {lib: build_trainer(setup, lib, world_size) for lib in LIBRARIES}
-    out: dict[str, Any] = {lib: {"cpu": [], "wall": [], "losses": []} for lib in LIBRARIES}
     try:
-        for lib, harness in harnesses.items():
-            counted = measure_steps(harness, COUNTED_STEPS, count=True)
-            out[lib]["collectives"] = [r.by_kind() for r in counted]
-            out[lib]["losses"] += [r.loss for r in counted]
-        for rep in range(reps):
-            for lib in alternating(LIBRARIES, rep):
-                timed = measure_steps(harnesses[lib], steps, count=False)
-                out[lib]["cpu"].append(spread([r.cpu for r in timed]).median)
-                out[lib]["wall"].append(spread([r.wall for r in timed]).median)
-                out[lib]["losses"] += [r.loss for r in timed]
+        runs = {
+            lib: functools.partial(measure_steps, harness) for lib, harness in harnesses.items()
+        }
+        out = _alternate(runs, reps, steps)
         out["changes"] = harnesses["fsdp2"].changes
     finally:
         for harness in harnesses.values():
@@ -163,18 +173,24 @@ def _trainer_timing(rank: int, world_size: int, setup: Any, reps: int, steps: in
     return out
 
 
-def measure_trainer(world_size: int, options: dict, reps: int, steps: int) -> dict:
-    from flexshard.testing.torchtitan_trainer import Setup
+def _loop_timing(rank: int, world_size: int, setup: Any, reps: int, steps: int) -> dict:
+    """A client's loop with each library in this rank process (``_alternate``)."""
+    from flexshard.testing.client_loops import accelerator, build_loop
 
-    setup = Setup(**options, steps=COUNTED_STEPS + reps * steps)
-    ranks = run_distributed(_trainer_timing, world_size, setup, reps, steps, timeout=3600)
+    total = COUNTED_STEPS + reps * steps
+    acc = accelerator(rank, world_size, setup) if setup.client == "accelerate" else None
+    loops = {lib: build_loop(rank, world_size, setup, lib, total, acc) for lib in LIBRARIES}
+    return _alternate({lib: loop.run for lib, loop in loops.items()}, reps, steps)
+
+
+def _row(path: str, world_size: int, setup: Any, reps: int, steps: int, ranks: list) -> dict:
     row: dict[str, Any] = {
-        "path": "torchtitan Trainer",
+        "path": path,
         "W": world_size,
         "setup": setup.label(),
         "reps": reps,
         "steps": steps,
-        "patches": ranks[0]["changes"],
+        "patches": ranks[0].get("changes", []),
         # SPMD: every rank issues the same collectives; rank 0's
         "collectives": {lib: ranks[0][lib]["collectives"] for lib in LIBRARIES},
         "losses": {lib: ranks[0][lib]["losses"] for lib in LIBRARIES},
@@ -184,25 +200,12 @@ def measure_trainer(world_size: int, options: dict, reps: int, steps: int) -> di
     return row
 
 
-def _loop_timing(rank: int, world_size: int, setup: Any, reps: int, steps: int) -> dict:
-    """A client's loop with each library in this rank process, as ``_trainer_timing``."""
-    from flexshard.testing.client_loops import accelerator, build_loop
+def measure_trainer(world_size: int, options: dict, reps: int, steps: int) -> dict:
+    from flexshard.testing.torchtitan_trainer import Setup
 
-    total = COUNTED_STEPS + reps * steps
-    acc = accelerator(rank, world_size, setup) if setup.client == "accelerate" else None
-    loops = {lib: build_loop(rank, world_size, setup, lib, total, acc) for lib in LIBRARIES}
-    out: dict[str, Any] = {lib: {"cpu": [], "wall": [], "losses": []} for lib in LIBRARIES}
-    for lib, loop in loops.items():
-        counted = loop.run(COUNTED_STEPS, count=True)
-        out[lib]["collectives"] = [r.by_kind() for r in counted]
-        out[lib]["losses"] += [r.loss for r in counted]
-    for rep in range(reps):
-        for lib in alternating(LIBRARIES, rep):
-            timed = loops[lib].run(steps, count=False)
-            out[lib]["cpu"].append(spread([r.cpu for r in timed]).median)
-            out[lib]["wall"].append(spread([r.wall for r in timed]).median)
-            out[lib]["losses"] += [r.loss for r in timed]
-    return out
+    setup = Setup(**options, steps=COUNTED_STEPS + reps * steps)
+    ranks = run_distributed(_trainer_timing, world_size, setup, reps, steps, timeout=3600)
+    return _row("torchtitan Trainer", world_size, setup, reps, steps, ranks)
 
 
 def measure_loop(world_size: int, client: str, options: dict, reps: int, steps: int) -> dict:
@@ -210,18 +213,7 @@ def measure_loop(world_size: int, client: str, options: dict, reps: int, steps: 
 
     setup = LoopSetup(client, size="bench", **options)
     ranks = run_distributed(_loop_timing, world_size, setup, reps, steps, timeout=3600)
-    row: dict[str, Any] = {
-        "path": "client loop",
-        "W": world_size,
-        "setup": setup.label(),
-        "reps": reps,
-        "steps": steps,
-        "collectives": {lib: ranks[0][lib]["collectives"] for lib in LIBRARIES},
-        "losses": {lib: ranks[0][lib]["losses"] for lib in LIBRARIES},
-    }
-    row["losses_equal"] = row["losses"]["fsdp2"] == row["losses"]["flexshard"]
-    _times(row, ranks, reps)
-    return row
+    return _row("client loop", world_size, setup, reps, steps, ranks)
 
 
 def _times(row: dict, ranks: list[dict], reps: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -50,10 +51,9 @@ CASES = {
 STEPS = 3
 
 
-def hf_llama(folder: Path, seed: int = 0) -> torch.nn.Module:
-    """A random LlamaForCausalLM shaped like tiny_config's model, saved in 6 shards."""
-    transformers = _transformers()
-    config = transformers.LlamaConfig(
+def llama_config(tied: bool = False) -> Any:
+    """A LlamaConfig shaped like tiny_config's model."""
+    return _transformers().LlamaConfig(
         vocab_size=300,
         hidden_size=40,
         intermediate_size=34,
@@ -62,10 +62,14 @@ def hf_llama(folder: Path, seed: int = 0) -> torch.nn.Module:
         num_key_value_heads=2,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
+
+
+def hf_llama(folder: Path, seed: int = 0) -> torch.nn.Module:
+    """A random LlamaForCausalLM shaped like tiny_config's model, saved in 6 shards."""
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = _transformers().LlamaForCausalLM(llama_config()).eval()
     model.save_pretrained(folder, max_shard_size="20KB")
     return model
 
@@ -235,15 +239,7 @@ def _export_tied(rank: int, world_size: int, folder: str, backend: str) -> None:
 @pytest.mark.parametrize("backend", ["flexshard", "fsdp2"])
 def test_tied_embedding_export_loads_in_transformers(tmp_path, backend):
     transformers = _transformers()
-    config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=40,
-        intermediate_size=34,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
+    config = llama_config(tied=True)
     torch.manual_seed(0)
     original = transformers.LlamaForCausalLM(config).eval()
     original.save_pretrained(tmp_path / "hf")
