@@ -466,6 +466,8 @@ class Bucket:
         """Before the bucket's backward (torch 2.15's FSDP2): a parameter whose gradient
         dtype is wider than its compute dtype takes autograd's gradient uncast when it
         is added to a held one or reduced in this backward; else autograd casts it."""
+        if not self.store.widens:
+            return
         sync = self.schedule.requires_grad_sync
         for full, info, held in zip(self.full_params, self.store.per_param, self.grads.held):
             accumulates = held is not None or full.grad is not None
@@ -475,6 +477,8 @@ class Bucket:
     def restore_grad_casts(self) -> None:
         """After the bucket's backward: the full parameters' ``grad_dtype`` as FSDP2 sets
         it between backwards (its gradient dtype)."""
+        if not self.store.widens:
+            return
         for full, info in zip(self.full_params, self.store.per_param):
             if info.widen:
                 full.grad_dtype = info.grad

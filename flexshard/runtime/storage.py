@@ -78,6 +78,8 @@ class BucketStorage:
         policy = self.policy
         self.dtype = dtype  # the buffer's
         self.per_param = [self._param_dtypes(i, d) for i, d in enumerate(self.dtypes)]
+        # any parameter whose backward defers autograd's cast (none before torch 2.15)
+        self.widens = any(info.widen for info in self.per_param)
         self.full_dtypes = [info.compute for info in self.per_param]
         # the all-gather's dtype: several compute dtypes (param_dtype_override_fn) gather
         # the storage uncast, each parameter cast as it is copied out
