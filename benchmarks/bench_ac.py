@@ -31,7 +31,7 @@ from flexshard.testing.live_memory import MB, LiveTensors
 from flexshard.trainer.config import config_from_dict
 from flexshard.trainer.train import loss_fn, setup, train_step
 
-from .output import write_results
+from .common import write_results
 
 RESULTS = Path(__file__).parent / "results"
 MODES: dict[str, dict[str, str]] = {

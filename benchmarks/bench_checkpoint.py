@@ -32,11 +32,12 @@ import torch
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import record_collectives
 from flexshard.testing.stats import alternating, cell, summary, verdict_cell
-from flexshard.trainer import checkpointing, train
+from flexshard.trainer import train
+from flexshard.trainer.checkpointing import checkpoints as checkpointing
 from flexshard.trainer.config import config_from_dict
-from flexshard.trainer.model import count_params
+from flexshard.trainer.models.model import count_params
 
-from .output import write_results
+from .common import write_results
 
 RESULTS = Path(__file__).parent / "results"
 MODES = ("disabled", "async", "async_with_pinned_mem")

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.output import write_results
+from benchmarks.common import write_results
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import KINDS
 from flexshard.testing.stats import alternating, cell, paired_ratios, spread, summary

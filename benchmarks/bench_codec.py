@@ -26,7 +26,7 @@ import torch
 from flexshard.quant import MXFP8, FP8Blockwise, QuantFormat, dequantize, quantize
 from flexshard.quant.fused import dequantize_fused, quantize_fused
 
-from .output import write_results
+from .common import write_results
 
 RESULTS = Path(__file__).parent / "results"
 SHAPE = (64, 128, 128)

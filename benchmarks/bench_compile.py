@@ -33,7 +33,7 @@ import flexshard as fs
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 from flexshard.testing.stats import RULE, alternating, cell, paired_ratios, range_cell, summary
 
-from .output import write_results
+from .common import write_results
 
 RESULTS = Path(__file__).parent / "results"
 IMPLS = ("fsdp2", "flexshard")

@@ -29,8 +29,8 @@ import torch
 from flexshard.testing import TransformerConfig, run_distributed
 from flexshard.testing.stats import paired_ratios, summary
 
+from .common import write_results
 from .dp_rank import BenchOptions, config_names, run_rank
-from .output import write_results
 from .report import markdown
 
 RESULTS = Path(__file__).parent / "results"

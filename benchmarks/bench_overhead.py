@@ -35,7 +35,7 @@ from flexshard.testing import run_distributed
 from flexshard.testing.live_memory import MB, LiveTensors
 from flexshard.testing.stats import alternating, cell, paired_ratios, spread, summary, verdict_cell
 
-from .output import write_results
+from .common import write_results
 
 RESULTS = Path(__file__).parent / "results"
 LIBRARIES = {"fsdp2": torch_fsdp.fully_shard, "flexshard": flexshard.fully_shard}

@@ -41,7 +41,7 @@ from flexshard.testing import run_distributed
 from flexshard.testing.stats import RULE, alternating, cell, range_cell, verdict_cell
 
 from .bench_trainer import compare, measured_run, per_rep, timed_row, trainer_table
-from .output import plot_backends, write_results
+from .common import plot_backends, write_results
 from .parallel_muon import MUON_LAYOUTS, muon_markdown, muon_rank, summarise_muon
 from .parallel_variants import VARIANTS, summarise_variants, variant_rank, variants_markdown
 

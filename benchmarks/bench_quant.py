@@ -56,7 +56,7 @@ from flexshard.testing.stats import (
     verdict_cell,
 )
 
-from .measure import CollectiveCounter, held_tensors
+from .common import CollectiveCounter, held_tensors
 
 RESULTS = Path(__file__).parent / "results"
 CFG = TransformerConfig(vocab=1024, dim=256, heads=8, hidden=1024, layers=4, seq=64)

@@ -39,11 +39,17 @@ from flexshard.testing.stats import (
     verdict_cell,
 )
 from flexshard.trainer.config import config_from_dict
-from flexshard.trainer.model import count_params
+from flexshard.trainer.models.model import count_params
 from flexshard.trainer.train import run
 
-from .measure import peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
-from .output import plot_backends, write_results
+from .common import (
+    peak_rss_bytes,
+    plot_backends,
+    release_free_memory,
+    reset_peak_rss,
+    rss_bytes,
+    write_results,
+)
 
 RESULTS = Path(__file__).parent / "results"
 BACKENDS = ("flexshard", "fsdp2")

@@ -22,7 +22,7 @@ from flexshard.testing import TinyTransformer, TransformerConfig, make_batches
 from flexshard.testing.live_memory import MB, LiveTensors
 from flexshard.testing.stats import alternating, centred
 
-from .measure import (
+from .common import (
     BucketInfo,
     CollectiveCounter,
     CommRecord,

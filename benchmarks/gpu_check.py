@@ -54,9 +54,9 @@ from flexshard.quant import MXFP8, FP8Blockwise, dequantize, quantize
 from flexshard.runtime.module import own_buckets
 from flexshard.testing.launch import free_port
 from flexshard.trainer.config import ModelConfig
-from flexshard.trainer.model import Transformer, init_weights
+from flexshard.trainer.models.model import Transformer, init_weights
 
-from .output import write_results
+from .common import write_results
 
 
 @dataclass

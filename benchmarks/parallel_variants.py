@@ -1,7 +1,7 @@
 """``bench_parallel --variants``: two implementations of one piece of the 5-D trainer
 side by side on the same layout, model, data and seed (flexshard backend): ring CP
 against the all-gather CP, and the MoE experts through ``F.grouped_mm`` against the
-Python loop of three matmuls per expert (``grouped_experts.loop_swiglu``, what
+Python loop of three matmuls per expert (``models.moe.loop_swiglu``, what
 ``GroupedExperts.grouped = False`` runs). Both sides of a comparison run inside the
 same processes, ``--reps`` times, their order flipped every repetition; the ratio is
 side B's step time over side A's per repetition (> 1: B is slower).
@@ -50,8 +50,8 @@ VARIANTS: dict[str, tuple[int, dict, bool, str, tuple[str, str]]] = {
 def experts(impl: str) -> Iterator[None]:
     """Run the MoE experts through ``impl``: "grouped_mm" (the default) or "loop"
     (the model's ``grouped_swiglu`` replaced by the reference loop meanwhile)."""
-    from flexshard.trainer import model
-    from flexshard.trainer.grouped_experts import loop_swiglu
+    from flexshard.trainer.models import model
+    from flexshard.trainer.models.moe import loop_swiglu
 
     saved = model.grouped_swiglu
     if impl == "loop":

@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from flexshard.testing import run_distributed
 from flexshard.trainer.config import Config
-from flexshard.trainer.model import Transformer
-from flexshard.trainer.parallelize import local_batch
+from flexshard.trainer.models.model import Transformer
+from flexshard.trainer.parallel.parallelize import local_batch
 from flexshard.trainer.train import clip_gradients, loss_fn, setup, train_step
 
 from .plan_launch import calibrate, launch_profile
@@ -112,8 +112,8 @@ def _timed_hook(hook: Callable, timers: Timers, label: str) -> Callable:
 
 def _phases(job: Any, step: int) -> dict[str, float]:
     """``train_step``'s data-parallel path (grad_accum 1) with a clock between phases."""
-    from flexshard.trainer import bounded_waits
-    from flexshard.trainer.exchange import configured_timeout
+    from flexshard.trainer.parallel import bounded_waits
+    from flexshard.trainer.parallel.exchange import configured_timeout
 
     cfg, model = job.cfg, job.model
     timeout = configured_timeout(cfg.parallelism.timeout_s)

@@ -3,7 +3,7 @@ this machine, each term from its own (none from the step times it is checked on)
 
 - GEMM, attention, per-op overhead and non-GEMM bandwidth: with ``op_configs``, the
   unsharded models' own forward / backward ops timed one by one at their shapes
-  (``flexshard.testing.op_replay``, one thread); without, a one-thread GEMM of one linear layer's
+  (``flexshard.plan.calibration``, one thread); without, a one-thread GEMM of one linear layer's
   shapes and a norm / SiLU / softmax / residual chain (tiny tensors: seconds per op
   counted by ``flexshard.plan.opcount``; 1 MiB tensors: its bytes over its time less
   the ops' cost), kept in the detail either way for comparison (the chain has no
@@ -39,12 +39,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor import distribute_tensor
 
+from flexshard.plan.calibration import op_rates
 from flexshard.plan.hardware import Hardware, Profile
 from flexshard.plan.host_costs import HostCosts
 from flexshard.plan.opcount import OpCount, count_ops
 from flexshard.runtime.storage import alloc, free
 from flexshard.testing import run_distributed
-from flexshard.testing.op_replay import op_rates
 from flexshard.torch_internals import all_gather_single, reduce_scatter_single
 from flexshard.trainer.config import Config
 
@@ -288,7 +288,7 @@ def fit_cpu_profile(
     worlds: tuple[int, ...] = WORLDS, op_configs: Sequence[Config] = ()
 ) -> tuple[Profile, dict]:
     """``op_configs``: models whose unsharded forward / backward ops are timed at their
-    own shapes (``op_replay``) for the GEMM, attention and non-GEMM rates; without
+    own shapes (``plan.calibration``) for the GEMM, attention and non-GEMM rates; without
     them, the nominal GEMM and the norm / SiLU / softmax chain above."""
     per_world = {w: run_distributed(_rank, w, timeout=300) for w in worlds}
     gemm, _ = _gemm()

@@ -5,7 +5,7 @@ the shared cores, the W ranks among themselves) hits the calibration as it hits 
 measurement. What each term comes from (never a step time of the trainer):
 
 - GEMM, causal attention, per-op cost, non-GEMM bandwidth:
-  ``flexshard.testing.op_replay.op_rates`` — the unsharded models' own forward /
+  ``flexshard.plan.calibration.op_rates`` — the unsharded models' own forward /
   backward ops, timed one by one at their shapes;
 - gloo all-gather / reduce-scatter: cost per call, per ring step and per byte, fitted
   on this W's collectives of four sizes (``plan_fit.gloo_fit``);
@@ -13,9 +13,9 @@ measurement. What each term comes from (never a step time of the trainer):
 - DTensor's per-op cost, copy-in / copy-out bandwidth into new buffers, memory
   bandwidth: ``plan_fit``'s micro-benchmarks;
 - contention (the ops run end to end on all ranks against their one-by-one
-  medians: ``op_replay.op_window``), the eager autograd cost per op and the runtimes'
+  medians: ``calibration.op_window``), the eager autograd cost per op and the runtimes'
   cost per parameter gathered / reduced (a tiny-width copy of the model:
-  ``flexshard.testing.runtime_costs``);
+  ``flexshard.plan.calibration``);
 - blocking collectives: not measured, the runtime's own rule on a device without
   streams (runtime/collectives.py's Note on collectives without streams; FSDP2 on CPU
   calls its all-gathers synchronously too).
@@ -31,10 +31,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from flexshard.plan.calibration import op_rates, op_window, runtime_costs
 from flexshard.plan.hardware import Hardware, Profile
 from flexshard.plan.host_costs import HostCosts
-from flexshard.testing.op_replay import op_rates, op_window
-from flexshard.testing.runtime_costs import runtime_costs
 from flexshard.trainer.config import Config
 
 from .plan_fit import _overlap, _rank, _slowest, copy_gbps, gloo_fit, memory_gbps

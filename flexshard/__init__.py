@@ -11,15 +11,13 @@ from torch.distributed.fsdp import (
 )
 
 from . import checkpoint, optim  # noqa: F401  (fs.checkpoint.save, fs.optim.DistMuon, ...)
-from .api import BucketSpec, flex_shard, fully_shard
-from .clip import clip_grad_norm_
-from .comm_ctx import share_comm_ctx
-from .init import init_params
+from .fsdp.api import BucketSpec, flex_shard, fully_shard, share_comm_ctx
+from .fsdp.clip import clip_grad_norm_
+from .fsdp.state_dict import full_state_dict, init_params, load_full_state_dict
 from .placements import BlockShard, FlatShard, Owned, Placement, Replicate, Shard
 from .runtime.collectives import CollectiveError
+from .runtime.dtensor import distribute_tensor
 from .runtime.module import FlexShardModule
-from .runtime.region_distribute import distribute_tensor
-from .state_dict import full_state_dict, load_full_state_dict
 
 # torch's own where torch has them (DataParallelMeshDims from 2.13, GradientReductionHandle
 # from 2.15), flexshard's of the same fields before

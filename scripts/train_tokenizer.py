@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from flexshard.trainer.data import builtin_corpus
+from flexshard.trainer.data.dataset import builtin_corpus
 
 
 def train(vocab_size: int, text: str) -> Tokenizer:

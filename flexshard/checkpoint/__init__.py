@@ -2,10 +2,10 @@
 state, each rank writing the chunks it stores; saved atomically with a manifest,
 checked before loading."""
 
-from ..runtime.dcp_chunks import RegionTensor
-from ..state_dict_hooks import install_state_dict_hooks
+from ..fsdp.state_dict import install_state_dict_hooks
+from ..runtime.dtensor import RegionTensor
+from .hf_safetensors import export_safetensors
 from .io import load, load_state, save, save_state
-from .safetensors_export import export_safetensors
 from .state import load_optimizer_state_dict, optimizer_state_dict
 
 __all__ = [

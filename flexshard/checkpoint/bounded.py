@@ -24,8 +24,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.collectives import CollectiveError, check_timeout
-from ..runtime.failures import backend_failures_raise
+from ..runtime.collectives import CollectiveError, backend_failures_raise, check_timeout
 from ..runtime.module import subtree_buckets
 
 _GROUPS: dict[tuple[tuple[int, ...], float, str], dist.ProcessGroup] = {}

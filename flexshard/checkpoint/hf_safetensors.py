@@ -20,7 +20,8 @@ model, so every rank plans the same files) and expert slices (``frames``: a slic
 offset in the whole ``[E, ...]`` stack, as ``frames.py``). An ``HFKey`` with
 ``experts`` stores such a stack as one tensor per expert (Mixtral's
 ``experts.{e}.w1.weight``): each expert's chunks are views of the stack's.
-"""
+
+Export the full model as one Hugging Face safetensors file."""
 
 from __future__ import annotations
 
@@ -36,12 +37,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ..runtime.dcp_chunks import Box, RegionTensor, chunks_of
+from ..runtime.dtensor import Box, RegionTensor, chunks_of
 from ..torch_internals import (
     consolidate_safetensors_files,
     consolidate_safetensors_files_on_every_rank,
@@ -401,3 +403,37 @@ def load_hf_safetensors(
             if heads and target is not None:
                 with torch.no_grad():
                     _fill_from_rope(chunks, target, heads)
+
+
+def export_safetensors(model: nn.Module, path: str | os.PathLike, rank: int | None = None) -> None:
+    """Write the unsharded ``model.state_dict()`` to ``path`` (safetensors), readable
+    by ``safetensors.torch.load_file``. Every rank of a sharded model calls it (one
+    all-gather per bucket); only global rank 0 writes, atomically (temp file, rename)."""
+    from ..fsdp.state_dict import full_state_dict
+
+    state = full_state_dict(model)
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        write_safetensors(state, path)
+
+
+def write_safetensors(state: Mapping[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """Write a full state dict (``fs.full_state_dict``, or torch's full
+    ``get_model_state_dict``) to ``path`` atomically (temp file, rename), on the CPU.
+    Called by the one rank that writes."""
+    from safetensors.torch import save_file
+
+    # safetensors refuses tensors that share memory (tied weights): give each its own
+    seen: set[int] = set()
+    tensors = {}
+    for key, value in state.items():
+        value = value.detach().cpu().contiguous()
+        if value.untyped_storage().data_ptr() in seen:
+            value = value.clone()
+        seen.add(value.untyped_storage().data_ptr())
+        tensors[key] = value
+    final = os.fspath(path)
+    partial = final + ".partial"
+    save_file(tensors, partial, metadata={"format": "pt"})
+    os.replace(partial, final)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from ..runtime.tp_params import local_of
+from ..runtime.dtensor import local_of
 from .matrices import Kind, Rules, Shape, Target, classify, rank_work
 from .newton_schulz import NS_COEFFICIENTS, adjust_lr, ns_flops, zeropower, zeropower_batched
 from .redistribute import (

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..api import BucketSpec
+from ..fsdp.api import BucketSpec
 from ..placements import BlockShard, Owned, Placement, Shard
 from ..placements.layout import plan_bucket
 from ..placements.owned import lpt_owners

@@ -19,8 +19,7 @@ from torch.distributed.tensor import Shard
 
 from ..runtime.bucket import Bucket
 from ..runtime.collectives import Pending
-from ..runtime.dcp_chunks import local_boxes
-from ..runtime.tp_params import global_tensor, local_piece, tp_sharded
+from ..runtime.dtensor import global_tensor, local_boxes, local_piece, tp_sharded
 from ..torch_internals import all_gather_single
 
 

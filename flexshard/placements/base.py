@@ -1,10 +1,13 @@
-"""Regions and the placement protocol: pure layout math, no process group."""
+"""Regions and the placement protocol: pure layout math, no process group.
+
+Replicate(): DDP semantics, every rank stores all of it; gradients are all-reduced."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -121,3 +124,18 @@ def contiguous_cuts(loads: Sequence[int], world_size: int, base: Sequence[float]
         cuts.append(max(i, cuts[-1]))
     cuts.append(len(loads))
     return cuts
+
+
+@dataclass(frozen=True)
+class Replicate(Placement):
+    collective: ClassVar[str] = "replicated"  # nothing to gather, gradients all-reduced
+
+    def assign(
+        self,
+        members: Sequence[tuple[Placement, Shape]],
+        world_size: int,
+        loads: Sequence[int] = (),
+        first_rank: int = 0,
+    ) -> list[list[list[Region]]]:
+        check_world_size(world_size)
+        return [[[whole(shape)] for _ in range(world_size)] for _, shape in members]

@@ -7,8 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from .base import Placement, Region, Shape, check_world_size
-from .replicate import Replicate
+from .base import Placement, Region, Replicate, Shape, check_world_size
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from functools import lru_cache
 import torch
 
 from flexshard.torch_internals import FakeTensorMode, MemRefType, MemTracker, ModState
-from flexshard.trainer.activation_checkpoint import apply_ac
 from flexshard.trainer.config import ActivationCheckpointConfig, Config, ModelConfig
-from flexshard.trainer.model import Transformer, ffn_hidden_size
+from flexshard.trainer.models.model import Transformer, ffn_hidden_size
+from flexshard.trainer.parallel.activation_checkpoint import apply_ac
 
 from .recompute import op_level, recomputed_share
 

@@ -8,7 +8,7 @@ kernels that take longer, so the built-in profiles leave it out
 (:data:`NO_HOST_COSTS`); on a CPU it is on the critical path.
 
 None of it is a data-sheet figure: the values are fitted by the benchmarks
-(``benchmarks/plan_launch.py`` with ``flexshard.testing.runtime_costs``) and carried by a
+(``benchmarks/plan_launch.py`` with ``flexshard.plan.calibration``) and carried by a
 profile file under ``"host_costs"`` (``flexshard.plan.hardware.load_profile``). Every
 default means "not modelled"."""
 

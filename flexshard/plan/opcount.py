@@ -12,7 +12,7 @@ the difference is one block and the rest the embedding / final norm / LM head / 
 The optimizer step (with the trainer's gradient clipping) is counted on fake tensors
 of one rank's shard sizes. ``oprecord`` records the same ops with their shapes, which
 the CPU profile's calibration replays to fit the seconds per op and the bandwidth
-these bytes move at (``flexshard.testing.op_replay``)."""
+these bytes move at (``flexshard.plan.calibration``)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from flexshard.torch_internals import (
     tree_leaves,
 )
 from flexshard.trainer.config import Config, ModelConfig, TrainingConfig
-from flexshard.trainer.model import Transformer
+from flexshard.trainer.models.model import Transformer
 
 from .activations import dense_equivalent
 

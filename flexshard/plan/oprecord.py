@@ -1,5 +1,5 @@
 """The ops of one rank's unsharded forward + backward, recorded with their shapes, for
-the CPU profile's calibration (``flexshard.testing.op_replay`` replays each on real
+the CPU profile's calibration (``flexshard.plan.calibration`` replays each on real
 tensors and times it): the ops ``opcount`` counts, each distinct one (same function,
 shapes, strides, dtypes, arguments) once with how often it runs and the non-GEMM bytes
 ``opcount`` gives it, and the FLOPs of the GEMMs and of causal attention as
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from flexshard.torch_internals import FakeTensorMode, TorchDispatchMode, tree_map
 from flexshard.trainer.config import Config
-from flexshard.trainer.model import Transformer
+from flexshard.trainer.models.model import Transformer
 
 from .opcount import CPU_ATTENTION, non_gemm_bytes
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from flexshard.trainer.config import Config
-from flexshard.trainer.model import count_params
-from flexshard.trainer.parallel import ParallelDims
+from flexshard.trainer.models.model import count_params
+from flexshard.trainer.parallel.dims import ParallelDims
 
 from .activations import dense_equivalent, tp_share
 from .buckets import BucketInfo, flexshard_buckets, fsdp2_equivalent

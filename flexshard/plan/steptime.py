@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from flexshard.runtime.hooks import MAX_PENDING_REDUCTIONS
 from flexshard.trainer.config import Config
-from flexshard.trainer.parallel import ParallelDims
+from flexshard.trainer.parallel.dims import ParallelDims
 
 from .activations import tp_share
 from .buckets import BucketInfo

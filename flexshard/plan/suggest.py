@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flexshard.trainer.config import Config, ConfigError
-from flexshard.trainer.config_validation import validate
+from flexshard.trainer.config.validation import validate
 
 from .hardware import Hardware
 from .host_costs import NO_HOST_COSTS, HostCosts

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 from flexshard.torch_internals import FakeStore
-from flexshard.trainer import parallelize as trainer_parallelize
 from flexshard.trainer.config import Config
-from flexshard.trainer.parallel import Meshes, ParallelDims
+from flexshard.trainer.parallel import parallelize as trainer_parallelize
+from flexshard.trainer.parallel.dims import Meshes, ParallelDims
 from flexshard.trainer.train import check_backend_options
 
 META = torch.device("meta")

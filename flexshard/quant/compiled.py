@@ -4,7 +4,7 @@ Mode (``FLEXSHARD_QUANT_COMPILE`` in the environment, or ``set_compile_mode``):
 
 * ``"auto"`` (the default): a caller may compile where it pays; the quantized all-gather
   does on CPU for buckets of at least ``AUTO_MIN_NUMEL`` elements, from the second call of
-  each bucket shape on (``runtime/quantized_compiled.py``). CUDA stays eager (torch's fp8 casts are
+  each bucket shape on (``runtime/quantized.py``). CUDA stays eager (torch's fp8 casts are
   native there, and the compiled path has not been checked bit for bit on a GPU);
 * ``"on"`` (or ``1``): compile on every device, from the first call;
 * ``"off"`` (or ``0``): eager only.

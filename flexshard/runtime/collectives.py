@@ -1,21 +1,163 @@
-"""One bucket's collectives: async launch, byte accounting, failures that name the bucket."""
+"""One bucket's collectives: async launch, byte accounting, failures that name the bucket.
+
+Bounded waits on collective work whose own ``wait(timeout)`` ignores the timeout
+(gloo's reduce-scatter in torch 2.13): a helper thread waits, the caller gives up.
+
+Timeouts without blocking: a thread polls the events of stream-ordered collectives
+(CUDA/NCCL) and fails the ones past their deadline, so the CPU never waits on them.
+
+The one converter of a backend failure (a collective torch ran itself timed out or
+lost a peer) into flexshard's ``CollectiveError``, for code that runs torch's own
+collectives (checkpoint I/O, the trainer's waits).
+
+Process groups for a bucket, resolved from a DeviceMesh (1-D: shard; 2-D: replicate x shard).
+
+Traffic besides the buckets': collectives that code around a sharded model issues
+itself (the trainer's expert-parallel all-to-alls, context-parallel K/V exchanges)
+and wants counted in ``FlexShardModule.comm_stats()``.
+
+``attach_traffic(module, kind, stats)`` hangs a ``TrafficStats`` on ``module``; every
+flexshard module at or above ``module`` then reports the sum of its subtree's stats of
+that ``kind`` as ``comm_stats()[kind]``, adds it to ``"total"`` and resets it with
+``reset=True``. Whoever issues the collectives ``record``\\ s them on the stats (this
+module imports nothing of theirs: the dependency stays one way)."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import queue
+import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..torch_internals import all_gather_single, reduce_scatter_single
 from .device import HOST, DeviceRuntime, abort, device_runtime
-from .wait_thread import wait_in_thread
-from .watchdog import WATCHDOG
+
+
+class _WaitThread:
+    """A long-lived thread that runs ``work.wait()`` for waits that must give up after
+    a timeout the work itself ignores: a thread started per wait cost more than the
+    wait of a small bucket. Waits are handed over one at a time; a wait that timed out
+    leaves this thread blocked for good (harmlessly), and the next wait gets a new one."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="flexshard-wait", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            work, done, outcome = self._jobs.get()
+            try:
+                outcome.append(work.wait())
+            except BaseException as err:
+                outcome.append(err)
+            finally:
+                done.set()
+
+    def wait(self, work: dist.Work, seconds: float) -> bool | BaseException | None:
+        """``work.wait()``'s result or exception; None when it did not end in time."""
+        done, outcome = threading.Event(), []
+        self._jobs.put((work, done, outcome))
+        return outcome[0] if done.wait(seconds) else None
+
+
+#: waiter threads not waiting now (a caller takes one, or starts one, and gives it back)
+_idle_waiters: list[_WaitThread] = []
+
+
+def wait_in_thread(work: dist.Work, seconds: float) -> bool:
+    """``work.wait()`` given up after ``seconds`` (False then; the backend's failure
+    raises). gloo's reduce-scatter work (torch 2.13) ignores wait's timeout and never
+    reports ``is_completed``, so a helper thread waits (and stays blocked, harmlessly,
+    when the peer never comes)."""
+    try:
+        waiter = _idle_waiters.pop()
+    except IndexError:
+        waiter = _WaitThread()
+    outcome = waiter.wait(work, seconds)
+    if outcome is None:  # a waiter blocked on a peer that never comes is dropped
+        return False
+    _idle_waiters.append(waiter)
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome is not False
+
+
+class Event(Protocol):
+    def query(self) -> bool: ...
+
+
+class Watched(Protocol):
+    """What the watchdog polls: a Pending of runtime/collectives.py."""
+
+    event: Event | None
+    started: float
+    error: Any
+
+    def timed_out(self) -> Any: ...
+
+
+class Watchdog:
+    """Polls watched collectives every ``interval`` s. One past its timeout gets its
+    ``error`` set (``timed_out()``, a CollectiveError naming bucket, collective and
+    rank), becomes the sticky ``failure`` every later ``check`` raises, and
+    ``on_timeout`` runs (abort the group so stuck kernels exit)."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval = interval
+        self.failure: BaseException | None = None
+        self._watched: list[tuple[Watched, float, Callable[[], None]]] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, pending: Watched, seconds: float, on_timeout: Callable[[], None]) -> None:
+        with self._lock:
+            self._watched.append((pending, pending.started + seconds, on_timeout))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="flexshard-watchdog", daemon=True
+                )
+                self._thread.start()
+
+    def check(self) -> None:
+        """Raise the collective failure the thread found, if any (on the main thread)."""
+        if self.failure is not None:
+            raise self.failure
+
+    def poll(self) -> None:
+        """One pass: forget completed collectives, fail those past their deadline."""
+        now = time.monotonic()
+        with self._lock:
+            live, expired = [], []
+            for entry in self._watched:
+                pending, deadline, _ = entry
+                if pending.event is None or pending.event.query():
+                    continue
+                (expired if now >= deadline else live).append(entry)
+            self._watched = live
+        for pending, _, on_timeout in expired:
+            pending.error = pending.timed_out()
+            if self.failure is None:
+                self.failure = pending.error
+            on_timeout()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            self.poll()
+
+
+#: the process's watchdog (stream-ordered collectives only; gloo waits block instead)
+WATCHDOG = Watchdog()
+
 
 _HasComm = TypeVar("_HasComm")  # a Bucket (runtime/bucket.py imports this file)
 
@@ -406,7 +548,7 @@ class BucketComm:
     ) -> Pending:
         """The largest of every rank's ``flags`` (all-reduce MAX) over the shard group or
         the replicas: the ranks' agreement on the parameters none of them used (see
-        runtime/unused_grads.py). Counted by ``record``, not in the bucket's stats."""
+        runtime/hooks.py). Counted by ``record``, not in the bucket's stats."""
         group = self.group(replicas)
         size = dist.get_world_size(group)
         pending = self._launch(
@@ -438,3 +580,156 @@ class BucketComm:
         moved = (size - 1) * local.numel() * local.element_size()
         self._count("all_gather", moved, payload=False)
         return pending
+
+
+@contextlib.contextmanager
+def backend_failures_raise(
+    error: Callable[[BaseException, str], CollectiveError], note: str | None = None
+) -> Iterator[None]:
+    """The one converter of a collective torch ran itself into flexshard's error: a
+    backend failure (timeout, lost peer) raised inside becomes ``error(err, cause)``
+    (``cause``: the backend's first line; the failure itself is its ``backend_error``);
+    flexshard's own CollectiveErrors pass, with ``note`` added (where they struck)."""
+    try:
+        yield
+    except CollectiveError as err:
+        if note is not None:
+            err.add_note(note)
+        raise
+    except Exception as err:
+        if not is_backend_failure(err):
+            raise
+        named = error(err, backend_cause(err))
+        named.backend_error = err
+        raise named from None  # not chained: see CollectiveError
+
+
+@dataclass(frozen=True)
+class MeshGroups:
+    shard: dist.ProcessGroup
+    replicate: dist.ProcessGroup | None  # HSDP: gradients are all-reduced across it
+    rank: int  # this rank's index in ``shard``
+    device: torch.device
+    #: the sharded parameters' DTensor mesh: (shard) or (replicate, shard)
+    mesh: DeviceMesh
+
+    @property
+    def shard_size(self) -> int:
+        return dist.get_world_size(self.shard)
+
+
+def resolve_mesh(mesh: DeviceMesh | dist.ProcessGroup | None) -> MeshGroups:
+    if not dist.is_initialized():
+        raise RuntimeError("flexshard needs torch.distributed to be initialised first")
+    replicate = None
+    if mesh is None:
+        shard = dist.group.WORLD
+        device_type = "cpu" if dist.get_backend() == "gloo" else "cuda"
+    elif isinstance(mesh, DeviceMesh):
+        if mesh.get_coordinate() is None:
+            raise ValueError(
+                f"the mesh {mesh.mesh.tolist()} does not contain this rank "
+                f"({dist.get_rank()}); build the model's mesh from ranks that include it"
+            )
+        if mesh.ndim == 1:
+            shard = mesh.get_group(0)
+        elif mesh.ndim == 2:
+            replicate, shard = mesh.get_group(0), mesh.get_group(1)
+        else:
+            raise ValueError(
+                f"flexshard takes a 1-D or 2-D (replicate, shard) mesh, got {mesh.ndim}-D"
+            )
+        device_type = mesh.device_type
+    elif mesh is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"the process group does not contain this rank ({dist.get_rank()})")
+    elif isinstance(mesh, dist.ProcessGroup):
+        if dist.get_rank(mesh) < 0:
+            raise ValueError(f"the process group does not contain this rank ({dist.get_rank()})")
+        shard = mesh
+        device_type = "cpu" if dist.get_backend(mesh) == "gloo" else "cuda"
+    else:
+        raise TypeError(f"mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh)}")
+    device = torch.device(device_type)
+    if device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    if not isinstance(mesh, DeviceMesh):  # a group, or the world: its 1-D mesh
+        mesh = DeviceMesh.from_group(shard, device_type)
+    return MeshGroups(shard, replicate, dist.get_rank(shard), device, mesh)
+
+
+#: what ``TrafficStats.record`` counts, one call each
+TRAFFIC_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+_ATTR = "_flexshard_traffic"  # module attribute: {kind: [TrafficStats, ...]}
+
+
+@dataclass
+class TrafficStats(CommStats):
+    """A bucket's ``CommStats`` keys plus ``all_to_all`` and ``send_recv`` (a send and a
+    receive issued together: one call). ``all_gather_bytes`` (parameter all-gathers)
+    stays 0: none of this is a parameter gather. Bytes: what this rank sent and
+    received, counted by the caller (the ring algorithm's ``(W - 1)`` chunks for an
+    all-gather or reduce-scatter, as the buckets do)."""
+
+    all_to_all: int = 0
+    send_recv: int = 0
+
+    @property
+    def collectives(self) -> int:
+        return super().collectives + self.all_to_all + self.send_recv
+
+    def as_dict(self) -> dict[str, int]:
+        return {**super().as_dict(), "all_to_all": self.all_to_all, "send_recv": self.send_recv}
+
+    def record(self, collective: str, sent: int, received: int) -> None:
+        """One ``collective`` (a name of ``TRAFFIC_COLLECTIVES``) that sent ``sent`` and
+        received ``received`` bytes on this rank."""
+        if collective not in TRAFFIC_COLLECTIVES:
+            raise ValueError(
+                f"TrafficStats.record: collective {collective!r} must be one of "
+                f"{TRAFFIC_COLLECTIVES}"
+            )
+        if sent < 0 or received < 0:
+            raise ValueError(f"TrafficStats.record: negative bytes ({sent}, {received})")
+        setattr(self, collective, getattr(self, collective) + 1)
+        self.bytes_sent += sent
+        self.bytes_received += received
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, 0)
+
+
+def attach_traffic(module: nn.Module, kind: str, stats: TrafficStats) -> None:
+    """Report ``stats`` as part of ``comm_stats()[kind]`` of every flexshard module at
+    or above ``module`` (attach before or after sharding; once per ``stats``)."""
+    if not isinstance(stats, TrafficStats):
+        raise TypeError(f"attach_traffic: stats must be a TrafficStats, got {stats!r}")
+    if not kind or kind == "total":
+        raise ValueError(f"attach_traffic: kind {kind!r} is not a usable comm_stats key")
+    attached: dict[str, list[TrafficStats]] = module.__dict__.setdefault(_ATTR, {})
+    entries = attached.setdefault(kind, [])
+    if not any(s is stats for s in entries):
+        entries.append(stats)
+
+
+def subtree_traffic(module: nn.Module) -> dict[str, list[TrafficStats]]:
+    """Every ``TrafficStats`` attached at or below ``module``, once each, by kind (in
+    module order)."""
+    out: dict[str, list[TrafficStats]] = {}
+    seen: set[int] = set()
+    for sub in module.modules():
+        for kind, entries in sub.__dict__.get(_ATTR, {}).items():
+            for stats in entries:
+                if id(stats) not in seen:
+                    seen.add(id(stats))
+                    out.setdefault(kind, []).append(stats)
+    return out
+
+
+def summed(entries: list[TrafficStats]) -> dict[str, int]:
+    """One ``comm_stats`` entry: the ``as_dict`` of ``entries`` added key by key."""
+    total = TrafficStats().as_dict()
+    for stats in entries:
+        for key, value in stats.as_dict().items():
+            total[key] += value
+    return total

@@ -16,8 +16,8 @@ from ..torch_internals import (
     in_autograd_backward,
 )
 from .bucket import Bucket
+from .collectives import subtree_traffic, summed
 from .hooks import MANUAL_FINALIZATION, StepState, manual_finalization
-from .traffic import subtree_traffic, summed
 
 
 def own_buckets(module: nn.Module) -> list[Bucket]:
@@ -271,7 +271,7 @@ class FlexShardModule(FSDPModule, nn.Module):
     ) -> None:
         """True: a parameter with no gradient on any rank gets a zero one, as FSDP2's
         option gives it (no agreement needed). By default it keeps None, as FSDP2's
-        default does (runtime/unused_grads.py); flexshard reduces zeros for a parameter
+        default does (runtime/hooks.py); flexshard reduces zeros for a parameter
         unused on some ranks only either way, so no default can leave the ranks'
         reduce-scatters out of step."""
         name = "set_reduce_scatter_unused_params"

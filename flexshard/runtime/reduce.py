@@ -1,6 +1,9 @@
 """A bucket's gradient reduction: the reduce-scatter (or all-reduce) in flight, the
 FSDP2 options that shape it (divide factor, forced sums, HSDP all-reduce, hook), and
-the landing of the reduced shards on the local parameters' ``.grad``."""
+the landing of the reduced shards on the local parameters' ``.grad``.
+
+A bucket's unsharded gradients between backward and reduction: what no-sync steps
+hold back, and the opt-in record of which of them hold a NaN or an inf."""
 
 from __future__ import annotations
 
@@ -14,9 +17,8 @@ from ..placements.layout import BucketLayout, trainable_layout
 from ..torch_internals import DTensorSpec, post_accumulate_grad_hooks
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime
+from .dtensor import local_grad, local_of, wrap
 from .gather import Collective
-from .region_dtensor import wrap
-from .tp_params import local_of
 
 
 class GradReduction:
@@ -47,7 +49,7 @@ class GradReduction:
         self._accumulated_due = False  # settle() all-reduces them over the replicas
         self._pending: tuple[Pending, torch.Tensor] | None = None  # and its output
         # which trainable parameters had a gradient here, when the ranks are to agree
-        # on those no rank used (runtime/unused_grads.py); None: every one is landed
+        # on those no rank used (runtime/hooks.py); None: every one is landed
         self.used_here: dict[int, bool] | None = None  # by parameter index
         self.unused_here: list[tuple[int, torch.Tensor]] = []  # (index, reduced grad)
 
@@ -82,7 +84,7 @@ class GradReduction:
         agree: bool = True,
     ) -> None:
         """``agree``: a parameter without a gradient on any rank gets none (the ranks
-        agree on it, runtime/unused_grads.py); False: it gets the reduced zeros."""
+        agree on it, runtime/hooks.py); False: it gets the reduced zeros."""
         self.layout = self._layout_of(trainable)
         self.used_here, self.unused_here = None, []  # a step aborted may have left some
         if self.layout.shard_numel == 0:  # every parameter frozen: nothing to reduce
@@ -205,3 +207,57 @@ def _land(local: nn.Parameter, grad: torch.Tensor, spec: DTensorSpec) -> None:
     hooks = post_accumulate_grad_hooks(local)
     for hook in (hooks or {}).values():
         hook(local)
+
+
+# bit flags per parameter and rank; runtime/hooks.py exchanges and decodes them
+NAN, INF = 1, 2
+
+
+def nonfinite_codes(grads: Sequence[torch.Tensor | None]) -> list[int]:
+    """Per gradient: NAN | INF bits, 0 when finite or absent."""
+    codes = []
+    for grad in grads:
+        code = 0
+        if grad is not None and not bool(torch.isfinite(grad).all()):
+            code = NAN * bool(torch.isnan(grad).any()) | INF * bool(torch.isinf(grad).any())
+        codes.append(code)
+    return codes
+
+
+class GradAccumulator:
+    """Per parameter of a bucket: the gradient held back by ``set_requires_gradient_sync
+    (False)`` steps (``BucketStorage.hold_dtypes``), and the non-finite codes of the last backward
+    when ``check_finite`` is on."""
+
+    def __init__(self, count: int) -> None:
+        self.held: list[torch.Tensor | None] = [None] * count
+        self.check_finite = False  # opt-in: each backward records NaN/inf per gradient
+        self.nonfinite = [0] * count
+
+    def take(
+        self, fulls: Sequence[torch.Tensor], tp_specs: Sequence[DTensorSpec | None]
+    ) -> list[torch.Tensor | None]:
+        """Unsharded gradients of this backward (taken off the full parameters) plus
+        those held back by no-sync steps."""
+        grads = []
+        for i, (full, spec) in enumerate(zip(fulls, tp_specs)):
+            grad, full.grad = local_grad(full.grad, spec), None
+            held = self.held[i]
+            self.held[i] = None
+            if held is not None and grad is not None:
+                held += grad
+            grads.append(held if held is not None else grad)
+        if self.check_finite:
+            self.nonfinite = nonfinite_codes(grads)
+        return grads
+
+    def hold(self, grads: list[torch.Tensor | None], dtypes: Sequence[torch.dtype | None]) -> None:
+        """Gradient sync is off: keep ``grads`` for the next backward, each in its
+        ``dtypes`` entry (None: as it is)."""
+        for i, (grad, dtype) in enumerate(zip(grads, dtypes)):
+            if grad is not None and dtype is not None and grad.dtype != dtype:
+                grad = grad.to(dtype)
+            self.held[i] = grad
+
+    def clear_nonfinite(self) -> None:
+        self.nonfinite = [0] * len(self.held)

@@ -1,19 +1,109 @@
-"""A bucket's storage: one flat buffer per rank, its layouts and dtypes, views into it."""
+"""A bucket's storage: one flat buffer per rank, its layouts and dtypes, views into it.
+
+``BucketParam``: what a bucket holds per parameter (FQN, module locations, placement,
+TP spec), named by the bucket's parts and by the code that builds buckets (fsdp/api.py).
+
+``ParamDtypes``: one parameter's dtypes under a mixed-precision policy, as this torch
+release's FSDP2 gives them (pure dtype rules; the bucket applies them).
+
+From torch 2.15 (``FOLLOWS_GRAD_DTYPE``) FSDP2 keeps unsharded gradients in the
+parameter's gradient dtype (the policy's ``reduce_dtype``, else the ``grad_dtype`` set
+on the parameter, else its original dtype) and casts the reduced shard to the sharded
+gradient dtype; where that gradient dtype is wider than the compute dtype, backward
+leaves a gradient in autograd's own dtype (``grad_dtype = None`` on the full parameter)
+whenever it will be added to an accumulated one or reduced at once, so a gradient
+computed in fp32 for a bf16 weight keeps its precision. Before 2.15 gradients follow
+the compute dtype and no-sync steps hold them in the bucket's reduce dtype."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from ..placements import Placement, Shard
 from ..placements.bytes import as_bytes, byte_view
 from ..placements.layout import BucketLayout
 from ..placements.packing import pack_rank
-from ..torch_internals import FOLLOWS_GRAD_DTYPE, grad_reduce_dtype
-from .bucket_param import BucketParam
-from .mp_dtypes import ParamDtypes, param_dtypes
+from ..torch_internals import FOLLOWS_GRAD_DTYPE, DTensorSpec, grad_reduce_dtype
+from .dtensor import spmd_dims
+
+
+@dataclass
+class BucketParam:
+    """One parameter of a bucket and every module attribute that holds it (ties)."""
+
+    fqn: str
+    requires_grad: bool
+    locations: list[tuple[nn.Module, str]] = field(default_factory=list)
+    #: a tensor-parallel DTensor parameter's spec (mesh, placements, global shape): the
+    #: bucket shards its local tensor and hands the modules DTensors with this spec
+    tp_spec: DTensorSpec | None = None
+    placement: Placement = Shard(0)
+    #: its own ``param_dtype`` (``MixedPrecisionPolicy.param_dtype_override_fn``,
+    #: resolved); None: the policy's
+    param_dtype: torch.dtype | None = None
+    #: the ``grad_dtype`` set on it (``torch_internals.grad_dtype_override``)
+    grad_override: tuple[bool, torch.dtype | None] = (False, None)
+
+    @property
+    def grad_outside_dp(self) -> bool:
+        """Its gradient may be reduced over a tensor-parallel dim before the data-parallel
+        reduction (a replicated TP weight's gradient can come back Partial)."""
+        spec = self.tp_spec
+        if spec is None:
+            return False
+        spmd = spmd_dims(spec)
+        dp = spmd.dp if spmd is not None else ()
+        return any(p.is_replicate() for i, p in enumerate(spec.placements) if i not in dp)
+
+
+@dataclass(frozen=True)
+class ParamDtypes:
+    """``compute``: the full (gathered) parameter's dtype. ``grad``: the full parameter's
+    ``grad_dtype`` and the dtype no-sync gradients are held in (None: as autograd gives
+    them; ``follows`` False: the bucket's reduce dtype). ``sharded_grad``: the reduced
+    shard's dtype on ``.grad`` (None: the reduce dtype). ``widen``: backward defers the
+    cast to ``grad`` (FSDP2 2.15's wider gradient dtype)."""
+
+    compute: torch.dtype
+    grad: torch.dtype | None
+    sharded_grad: torch.dtype | None
+    widen: bool
+    follows: bool
+
+
+def param_dtypes(
+    orig: torch.dtype,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    grad_override: tuple[bool, torch.dtype | None] = (False, None),
+    outside_dp: bool = False,
+    follows: bool = FOLLOWS_GRAD_DTYPE,
+) -> ParamDtypes:
+    """FSDP2's dtypes for a parameter of dtype ``orig`` given its resolved
+    ``param_dtype``, the policy's ``reduce_dtype``, the ``grad_dtype`` set on it
+    (``grad_dtype_override``) and whether its gradient may be reduced over a non-dp mesh
+    dim first (a tensor-parallel replicated weight: that reduction runs in the
+    gradient's dtype, so FSDP2 does not widen it)."""
+    compute = orig if param_dtype is None or not orig.is_floating_point else param_dtype
+    if not follows:
+        return ParamDtypes(compute, None, orig, widen=False, follows=False)
+    overridden, override = grad_override
+    sharded_grad = override if overridden else orig
+    grad = reduce_dtype if reduce_dtype is not None else sharded_grad
+    widen = (
+        grad is not None
+        and compute.is_floating_point
+        and grad.is_floating_point
+        and grad.itemsize > compute.itemsize
+        and not outside_dp
+    )
+    return ParamDtypes(compute, grad, sharded_grad, widen=widen, follows=True)
 
 
 def free(tensor: torch.Tensor) -> None:

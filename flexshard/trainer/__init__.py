@@ -5,7 +5,7 @@ TOML config, data parallelism through flexshard or torch FSDP2, metrics, checkpo
 """
 
 from .config import Config, ConfigError, load_config
-from .model import Transformer
+from .models.model import Transformer
 from .train import run
 
 __all__ = ["Config", "ConfigError", "Transformer", "load_config", "run"]

@@ -30,11 +30,11 @@ from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
 from flexshard.runtime.module import own_buckets
 
 from .config import Config, ConfigError, config_from_dict, load_config
-from .hf_adapter import hf_keys, model_fields, read_config
-from .model import Attention, Transformer, apply_rope
-from .parallel import Meshes
-from .sharding import apply_dp
-from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, open_tokenizer
+from .data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, open_tokenizer
+from .models.hf_adapter import hf_keys, model_fields, read_config
+from .models.model import Attention, Transformer, apply_rope
+from .parallel.dims import Meshes
+from .parallel.sharding import apply_dp
 
 Cache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values so far
 

@@ -19,9 +19,9 @@ import torch.multiprocessing as mp
 from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.multiprocessing.spawn import ProcessException
 
+from .checkpointing.preflight import check_before_start
 from .config import Config, ConfigError, config_from_dict, load_config
-from .parallel import ParallelDims
-from .preflight import check_before_start
+from .parallel.dims import ParallelDims
 from .train import run
 
 

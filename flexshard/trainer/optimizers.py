@@ -4,40 +4,16 @@ learning-rate schedule is ``lr_schedule``'s LambdaLR."""
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-import flexshard as fs
 from flexshard.optim import MatrixOptimizer, muon_and_adamw
 
 from .config import ConfigError, ModelConfig, TrainingConfig
-
-
-def muon_row_blocks(model_cfg: ModelConfig) -> dict[str, int]:
-    """Muon orthogonalises attention projections per head: rows per block by FQN glob."""
-    head_dim = model_cfg.dim // model_cfg.n_heads
-    return {"*.wq.weight": head_dim, "*.wk.weight": head_dim, "*.wv.weight": head_dim}
-
-
-def muon_head_placement(base: Any, model_cfg: ModelConfig) -> Any:
-    """``base`` (a placement or an ``(fqn, param) -> placement`` function) with the
-    parameters of :func:`muon_row_blocks` in whole-head row blocks
-    (``BlockShard((head_dim, C))``): per-head Muon needs every head whole on a rank, which
-    Shard(0) or FlatShard over a dp group larger than the heads per piece would cut
-    (the single process, and so the loss parity, is per head whatever the layout)."""
-    rows = muon_row_blocks(model_cfg)
-
-    def placement(fqn: str, param: nn.Parameter) -> Any:
-        for pattern, head_rows in rows.items():
-            if param.ndim == 2 and fnmatch.fnmatchcase(fqn, pattern):
-                return fs.BlockShard((head_rows, param.shape[-1]))
-        return base if isinstance(base, fs.Placement) else base(fqn, param)
-
-    return placement
+from .parallel.sharding import muon_row_blocks
 
 
 class StageView(nn.Module):

@@ -13,12 +13,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import flexshard as fs
 
-from . import bounded_waits, checkpointing
+from .checkpointing import checkpoints as checkpointing
+from .checkpointing.checkpoints import Job
+from .checkpointing.preflight import load_errors
 from .config import Config, ConfigError
-from .data import DPSampler, ValidationBatches, load_tokens, split_tokens
-from .exchange import configured_timeout, exchange_bytes
-from .job import Job
-from .loss import loss_fn
+from .data.dataset import DPSampler, ValidationBatches, load_tokens, split_tokens
+from .data.tokenizer import load_tokenizer
 from .lr_schedule import build_lr_scheduler, current_lr
 from .metrics import (
     MetricsWriter,
@@ -29,13 +29,13 @@ from .metrics import (
     read_metrics,
     summary_table,
 )
-from .model import count_params, flops_per_token
-from .moe_balance import step_balance, tokens_per_expert
+from .models.model import count_params, flops_per_token, loss_fn
+from .models.moe import step_balance, tokens_per_expert
 from .optimizers import build_optimizer
-from .parallel import ParallelDims, init_distributed, pick_device
-from .parallelize import Parallelized, local_batch, parallelize
-from .preflight import load_errors
-from .tokenizer import load_tokenizer
+from .parallel import bounded_waits
+from .parallel.dims import ParallelDims, init_distributed, pick_device
+from .parallel.exchange import configured_timeout, exchange_bytes
+from .parallel.parallelize import Parallelized, local_batch, parallelize
 
 
 def check_backend_options(cfg: Config) -> None:
@@ -256,7 +256,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     if cfg.checkpoint.export_safetensors:
         checkpointing.export(job)
     if cfg.checkpoint.last_save_in_hf:
-        from .hf_checkpoint import export_hf
+        from .checkpointing.checkpoints import export_hf
 
         path = export_hf(job)
         if leader:

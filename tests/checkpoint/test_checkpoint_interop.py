@@ -18,10 +18,10 @@ from torch.distributed.tensor import DTensor
 
 import flexshard as fs
 from flexshard import checkpoint as ckpt
-from flexshard.runtime.dcp_chunks import RegionTensor, chunks_of
+from flexshard.runtime.dtensor import RegionTensor, chunks_of
 from flexshard.testing import TinyTransformer, make_batches, run_distributed
 
-from ..reference import train_steps
+from ..helpers.reference import train_steps
 
 STEPS = 2
 

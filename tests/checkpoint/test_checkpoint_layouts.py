@@ -15,7 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from flexshard.testing import run_distributed
-from flexshard.trainer.checkpointing import latest_step
+from flexshard.trainer.checkpointing.checkpoints import latest_step
 from flexshard.trainer.train import run
 
 from ..trainer.test_parallel_layouts import (

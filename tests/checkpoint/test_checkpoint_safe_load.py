@@ -473,7 +473,7 @@ def _kinds(rank: int, world: int, root: str) -> dict[str, list[str]]:
 
     from flexshard.optim import MatrixOptimizer
 
-    from ..muon_cases import SHAPES, Mats, full_grads, set_grads
+    from ..helpers.muon_cases import SHAPES, Mats, full_grads, set_grads
 
     heavyball.utils.compile_mode = None  # eager: torch.compile on CPU costs minutes
 

@@ -17,10 +17,10 @@ import flexshard as fs
 from flexshard import checkpoint as ckpt
 from flexshard.checkpoint import RegionTensor
 from flexshard.optim import muon_and_adamw
-from flexshard.runtime.dcp_chunks import chunks_of
+from flexshard.runtime.dtensor import chunks_of
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
-from ..reference import mixed_placement, train_steps
+from ..helpers.reference import mixed_placement, train_steps
 
 CFG = TransformerConfig()
 FIRST, REST = 3, 3  # steps before and after the checkpoint

@@ -200,7 +200,7 @@ def _trainer_runs(rank: int, world_size: int, folder: str, cases: dict[str, dict
 
     from flexshard.trainer.train import run
 
-    from ..trainer_cases import tiny_config
+    from ..helpers.trainer_cases import tiny_config
 
     out = {}
     for name, extra in cases.items():

@@ -19,7 +19,7 @@ import flexshard as fs
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 from flexshard.testing.collectives import record_collectives
 
-from ..reference import sharded_training
+from ..helpers.reference import sharded_training
 
 CFG = TransformerConfig(layers=3)
 STEPS = 3

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import flexshard as fs
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
-from ..reference import reference_training, sharded_training
+from ..helpers.reference import reference_training, sharded_training
 
 STEPS = 4
 CFG = TransformerConfig()

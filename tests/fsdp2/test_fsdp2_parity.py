@@ -12,7 +12,7 @@ import flexshard as fs
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 from flexshard.testing.collectives import record_collectives
 
-from ..reference import sharded_training
+from ..helpers.reference import sharded_training
 
 STEPS = 10
 

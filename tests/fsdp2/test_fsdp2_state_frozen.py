@@ -3,7 +3,7 @@
 _pending_grad: ignored parameters, frozen layers, unfreezing, multi-forward, gradient
 accumulation with and without resharding, gradient divide factors),
 run with torch's ``fully_shard`` and flexshard's: every visible result must be bitwise
-equal, or both must raise (harness: tests/fsdp2_scenarios/state.py)."""
+equal, or both must raise (harness: tests/helpers/fsdp2_state.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor.experimental import implicit_replication
 
-from tests.fsdp2_scenarios import state as st
-from tests.fsdp2_scenarios.state import (
+from tests.helpers import state as st
+from tests.helpers.fsdp2_state import (
     MLP,
     B,
     _grads,

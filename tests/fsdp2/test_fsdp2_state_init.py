@@ -2,7 +2,7 @@
 rank-0 broadcast initialization, mixed and frozen dtypes, shard placement functions,
 buffers, modules without parameters),
 run with torch's ``fully_shard`` and flexshard's: every visible result must be bitwise
-equal, or both must raise (harness: tests/fsdp2_scenarios/state.py)."""
+equal, or both must raise (harness: tests/helpers/fsdp2_state.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from tests.fsdp2_scenarios import state as st
-from tests.fsdp2_scenarios.state import (
+from tests.helpers import state as st
+from tests.helpers.fsdp2_state import (
     MLP,
     _exact,
     _grads,

@@ -4,7 +4,7 @@ without a forward, non-contiguous parameters, module classes, a child run before
 module lists without a common root, meshes from process groups); where FSDP2 raises and
 flexshard accepts by design, flexshard is checked against an unsharded run,
 run with torch's ``fully_shard`` and flexshard's: every visible result must be bitwise
-equal, or both must raise (harness: tests/fsdp2_scenarios/state.py)."""
+equal, or both must raise (harness: tests/helpers/fsdp2_state.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
-from tests.fsdp2_scenarios import state as st
-from tests.fsdp2_scenarios.state import (
+from tests.helpers import state as st
+from tests.helpers.fsdp2_state import (
     MLP,
     _exact,
     _grads,

@@ -3,7 +3,7 @@ round trips, cached and offloaded state dicts, full state dicts on rank 0, tied 
 non-persistent entries, state-dict hooks, load errors, distributed checkpoint (DCP)
 save/load, also across implementations),
 run with torch's ``fully_shard`` and flexshard's: every visible result must be bitwise
-equal, or both must raise (harness: tests/fsdp2_scenarios/state.py)."""
+equal, or both must raise (harness: tests/helpers/fsdp2_state.py)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tests.fsdp2_scenarios import state as st
-from tests.fsdp2_scenarios.state import (
+from tests.helpers import state as st
+from tests.helpers.fsdp2_state import (
     MLP,
     _exact,
     _grads,

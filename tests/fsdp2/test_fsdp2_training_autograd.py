@@ -2,7 +2,7 @@
 and modules, non-tensor activations, post-accumulate-grad hooks, optimizer in backward)
 and basic training-loop ones (test_fully_shard_training.py: forward inputs, parameter
 registration, fp64 after init, a module run twice per forward), run with torch's
-``fully_shard`` and flexshard's (harness: tests/fsdp2_scenarios/training.py)."""
+``fully_shard`` and flexshard's (harness: tests/helpers/fsdp2_training.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from torch.distributed.fsdp import (
     FSDPModule,
 )
 
-from tests.fsdp2_scenarios import training as ts
-from tests.fsdp2_scenarios.training import (
+from tests.helpers import training as ts
+from tests.helpers.fsdp2_training import (
     MLP,
     Transformer,
     _full,

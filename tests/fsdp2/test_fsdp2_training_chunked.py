@@ -3,7 +3,7 @@
 mixed-precision groups, chunked gradient accumulation, reshard toggling, iteration-state
 reset, partial double forward),
 run with torch's ``fully_shard`` and flexshard's (harness:
-tests/fsdp2_scenarios/training.py)."""
+tests/helpers/fsdp2_training.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from tests.fsdp2_scenarios import training as ts
-from tests.fsdp2_scenarios.training import (
+from tests.helpers import training as ts
+from tests.helpers.fsdp2_training import (
     _full,
     _grads,
     _params,

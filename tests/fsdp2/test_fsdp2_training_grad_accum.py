@@ -1,7 +1,7 @@
 """torch's FSDP2 gradient-accumulation scenarios (test_fully_shard_training.py:
 accumulation with and without reduce-scatter / all-reduce per microbatch, CPU offload,
 1F1B-style microbatches, HSDP on four ranks), run with torch's ``fully_shard`` and
-flexshard's (harness: tests/fsdp2_scenarios/training.py)."""
+flexshard's (harness: tests/helpers/fsdp2_training.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
 )
 
-from tests.fsdp2_scenarios import training as ts
-from tests.fsdp2_scenarios.training import (
+from tests.helpers import training as ts
+from tests.helpers.fsdp2_training import (
     MLP,
     Transformer,
     _grads,

@@ -1,5 +1,5 @@
 """Mixed precision as each torch release's FSDP2 does it, run with torch's
-``fully_shard`` and flexshard's (harness: tests/fsdp2_scenarios/training.py): bf16
+``fully_shard`` and flexshard's (harness: tests/helpers/fsdp2_training.py): bf16
 gradient accumulation over ``set_requires_gradient_sync(False)`` microbatches (from
 torch 2.15 held in fp32, a gradient autograd computes in fp32 kept uncast), a
 ``grad_dtype`` set on a parameter, and ``MixedPrecisionPolicy.param_dtype_override_fn``
@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tests.fsdp2.test_fsdp2_training_chunked import ChunkedHead, _chunked_step
-from tests.fsdp2_scenarios import training as ts
-from tests.fsdp2_scenarios.training import _grads, _params, _randn, _tokens
+from tests.helpers import training as ts
+from tests.helpers.fsdp2_training import _grads, _params, _randn, _tokens
 
 DIM = 17
 BF16 = torch.bfloat16

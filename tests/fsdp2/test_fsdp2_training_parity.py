@@ -2,7 +2,7 @@
 fully_shard groups, CPU offload, non-root forward/backward, explicit prefetching,
 activation checkpointing (composable / utils / wrapper), double forward, forward
 methods, eval then train), run with torch's ``fully_shard`` and
-flexshard's (harness: tests/fsdp2_scenarios/training.py)."""
+flexshard's (harness: tests/helpers/fsdp2_training.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import Shard
 
-from tests.fsdp2_scenarios import training as ts
-from tests.fsdp2_scenarios.training import (
+from tests.helpers import training as ts
+from tests.helpers.fsdp2_training import (
     MLP,
     Transformer,
     _apply_ac,

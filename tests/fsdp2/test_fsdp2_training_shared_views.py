@@ -3,7 +3,7 @@
 sharding-layout cases of test_fully_shard_training.py: largest-dim and Shard(1)
 placements, tied weights in one or separate groups, layer-by-layer gc, loads without
 reshard, replaced storage), run with torch's ``fully_shard`` and flexshard's (harness:
-tests/fsdp2_scenarios/training.py)."""
+tests/helpers/fsdp2_training.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from tests.fsdp2_scenarios import training as ts
-from tests.fsdp2_scenarios.training import (
+from tests.helpers import training as ts
+from tests.helpers.fsdp2_training import (
     MLP,
     Transformer,
     _grads,

@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 import flexshard as fs
 from flexshard.optim import muon_and_adamw, muon_buckets
 from flexshard.testing import run_distributed
-from tests import tp_cases as tc
 from tests.fsdp2.test_fsdp2_dropin import Net, _batch
+from tests.helpers import tp_cases as tc
 
 ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it all
 BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)

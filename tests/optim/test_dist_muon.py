@@ -24,7 +24,7 @@ from flexshard.testing.collectives import (
     record_collectives,
 )
 
-from ..muon_cases import (
+from ..helpers.muon_cases import (
     HEAD_ROWS,
     LR,
     SHAPES,

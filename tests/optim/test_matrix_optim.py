@@ -18,7 +18,7 @@ from flexshard.optim import MatrixOptimizer, matrix_balance, matrix_buckets, pre
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import forbid_collectives, record_collectives
 
-from ..muon_cases import SHAPES, Mats, checked_step, full_grads, mixed_placement, set_grads
+from ..helpers.muon_cases import SHAPES, Mats, checked_step, full_grads, mixed_placement, set_grads
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 heavyball = pytest.importorskip("heavyball")

@@ -17,10 +17,10 @@ from flexshard.optim import MatrixOptimizer
 from flexshard.optim.tp_matrices import own_part
 from flexshard.runtime.bucket import slot_of
 from flexshard.testing import run_distributed
-from flexshard.trainer.model import Transformer
+from flexshard.trainer.models.model import Transformer
 
-from .. import tp_cases as tc
-from ..muon_cases import HEAD_ROWS, SHAPES, Mats, checked_step, full_grads, set_grads
+from ..helpers import tp_cases as tc
+from ..helpers.muon_cases import HEAD_ROWS, SHAPES, Mats, checked_step, full_grads, set_grads
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 SOAP = {"lr": 0.01, "precondition_frequency": 2}

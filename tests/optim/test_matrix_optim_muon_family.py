@@ -17,7 +17,7 @@ import flexshard as fs
 from flexshard.optim import MatrixOptimizer
 from flexshard.testing import run_distributed
 
-from ..muon_cases import SHAPES, Mats, checked_step, full_grads, set_grads
+from ..helpers.muon_cases import SHAPES, Mats, checked_step, full_grads, set_grads
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 

@@ -26,7 +26,7 @@ from flexshard.optim import MatrixOptimizer
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import forbid_collectives
 
-from ..muon_cases import SHAPES, Mats, full_grads, set_grads
+from ..helpers.muon_cases import SHAPES, Mats, full_grads, set_grads
 from .test_matrix_optim import CASES, NAMES, STEPS, _adapter, reference
 
 FULL = StateDictOptions(full_state_dict=True)

@@ -9,7 +9,7 @@ import pytest
 from flexshard.testing import run_distributed
 from flexshard.trainer.train import run
 
-from ..trainer_cases import single_process_losses, tiny_config
+from ..helpers.trainer_cases import single_process_losses, tiny_config
 
 pytest.importorskip("pytorch_optimizer")
 

@@ -17,14 +17,7 @@ from flexshard.placements.layout import plan_bucket
 from flexshard.placements.owned import lpt_owners
 from flexshard.placements.shard import chunk_bounds
 
-from ..placement_cases import (
-    CHEAP,
-    PROPERTY,
-    buckets,
-    distinct_fulls,
-    gather,
-    world_sizes,
-)
+from ..helpers.placement_cases import CHEAP, PROPERTY, buckets, distinct_fulls, gather, world_sizes
 
 # ---------------------------------------------------------------------------------------
 # 4. balance

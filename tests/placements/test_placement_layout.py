@@ -17,7 +17,7 @@ from flexshard.placements.owned import lpt_owners
 from flexshard.placements.packing import gathered_alias
 from flexshard.placements.shard import chunk_bounds
 
-from ..placement_cases import (
+from ..helpers.placement_cases import (
     ALL_BUCKETS,
     CHEAP,
     PROPERTY,

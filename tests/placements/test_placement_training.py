@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import flexshard as fs
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
-from ..reference import mixed_placement, reference_training, sharded_training
+from ..helpers.reference import mixed_placement, reference_training, sharded_training
 
 STEPS = 4
 CFG = TransformerConfig()

@@ -13,7 +13,7 @@ from flexshard.placements.bytes import ALIGN, as_bytes, byte_view
 from flexshard.placements.layout import plan_bucket
 from flexshard.placements.packing import gathered_alias, pack_all, pack_rank, unpack
 
-from ..placement_cases import (
+from ..helpers.placement_cases import (
     ALL_BUCKETS,
     PROPERTY,
     coverage,

@@ -1,5 +1,5 @@
 """The CPU profile's op-replay calibration (``flexshard.plan.oprecord``,
-``flexshard.testing.op_replay``) against the planner's own accounting: it records the
+``flexshard.plan.calibration``) against the planner's own accounting: it records the
 ops ``opcount`` counts, its FLOPs are the ones ``steptime`` divides by the rates, its
 fit keeps the timed sum; and the step model times attention at the attention rate. No
 timing is asserted."""
@@ -11,12 +11,12 @@ import dataclasses
 import pytest
 import torch
 
+from flexshard.plan.calibration import fit_op_costs, op_rates
 from flexshard.plan.hardware import H100
 from flexshard.plan.opcount import _model_ops
 from flexshard.plan.oprecord import Meta, record_model, recorded_flops
 from flexshard.plan.report import build_stages, planning_config
 from flexshard.plan.steptime import attention_flops, step_time
-from flexshard.testing.op_replay import fit_op_costs, op_rates
 from flexshard.trainer.config import load_config
 
 TINY = ["--model.dim", "32", "--model.n_layers", "2", "--training.seq_len", "24"]
@@ -52,7 +52,7 @@ def test_recorded_flops_are_the_planners() -> None:
 
 
 def _meta_model(cfg):  # type: ignore[no-untyped-def]
-    from flexshard.trainer.model import Transformer
+    from flexshard.trainer.models.model import Transformer
 
     with torch.device("meta"):
         return Transformer(cfg.model)

@@ -1,12 +1,12 @@
 """The plan tables in README.md and docs/ are what ``flexshard-plan`` prints now
-(``flexshard/testing/plan_docs.py``): a change to the planner that moves a figure fails here
+(``flexshard/plan/calibration.py``): a change to the planner that moves a figure fails here
 until ``.venv/bin/python -m benchmarks.plan_docs --write`` is run."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from flexshard.testing.plan_docs import BLOCK, ROOT, stale
+from flexshard.plan.calibration import BLOCK, ROOT, stale
 
 STALE = """# page
 

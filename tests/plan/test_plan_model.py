@@ -26,8 +26,8 @@ from flexshard.plan.report import build_stages, planning_config
 from flexshard.plan.steptime import BucketCost, _simulate, link, ring_time
 from flexshard.plan.world import build_rank, fake_world
 from flexshard.trainer.config import load_config
-from flexshard.trainer.model import Transformer
-from flexshard.trainer.optimizers import muon_row_blocks
+from flexshard.trainer.models.model import Transformer
+from flexshard.trainer.parallel.sharding import muon_row_blocks
 
 
 def bucket(

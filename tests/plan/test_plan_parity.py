@@ -18,7 +18,7 @@ from flexshard.plan.report import build_stages, planning_config
 from flexshard.testing import run_distributed
 from flexshard.trainer.train import setup, train_step
 
-from ..trainer_cases import tiny_config
+from ..helpers.trainer_cases import tiny_config
 
 #: comm_stats entries that are no bucket (the unused-parameter agreement, the sum)
 NOT_BUCKETS = ("total", "grad_agreement")

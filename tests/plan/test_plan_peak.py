@@ -53,7 +53,7 @@ def test_async_checkpoint_staging_is_host_memory() -> None:
     assert plain["staging_host"] == disabled["staging_host"] == not_saving["staging_host"] == 0
     # fp32 parameters + AdamW's two fp32 moments: 12 bytes per parameter of this rank's
     # eighth of the model (the busiest rank holds at most a few rows more)
-    from flexshard.trainer.model import count_params
+    from flexshard.trainer.models.model import count_params
 
     per_rank = count_params(load_config("configs/debug.toml", []).model)[0] / 8
     assert 12 * per_rank <= staged["staging_host"] <= 1.05 * 12 * per_rank

@@ -16,7 +16,7 @@ from flexshard.plan.buckets import BucketInfo
 from flexshard.plan.report import build_stages, planning_config
 from flexshard.plan.world import stage_ranks
 from flexshard.trainer.config import load_config
-from flexshard.trainer.model import count_params
+from flexshard.trainer.models.model import count_params
 
 BLOCK = ["--parallelism.placement", "block", "--parallelism.block", "[128,128]"]
 

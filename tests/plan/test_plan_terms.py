@@ -10,13 +10,13 @@ import json
 
 import pytest
 
+from flexshard.plan.calibration import tiny_config
 from flexshard.plan.hardware import H100, Hardware, Profile, load_profile
 from flexshard.plan.host_costs import NO_HOST_COSTS, HostCosts
 from flexshard.plan.opcount import model_ops
 from flexshard.plan.oprecord import record_model
 from flexshard.plan.report import build_stages, planning_config
 from flexshard.plan.steptime import BucketCost, _simulate, step_time
-from flexshard.testing.runtime_costs import tiny_config
 from flexshard.trainer.config import load_config
 
 from .test_plan_model import bucket
@@ -202,7 +202,7 @@ def test_tiny_model_dispatches_the_same_ops() -> None:
 
 
 def _runtime_costs_rank(rank: int, world: int) -> dict:
-    from flexshard.testing.runtime_costs import runtime_costs
+    from flexshard.plan.calibration import runtime_costs
 
     cfg = load_config("configs/debug.toml", ["--training.seq_len", "16", "--job.progress", "false"])
     cfg.job.dump_folder = f"/tmp/flexshard_test_plan_terms/{world}"

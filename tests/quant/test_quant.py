@@ -21,7 +21,7 @@ from flexshard.quant import (
     scale_shape,
 )
 
-from ..quant_cases import BLOCKS, E4M3, SETTINGS, float_tensors, scale_per_element, u8
+from ..helpers.quant_cases import BLOCKS, E4M3, SETTINGS, float_tensors, scale_per_element, u8
 
 # ---- pure-Python OCP MX v1.0 reference (no torch float8 code involved) ---------------------
 

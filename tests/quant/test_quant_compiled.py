@@ -1,5 +1,5 @@
 """The compiled codec (``quant/fused.py`` under ``torch.compile``, ``quant/compiled.py``,
-``runtime/quantized_compiled.py``) gives the eager codec's bits: the existing bit-exactness
+``runtime/quantized.py``) gives the eager codec's bits: the existing bit-exactness
 inputs (every byte under every scale, special values, subnormal scales) on the compiled
 path; the quantized all-gather compiled equals it eager in one process (training through
 the runtime's hooks: test_quant_compiled_training.py); a wrong or failing compiled function
@@ -21,11 +21,11 @@ from flexshard.placements.layout import plan_bucket
 from flexshard.quant import MXFP8, FP8Blockwise, QuantizedTensor, dequantize, quantize
 from flexshard.quant import compiled as qc
 from flexshard.quant.fused import dequantize_fused, quantize_fused
-from flexshard.runtime import quantized_compiled as rqc
+from flexshard.runtime import quantized as rqc
 from flexshard.runtime.quantized import QuantizedGather
 from flexshard.runtime.storage import BucketStorage
 
-from ..quant_plain import plain_dequantize, plain_quantize
+from ..helpers.quant_plain import plain_dequantize, plain_quantize
 from .test_quant_fast import FORMATS, FP32_SCALES, OUT_DTYPES, SHAPES, _special_input
 from .test_quant_fast import assert_same_bits as same_bits
 

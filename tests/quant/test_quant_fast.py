@@ -1,6 +1,7 @@
-"""The fast codec kernels equal the plain one-op-per-step codec (tests/quant_plain.py) bit for
-bit: every e4m3 byte under every kind of scale, special inputs, odd and batched shapes,
-input dtypes, and the run-of-tiles shapes the quantized all-gather uses."""
+"""The fast codec kernels equal the plain one-op-per-step codec
+(tests/helpers/quant_plain.py) bit for bit: every e4m3 byte under every kind of scale,
+special inputs, odd and batched shapes, input dtypes, and the run-of-tiles shapes the
+quantized all-gather uses."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from flexshard.quant import MXFP8, FP8Blockwise, QuantizedTensor, dequantize, qu
 from flexshard.quant.codec import _e8m0_to_float32
 from flexshard.quant.kernels import canonical_nan_bytes, e4m3_bytes_to_float32, mxfp8_to_bfloat16
 
-from ..quant_plain import plain_dequantize, plain_quantize
+from ..helpers.quant_plain import plain_dequantize, plain_quantize
 
 u8 = torch.uint8
 FORMATS = [

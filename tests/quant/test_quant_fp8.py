@@ -24,7 +24,7 @@ from flexshard.quant import (
     unpack,
 )
 
-from ..quant_cases import BLOCKS, E4M3, SETTINGS, float_tensors, scale_per_element, u8
+from ..helpers.quant_cases import BLOCKS, E4M3, SETTINGS, float_tensors, scale_per_element, u8
 
 # ---- FP8 blockwise ----------------------------------------------------------------------------
 

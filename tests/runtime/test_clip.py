@@ -26,7 +26,7 @@ def _buckets(outer: fs.Placement) -> list[fs.BucketSpec]:
 def _clipped(rank, world_size):
     """fs.clip_grad_norm_ sees the full model's gradient: the same norm as the
     single-process reference, and clipped training follows it."""
-    from ..reference import reference_training
+    from ..helpers.reference import reference_training
 
     mesh = init_device_mesh("cpu", (world_size,))
     batches = make_batches(CFG, 3 * world_size, batch=2, seed=11)

@@ -14,9 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import flexshard as fs
 from flexshard.runtime import collectives
-from flexshard.runtime.collectives import CollectiveError, Pending
+from flexshard.runtime.collectives import CollectiveError, Pending, Watchdog
 from flexshard.runtime.device import HOST, DeviceRuntime, device_runtime
-from flexshard.runtime.watchdog import Watchdog
 
 
 def test_cpu_runtime_is_a_no_op(one_rank_group):

@@ -26,7 +26,7 @@ import flexshard as fs
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 from flexshard.testing.collectives import CollectiveLog, record_collectives
 
-from ..reference import reference_training, sharded_training
+from ..helpers.reference import reference_training, sharded_training
 
 W = 3
 STEPS = 2

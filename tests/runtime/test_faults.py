@@ -31,8 +31,12 @@ from torch.autograd import Variable
 import flexshard as fs
 from flexshard.optim import DistMuon
 from flexshard.runtime.bucket import slot_of as fs_slot_of
-from flexshard.runtime.collectives import DEFAULT_TIMEOUT, CollectiveError, Pending
-from flexshard.runtime.failures import backend_failures_raise
+from flexshard.runtime.collectives import (
+    DEFAULT_TIMEOUT,
+    CollectiveError,
+    Pending,
+    backend_failures_raise,
+)
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 from flexshard.testing.collectives import record_collectives
 from flexshard.testing.launch import next_result, start_ranks

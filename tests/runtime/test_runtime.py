@@ -188,7 +188,7 @@ def test_parameters_unused_on_some_ranks():
 def _bucket_over_sibling_layers(rank, world_size):
     """One Owned bucket over every layer (``layers.*``, a ModuleList): gathered once
     before layer 0, freed after the last layer, re-gathered once in backward."""
-    from ..reference import reference_training, sharded_training
+    from ..helpers.reference import reference_training, sharded_training
 
     mesh = init_device_mesh("cpu", (world_size,))
     batches = make_batches(CFG, 3 * world_size, batch=2, seed=9)

@@ -1,5 +1,5 @@
 """The runtime's CUDA stream protocol, checked for races on CPU: training steps run with
-a simulated stream runtime (tests/stream_sim.py) in place of the CUDA one, every op
+a simulated stream runtime (tests/helpers/stream_sim.py) in place of the CUDA one, every op
 and bucket collective logged on the stream it would run on. No access may read what
 another stream wrote (or overwrite what it used) before waiting for it: the all-gather
 stream's copy-in after the optimizer's writes, compute's reads of gathered parameters
@@ -19,14 +19,14 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import flexshard as fs
-from flexshard import clip as clip_module
+from flexshard.fsdp import clip as clip_module
 from flexshard.quant import MXFP8
 from flexshard.quant.compiled import set_compile_mode
 from flexshard.runtime import bucket as bucket_module
 from flexshard.runtime import collectives
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
-from ..stream_sim import SimStreams, StreamAccesses
+from ..helpers.stream_sim import SimStreams, StreamAccesses
 
 CFG = TransformerConfig(vocab=64, dim=64, heads=4, hidden=128, layers=2, seq=8)
 BF16 = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

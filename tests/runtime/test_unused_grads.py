@@ -1,6 +1,6 @@
 """A parameter that got no gradient on any rank keeps ``.grad`` None, as in FSDP2 (so
 AdamW's moments and weight decay leave it alone), while one used on some ranks only
-still gets its reduced gradient everywhere; runtime/unused_grads.py.
+still gets its reduced gradient everywhere; runtime/hooks.py.
 
 Every placement (Shard through fully_shard, FlatShard, Owned, BlockShard, Replicate, a
 mixed bucket; W = 3 and 1; HSDP 2x2) against one process: head ``b`` used on every

@@ -22,8 +22,8 @@ import torch.distributed.distributed_c10d as c10d
 from flexshard.runtime.bucket import Bucket
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import record_collectives
-from flexshard.trainer.model import Attention
-from flexshard.trainer.parallelize import full_parameters
+from flexshard.trainer.models.model import Attention
+from flexshard.trainer.parallel.parallelize import full_parameters
 from flexshard.trainer.train import setup, train_step
 
 from .test_parallel_layouts import MOE, layout_config

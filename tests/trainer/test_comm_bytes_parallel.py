@@ -21,15 +21,15 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import flexshard as fs
+from flexshard.runtime.collectives import TrafficStats, attach_traffic
 from flexshard.runtime.module import FlexShardModule, subtree_buckets
-from flexshard.runtime.traffic import TrafficStats, attach_traffic
 from flexshard.testing import run_distributed
-from flexshard.trainer import expert_parallel
 from flexshard.trainer.config import ConfigError
-from flexshard.trainer.exchange import Exchange
+from flexshard.trainer.parallel import expert_parallel
+from flexshard.trainer.parallel.exchange import Exchange
 from flexshard.trainer.train import run, setup
 
-from ..trainer_cases import tiny_config
+from ..helpers.trainer_cases import tiny_config
 
 W = 3
 STEPS = 2

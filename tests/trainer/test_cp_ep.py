@@ -15,14 +15,19 @@ from torch.distributed.device_mesh import init_device_mesh
 import flexshard as fs
 from flexshard.testing import run_distributed
 from flexshard.trainer.config import ModelConfig, config_from_dict
-from flexshard.trainer.context_parallel import apply_cp, check_cp, local_positions, split_sequence
-from flexshard.trainer.expert_parallel import (
+from flexshard.trainer.models.model import Transformer, init_module, init_weights
+from flexshard.trainer.parallel.context_parallel import (
+    apply_cp,
+    check_cp,
+    local_positions,
+    split_sequence,
+)
+from flexshard.trainer.parallel.expert_parallel import (
     apply_ep,
     check_ep,
     gather_expert_weights,
     slice_expert_weights,
 )
-from flexshard.trainer.model import Transformer, init_module, init_weights
 from flexshard.trainer.train import loss_fn
 
 SEED = 5

@@ -27,9 +27,9 @@ import flexshard as fs
 from flexshard.runtime.collectives import CollectiveError
 from flexshard.testing import TinyTransformer, TransformerConfig
 from flexshard.trainer.config import ModelConfig, config_from_dict
-from flexshard.trainer.context_parallel import apply_cp, split_sequence
-from flexshard.trainer.expert_parallel import apply_ep
-from flexshard.trainer.model import Transformer, init_weights
+from flexshard.trainer.models.model import Transformer, init_weights
+from flexshard.trainer.parallel.context_parallel import apply_cp, split_sequence
+from flexshard.trainer.parallel.expert_parallel import apply_ep
 from flexshard.trainer.train import loss_fn
 from tests.runtime.test_faults import BUCKETS, run_tolerant
 

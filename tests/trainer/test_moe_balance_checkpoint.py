@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from flexshard.testing import run_distributed
-from flexshard.trainer.moe_balance import LoadBalance, tokens_per_expert
+from flexshard.trainer.models.moe import LoadBalance, tokens_per_expert
 from flexshard.trainer.train import run
 
 from ..checkpoint.test_checkpoint_layouts import _back_to_step_3

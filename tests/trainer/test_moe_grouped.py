@@ -10,16 +10,18 @@ import torch
 
 from flexshard.testing import run_distributed
 from flexshard.trainer.config import ConfigError, config_from_dict
-from flexshard.trainer.grouped_experts import (
+from flexshard.trainer.metrics import summary_table
+from flexshard.trainer.models.model import MoE, Transformer, init_weights
+from flexshard.trainer.models.moe import (
     GROUP_ALIGN,
+    LoadBalance,
     _padded_rows,
     grouped_mm_runs,
     grouped_swiglu,
     loop_swiglu,
+    step_balance,
+    tokens_per_expert,
 )
-from flexshard.trainer.metrics import summary_table
-from flexshard.trainer.model import MoE, Transformer, init_weights
-from flexshard.trainer.moe_balance import LoadBalance, step_balance, tokens_per_expert
 from flexshard.trainer.train import loss_fn, setup, train_step
 
 from .test_parallel_layouts import LOSS_RTOL, MOE, layout_config

@@ -15,14 +15,14 @@ import torch
 
 from flexshard.testing import run_distributed
 from flexshard.trainer.config import Config, ConfigError, config_from_dict, load_config
-from flexshard.trainer.data import ByteTokenizer, DPSampler, load_tokens
-from flexshard.trainer.model import Transformer, init_weights
+from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, load_tokens
+from flexshard.trainer.models.model import Transformer, init_weights
 from flexshard.trainer.optimizers import build_optimizer
-from flexshard.trainer.parallel import ParallelDims
-from flexshard.trainer.parallelize import full_parameters
+from flexshard.trainer.parallel.dims import ParallelDims
+from flexshard.trainer.parallel.parallelize import full_parameters
 from flexshard.trainer.train import Job, loss_fn, run, setup, train_step
 
-from ..trainer_cases import set_lr
+from ..helpers.trainer_cases import set_lr
 
 STEPS = 10
 # measured worst (4 and 2 ranks): loss 1.6e-7 (dp2xcp2), norm 3.6e-7 (dp2xtp2), final

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (flexshard/trainer/pipeline.py): GPipe, 1F1B and interleaved
+"""Pipeline parallelism (flexshard/trainer/parallel/pipeline.py): GPipe, 1F1B and interleaved
 1F1B stages, each sharded by flexshard over the data-parallel mesh, train like one
 process on the global batch: losses, gradient norms and final parameters within fp32
 tolerance; every bucket reduces its gradients exactly once per step; DistMuon on each
@@ -21,8 +21,8 @@ from flexshard.optim import DistMuon
 from flexshard.runtime.bucket import slot_of
 from flexshard.testing import run_distributed
 from flexshard.trainer.config import ModelConfig
-from flexshard.trainer.model import Transformer, init_module, init_weights
-from flexshard.trainer.pipeline import build_pipeline, check_pipeline, init_stage_params
+from flexshard.trainer.models.model import Transformer, init_module, init_weights
+from flexshard.trainer.parallel.pipeline import build_pipeline, check_pipeline, init_stage_params
 from flexshard.trainer.train import loss_fn
 
 #: comm_stats entries that are no bucket (the unused-parameter agreement, the sum)

@@ -19,10 +19,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flexshard.testing import run_distributed
-from flexshard.trainer import ring_attention as ring_module
-from flexshard.trainer.context_parallel import ContextParallel, apply_cp, split_sequence
-from flexshard.trainer.model import Transformer, init_weights
-from flexshard.trainer.ring_attention import ring_attention
+from flexshard.trainer.models.model import Transformer, init_weights
+from flexshard.trainer.parallel import context_parallel as ring_module
+from flexshard.trainer.parallel.context_parallel import (
+    ContextParallel,
+    apply_cp,
+    ring_attention,
+    split_sequence,
+)
 from flexshard.trainer.train import loss_fn, setup, train_step
 
 from .test_cp_ep import SEED, _average, _gap, model_config, reference, tokens

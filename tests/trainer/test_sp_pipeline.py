@@ -13,10 +13,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from flexshard.testing import run_distributed
 from flexshard.trainer.config import ConfigError, load_config
-from flexshard.trainer.model import Transformer
-from flexshard.trainer.parallelize import full_parameters
-from flexshard.trainer.pipeline import build_pipeline
-from flexshard.trainer.tensor_parallel import apply_tp
+from flexshard.trainer.models.model import Transformer
+from flexshard.trainer.parallel.parallelize import full_parameters
+from flexshard.trainer.parallel.pipeline import build_pipeline
+from flexshard.trainer.parallel.tensor_parallel import apply_tp
 from flexshard.trainer.train import loss_fn, setup, train_step
 
 from .test_parallel_layouts import (

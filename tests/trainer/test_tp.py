@@ -27,9 +27,9 @@ from flexshard.optim import DistMuon
 from flexshard.quant import MXFP8, dequantize, quantize
 from flexshard.testing import run_distributed
 from flexshard.trainer.config import ConfigError
-from flexshard.trainer.model import Transformer, init_module
-from flexshard.trainer.tensor_parallel import apply_tp, check_tp
-from tests import tp_cases as tc
+from flexshard.trainer.models.model import Transformer, init_module
+from flexshard.trainer.parallel.tensor_parallel import apply_tp, check_tp
+from tests.helpers import tp_cases as tc
 
 STEPS = 4
 

@@ -15,12 +15,12 @@ from torch.distributed.tensor import DTensor
 import flexshard as fs
 from flexshard.checkpoint.safe_load import read_metadata
 from flexshard.testing import run_distributed
-from flexshard.trainer import checkpointing
-from flexshard.trainer.checkpointing import latest_step
-from flexshard.trainer.model import Transformer, init_weights
+from flexshard.trainer.checkpointing import checkpoints as checkpointing
+from flexshard.trainer.checkpointing.checkpoints import latest_step
+from flexshard.trainer.models.model import Transformer, init_weights
 from flexshard.trainer.train import run
 
-from ..trainer_cases import single_process_run, tiny_config
+from ..helpers.trainer_cases import single_process_run, tiny_config
 
 STEPS = 6
 CKPT = {"enable": True, "interval": 3}

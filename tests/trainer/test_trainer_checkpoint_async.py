@@ -23,13 +23,13 @@ from flexshard.checkpoint.manifest import read_manifest
 from flexshard.checkpoint.staging import ChunkStager
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import record_collectives
-from flexshard.trainer import checkpointing
-from flexshard.trainer.checkpointing import latest_step
+from flexshard.trainer.checkpointing import checkpoints as checkpointing
+from flexshard.trainer.checkpointing.checkpoints import latest_step
+from flexshard.trainer.checkpointing.retention import purge
 from flexshard.trainer.config import Config, ConfigError, config_from_dict
-from flexshard.trainer.retention import purge
 from flexshard.trainer.train import run
 
-from ..trainer_cases import tiny_config
+from ..helpers.trainer_cases import tiny_config
 
 STEPS = 6
 MODES = ("disabled", "async", "async_with_pinned_mem")

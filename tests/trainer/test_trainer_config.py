@@ -9,11 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexshard.trainer.config import ConfigError, TrainingConfig, load_config, parse_overrides
-from flexshard.trainer.data import ByteTokenizer, DPSampler, builtin_corpus
+from flexshard.trainer.config import (
+    ConfigError,
+    TrainingConfig,
+    load_config,
+    parse_overrides,
+)
+from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, builtin_corpus
 from flexshard.trainer.lr_schedule import lr_factor
-from flexshard.trainer.model import Transformer, count_params, init_weights
-from flexshard.trainer.parallel import ParallelDims
+from flexshard.trainer.models.model import Transformer, count_params, init_weights
+from flexshard.trainer.parallel.dims import ParallelDims
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -249,7 +254,7 @@ def test_progress_bar_is_tqdm_with_loss_and_rate():
 
 
 def test_own_text_files_and_backend_option_errors(tmp_path):
-    from flexshard.trainer.data import load_tokens
+    from flexshard.trainer.data.dataset import load_tokens
     from flexshard.trainer.train import check_backend_options
 
     (tmp_path / "a.txt").write_text("hello ")
@@ -270,7 +275,7 @@ def test_own_text_files_and_backend_option_errors(tmp_path):
 
 def test_hf_dataset_saved_to_disk(tmp_path):
     datasets = pytest.importorskip("datasets")  # optional: pip install datasets
-    from flexshard.trainer.data import load_tokens
+    from flexshard.trainer.data.dataset import load_tokens
 
     rows = datasets.Dataset.from_dict({"text": ["to be", "or not"], "id": [1, 2]})
     datasets.DatasetDict({"train": rows}).save_to_disk(str(tmp_path / "dd"))

@@ -21,16 +21,16 @@ from flexshard.checkpoint.hf_safetensors import (
     load_hf_safetensors,
 )
 from flexshard.testing import run_distributed
-from flexshard.trainer import checkpointing
-from flexshard.trainer.data import DPSampler, ValidationBatches, load_tokens, split_tokens
-from flexshard.trainer.hf_adapter import hf_keys
-from flexshard.trainer.hf_checkpoint import export_hf
-from flexshard.trainer.model import Transformer
+from flexshard.trainer.checkpointing import checkpoints as checkpointing
+from flexshard.trainer.checkpointing.checkpoints import export_hf
+from flexshard.trainer.data.dataset import DPSampler, ValidationBatches, load_tokens, split_tokens
+from flexshard.trainer.data.tokenizer import ByteTokenizer
+from flexshard.trainer.models.hf_adapter import hf_keys
+from flexshard.trainer.models.model import Transformer
 from flexshard.trainer.optimizers import build_optimizer
-from flexshard.trainer.tokenizer import ByteTokenizer
 from flexshard.trainer.train import loss_fn, run, setup
 
-from ..trainer_cases import set_lr, tiny_config
+from ..helpers.trainer_cases import set_lr, tiny_config
 
 
 def _transformers():

@@ -22,14 +22,14 @@ import torch
 from safetensors.torch import load_file
 
 from flexshard.testing import run_distributed
-from flexshard.trainer import checkpointing
+from flexshard.trainer.checkpointing import checkpoints as checkpointing
+from flexshard.trainer.checkpointing.checkpoints import export_hf
 from flexshard.trainer.config import ConfigError, load_config
-from flexshard.trainer.data import ByteTokenizer, DPSampler, load_tokens
-from flexshard.trainer.hf_adapter import check_matches
-from flexshard.trainer.hf_checkpoint import export_hf
+from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, load_tokens
+from flexshard.trainer.models.hf_adapter import check_matches
 from flexshard.trainer.train import loss_fn, run, setup, train_step
 
-from ..trainer_cases import tiny_config
+from ..helpers.trainer_cases import tiny_config
 from .test_parallel_layouts import LOSS_RTOL, PARAM_ATOL
 
 LOGIT_ATOL = 1e-5  # as tests/trainer/test_trainer_hf.py: fp32 logits against transformers'

@@ -21,7 +21,7 @@ import pytest
 import torch.distributed as dist
 
 from flexshard.testing import run_distributed
-from flexshard.trainer.checkpointing import latest_step
+from flexshard.trainer.checkpointing.checkpoints import latest_step
 from flexshard.trainer.config import ConfigError
 from flexshard.trainer.train import run, setup
 

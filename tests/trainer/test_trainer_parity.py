@@ -8,7 +8,7 @@ import pytest
 from flexshard.testing import run_distributed
 from flexshard.trainer.train import run
 
-from ..trainer_cases import STEPS, single_process_losses, tiny_config
+from ..helpers.trainer_cases import STEPS, single_process_losses, tiny_config
 
 # fp32, 20 AdamW steps: W ranks' mean of per-rank gradients and one process's single
 # large batch round differently. Measured worst relative loss gap: 2.1e-7 (W = 2 and 4).

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from flexshard.trainer import launch, preflight
+from flexshard.trainer import launch
+from flexshard.trainer.checkpointing import preflight
 from flexshard.trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]

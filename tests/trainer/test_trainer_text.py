@@ -12,10 +12,10 @@ import torch
 
 from flexshard.testing import run_distributed
 from flexshard.trainer.config import ConfigError, config_from_dict, load_config
-from flexshard.trainer.data import builtin_corpus
+from flexshard.trainer.data.dataset import builtin_corpus
+from flexshard.trainer.data.tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer
 from flexshard.trainer.generate import forward_cached, generate, load_model, load_sharded
-from flexshard.trainer.model import Transformer, init_weights
-from flexshard.trainer.tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer
+from flexshard.trainer.models.model import Transformer, init_weights
 
 from .test_trainer_hf import hf_llama
 

@@ -1,0 +1,182 @@
+"""The trainer's configuration types: a dataclass per TOML section and ConfigError.
+
+The checks (``validation``) and the tokenizer import these types from here; users import
+them from ``flexshard.trainer.config``, which re-exports them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message names the key."""
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 0  # 0: dense SwiGLU feed-forward everywhere
+    top_k: int = 2
+    num_shared_experts: int = 1
+    expert_hidden: int = 0  # 0: the dense ffn_hidden
+    first_dense_layers: int = 1  # DeepSeek keeps the first layer(s) dense
+    router_bias: bool = False
+    # load balancing (trainer/models/moe.py): "bias" = DeepSeek-V3's aux-loss-free bias
+    # (bias += bias_update_rate * sign(mean load - load) after each step), "aux" = an
+    # auxiliary loss aux_loss_coef * E * sum(f * P)
+    balance: Literal["none", "bias", "aux"] = "none"
+    bias_update_rate: float = 1e-3
+    aux_loss_coef: float = 1e-2
+
+
+@dataclass
+class ModelConfig:
+    # the byte tokenizer's 256; left out with a tokenizer file: its ids, padded up to
+    # vocab_multiple (a tokenizer.json of 32,000 ids and 64: 32,000)
+    vocab_size: int = 256
+    vocab_multiple: int = 64
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2  # grouped-query attention: n_heads % n_kv_heads == 0
+    ffn_hidden: int = 0  # 0: Llama's rule, 8/3 * dim rounded up to ffn_multiple
+    ffn_multiple: int = 16
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # "bytes", a Hugging Face tokenizer.json or a tiktoken BPE file (tokenizer.py)
+    tokenizer: str = "bytes"
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+@dataclass
+class ParallelismConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever the world size leaves
+    dp_backend: Literal["flexshard", "fsdp2"] = "flexshard"
+    tp: int = 1  # tensor parallel (innermost)
+    pp: int = 1  # pipeline stages (outermost)
+    cp: int = 1  # context parallel: every sequence split in 2 * cp zig-zag chunks
+    # "allgather": K/V all-gathered (O(seq) per rank); "ring": K/V blocks passed around
+    cp_method: Literal["allgather", "ring"] = "allgather"
+    ep: int = 1  # expert parallel, borrowed from the dp_shard * cp ranks
+    sequence_parallel: bool = True  # with tp > 1: norms and stage sends on sequence shards
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    pp_microbatches: int = 0  # 0: pp (one microbatch per stage)
+    pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b)
+    # flexshard buckets: one per block plus one outer bucket, all with this placement
+    placement: Literal["shard0", "flat", "owned", "block", "mixed", "muon"] = "shard0"
+    block: list[int] = field(default_factory=lambda: [16, 16])  # BlockShard tile (R, C)
+    reshard_after_forward: bool = True
+    # explicit buckets replace the defaults: [{patterns=[..], placement="owned", name=".."}]
+    buckets: list[dict[str, Any]] = field(default_factory=list)
+    # seconds any one collective may wait (flexshard's buckets, clipping, EP / CP
+    # exchanges, checkpoint I/O) before it raises a CollectiveError naming it
+    timeout_s: float = 300.0
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 20
+    seed: int = 0
+    seq_len: int = 64
+    batch_size: int = 4  # sequences per data-parallel rank per micro-batch
+    grad_accum: int = 1  # micro-batches per step
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # decay ends at lr * min_lr_ratio
+    warmup_steps: int = 2
+    decay: Literal["cosine", "linear", "none"] = "cosine"
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    # soap/shampoo: pytorch-optimizer's, on every parameter through MatrixOptimizer
+    optimizer: Literal["adamw", "muon", "soap", "shampoo"] = "adamw"
+    max_norm: float = 1.0  # 0: no clipping (the norm is still measured)
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class DataConfig:
+    source: Literal["builtin", "files", "hf_disk"] = "builtin"
+    paths: list[str] = field(default_factory=list)  # text files or globs (source="files")
+    hf_path: str = ""  # datasets.save_to_disk folder (source="hf_disk")
+    hf_split: str = "train"
+    hf_text_field: str = "text"
+
+
+@dataclass
+class JobConfig:
+    dump_folder: str = "outputs/debug"
+    description: str = ""
+    log_every: int = 1
+    progress: bool = True  # rank-0 progress bar on stderr
+    tensorboard: bool = True  # only if the tensorboard package is importable
+    plot: bool = True  # loss-curve PNG at the end (needs matplotlib)
+    peak_tflops: float = 0.0  # per rank, for MFU; 0: known GPU table or a CPU matmul probe
+
+
+@dataclass
+class CheckpointConfig:
+    enable: bool = False
+    interval: int = 10  # steps between saves
+    folder: str = "checkpoint"  # under dump_folder
+    resume: bool = True  # continue from the latest checkpoint in folder, if any
+    export_safetensors: bool = False  # final model as model.safetensors in dump_folder
+    initial_load_path: str = ""  # start (when not resuming) from this DCP or HF folder
+    initial_load_in_hf: bool = False  # initial_load_path is a Hugging Face model folder
+    last_save_in_hf: bool = False  # final model as a Hugging Face folder, dump_folder/hf
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # "async": stage to host memory, write in the background while training goes on;
+    # "async_with_pinned_mem": the same with staging buffers kept (pinned where CUDA is)
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    keep_latest_k: int = 0  # complete checkpoints kept, older ones deleted; 0: keep all
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the loader sets each key after its type check: ranges are checked here
+        if name == "keep_latest_k" and isinstance(value, int) and value < 0:
+            raise ConfigError(
+                f"checkpoint.keep_latest_k = {value}: must be >= 0 (0 keeps every checkpoint)"
+            )
+        super().__setattr__(name, value)
+
+
+@dataclass
+class ValidationConfig:
+    enable: bool = False
+    freq: int = 10  # steps between validations (and after the last step)
+    steps: int = 4  # batches per validation
+    fraction: float = 0.1  # the end of the text held out for validation
+
+
+@dataclass
+class CompileConfig:
+    enable: bool = False  # torch.compile each transformer block (torchtitan's spelling)
+    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    # recompute in backward instead of keeping activations (torchtitan's spelling):
+    # "full" recomputes every block, "selective" per selective_ac_option
+    mode: Literal["none", "full", "selective"] = "none"
+    # "op": keep matmul outputs, recompute the rest; "n": recompute every n-th block
+    selective_ac_option: str = "op"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    job: JobConfig = field(default_factory=JobConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(
+        default_factory=ActivationCheckpointConfig
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

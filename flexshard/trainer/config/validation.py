@@ -1,0 +1,307 @@
+"""The config's values checked beyond their types: sizes, ranges, what needs what, the
+explicit buckets; the layout checks of the tp / pp / cp / ep degrees are below (one
+place for each, shared with the parallel pieces).
+
+Which Hugging Face architecture a model config maps to, or why none does: a check
+on the config alone, so the start-up validation runs it without importing the model
+and the adapter (models/hf_adapter.py).
+
+Every layout check of the trainer, written once: tp / pp / cp / ep degrees against the
+model, the batch and each other. The config validation runs them all at start-up
+(``check_parallel_layout``); ``apply_tp``, ``build_pipeline``, ``split_sequence`` and
+``ParallelDims`` call the piece they need, so a library user gets the same message.
+
+Each raises a ConfigError (a ValueError) naming the keys, before any module is cut or
+any collective runs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .schema import Config, ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    from .schema import Config, ModelConfig
+
+
+HF_OPTIONS = "checkpoint.initial_load_in_hf / last_save_in_hf"
+
+
+def hf_format(cfg: ModelConfig, option: str = HF_OPTIONS, export: bool = False) -> str:
+    """``"llama"`` (dense) or ``"mixtral"`` (MoE); a ConfigError naming ``option`` and
+    every reason when the MoE has no Hugging Face twin. ``export``: the model is written
+    (a ``"bias"`` balance changes the routing, and Mixtral has no bias to hold it)."""
+    moe = cfg.moe
+    if not moe.num_experts:
+        return "llama"
+    problems = []
+    if moe.num_shared_experts:
+        problems.append(
+            f"model.moe.num_shared_experts = {moe.num_shared_experts} (Mixtral has no shared "
+            "expert; Qwen2-MoE gates its shared expert with a sigmoid, DeepSeek's come "
+            "with MLA attention): set 0"
+        )
+    if moe.first_dense_layers:
+        problems.append(
+            f"model.moe.first_dense_layers = {moe.first_dense_layers} (every Mixtral layer "
+            "is MoE; Qwen3-MoE's dense layers come with q/k norms the trainer has not): set 0"
+        )
+    if export and moe.balance == "bias":
+        problems.append(
+            'model.moe.balance = "bias" (the learned selection bias picks the experts; '
+            "Mixtral routes by the softmax alone and has no tensor for the bias)"
+        )
+    if problems:
+        raise ConfigError(
+            f"{option}: this MoE has no Hugging Face twin (Mixtral is the one whose routing "
+            f"matches the trainer's): {'; '.join(problems)}"
+        )
+    return "mixtral"
+
+
+#: the pipeline schedules (``pipeline.SCHEDULES`` maps them to torch's classes)
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Every tp rank must hold whole attention heads."""
+    for key, heads, kind in (
+        ("n_heads", cfg.n_heads, "attention heads"),
+        ("n_kv_heads", cfg.n_kv_heads, "key/value heads"),
+    ):
+        if heads % tp:
+            raise ConfigError(
+                f"model.{key} = {heads} is not divisible by parallelism.tp = {tp}; "
+                f"parallelism.tp = {tp} must divide model.n_heads = {cfg.n_heads} and "
+                f"model.n_kv_heads = {cfg.n_kv_heads}: tensor parallelism gives every tp "
+                f"rank whole {kind}"
+            )
+
+
+def check_pipeline(
+    n_layers: int, pp: int, virtual: int, schedule: str, n_microbatches: int
+) -> None:
+    """The stages, the schedule and the microbatches fit together."""
+    if schedule not in SCHEDULE_NAMES:
+        raise ConfigError(
+            f"pipeline schedule '{schedule}': must be one of {', '.join(SCHEDULE_NAMES)}"
+        )
+    for name, value in (
+        ("pp", pp),
+        ("virtual_stages", virtual),
+        ("n_microbatches", n_microbatches),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"pipeline: {name} must be a positive int, got {value!r}")
+    if virtual > 1 and schedule != "interleaved_1f1b":
+        raise ConfigError(
+            f"parallelism.pp_virtual_stages = {virtual} needs schedule 'interleaved_1f1b' "
+            f"(parallelism.pp_schedule); '{schedule}' runs one stage per rank"
+        )
+    stages = pp * virtual
+    if n_layers % stages:
+        raise ConfigError(
+            f"model.n_layers = {n_layers} is not divisible by pp * virtual_stages = "
+            f"{pp} * {virtual}: parallelism.pp x pp_virtual_stages = {stages} stages do not "
+            f"divide model.n_layers = {n_layers}"
+        )
+    if schedule == "1f1b" and n_microbatches < pp:
+        raise ConfigError(
+            f"parallelism.pp_microbatches = {n_microbatches}: 1f1b needs at least pp = {pp} "
+            "(n_microbatches >= pp stages)"
+        )
+    if schedule == "interleaved_1f1b":
+        rounds = max(1, n_microbatches // pp)
+        if n_microbatches % rounds:
+            raise ConfigError(
+                f"parallelism.pp_microbatches = {n_microbatches}: interleaved_1f1b needs "
+                f"n_microbatches to be a multiple of its rounds max(1, n_microbatches // pp) "
+                f"= {rounds}"
+            )
+
+
+def check_cp(seq_len: int, cp: int) -> None:
+    """The zig-zag split needs ``2 * cp`` equal chunks."""
+    if cp < 1:
+        raise ConfigError(f"parallelism.cp must be >= 1, got {cp}")
+    if seq_len % (2 * cp):
+        raise ConfigError(
+            f"training.seq_len = {seq_len} is not divisible by 2 * parallelism.cp = {2 * cp}: "
+            "context parallelism splits every sequence into 2 * cp equal zig-zag chunks"
+        )
+
+
+def check_ep_ranks(ep: int, dp_shard_cp: int) -> None:
+    """EP borrows its ranks from the data- and context-parallel ranks."""
+    if dp_shard_cp % ep:
+        raise ConfigError(
+            f"parallelism.ep = {ep} must divide dp_shard * cp = {dp_shard_cp}: expert "
+            "parallelism borrows its ranks from the data-parallel and context-parallel ranks"
+        )
+
+
+def check_ep(num_experts: int, ep: int, dp_shard_cp: int | None) -> None:
+    """An EP degree against the MoE and (when known: dp_shard may be inferred from the
+    world size later) the data-parallel degree."""
+    if ep < 1:
+        raise ConfigError(f"parallelism.ep must be >= 1, got {ep}")
+    if ep == 1:
+        return
+    if num_experts == 0:
+        raise ConfigError(
+            f"parallelism.ep = {ep} needs a mixture-of-experts model (model.moe.num_experts > 0)"
+        )
+    if num_experts % ep:
+        raise ConfigError(
+            f"model.moe.num_experts = {num_experts} is not divisible by parallelism.ep = {ep}: "
+            "every EP rank keeps the same number of whole experts"
+        )
+    if dp_shard_cp is not None:
+        check_ep_ranks(ep, dp_shard_cp)
+
+
+def check_parallel_layout(cfg: Config) -> None:
+    """Start-up errors of the tp / pp / cp / ep degrees against the model and the batch
+    (the world size is checked by ``ParallelDims.from_config``)."""
+    m, t, p = cfg.model, cfg.training, cfg.parallelism
+    for dim in ("tp", "pp", "cp", "ep", "pp_virtual_stages"):
+        if getattr(p, dim) < 1:
+            raise ConfigError(f"parallelism.{dim} = {getattr(p, dim)}: must be at least 1")
+    if p.pp_microbatches < 0:
+        raise ConfigError(f"parallelism.pp_microbatches = {p.pp_microbatches}: must be >= 0")
+    check_tp(m, p.tp)
+    micro = p.pp_microbatches or p.pp
+    check_pipeline(m.n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, micro)
+    if p.pp > 1 and t.batch_size % micro:
+        raise ConfigError(
+            f"training.batch_size = {t.batch_size} is not divisible by "
+            f"parallelism.pp_microbatches = {micro}"
+        )
+    if p.pp > 1 and t.grad_accum != 1:
+        raise ConfigError(
+            "training.grad_accum must be 1 with parallelism.pp > 1: the pipeline's "
+            "microbatches (parallelism.pp_microbatches) accumulate instead"
+        )
+    check_cp(t.seq_len, p.cp)
+    # sequence parallelism cuts each rank's sequence across tp, and pipeline stages
+    # send those shards
+    if p.tp > 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError(
+            f"training.seq_len / cp = {t.seq_len // p.cp} is not divisible by parallelism.tp "
+            f"= {p.tp}: sequence parallelism splits each rank's sequence across tp"
+        )
+    check_ep(m.moe.num_experts, p.ep, p.dp_shard * p.cp if p.dp_shard != -1 else None)
+    composed = p.tp * p.pp * p.ep > 1
+    if composed and (p.buckets or p.placement == "muon"):
+        raise ConfigError(
+            'parallelism.buckets and placement = "muon" are for data parallelism alone; '
+            "with tp, pp or ep > 1 use a named placement"
+        )
+    # Muon runs on every layout (DistMuon: tp matrices have one owner per tp group,
+    # each pipeline stage its own matrices, experts one matrix each); SOAP/Shampoo's
+    # MatrixOptimizer is not wired with pp stages or EP's expert meshes
+    if composed and t.optimizer not in ("adamw", "muon"):
+        raise ConfigError(
+            f'training.optimizer = "{t.optimizer}" is not wired with tp, pp or ep > 1'
+            ' (use "adamw" or "muon")'
+        )
+    # Hugging Face folders work on every layout; an MoE needs a Mixtral twin (refused
+    # here, not after training)
+    c = cfg.checkpoint
+    if c.initial_load_in_hf or c.last_save_in_hf:
+        if c.initial_load_in_hf:
+            hf_format(m, "checkpoint.initial_load_in_hf")
+        if c.last_save_in_hf:
+            hf_format(m, "checkpoint.last_save_in_hf", export=True)
+
+
+PLACEMENT_NAMES = ("shard0", "flat", "owned", "block", "mixed")
+
+
+def _check_bucket_entry(where: str, entry: Any) -> None:
+    """One explicit bucket: {patterns = [...], placement = "owned", name = "..", block = [R, C]}."""
+    if not isinstance(entry, dict):
+        raise ConfigError(f'{where}: a table like {{patterns = ["layers.*"], placement = ..}}')
+    unknown = set(entry) - {"patterns", "placement", "name", "block"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
+    patterns = entry.get("patterns")
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    if not patterns or not all(isinstance(x, str) for x in patterns):
+        raise ConfigError(f"{where}.patterns: a list of FQN glob patterns is required")
+    if entry.get("placement", "shard0") not in PLACEMENT_NAMES:
+        raise ConfigError(
+            f"{where}.placement = {entry['placement']!r}: must be one of {PLACEMENT_NAMES}"
+        )
+    block = entry.get("block", [1, 1])
+    if not (
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) for b in block)
+        and min(block) >= 1
+    ):
+        raise ConfigError(f"{where}.block = {block!r}: must be two positive sizes [R, C]")
+
+
+def validate(cfg: Config) -> None:
+    """Values that type-check but make no sense."""
+    m, t, p = cfg.model, cfg.training, cfg.parallelism
+    positive = {
+        "model.vocab_size": m.vocab_size,
+        "model.dim": m.dim,
+        "model.n_layers": m.n_layers,
+        "model.n_heads": m.n_heads,
+        "model.n_kv_heads": m.n_kv_heads,
+        "training.steps": t.steps,
+        "training.seq_len": t.seq_len,
+        "training.batch_size": t.batch_size,
+        "training.grad_accum": t.grad_accum,
+        "parallelism.dp_replicate": p.dp_replicate,
+        "job.log_every": cfg.job.log_every,
+        "checkpoint.interval": cfg.checkpoint.interval,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} = {value}: must be at least 1")
+    if m.vocab_size < 256 and m.tokenizer == "bytes":
+        raise ConfigError(f"model.vocab_size = {m.vocab_size}: the byte tokenizer needs 256")
+    v = cfg.validation
+    if v.enable and (v.freq < 1 or v.steps < 1 or not 0 < v.fraction < 1):
+        raise ConfigError("validation.freq and steps must be >= 1, validation.fraction in (0, 1)")
+    if cfg.checkpoint.initial_load_in_hf and not cfg.checkpoint.initial_load_path:
+        raise ConfigError("checkpoint.initial_load_in_hf needs checkpoint.initial_load_path")
+    if not 0 < p.timeout_s < float("inf"):  # also rejects NaN
+        raise ConfigError(f"parallelism.timeout_s = {p.timeout_s}: must be a positive number")
+    if p.dp_shard < 1 and p.dp_shard != -1:
+        raise ConfigError(f"parallelism.dp_shard = {p.dp_shard}: must be -1 (auto) or >= 1")
+    if m.dim % m.n_heads:
+        raise ConfigError(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"head dim {m.dim // m.n_heads} must be even for RoPE")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"model.n_heads = {m.n_heads} is not a multiple of model.n_kv_heads = {m.n_kv_heads}"
+        )
+    moe = m.moe
+    if moe.num_experts and not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(
+            f"model.moe.top_k = {moe.top_k}: must be in 1..num_experts ({moe.num_experts})"
+        )
+    if moe.bias_update_rate < 0 or moe.aux_loss_coef < 0:
+        raise ConfigError("model.moe.bias_update_rate and aux_loss_coef must be >= 0")
+    if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError("training.lr must be > 0 and training.min_lr_ratio in [0, 1]")
+    if t.warmup_steps < 0 or t.max_norm < 0 or t.weight_decay < 0:
+        raise ConfigError("training.warmup_steps, max_norm and weight_decay must be >= 0")
+    if len(t.betas) != 2:
+        raise ConfigError(f"training.betas = {t.betas}: must be two numbers")
+    if len(p.block) != 2 or min(p.block) < 1:
+        raise ConfigError(f"parallelism.block = {p.block}: must be two positive sizes [R, C]")
+    check_parallel_layout(cfg)
+    for i, entry in enumerate(p.buckets):
+        _check_bucket_entry(f"parallelism.buckets[{i}]", entry)
+    if cfg.data.source == "files" and not cfg.data.paths:
+        raise ConfigError('data.source = "files" needs data.paths (text files or globs)')
+    if cfg.data.source == "hf_disk" and not cfg.data.hf_path:
+        raise ConfigError('data.source = "hf_disk" needs data.hf_path (a save_to_disk folder)')

@@ -1,0 +1,1 @@
+"""The trainer's data: text sources, batches, samplers and tokenizers."""

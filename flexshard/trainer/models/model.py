@@ -1,0 +1,309 @@
+"""A Llama-3-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) with
+optional DeepSeek-style MoE layers (top-k router, shared expert, 3-D expert weights
+``[E, R, C]``), built from ``ModelConfig``.
+
+Initialisation is one function per module (``init_module``), applied in module order,
+so that ``fs.init_params(model, init_module)`` on a meta-built, sharded model draws
+exactly the values an eagerly built model gets from ``init_weights``.
+
+``loss_fn``: the trainer's loss, which the pipeline (parallelize) and the loop (train)
+both call."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel.context_parallel import ring_attention
+from .moe import LoadBalance, grouped_swiglu, loop_swiglu
+
+if TYPE_CHECKING:
+    from ..parallel.context_parallel import ContextParallel
+    from ..parallel.expert_parallel import ExpertParallel
+
+
+def ffn_hidden_size(cfg: ModelConfig) -> int:
+    if cfg.ffn_hidden:
+        return cfg.ffn_hidden
+    hidden = int(8 * cfg.dim / 3)  # SwiGLU keeps the 4*dim MLP's parameter count
+    return cfg.ffn_multiple * math.ceil(hidden / cfg.ffn_multiple)
+
+
+def _linear(fan_in: int, fan_out: int, std: float) -> nn.Linear:
+    layer = nn.Linear(fan_in, fan_out, bias=False)
+    layer.init_stds = {"weight": std}  # read by init_module
+    return layer
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.init_stds = {"weight": None}  # None: ones
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(
+    seq_len: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every (position, frequency) pair, [seq_len, head_dim / 2], fp32."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of ``x`` [batch, seq, heads, head_dim] (Llama's layout)."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, out_std: float) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = _linear(cfg.dim, cfg.n_heads * self.head_dim, 0.02)
+        self.wk = _linear(cfg.dim, cfg.n_kv_heads * self.head_dim, 0.02)
+        self.wv = _linear(cfg.dim, cfg.n_kv_heads * self.head_dim, 0.02)
+        self.wo = _linear(cfg.n_heads * self.head_dim, cfg.dim, out_std)
+        self.context_parallel: ContextParallel | None = None  # set by apply_cp
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), cos, sin)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        cp, mask = self.context_parallel, None
+        if cp is not None and cp.method == "ring":  # K/V blocks travel the CP ring
+            return self.wo(ring_attention(q, k, v, cp.exchange).reshape(b, s, -1))
+        if cp is not None:  # local queries attend to the whole sequence's keys and values
+            k, v = cp.gather_kv(k, v)
+            mask = cp.causal_mask(s, x.device)
+        repeat = self.n_heads // self.n_kv_heads  # each kv head serves `repeat` query heads
+        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=mask is None,
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int, out_std: float) -> None:
+        super().__init__()
+        self.w1 = _linear(dim, hidden, 0.02)
+        self.w2 = _linear(hidden, dim, out_std)
+        self.w3 = _linear(dim, hidden, 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as 3-D weights [E, R, C] (rows = outputs, as nn.Linear): one
+    parameter per projection, so a placement sees whole expert matrices as a batch."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, out_std: float) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.init_stds = {"w1": 0.02, "w2": out_std, "w3": 0.02}
+        # set by apply_ep: the EP group, and (first, total): this rank keeps experts
+        # first .. first + len(w1) - 1 of total
+        self.expert_parallel: ExpertParallel | None = None
+        self.ep_range: tuple[int, int] | None = None
+
+        self.grouped = True  # False: the Python loop over experts (the tests' reference)
+
+    def swiglu(self, rows: torch.Tensor, counts: list[int], w: tuple) -> torch.Tensor:
+        """Experts ``0..`` of the weights ``w`` = (w1, w2, w3) on their ``counts[e]``
+        consecutive ``rows``."""
+        return (grouped_swiglu if self.grouped else loop_swiglu)(rows, counts, *w)
+
+    def forward(
+        self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+    ) -> torch.Tensor:
+        """Per token, the router-weighted sum of its ``chosen`` experts' outputs (a
+        module call, so that a data-parallel wrapper of the experts sees it run)."""
+        if self.expert_parallel is not None:  # the experts live on the EP ranks: all-to-all
+            return self.expert_parallel.routed(self, flat, weights, chosen)
+        # one row per (token, choice), sorted by expert (stable: tokens stay in order)
+        order = torch.argsort(chosen.reshape(-1), stable=True)
+        token_of = order // chosen.shape[1]
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.w1.shape[0]).tolist()
+        computed = self.swiglu(flat[token_of], counts, (self.w1, self.w2, self.w3))
+        # each token's rows added expert by expert, in the order of the loop it replaced
+        routed = computed * weights.reshape(-1)[order, None]
+        return torch.zeros_like(flat).index_add(0, token_of, routed)
+
+
+class MoE(nn.Module):
+    """Token-choice top-k routing over routed experts plus always-on shared experts."""
+
+    def __init__(self, cfg: ModelConfig, out_std: float) -> None:
+        super().__init__()
+        moe = cfg.moe
+        hidden = moe.expert_hidden or ffn_hidden_size(cfg)
+        self.top_k = moe.top_k
+        self.balance = LoadBalance(
+            moe.balance, moe.num_experts, moe.bias_update_rate, moe.aux_loss_coef
+        )
+        self.router = _linear(cfg.dim, moe.num_experts, 0.02)
+        self.experts = GroupedExperts(moe.num_experts, cfg.dim, hidden, out_std)
+        self.shared = (
+            FeedForward(cfg.dim, hidden * moe.num_shared_experts, out_std)
+            if moe.num_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        scores = self.router(flat).float().softmax(dim=-1)
+        weights, chosen = self.balance.select(scores, self.top_k)
+        weights = (weights / weights.sum(-1, keepdim=True)).type_as(x)
+        out = self.balance.account(self.experts(flat, weights, chosen), scores, chosen)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view(shape)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # residual branches scaled with depth
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg, out_std)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        use_moe = cfg.moe.num_experts > 0 and layer >= cfg.moe.first_dense_layers
+        self.feed_forward: nn.Module = (
+            MoE(cfg, out_std) if use_moe else FeedForward(cfg.dim, ffn_hidden_size(cfg), out_std)
+        )
+        # set by apply_ac: runs ``_block`` so that backward recomputes its activations.
+        # An attribute, not a wrapper module, so parameter names (buckets, checkpoints,
+        # Hugging Face export) stay those of the plain model
+        self.checkpoint: Callable[..., torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint is not None:
+            return self.checkpoint(self._block, x, cos, sin)
+        return self._block(x, cos, sin)
+
+    def _block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings.init_stds = {"weight": 1.0}
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = _linear(cfg.dim, cfg.vocab_size, cfg.dim**-0.5)
+        # RoPE tables are recomputed per device and length, not stored: a meta-built
+        # model then needs no buffer re-initialisation after to_empty
+        self._rope: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.context_parallel: ContextParallel | None = None  # set by apply_cp
+        # sequence-parallel TP (set by apply_tp): the hidden states a later pipeline
+        # stage receives hold 1 / sequence_shards of the sequence RoPE must cover
+        self.sequence_shards = 1
+
+    def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        cp = self.context_parallel
+        total = cp.global_len(seq_len) if cp is not None else seq_len
+        key = (total, device)
+        if key not in self._rope:
+            head_dim = self.cfg.dim // self.cfg.n_heads
+            self._rope[key] = rope_tables(total, head_dim, self.cfg.rope_theta, device)
+        if cp is not None:  # this rank's tokens sit at zig-zag global positions
+            index = cp.positions(seq_len, device)
+            return self._rope[key][0][index], self._rope[key][1][index]
+        return self._rope[key]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        hidden = tokens.is_floating_point()  # a pipeline stage after the embedding's
+        seq = tokens.shape[1] * (self.sequence_shards if hidden else 1)
+        cos, sin = self.rope(seq, tokens.device)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))
+
+
+def init_module(module: nn.Module) -> None:
+    """Initialise the parameters ``module`` holds directly (not its children's)."""
+    stds = getattr(module, "init_stds", None)
+    if stds is None:
+        return
+    # EP keeps a slice of the experts: draw all of them (the single process's random
+    # stream) and keep the slice
+    ep_range = getattr(module, "ep_range", None)
+    with torch.no_grad():
+        for name, param in module.named_parameters(recurse=False):
+            std = stds[name]
+            drawn = param if ep_range is None else param.new_empty(ep_range[1], *param.shape[1:])
+            if std is None:
+                drawn.fill_(1.0)
+            else:
+                nn.init.trunc_normal_(drawn, std=std, a=-3 * std, b=3 * std)
+            if ep_range is not None:
+                param.copy_(drawn[ep_range[0] : ep_range[0] + param.shape[0]])
+
+
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Seeded initialisation of an unsharded model, module by module (the order
+    ``fs.init_params`` follows, so a sharded model gets the same values)."""
+    torch.manual_seed(seed)
+    for module in model.modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            init_module(module)
+
+
+def count_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(all parameters, parameters active per token without the embedding table)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    active = total - model.tok_embeddings.weight.numel()
+    moe = cfg.moe
+    if moe.num_experts:
+        for module in model.modules():
+            if isinstance(module, GroupedExperts):
+                routed = sum(p.numel() for p in module.parameters())
+                active -= routed - routed * moe.top_k // moe.num_experts
+    return total, active
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per active weight plus causal attention scores
+    (12 * layers * dim * seq_len, as in the PaLM/torchtitan estimate)."""
+    _, active = count_params(cfg)
+    return 6.0 * active + 12.0 * cfg.n_layers * cfg.dim * seq_len
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy, computed in float32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))

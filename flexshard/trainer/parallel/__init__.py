@@ -1,0 +1,2 @@
+"""The trainer's parallelisms: the mesh, TP, PP, CP, EP, activation checkpointing and DP
+(sharding), composed in parallelize."""

@@ -1,0 +1,106 @@
+"""Tensor parallelism for the trainer's Transformer, torchtitan style, on torch DTensor.
+
+``apply_tp`` runs before data parallelism: the projections become DTensor parameters
+on the tp mesh (column-wise wq/wk/wv/w1/w3, row-wise wo/w2, vocabulary-sharded
+embedding, column-wise output head), and flexshard later shards each DTensor's local
+tensor over the data-parallel group, handing the modules their DTensors back after
+every unshard.
+
+With ``sequence_parallel`` the activations between blocks are split along the
+sequence across tp (norms run on their sequence shard, weights replicated), and each
+attention / feed-forward gathers the sequence on entry and reduce-scatters it on exit.
+They stay split between pipeline stages too: a block's output is the local
+``[b, s / tp, d]`` of a Shard(1) DTensor, which is what a stage sends and the next
+stage's first norm takes as its sequence shard.
+
+MoE layers keep the router and the experts replicated over tp: every tp rank routes
+the whole sequence and runs every expert on it (the work is duplicated over tp; expert
+parallelism is the axis that splits experts). Their gradients come out identical on
+every tp rank, so no tp reduction is needed.
+
+DTensor's collectives run on the tp mesh's group and wait as long as its timeout: the
+trainer makes that group with ``parallelism.timeout_s`` (``ParallelDims.build_mesh``)
+and names the step in the error (``bounded_waits.step_in_flight``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from ..config.validation import check_tp
+from ..models.model import Attention, FeedForward, MoE, Transformer
+
+
+def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, object]:
+    """The parallel style of each part of one TransformerBlock."""
+    split = Shard(1) if sequence_parallel else Replicate()  # layout between the parts
+    norm = SequenceParallel() if sequence_parallel else None
+    gather_input = PrepareModuleInput(
+        input_layouts=(split, None, None),
+        desired_input_layouts=(Replicate(), None, None),
+    )
+    plan: dict[str, object] = {
+        "attention": gather_input,
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=split),
+    }
+    if norm is not None:
+        plan["attention_norm"] = norm
+        plan["ffn_norm"] = SequenceParallel()
+    ffn = block.feed_forward
+    ffn_input = PrepareModuleInput(input_layouts=(split,), desired_input_layouts=(Replicate(),))
+    if isinstance(ffn, FeedForward):
+        plan["feed_forward"] = ffn_input
+        plan["feed_forward.w1"] = ColwiseParallel()
+        plan["feed_forward.w3"] = ColwiseParallel()
+        plan["feed_forward.w2"] = RowwiseParallel(output_layouts=split)
+    elif isinstance(ffn, MoE):
+        # replicated experts: gather the sequence in, hand back this rank's part out
+        plan["feed_forward"] = PrepareModuleInputOutput(
+            input_layouts=(split,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(split,),
+        )
+    return plan
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
+    """Tensor-parallelise ``model`` in place over the 1-D ``tp_mesh`` (before any data
+    parallelism). Attention modules then work on their local heads."""
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tp takes a 1-D tp mesh, got {tp_mesh.ndim}-D")
+    tp = tp_mesh.size()
+    check_tp(model.cfg, tp)
+    split = Shard(1) if sequence_parallel else Replicate()
+    outer: dict[str, object] = {
+        # vocabulary rows split over tp; the partial sums land sequence-split (SP)
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=split),
+        # logits gathered whole: the loss is the single process's
+        "output": ColwiseParallel(input_layouts=split, output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        outer["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, outer)  # type: ignore[arg-type]
+    # the embedding hands its output over sequence-split (SP): later pipeline stages
+    # then receive [b, s / tp, d] and must know the sequence is tp times longer
+    model.sequence_shards = tp if sequence_parallel else 1
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))  # type: ignore[arg-type]
+        attention = block.attention
+        assert isinstance(attention, Attention)
+        attention.n_heads //= tp  # the projections now give this rank's heads only
+        attention.n_kv_heads //= tp

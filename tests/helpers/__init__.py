@@ -1,0 +1,1 @@
+"""Helpers the tests share: hypothesis strategies, reference models, harnesses."""
