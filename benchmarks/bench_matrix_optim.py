@@ -85,7 +85,7 @@ def _set_grads(model: nn.Module, step: int) -> None:
     for i, (_, param) in enumerate(model.named_parameters()):
         bucket, index = slot_of(param)
         full = _full_grad(bucket.layout.params[index].shape, step, i)
-        regions = bucket.layout.params[index].regions[bucket.rank]
+        regions = bucket.layout.params[index].regions[bucket.store.rank]
         flat = torch.cat([r.view_of(full).reshape(-1) for r in regions] or [full.new_empty(0)])
         param.grad = wrap(flat.view(bucket.local_tensor(index).shape), bucket.specs[index])
 
@@ -113,7 +113,7 @@ class GatherAll:
         self.inner.step()
         for param, full in zip(self.params, self.fulls):
             bucket, index = slot_of(param)
-            regions = bucket.layout.params[index].regions[bucket.rank]
+            regions = bucket.layout.params[index].regions[bucket.store.rank]
             if regions:
                 mine = torch.cat([r.view_of(full).reshape(-1) for r in regions])
                 param.to_local().copy_(mine.view(param.to_local().shape))

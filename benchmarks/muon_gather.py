@@ -36,7 +36,7 @@ class GatherMuon(DistMuon):
             send = torch.zeros(layout.shard_numel, dtype=torch.bfloat16)
             for param, update in members:
                 _, index = slot_of(param)
-                offset = layout.params[index].offsets[bucket.rank]
+                offset = layout.params[index].offsets[bucket.store.rank]
                 send[offset : offset + update.numel()] = update.reshape(-1)
             gathered = torch.empty(layout.world_size, layout.shard_numel, dtype=torch.bfloat16)
             all_gather_single(gathered.view(-1), send, group=bucket.comm.shard_group)
@@ -50,7 +50,7 @@ class GatherMuon(DistMuon):
                 _, index = slot_of(param)
                 target = self._targets[id(param)]
                 full_update = self._orthogonalize(target, fulls[index])  # on every rank
-                regions = layout.params[index].regions[bucket.rank]
+                regions = layout.params[index].regions[bucket.store.rank]
                 if not regions:
                     continue
                 mine = torch.cat([r.view_of(full_update).reshape(-1) for r in regions])

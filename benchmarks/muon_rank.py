@@ -94,7 +94,7 @@ def _grads(model: nn.Module, step: int) -> None:
     for name, param in model.named_parameters():
         full = torch.randn(model.shapes[int(name[1:])], generator=gen)
         bucket, index = slot_of(param)
-        regions = bucket.layout.params[index].regions[bucket.rank]
+        regions = bucket.layout.params[index].regions[bucket.store.rank]
         pieces = [r.view_of(full).reshape(-1) for r in regions]
         flat = torch.cat(pieces) if pieces else full.new_empty(0)
         param.grad = wrap(flat.view(bucket.local_tensor(index).shape), bucket.specs[index])

@@ -141,8 +141,8 @@ def to_local(value: torch.Tensor, bucket: Bucket, index: int, key: str) -> torch
     """This rank's local tensor of parameter ``index`` from a DTensor, a RegionTensor or
     a full tensor."""
     param = bucket.layout.params[index]
-    shape = param.local_shape(bucket.rank)
-    boxes = local_boxes(param, bucket.rank)
+    shape = param.local_shape(bucket.store.rank)
+    boxes = local_boxes(param, bucket.store.rank)
     expected = tuple(param.shape)
     spec = bucket.params[index].tp_spec
     if spec is not None:  # a tensor-parallel piece: boxes in the whole tensor's coordinates
@@ -163,7 +163,7 @@ def to_local(value: torch.Tensor, bucket: Bucket, index: int, key: str) -> torch
         if [box for box, _ in value.pieces] != boxes:
             raise ValueError(
                 f"state dict entry '{key}' describes other chunks than bucket '{bucket.name}' "
-                f"stores on rank {bucket.rank}; build it with this model's state_dict()"
+                f"stores on rank {bucket.store.rank}; build it with this model's state_dict()"
             )
         return value.local().view(shape)
     if not boxes:
@@ -238,7 +238,7 @@ def init_params(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
             bucket, i = index[id(local)]
             spec = bucket.params[i].tp_spec  # a TP piece: initialise the whole tensor
             shape = bucket.layout.params[i].shape if spec is None else spec.shape
-            full = torch.empty(shape, dtype=bucket.dtypes[i], device=bucket.storage.device)
+            full = torch.empty(shape, dtype=bucket.store.dtypes[i], device=bucket.storage.device)
             temporaries[name] = nn.Parameter(full, requires_grad=local.requires_grad)
             sub._parameters[name] = temporaries[name]
         try:

@@ -184,13 +184,13 @@ def classify(param: torch.Tensor, name: str, row_blocks: bool | int | None, rule
     rules.check_shape(name, shape)
     target = Target(local, name, {}, Kind.REMOTE, shape, bucket, index)
     if rows is not None:  # every rank computes the blocks it stores (all, if replicated)
-        blocks = row_blocks_of(name, shape, layout.regions, rows, rules.who)[bucket.rank]
+        blocks = row_blocks_of(name, shape, layout.regions, rows, rules.who)[bucket.store.rank]
         target.kind, target.blocks, target.rows = Kind.ROW_BLOCKS, blocks, rows
         target.first_row = first_row
         return target
     if bucket.layout.replicated:
         return target  # one owner computes, the others receive its update
-    mine = bool(layout.regions[bucket.rank])
+    mine = bool(layout.regions[bucket.store.rank])
     whole = (Region((0,) * len(shape), shape),)
     if len(shape) != 3 and all(not regions or regions == whole for regions in layout.regions):
         target.kind = Kind.WHOLE if mine else Kind.NOTHING

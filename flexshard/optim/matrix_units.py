@@ -143,4 +143,4 @@ def _regions_here(target: Target) -> tuple[Region, ...]:
     """What this rank stores of the parameter (a plain tensor: all of it)."""
     if target.bucket is None:
         return (Region((0,) * len(target.shape), target.shape),)
-    return target.bucket.layout.params[target.index].regions[target.bucket.rank]
+    return target.bucket.layout.params[target.index].regions[target.bucket.store.rank]

@@ -124,7 +124,7 @@ def plan_exchanges(
             Exchange(
                 bucket.name,
                 bucket.comm.shard_group,
-                bucket.rank,
+                bucket.store.rank,
                 w,
                 bucket.comm.timeout,
                 bucket.storage.device,

@@ -135,8 +135,8 @@ def own_part(bucket: Bucket, index: int, matrix: torch.Tensor) -> torch.Tensor:
 def dp_part(bucket: Bucket, index: int, piece: torch.Tensor) -> torch.Tensor:
     """This rank's shard of its tp ``piece``: its dp regions, in storage order."""
     layout = bucket.layout.params[index]
-    boxes = local_boxes(layout, bucket.rank)
-    shape = layout.local_shape(bucket.rank)
+    boxes = local_boxes(layout, bucket.store.rank)
+    shape = layout.local_shape(bucket.store.rank)
     if not boxes:
         return piece.new_empty(shape)
     return torch.cat([piece[_slices(box)].reshape(-1) for box in boxes]).view(shape)

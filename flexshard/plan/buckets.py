@@ -112,15 +112,15 @@ def flexshard_buckets(modules: list[nn.Module]) -> list[BucketInfo]:
             mesh = bucket.mesh
             replicas = mesh.size(0) if mesh is not None and mesh.ndim == 2 else 1
             is_root = name in ROOT_NAMES
-            reshard = bucket.reshard_after_forward
+            reshard = bucket.schedule.reshard_after_forward
             found.append(
                 BucketInfo(
                     name=name,
                     layout=bucket.layout,
                     placements=tuple(p.placement for p in bucket.params),
-                    storage_itemsize=_itemsize(bucket.dtypes[0]),
-                    gather_itemsize=_itemsize(bucket.param_dtype),
-                    reduce_itemsize=_itemsize(bucket.reduce_dtype),
+                    storage_itemsize=_itemsize(bucket.store.dtypes[0]),
+                    gather_itemsize=_itemsize(bucket.store.param_dtype),
+                    reduce_itemsize=_itemsize(bucket.store.reduce_dtype),
                     replicas=replicas,
                     # None: FSDP2's default, every module but the root reshards
                     reshard_after_forward=(not is_root) if reshard is None else bool(reshard),

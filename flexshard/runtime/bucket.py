@@ -214,47 +214,9 @@ class Bucket:
         return self.store.layout
 
     @property
-    def rank(self) -> int:
-        return self.store.rank
-
-    @property
-    def mp_policy(self) -> MixedPrecisionPolicy:
-        return self.store.policy
-
-    @property
-    def unsharded(self) -> bool:
-        """The full parameters are on the modules."""
-        return self.full.unsharded
-
-    @property
-    def post_optim_event(self) -> Any:
-        """``set_post_optim_event``'s event, until the next all-gather waits on it."""
-        return self.schedule.post_optim_event
-
-    @property
     def storage(self) -> torch.Tensor:
         """This rank's flat buffer (the local parameters are views of it)."""
         return self.store.buffer
-
-    @property
-    def dtypes(self) -> list[torch.dtype]:
-        return self.store.dtypes
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.store.dtype
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        return self.store.param_dtype
-
-    @property
-    def reduce_dtype(self) -> torch.dtype:
-        return self.store.reduce_dtype
-
-    @property
-    def reshard_after_forward(self) -> bool | None:
-        return self.schedule.reshard_after_forward
 
     @property
     def quant(self) -> QuantizedGather | None:
@@ -280,7 +242,7 @@ class Bucket:
     def load_full(self, fulls: list[torch.Tensor | None]) -> None:
         """Copy this rank's regions of full parameters (None: keep) into the storage."""
         self.store.load(fulls)
-        if self.unsharded:
+        if self.full.unsharded:
             self.reshard()  # the gathered copy is stale now
 
     def gather_full(self) -> list[torch.Tensor]:
@@ -288,7 +250,7 @@ class Bucket:
         device = self.storage.device
         fulls = [
             torch.empty(p.shape, dtype=d, device=device)
-            for p, d in zip(self.layout.params, self.dtypes)
+            for p, d in zip(self.layout.params, self.store.dtypes)
         ]
         self._follow_ties()
         gathered = self.collective.gather_storage(self.comm)
@@ -316,10 +278,10 @@ class Bucket:
         """Move or cast the storage (``module.to_empty``, ``.to(device)``,
         ``.to(dtype)``) and re-point the local params, as FSDP2 allows after sharding."""
         storage = convert(self.storage)
-        if storage.dtype != self.dtype and self.collective.fixed_dtype:
+        if storage.dtype != self.store.dtype and self.collective.fixed_dtype:
             raise TypeError(
                 f"bucket '{self.name}' packs several dtypes or gathers quantized; it keeps "
-                f"its parameters in {self.dtype} (cast with mp_policy instead)"
+                f"its parameters in {self.store.dtype} (cast with mp_policy instead)"
             )
         self.store.recast(storage)
         self._build_params()
@@ -330,7 +292,7 @@ class Bucket:
         ones; both are (re)made whenever the storage is."""
         self.specs = [
             sharded_spec(self.mesh, p.placement, layout, dtype, p.tp_spec)
-            for p, layout, dtype in zip(self.params, self.layout.params, self.dtypes)
+            for p, layout, dtype in zip(self.params, self.layout.params, self.store.dtypes)
         ]
         # remade (``.to(...)``): keep what ``requires_grad_`` said since sharding
         previous = getattr(self, "local_params", None)
@@ -364,7 +326,7 @@ class Bucket:
         """Adopt the parameters assigned on the modules since sharding (``load_state_dict(
         assign=True)``, or ``module.weight = nn.Parameter(...)`` before the first
         forward), as FSDP2 re-shards them at lazy init."""
-        if self.unsharded:
+        if self.full.unsharded:
             return  # the modules hold the full parameters: nothing was replaced
         assigned = {}
         for i, param in enumerate(self.params):
@@ -454,7 +416,7 @@ class Bucket:
         (``_finish_gather`` lands it). ``overlap``: on CPU too, leave the all-gather in
         flight beside compute (forward's prefetches, see collectives.py)."""
         self.gathered_once = True
-        if self.unsharded:
+        if self.full.unsharded:
             return
         if self.full.pending is None:
             self._follow_ties()
@@ -517,14 +479,14 @@ class Bucket:
     def quantized_params(self) -> dict[str, QuantizedTensor]:
         """While unsharded, a quantized bucket's parameters as QuantizedTensors (fp8
         data and scales), for FP8 GEMMs that read them instead of the dequantized copy."""
-        if self.quant is None or not self.unsharded:
+        if self.quant is None or not self.full.unsharded:
             raise RuntimeError(f"bucket '{self.name}' is not quantized or not unsharded")
         return self.quant.quantized_params(self.name, self.full.gathered)
 
     def reshard(self) -> None:
         if self.full.pending is not None:  # a prefetch nobody used: let it land first
             self._finish_gather()
-        if not self.unsharded:
+        if not self.full.unsharded:
             return
         _follow_requires_grad(self.full_params, self.local_params)
         self._set_on_modules(self.local_params)
@@ -572,7 +534,7 @@ class Bucket:
     def launch_reduce(self) -> None:
         # copy-in on compute, as FSDP2; the collective on the reduce-scatter stream
         with self._span("reduce_scatter"):
-            shown = self.full_params if self.unsharded else self.local_params
+            shown = self.full_params if self.full.unsharded else self.local_params
             trainable = tuple(p.requires_grad for p in shown)
             self._check_unused_grad_dtypes(trainable)
             grads = self._take_grads()

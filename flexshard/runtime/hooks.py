@@ -295,7 +295,7 @@ class StepState:
     def _unshard_async(self, bucket: Bucket) -> None:
         """Launch ``bucket``'s all-gather, landing the oldest prefetch first when
         MAX_GATHERS_IN_FLIGHT are already in flight (landing issues no collective)."""
-        if bucket.unsharded or bucket.gather_in_flight:
+        if bucket.full.unsharded or bucket.gather_in_flight:
             return
         gathers = deque(b for b in self._gathers if b.gather_in_flight)
         while len(gathers) >= MAX_GATHERS_IN_FLIGHT:
@@ -603,7 +603,7 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
     several (a bucket over sibling layers) the first to run unshards, the last to
     finish its forward reshards, and the bucket's gradients are complete once every
     one of them finished its backward."""
-    policy = bucket.mp_policy
+    policy = bucket.store.policy
     open_calls: list[ForwardCall | None] = []  # forward calls between pre and post hooks
 
     @eager

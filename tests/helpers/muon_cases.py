@@ -59,7 +59,7 @@ def local_part(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     if slot is None:
         return full.clone()
     bucket, index = slot
-    regions = bucket.layout.params[index].regions[bucket.rank]
+    regions = bucket.layout.params[index].regions[bucket.store.rank]
     pieces = [region.view_of(full).reshape(-1) for region in regions]
     flat = torch.cat(pieces) if pieces else full.new_empty(0)
     # a gradient placed like the parameter: a DTensor over this rank's local elements

@@ -59,7 +59,7 @@ def _reduce_after_reshard(rank: int, world_size: int) -> list[bool]:
     original = Bucket.launch_reduce
 
     def launch(self: Bucket) -> None:
-        seen.append(self.unsharded)
+        seen.append(self.full.unsharded)
         original(self)
 
     Bucket.launch_reduce = launch  # type: ignore[method-assign]

@@ -112,9 +112,9 @@ def test_post_optim_event_is_consumed_by_the_next_gather(one_rank_group):
     model = fs.fully_shard(torch.nn.Linear(4, 3), mesh=mesh)
     (bucket,) = model._flexshard_buckets
     model.set_post_optim_event(object())  # on CPU any event: the gather waits on nothing
-    assert bucket.post_optim_event is not None
+    assert bucket.schedule.post_optim_event is not None
     model(torch.ones(2, 4)).sum().backward()
-    assert bucket.post_optim_event is None
+    assert bucket.schedule.post_optim_event is None
 
 
 class _LoggingRuntime(DeviceRuntime):

@@ -203,8 +203,10 @@ def _bucket_over_sibling_layers(rank, world_size):
     model = fs.flex_shard(TinyTransformer(CFG), mesh=mesh, buckets=buckets)
     layers = model._flexshard_buckets[0]
     seen = []
-    model.layers[1].register_forward_pre_hook(lambda *_: seen.append(("layer1", layers.unsharded)))
-    model.norm.register_forward_pre_hook(lambda *_: seen.append(("norm", layers.unsharded)))
+    model.layers[1].register_forward_pre_hook(
+        lambda *_: seen.append(("layer1", layers.full.unsharded))
+    )
+    model.norm.register_forward_pre_hook(lambda *_: seen.append(("norm", layers.full.unsharded)))
     losses = sharded_training(model, rank, world_size, batches, 3)
     stats = model.comm_stats()["layers"]
     return losses, [row[rank] for row in expected], seen, stats

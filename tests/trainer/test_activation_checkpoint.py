@@ -71,7 +71,7 @@ def _log_bucket_events() -> None:
         finish(self)
 
     def logged_reshard(self: Bucket) -> None:
-        held = self.unsharded or self.gather_in_flight
+        held = self.full.unsharded or self.gather_in_flight
         reshard(self)
         if held:
             _EVENTS.append(("free", self.name))

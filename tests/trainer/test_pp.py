@@ -336,7 +336,7 @@ def _full_grad(local: torch.Tensor, group) -> torch.Tensor:
     layout = bucket.layout.params[index]
     pieces: list = [None] * dist.get_world_size(group)
     grad = local.grad.to_local().clone()  # a DTensor: its local piece travels
-    dist.all_gather_object(pieces, (layout.regions[bucket.rank], grad), group=group)
+    dist.all_gather_object(pieces, (layout.regions[bucket.store.rank], grad), group=group)
     full = torch.zeros(layout.shape, dtype=local.dtype)
     for regions, grad in pieces:
         flat, start = grad.reshape(-1), 0
