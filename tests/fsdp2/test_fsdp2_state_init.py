@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from tests.helpers import state as st
+from tests.helpers import fsdp2_state as st
 from tests.helpers.fsdp2_state import (
     MLP,
     _exact,

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
-from tests.helpers import state as st
+from tests.helpers import fsdp2_state as st
 from tests.helpers.fsdp2_state import (
     MLP,
     _exact,

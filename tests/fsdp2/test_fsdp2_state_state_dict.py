@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tests.helpers import state as st
+from tests.helpers import fsdp2_state as st
 from tests.helpers.fsdp2_state import (
     MLP,
     _exact,

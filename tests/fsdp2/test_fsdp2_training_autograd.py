@@ -19,7 +19,7 @@ from torch.distributed.fsdp import (
     FSDPModule,
 )
 
-from tests.helpers import training as ts
+from tests.helpers import fsdp2_training as ts
 from tests.helpers.fsdp2_training import (
     MLP,
     Transformer,

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tests.fsdp2.test_fsdp2_training_chunked import ChunkedHead, _chunked_step
-from tests.helpers import training as ts
+from tests.helpers import fsdp2_training as ts
 from tests.helpers.fsdp2_training import _grads, _params, _randn, _tokens
 
 DIM = 17

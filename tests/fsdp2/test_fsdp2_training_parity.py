@@ -16,7 +16,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import Shard
 
-from tests.helpers import training as ts
+from tests.helpers import fsdp2_training as ts
 from tests.helpers.fsdp2_training import (
     MLP,
     Transformer,

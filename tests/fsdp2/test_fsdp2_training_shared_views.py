@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from tests.helpers import training as ts
+from tests.helpers import fsdp2_training as ts
 from tests.helpers.fsdp2_training import (
     MLP,
     Transformer,

@@ -33,6 +33,7 @@ from torch import nn
 from flexshard.runtime.bucket import slot_of
 from flexshard.runtime.collectives import DEFAULT_TIMEOUT, check_timeout
 
+from ..config.validation import check_ep as check_ep  # re-exported: the start-up check
 from .context_parallel import Group, as_group
 from .exchange import Exchange
 
