@@ -26,7 +26,7 @@ from flexshard.trainer.metrics import read_metrics
 from ..runtime.test_faults import first_error_line
 
 ROOT = Path(__file__).resolve().parents[2]
-FAULT_SCRIPT = str(ROOT / "tests" / "torchrun_fault.py")
+FAULT_SCRIPT = str(ROOT / "tests" / "helpers" / "torchrun_fault.py")
 STEPS, INTERVAL, FAULT_STEP = 12, 5, 7  # the fault during step 8: resume from step-5
 TIMEOUT_S = 180
 
