@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -66,12 +67,17 @@ class BucketSchedule:
 class ForwardCall:
     """One forward call with grad of a bucket's module, until its backward has run."""
 
-    __slots__ = ("in_order", "began", "reported", "__weakref__")
+    __slots__ = ("in_order", "module", "whole", "began", "reported", "__weakref__")
 
-    def __init__(self, in_order: bool) -> None:
+    def __init__(self, in_order: bool, module: int) -> None:
         # made inside the root's forward: it follows the recorded order, and so does
         # its backward's prefetch
         self.in_order = in_order
+        self.module = module  # which of the bucket's hook modules ran it
+        # FSDP2 hooks its output (so its backward ends with FSDP2's final callback): a
+        # call inside the root's forward, or one that completes its bucket's modules'
+        # forward (set after it; a single module's call always does)
+        self.whole = in_order
         self.began = False  # its backward began: it is over when that backward call ends
         self.reported = False  # its backward reached its inputs: it is over now
 
@@ -91,6 +97,11 @@ class StepCounts:
     def __init__(self) -> None:
         self.state: Any = None  # hooks.StepState, None until the root's first forward
         self._calls: list[weakref.ref[ForwardCall]] = []  # calls whose backward is owed
+        # every call of this step, by hook module, and how many of them began backward
+        self._made: list[tuple[int, weakref.ref[ForwardCall]]] = []
+        self._began: Counter[int] = Counter()
+        self.in_pass: set[int] = set()  # hook modules whose backward began in this backward call
+        self.to_run: set[int] = set()  # hook modules still to run this forward (FSDP2's groups)
         self.uncertain = False  # calls were forgotten while owed: no early launch
         self.reset_pass()
 
@@ -100,7 +111,38 @@ class StepCounts:
         return [c for c in (ref() for ref in self._calls) if c is not None]
 
     def add(self, call: ForwardCall) -> None:
-        self._calls.append(weakref.ref(call))
+        ref = weakref.ref(call)
+        self._calls.append(ref)
+        self._made.append((call.module, ref))
+
+    def begin(self, call: ForwardCall) -> None:
+        """The backward of ``call`` began, in the backward call under way."""
+        if not call.began:
+            call.began = True
+            self._began[call.module] += 1
+        self.reached = True
+        self.in_pass.add(call.module)
+
+    def later_modules(self) -> set[int]:
+        """Hook modules (by index) whose gradients the backward call under way cannot
+        bring: they ran forward in this step, and each of those calls' backward began in
+        another backward call or is still to come (a chunked loss's trunk, its head's
+        chunks). A call dropped without its backward (an output no loss used, which may
+        differ by rank) keeps its module out of this set, so that every rank carries its
+        parameters alike."""
+        made: Counter[int] = Counter()
+        dead: Counter[int] = Counter()
+        alive_began: Counter[int] = Counter()
+        for module, ref in self._made:
+            made[module] += 1
+            call = ref()
+            if call is None:
+                dead[module] += 1
+            elif call.began:
+                alive_began[module] += 1
+        return {
+            m for m in made if m not in self.in_pass and dead[m] == self._began[m] - alive_began[m]
+        }
 
     def reset_pass(self) -> None:
         """A backward call ended: the forward calls it reached are over."""
@@ -114,6 +156,8 @@ class StepCounts:
         to run its backward, then only loses the early launch of its reduction)."""
         self.uncertain = bool(self.calls)
         self._calls = []
+        self._made = []
+        self._began.clear()
         self.reset_pass()
 
     @property
@@ -180,6 +224,7 @@ class Bucket:
         self.comm = comm
         self.schedule = BucketSchedule(reshard_after_forward)
         self.step = StepCounts()
+        self.hook_modules: list[nn.Module] = []  # the modules whose forward runs it (hooks.py)
         # ``initial`` are the unsharded parameters: copy this rank's regions, keep no reference
         first = initial[0]
         self.store = BucketStorage(  # also the bucket's layout, rank and mp_policy
@@ -508,7 +553,39 @@ class Bucket:
     def hold_grads(self) -> None:
         """Gradient sync is off: keep the unsharded gradients, in ``reduce_dtype`` (from
         torch 2.15 in each parameter's gradient dtype, as FSDP2)."""
-        self.grads.hold(self._take_grads(), self.store.hold_dtypes())
+        owed = self._carried(self._trainable())
+        self.grads.hold(self._take_grads(), self.store.hold_dtypes(), owed)
+
+    def _shown(self) -> list[nn.Parameter]:
+        """The parameters the modules hold now (``requires_grad_`` lands on these)."""
+        return self.full_params if self.full.unsharded else self.local_params
+
+    def _trainable(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for p in self._shown())
+
+    def _carried(self, trainable: tuple[bool, ...]) -> tuple[bool, ...]:
+        """The trainable parameters this backward call's reduction carries. As FSDP2's
+        (which carries those holding a gradient), not one without a gradient that only
+        another backward call of this step touches: a chunked loss reduces the head's
+        chunks and the trunk apart, and the reduce-scatter's sums depend on what it
+        carries. Decided by which modules ran, so that every rank carries the same."""
+        present = [
+            full.grad is not None or held is not None or owed
+            for full, held, owed in zip(self.full_params, self.grads.held, self.grads.owed)
+        ]
+        if all(p or not t for p, t in zip(present, trainable)):
+            return trainable
+        later = self.step.later_modules()
+        if not later:
+            return trainable
+        index = {id(p): i for i, p in enumerate(self._shown())}
+        elsewhere, here = set(), set()
+        for j, module in enumerate(self.hook_modules):
+            into = elsewhere if j in later else here
+            into.update(index[id(p)] for p in module.parameters() if id(p) in index)
+        return tuple(
+            t and (present[i] or i in here or i not in elsewhere) for i, t in enumerate(trainable)
+        )
 
     def defer_grad_casts(self) -> None:
         """Before the bucket's backward (torch 2.15's FSDP2): a parameter whose gradient
@@ -534,15 +611,15 @@ class Bucket:
     def launch_reduce(self) -> None:
         # copy-in on compute, as FSDP2; the collective on the reduce-scatter stream
         with self._span("reduce_scatter"):
-            shown = self.full_params if self.full.unsharded else self.local_params
-            trainable = tuple(p.requires_grad for p in shown)
+            trainable = self._trainable()
             self._check_unused_grad_dtypes(trainable)
-            grads = self._take_grads()
             # set_reduce_scatter_unused_params(True): zeros for a missing gradient, as
             # FSDP2 gives them in a group unsharded at least once (others keep None)
             agree = not (self.reduction.reduce_unused and self.gathered_once)
-            dtype = self.store.reduce_dtype_of(grads, trainable)
-            self.reduction.launch(self.collective, grads, dtype, self.runtime(), trainable, agree)
+            carried = self._carried(trainable) if agree else trainable
+            grads = self._take_grads()
+            dtype = self.store.reduce_dtype_of(grads, carried)
+            self.reduction.launch(self.collective, grads, dtype, self.runtime(), carried, agree)
 
     def _check_unused_grad_dtypes(self, trainable: tuple[bool, ...]) -> None:
         """As FSDP2 (torch 2.15), before any collective and on every rank alike: zeros for

@@ -242,6 +242,9 @@ class StepState:
         self._in_flight: deque[Bucket] = deque()
         self._gathers: deque[Bucket] = deque()  # prefetches launched, oldest first
         self.in_backward = False
+        # this backward call began at the output of a forward call FSDP2 hooks (not a
+        # grouped state's partial forward): it ends with FSDP2's final callback
+        self.whole_call_in_pass = False
         self._end_of_backward_eager = eager(self._end_of_backward)
         # the finalization mode of the backward iteration under way, fixed when its
         # first backward begins (None: none began since the last finalization)
@@ -324,7 +327,8 @@ class StepState:
     def before_backward(self, bucket: Bucket, call: ForwardCall) -> None:
         """The backward of one forward call of the bucket's modules begins."""
         self._backward_begins()
-        call.began = bucket.step.reached = True
+        bucket.step.begin(call)
+        self.whole_call_in_pass |= call.whole
         with self._abort_step_on_error():
             if bucket.schedule.unshard_in_backward:
                 bucket.unshard()
@@ -454,20 +458,20 @@ class StepState:
         finally:
             self._reset_step(owed)
 
-    @staticmethod
-    def _reduces_now(bucket: Bucket) -> bool:
+    def _reduces_now(self, bucket: Bucket) -> bool:
         """Whether the end of this backward call reduces ``bucket``: its backward ran in
-        it; or none of its forward calls' backward is still to come and it holds
-        gradients (fresh, or held by no-sync calls) or reduces even without any
-        (``set_reduce_scatter_unused_params``). Otherwise the backward call that reaches
-        it reduces it, as FSDP2 reduces a group only where its backward runs or, at a
-        root's backward end, where it holds gradients. Every rank decides alike: a
-        bucket's backward runs on every rank or on none (a resharded bucket's
-        re-gather in backward needs that already)."""
+        it; or it holds gradients (fresh, or held by no-sync calls) or reduces even
+        without any (``set_reduce_scatter_unused_params``), and either no later backward
+        call of this step owes it or this one passed a whole forward call's output. As
+        FSDP2, whose end-of-backward callback (queued by a state's pre-backward hook on
+        a forward's output, which a grouped state's partial forward does not register)
+        runs the post-backward of every group, even one a later backward reaches again.
+        Every rank decides alike: a bucket's backward runs on every rank or on none (a
+        resharded bucket's re-gather in backward needs that already)."""
         step = bucket.step
         if step.reached:
             return True
-        if step.owes_backward:
+        if step.owes_backward and not self.whole_call_in_pass:
             return False
         return bucket.holds_grads() or bucket.reduction.reduce_unused
 
@@ -487,9 +491,13 @@ class StepState:
                 bucket.step.reset()
             elif bucket not in owed:
                 bucket.step.reset_pass()
+            bucket.step.in_pass.clear()
+            if self.whole_call_in_pass:  # FSDP2's final callback starts grouped forwards anew
+                bucket.step.to_run.clear()
         self._gathers.clear()
         self._launched = len(self._launch_queue)
         self.in_backward = False
+        self.whole_call_in_pass = False
 
     def _reset_step(self, owed: list[Bucket] | None = None) -> None:
         """Forget the backward iteration: its passes and what they left to reduce."""
@@ -584,6 +592,8 @@ def install_root_hooks(module: nn.Module) -> None:
         if state.root is mod:  # the first full forward fixes the prefetch order
             state.order_known = bool(state.forward_order)
             state.in_root_forward = False
+            for bucket in state.buckets:  # FSDP2 completes grouped forwards at the root's end
+                bucket.step.to_run.clear()
 
     module.register_forward_pre_hook(pre_forward)
     module.register_forward_hook(post_forward)
@@ -605,6 +615,8 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
     one of them finished its backward."""
     policy = bucket.store.policy
     open_calls: list[ForwardCall | None] = []  # forward calls between pre and post hooks
+    bucket.hook_modules = modules
+    index_of = {id(m): i for i, m in enumerate(modules)}
 
     @eager
     def pre_forward(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -615,9 +627,11 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
             bucket.unshard()
             return args, kwargs
         state.before_forward(bucket)
+        if not bucket.step.to_run:  # FSDP2's grouped forward: every module to run again
+            bucket.step.to_run.update(range(len(modules)))
         call = None
         if torch.is_grad_enabled():
-            call = ForwardCall(state.in_root_forward)
+            call = ForwardCall(state.in_root_forward, index_of[id(mod)])
             wrapped = _wrap_inputs(args, kwargs, functools.partial(post_backward, call))
             if wrapped is not None:
                 args, kwargs = wrapped
@@ -630,7 +644,8 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
     def post_backward(call: ForwardCall) -> None:
         # complete once every forward call owed has run its backward
         step = bucket.step
-        call.began = call.reported = step.reached = True
+        step.begin(call)
+        call.reported = True
         if any(c is call for c in step.calls) and step.complete:
             step.state.after_backward(bucket)
 
@@ -650,9 +665,14 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
         last = bucket.step.forwards_done % len(modules) == 0
         if reshard and last:  # a no_grad forward too: FSDP2 keeps what the option says
             bucket.reshard()
+        index = index_of[id(mod)]
+        completes = index in bucket.step.to_run
+        bucket.step.to_run.discard(index)
+        completes = completes and not bucket.step.to_run
         call = open_calls.pop() if open_calls else None
         if call is None:  # a forward without grad: no backward to come
             return cast_floating(output, policy.output_dtype)
+        call.whole = call.whole or completes
         tensors = [t for t in _tensors_in(output) if t.requires_grad]
         if tensors or call.reported is False:
             bucket.step.add(call)

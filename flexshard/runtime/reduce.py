@@ -32,7 +32,8 @@ class GradReduction:
         self.comm = comm
         self.bucket_layout = layout
         self.uniform = list(uniform)
-        self.layout = layout  # the last launch's: its trainable parameters' regions
+        self.layout = layout  # the last launch's: its carried parameters' regions
+        self.carried: tuple[bool, ...] = ()  # the last launch's parameters, by index
         self._trainable_layouts: dict[tuple[bool, ...], BucketLayout] = {}
         self.rank = rank
         # FlexShardModule's setters (runtime/module.py) tune these
@@ -80,17 +81,19 @@ class GradReduction:
         grads: list[torch.Tensor | None],
         dtype: torch.dtype,
         runtime: DeviceRuntime,
-        trainable: tuple[bool, ...],
+        carried: tuple[bool, ...],
         agree: bool = True,
     ) -> None:
-        """``agree``: a parameter without a gradient on any rank gets none (the ranks
-        agree on it, runtime/hooks.py); False: it gets the reduced zeros."""
-        self.layout = self._layout_of(trainable)
+        """``carried``: the parameters reduced (trainable, and not left to another
+        backward call); ``agree``: a parameter without a gradient on any rank gets none
+        (the ranks agree on it, runtime/hooks.py); False: it gets the reduced zeros."""
+        self.layout = self._layout_of(carried)
+        self.carried = carried
         self.used_here, self.unused_here = None, []  # a step aborted may have left some
-        if self.layout.shard_numel == 0:  # every parameter frozen: nothing to reduce
+        if self.layout.shard_numel == 0:  # nothing carried (frozen or left): no collective
             return
         if agree:
-            used = zip(grads, trainable)
+            used = zip(grads, carried)
             self.used_here = {i: g is not None for i, (g, t) in enumerate(used) if t}
         self._pending = collective.launch_reduce(
             self.comm, self.layout, grads, dtype, self.op, runtime
@@ -134,7 +137,7 @@ class GradReduction:
         if cast_to is not None and out.dtype != cast_to:
             out = out.to(cast_to)
         for i, local in enumerate(local_params):
-            if not local.requires_grad:
+            if not (self.carried[i] and local.requires_grad):
                 continue
             grad, dtype = self.view(out, i), grad_dtypes[i]
             if dtype is not None and grad.dtype != dtype:
@@ -231,6 +234,9 @@ class GradAccumulator:
 
     def __init__(self, count: int) -> None:
         self.held: list[torch.Tensor | None] = [None] * count
+        # a no-sync backward carried the parameter (its gradient, or zeros on ranks
+        # without one): its reduction is owed on every rank alike
+        self.owed = [False] * count
         self.check_finite = False  # opt-in: each backward records NaN/inf per gradient
         self.nonfinite = [0] * count
 
@@ -240,6 +246,7 @@ class GradAccumulator:
         """Unsharded gradients of this backward (taken off the full parameters) plus
         those held back by no-sync steps."""
         grads = []
+        self.owed = [False] * len(self.held)
         for i, (full, spec) in enumerate(zip(fulls, tp_specs)):
             grad, full.grad = local_grad(full.grad, spec), None
             held = self.held[i]
@@ -251,9 +258,16 @@ class GradAccumulator:
             self.nonfinite = nonfinite_codes(grads)
         return grads
 
-    def hold(self, grads: list[torch.Tensor | None], dtypes: Sequence[torch.dtype | None]) -> None:
+    def hold(
+        self,
+        grads: list[torch.Tensor | None],
+        dtypes: Sequence[torch.dtype | None],
+        owed: Sequence[bool],
+    ) -> None:
         """Gradient sync is off: keep ``grads`` for the next backward, each in its
-        ``dtypes`` entry (None: as it is)."""
+        ``dtypes`` entry (None: as it is); ``owed``: the parameters a synced backward
+        would have carried."""
+        self.owed = list(owed)
         for i, (grad, dtype) in enumerate(zip(grads, dtypes)):
             if grad is not None and dtype is not None and grad.dtype != dtype:
                 grad = grad.to(dtype)

@@ -69,6 +69,8 @@ MODELS = {
 SEQ = 64  # divisible by ChunkedLossWrapper's 8 chunks
 BATCH = 2
 SEED = 0
+
+
 # the CPU stand-in for torch.cuda where torchtitan calls it through ``device_module``
 class _CpuDeviceModule:
     """What torchtitan calls on ``device_module`` (``set_device``, ``device_count``,

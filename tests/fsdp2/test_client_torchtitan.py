@@ -61,7 +61,7 @@ def test_torchtitan_llama3_debug_dp_mesh_dims_is_fsdp2() -> None:
 
 # torchtitan's own Trainer (flexshard/testing/torchtitan_trainer.py): its train() loop,
 # ChunkedLossWrapper (9 backward calls a step), AdamW, LR schedule and clipping
-def _own_trainer(rank: int, world_size: int, library: str, model: str, ep: int) -> dict:
+def _own_trainer(rank: int, world_size: int, library: str, setup_kw: dict) -> dict:
     from flexshard.testing.torchtitan_trainer import (
         Setup,
         build_trainer,
@@ -69,7 +69,7 @@ def _own_trainer(rank: int, world_size: int, library: str, model: str, ep: int) 
         measure_steps,
     )
 
-    setup = Setup(model=model, steps=STEPS, expert_parallel=ep)
+    setup = Setup(steps=STEPS, **setup_kw)
     harness = build_trainer(setup, library, world_size)
     try:
         records = measure_steps(harness, STEPS, count=True)
@@ -83,9 +83,9 @@ def _own_trainer(rank: int, world_size: int, library: str, model: str, ep: int) 
     }
 
 
-def _own_trainer_both(rank: int, world_size: int, model: str, ep: int) -> dict:
+def _own_trainer_both(rank: int, world_size: int, setup_kw: dict) -> dict:
     """Both libraries; the weights compared here (the MoE models' are GBs to send back)."""
-    out = {lib: _own_trainer(rank, world_size, lib, model, ep) for lib in ("fsdp2", "flexshard")}
+    out = {lib: _own_trainer(rank, world_size, lib, setup_kw) for lib in ("fsdp2", "flexshard")}
     theirs, ours = out["fsdp2"].pop("weights"), out["flexshard"].pop("weights")
     assert theirs.keys() == ours.keys()
     out["differ"] = [n for n, p in theirs.items() if not torch.equal(p, ours[n])]
@@ -94,16 +94,33 @@ def _own_trainer_both(rank: int, world_size: int, model: str, ep: int) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("model", "ep"),
-    [("llama3", 1), ("qwen3", 1), ("deepseek_v3", 1), ("deepseek_v3", 2), ("qwen3_moe", 2)],
+    ("world", "setup_kw"),
+    [
+        (2, {"model": "llama3"}),
+        (2, {"model": "qwen3"}),
+        (2, {"model": "deepseek_v3"}),
+        (2, {"model": "deepseek_v3", "expert_parallel": 2}),
+        (2, {"model": "qwen3_moe", "expert_parallel": 2}),
+        (3, {"model": "llama3", "bf16": True, "accumulation": 2}),
+    ],
+    ids=[
+        "llama3",
+        "qwen3",
+        "deepseek_v3",
+        "deepseek_v3-ep2",
+        "qwen3_moe-ep2",
+        "llama3-bf16-accum2-w3",
+    ],
 )
-def test_torchtitan_own_trainer_is_fsdp2(model: str, ep: int) -> None:
-    """W = 2, fp32, the debug model of each family (qwen3: its embedding tied to its head
+def test_torchtitan_own_trainer_is_fsdp2(world: int, setup_kw: dict) -> None:
+    """fp32 at W = 2, the debug model of each family (qwen3: its embedding tied to its head
     after sharding; deepseek_v3 and qwen3's MoE debug model with their experts over both
-    ranks, EP = 2, the experts' parameters on a mesh of their own): torchtitan's Trainer
-    with flexshard trains bitwise as with FSDP2, issuing no more collectives of any kind in
+    ranks, EP = 2, the experts' parameters on a mesh of their own), and llama3 in bf16
+    with two microbatches a step at W = 3 (the chunked head's reductions sum three ranks
+    in bf16, where what each reduce-scatter carries shows): torchtitan's Trainer with
+    flexshard trains bitwise as with FSDP2, issuing no more collectives of any kind in
     any step."""
-    for result in run_distributed(_own_trainer_both, 2, model, ep, timeout=900):
+    for result in run_distributed(_own_trainer_both, world, setup_kw, timeout=900):
         torch_run, flex = result["fsdp2"], result["flexshard"]
         assert None not in torch_run["losses"]
         assert flex["losses"] == torch_run["losses"]

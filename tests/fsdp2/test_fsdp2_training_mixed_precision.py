@@ -20,16 +20,23 @@ DIM = 17
 BF16 = torch.bfloat16
 
 
-def sc_bf16_accum(rank, world, shard, mesh, chunked, reduce_dtype):
+def sc_bf16_accum(rank, world, shard, mesh, chunked, reduce_dtype, grouped=True):
     """Three microbatches, gradient sync on the last only, bf16 compute: RMSNorm's
-    weight gradient is computed in fp32 (2.15's FSDP2 keeps it so), the others in bf16."""
+    weight gradient is computed in fp32 (2.15's FSDP2 keeps it so), the others in bf16.
+    Chunked: the synced microbatch reduces the head per chunk; with ``norm`` and
+    ``head`` in calls of their own, each chunk's backward also reduces the gradients
+    the others hold (FSDP2's final callback), a grouped head's partial forward not."""
     torch.manual_seed(0)
     m = ChunkedHead(dim=DIM)
     policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce_dtype)
     kw = {"mesh": mesh, "mp_policy": policy}
     shard(m.embed, **kw)
     shard(m.body, **kw)
-    shard([m.norm, m.head], **kw)
+    if grouped:
+        shard([m.norm, m.head], **kw)
+    else:
+        shard(m.norm, **kw)
+        shard(m.head, **kw)
     shard(m, **kw)
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
     out: dict = {"loss": [], "grads": []}
@@ -128,6 +135,10 @@ for _chunked in (False, True):
             sc_bf16_accum,
             {"chunked": _chunked, "reduce_dtype": _reduce},
         )
+SCENARIOS["bf16_accum[chunked=True,separate,reduce=None]"] = (
+    sc_bf16_accum,
+    {"chunked": True, "reduce_dtype": None, "grouped": False},
+)
 for _nosync in (False, True):
     for _reduce in (None, torch.float32):
         SCENARIOS[f"param_dtype_override_fn[nosync={_nosync},reduce={_reduce}]"] = (
@@ -141,6 +152,7 @@ SCENARIOS["grad_dtype[None,reduce_unused]"] = (sc_grad_dtype_unused, {})
 FAST = [
     "bf16_accum[chunked=False,reduce=None]",
     "bf16_accum[chunked=True,reduce=None]",
+    "bf16_accum[chunked=True,separate,reduce=None]",
     "param_dtype_override_fn[nosync=True,reduce=None]",
     "grad_dtype[None]",
     "grad_dtype[torch.bfloat16]",

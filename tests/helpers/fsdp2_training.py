@@ -289,16 +289,6 @@ def check(selection: str, module: str, name: str) -> None:
 XFAIL: dict[str, str] = {}
 # the same, for one selection only: (selection, name) -> reason
 XFAIL_AT: dict[tuple[str, str], str] = {}
-if not ti.FOLLOWS_GRAD_DTYPE:
-    XFAIL_AT["w3", "bf16_accum[chunked=True,reduce=None]"] = (
-        "gradients held in bf16 (before torch 2.15): the chunked head on three ranks "
-        "differs from FSDP2 by 0.031 on norm.weight (not traced yet)"
-    )
-if torch.__version__ < "2.13":
-    XFAIL_AT["fast", "bf16_accum[chunked=True,reduce=None]"] = (
-        "gradients held in bf16, torch 2.11: the chunked head on two ranks differs from "
-        "that release's FSDP2 (not traced yet)"
-    )
 # Scenarios this torch release's FSDP2 cannot be the reference for: a method it lacks, or
 # a bug of that release (it raises or hangs where later releases and flexshard train). On
 # such a release the comparison is skipped, naming why; later releases still run it.
@@ -348,6 +338,10 @@ _TORCH_GAPS: dict[str, tuple[bool, str]] = {
 
 # scenarios of a feature by name prefix (every parametrization)
 _TORCH_GAP_PREFIXES: dict[str, tuple[bool, str]] = {
+    "bf16_accum[chunked=True,reduce=": (
+        _OLD_FSDP2,
+        "its FSDP2 does not cast a grouped head's inputs when called alone (a dtype error)",
+    ),
     "param_dtype_override_fn[": (
         not ti.HAS_PARAM_DTYPE_OVERRIDE,
         "MixedPrecisionPolicy.param_dtype_override_fn (torch 2.15 and newer)",
