@@ -17,7 +17,7 @@ step). The plan's prediction for the row comes from a profile calibrated in the
 same launch (``plan_launch.calibrate``), as ``plan_validation`` does.
 
 Nothing here feeds the profile: it is the diagnosis the model's terms are checked
-against (``docs/planning_validation.md``)."""
+against (``docs/planning.md``)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--hardware",
         default="h100",
         help="h100, h200 or a JSON profile file: Hardware's fields, and the host's costs "
-        "under host_costs (docs/planning_model.md)",
+        "under host_costs (docs/planning.md)",
     )
     p.add_argument("--json", type=Path, help="write the plan as JSON here")
     p.add_argument(
