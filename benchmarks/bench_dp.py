@@ -7,7 +7,7 @@ side on one model, one data stream and one world size per process group.
 Every configuration runs ``--reps`` times (5 by default), the order of the
 configurations (FSDP2 in the middle) reversed on every other repetition; each row's
 ratio to FSDP2 is the median over repetitions of that repetition's ratio, with its
-spread and a verdict against issue 11's targets (flexshard/testing/stats.py).
+spread and a verdict against the targets (flexshard/testing/stats.py).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def options(args: argparse.Namespace) -> BenchOptions:
 
 
 # ---------------------------------------------------------------- aggregation
-STEP_TARGET = 0.95  # issue 11: flexshard's step <= 0.95x FSDP2's
+STEP_TARGET = 0.95  # flexshard's step <= 0.95x FSDP2's
 MEMORY_TARGET = 1.00  # and its peak memory <= FSDP2's
 #: rows compared with FSDP2 in their own grouping rather than one group per block: one
 #: Owned bucket over all blocks gathers them all at once by design, as FSDP2 does when
@@ -162,7 +162,7 @@ def _live_peak(reps_by_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """Per row, against FSDP2's run of the same repetition (in the row's grouping,
     ``REFERENCES``): the step-time and peak-RSS ratios, their spread over repetitions
-    and the verdict against issue 11's targets; the peak-live-tensor ratio."""
+    and the verdict against the targets; the peak-live-tensor ratio."""
     by_name = {r["config"]: r for r in rows}
     for row in rows:
         base = by_name.get(REFERENCES.get(row["config"], "fsdp2"), by_name["fsdp2"])

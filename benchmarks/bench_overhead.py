@@ -39,7 +39,7 @@ from .common import write_results
 
 RESULTS = Path(__file__).parent / "results"
 LIBRARIES = {"fsdp2": torch_fsdp.fully_shard, "flexshard": flexshard.fully_shard}
-TARGET = 1.0  # issue 32: CPU time per step at or below FSDP2's
+TARGET = 1.0  # CPU time per step at or below FSDP2's
 
 
 def build(library: str, blocks: int, dim: int, bf16: bool) -> tuple[nn.Module, Any]:

@@ -10,7 +10,7 @@ Both backends run inside the same W processes, ``--reps`` times (5 by default), 
 order flipped every repetition (flexshard, fsdp2, fsdp2, flexshard, ...), on the same
 model, data, seed and config; only ``parallelism.dp_backend`` differs. Per repetition
 flexshard's step time over FSDP2's, then the median over repetitions with its spread
-and a verdict against issue 11's target (flexshard/testing/stats.py).
+and a verdict against the target (flexshard/testing/stats.py).
 An untimed 2-step run of each backend comes first (the first run in a process makes
 one-time allocations). Results: benchmarks/results/trainer_bench.{json,md,png}.
 """
@@ -203,7 +203,7 @@ def compare(
     return {"step_vs_fsdp2": summary(step, step_target), "rss_vs_fsdp2": summary(rss, 1.0)}
 
 
-STEP_TARGET = 0.95  # issue 11: flexshard's step <= 0.95x FSDP2's
+STEP_TARGET = 0.95  # flexshard's step <= 0.95x FSDP2's
 
 
 def summarise(world_size: int, per_rank: list[list[dict]]) -> list[dict]:
@@ -276,7 +276,7 @@ def markdown(rows: list[dict], meta: dict[str, Any]) -> str:
         "slowest rank's, then the median over repetitions; per rank = / W. step ms: the "
         "same, as a time.",
         "- step / FSDP2: per repetition FSDP2's tokens/s over flexshard's (= flexshard's "
-        "step time over FSDP2's); target <= 0.95 (issue 11).",
+        "step time over FSDP2's); target <= 0.95.",
         "- peak RSS per rank: VmHWM (reset through /proc/self/clear_refs before the run) "
         "minus the RSS before the model was built; max over ranks, median over "
         "repetitions; RSS / FSDP2 paired per repetition, target <= 1.00. It includes "

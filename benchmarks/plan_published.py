@@ -76,7 +76,7 @@ PUBLISHED: list[dict[str, Any]] = [
     },
     {
         "name": "DeepSeek-V3-style 16B MoE, 8 H100 (flex_shard)",
-        "source": "flex_shard figures quoted in issue 17",
+        "source": "flex_shard's published figures",
         "config": "configs/moe.toml",
         "world": 8,
         "overrides": ["--model.vocab_size", "102400"],
@@ -131,7 +131,7 @@ def fp8_gather_row() -> dict[str, Any]:
     change = fp8 / bf16 - 1
     return {
         "name": "Llama 3 405B, 256 H100 (tp 8 x FSDP 32, batch 1): block-FP8 all-gather",
-        "source": "figure quoted in issue 17",
+        "source": "flex_shard's published figure",
         "config": "configs/llama3_405b.toml",
         "world": 256,
         "backends": ["flexshard"],

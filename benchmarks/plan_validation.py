@@ -71,7 +71,7 @@ READINGS = [
     "loops), DTensor dispatch outside the optimizer, and one bandwidth for every "
     "non-GEMM size (no cache model beyond the contention factor).",
 ]
-TARGET = 0.25  # issue 17: predicted within 25% of measured
+TARGET = 0.25  # predicted within 25% of measured
 
 
 def _loads(result: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ How to read it:
   step in the same repetition (the order of the configurations is reversed on every
   other repetition, so each runs after FSDP2 in one and before it in the next); the
   median over repetitions [interquartile range], and min–max. **step verdict**: against
-  issue 11's target flexshard step <= 0.95x FSDP2. A row marked "(vs fsdp2/all_layers)"
+  the target flexshard step <= 0.95x FSDP2. A row marked "(vs fsdp2/all_layers)"
   is compared with FSDP2 in its own grouping: `flex/owned_all_layers` (one Owned bucket,
   one all-gather, for all blocks) against `fsdp2/all_layers` (`fully_shard` given the
   list of blocks: one FSDP2 group for all of them); its ratios against per-block FSDP2

@@ -1,7 +1,7 @@
-"""What a bucket holds while unsharded and while its gradients reduce (issue 15's
-memory item): the gathered buffer is kept only when every full parameter is a view
-of it, and the full parameters are freed before the reduce-scatter's buffers exist
-(as FSDP2 reshards before its reduce-scatter); flexshard/testing/live_memory.py counts it."""
+"""What a bucket holds while unsharded and while its gradients reduce: the gathered
+buffer is kept only when every full parameter is a view of it, and the full parameters
+are freed before the reduce-scatter's buffers exist (as FSDP2 reshards before its
+reduce-scatter); flexshard/testing/live_memory.py counts it."""
 
 from __future__ import annotations
 
