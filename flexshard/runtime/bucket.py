@@ -115,6 +115,19 @@ class StepCounts:
         self._calls.append(ref)
         self._made.append((call.module, ref))
 
+    def start_module(self, count: int) -> None:
+        """A hook module's forward begins: as FSDP2's grouped forward, a new round of all
+        ``count`` modules once the last round completed."""
+        if not self.to_run:
+            self.to_run.update(range(count))
+
+    def finish_module(self, index: int) -> bool:
+        """Hook module ``index``'s forward ended: whether it completed the round (FSDP2
+        hooks that call's output)."""
+        completes = index in self.to_run
+        self.to_run.discard(index)
+        return completes and not self.to_run
+
     def begin(self, call: ForwardCall) -> None:
         """The backward of ``call`` began, in the backward call under way."""
         if not call.began:

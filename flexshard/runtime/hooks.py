@@ -627,8 +627,7 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
             bucket.unshard()
             return args, kwargs
         state.before_forward(bucket)
-        if not bucket.step.to_run:  # FSDP2's grouped forward: every module to run again
-            bucket.step.to_run.update(range(len(modules)))
+        bucket.step.start_module(len(modules))
         call = None
         if torch.is_grad_enabled():
             call = ForwardCall(state.in_root_forward, index_of[id(mod)])
@@ -665,10 +664,7 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
         last = bucket.step.forwards_done % len(modules) == 0
         if reshard and last:  # a no_grad forward too: FSDP2 keeps what the option says
             bucket.reshard()
-        index = index_of[id(mod)]
-        completes = index in bucket.step.to_run
-        bucket.step.to_run.discard(index)
-        completes = completes and not bucket.step.to_run
+        completes = bucket.step.finish_module(index_of[id(mod)])
         call = open_calls.pop() if open_calls else None
         if call is None:  # a forward without grad: no backward to come
             return cast_floating(output, policy.output_dtype)
