@@ -124,13 +124,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file '{path}': {err}") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config file '{path}': {err}") from None
-    table = _merge(table, parse_overrides(overrides or []))
-    cfg = Config()
-    _fill(cfg, table, "")
-    _vocab_from_tokenizer(cfg, table)
-    _check_activation_checkpoint(cfg.activation_checkpoint)
-    validate(cfg)
-    return cfg
+    return config_from_dict(_merge(table, parse_overrides(overrides or [])))
 
 
 def config_from_dict(table: dict[str, Any]) -> Config:
