@@ -4,9 +4,9 @@ prompt runs once, then one token per forward.
 
 One process holds the whole model; with ``--nproc N`` (or under ``torchrun``) the model
 is sharded over the ranks as in training (flexshard, Shard(0) buckets: one per block and
-the outer one), every rank reads only its regions of the checkpoint, and each block is
-gathered for its step and freed after it; the outer bucket (embedding, final norm,
-output) stays gathered while generating. Rank 0's token is the one every rank takes.
+the outer one), every rank reads only its regions of the checkpoint, and each bucket is
+gathered for its part of a forward and freed after it, by the same hooks as in
+training. Rank 0's token is the one every rank takes.
 
 A Hugging Face folder brings its config.json and tokenizer; a DCP checkpoint of the
 trainer (``checkpoint/step-N``) needs the run's ``--config`` for the model's sizes."""
@@ -16,14 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch import nn
 
 from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
@@ -32,81 +29,9 @@ from flexshard.runtime.module import own_buckets
 from .config import Config, ConfigError, config_from_dict, load_config
 from .data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, open_tokenizer
 from .models.hf_adapter import hf_keys, model_fields, read_config
-from .models.model import Attention, Transformer, apply_rope
+from .models.model import KVCache, Transformer
 from .parallel.dims import Meshes
 from .parallel.sharding import apply_dp
-
-Cache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values so far
-
-
-def _attend(
-    attn: Attention,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    cache: tuple[torch.Tensor, torch.Tensor] | None,
-):
-    """``Attention.forward`` for new tokens ``x`` after the cached ones."""
-    b, s, _ = x.shape
-    q = apply_rope(attn.wq(x).view(b, s, attn.n_heads, attn.head_dim), cos, sin)
-    k = apply_rope(attn.wk(x).view(b, s, attn.n_kv_heads, attn.head_dim), cos, sin)
-    v = attn.wv(x).view(b, s, attn.n_kv_heads, attn.head_dim)
-    start = 0
-    if cache is not None:
-        start = cache[0].shape[1]
-        k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)
-    # new token j (position start + j) sees positions 0 .. start + j
-    mask = torch.ones(s, start + s, dtype=torch.bool, device=x.device).tril(diagonal=start)
-    repeat = attn.n_heads // attn.n_kv_heads
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.repeat_interleave(repeat, dim=2).transpose(1, 2),
-        v.repeat_interleave(repeat, dim=2).transpose(1, 2),
-        attn_mask=mask,
-    )
-    return attn.wo(out.transpose(1, 2).reshape(b, s, -1)), (k, v)
-
-
-@contextmanager
-def gathered(model: nn.Module, bucket: str) -> Iterator[None]:
-    """The whole weights of flexshard bucket ``bucket`` inside (a plain model: as is).
-    The blocks are called piece by piece here, not through the forward hooks that
-    gather them in training."""
-    buckets = own_buckets(model)
-    if not buckets:
-        yield
-        return
-    found = [b for b in buckets if b.name == bucket]
-    if not found:
-        names = ", ".join(b.name for b in buckets)
-        raise ValueError(f"generation needs a flexshard bucket '{bucket}'; the model has {names}")
-    found[0].unshard()
-    try:
-        yield
-    finally:
-        found[0].reshard()
-
-
-def forward_cached(model: Transformer, tokens: torch.Tensor, cache: Cache) -> torch.Tensor:
-    """Logits of ``tokens`` placed after the ``cache``d ones; the cache grows. A sharded
-    model's outer bucket must be gathered (``generate`` does it)."""
-    start = cache[0][0].shape[1] if cache else 0
-    cos, sin = model.rope(start + tokens.shape[1], tokens.device)
-    cos, sin = cos[start:], sin[start:]
-    x = model.tok_embeddings(tokens)
-    first = not cache
-    for i, layer in enumerate(model.layers):
-        with gathered(model, f"layers.{i}"):
-            out, kv = _attend(
-                layer.attention, layer.attention_norm(x), cos, sin, None if first else cache[i]
-            )
-            x = x + out
-            x = x + layer.feed_forward(layer.ffn_norm(x))
-        if first:
-            cache.append(kv)
-        else:
-            cache[i] = kv
-    return model.output(model.norm(x))
 
 
 @torch.no_grad()
@@ -121,23 +46,22 @@ def generate(
     """``prompt`` (1-D ids) followed by up to ``max_new_tokens`` new ids."""
     generator = torch.Generator().manual_seed(seed)
     sharded = dist.is_initialized() and bool(own_buckets(model))
-    cache: Cache = []
+    cache = KVCache(len(model.layers))
     out = []
-    with gathered(model, "outer"):
-        logits = forward_cached(model, prompt[None], cache)[0, -1]
-        for _ in range(max_new_tokens):
-            if temperature <= 0:
-                token = logits.argmax()
-            else:
-                scores = logits.float() / temperature
-                if top_k:
-                    kth = scores.topk(min(top_k, scores.numel())).values[-1]
-                    scores = scores.masked_fill(scores < kth, float("-inf"))
-                token = torch.multinomial(scores.softmax(-1), 1, generator=generator)[0]
-            if sharded:  # ranks agree on the logits to rounding; rank 0 decides
-                dist.broadcast(token, src=0)
-            out.append(int(token))
-            logits = forward_cached(model, torch.tensor([[out[-1]]]), cache)[0, -1]
+    logits = model(prompt[None], cache)[0, -1]  # the model's own forward, cache growing
+    for _ in range(max_new_tokens):
+        if temperature <= 0:
+            token = logits.argmax()
+        else:
+            scores = logits.float() / temperature
+            if top_k:
+                kth = scores.topk(min(top_k, scores.numel())).values[-1]
+                scores = scores.masked_fill(scores < kth, float("-inf"))
+            token = torch.multinomial(scores.softmax(-1), 1, generator=generator)[0]
+        if sharded:  # ranks agree on the logits to rounding; rank 0 decides
+            dist.broadcast(token, src=0)
+        out.append(int(token))
+        logits = model(torch.tensor([[out[-1]]]), cache)[0, -1]
     return torch.cat([prompt, torch.tensor(out, dtype=prompt.dtype)])
 
 

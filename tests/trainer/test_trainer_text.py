@@ -14,8 +14,8 @@ from flexshard.testing import run_distributed
 from flexshard.trainer.config import ConfigError, config_from_dict, load_config
 from flexshard.trainer.data.dataset import builtin_corpus
 from flexshard.trainer.data.tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer
-from flexshard.trainer.generate import forward_cached, generate, load_model, load_sharded
-from flexshard.trainer.models.model import Transformer, init_weights
+from flexshard.trainer.generate import generate, load_model, load_sharded
+from flexshard.trainer.models.model import KVCache, Transformer, init_weights
 
 from .test_trainer_hf import hf_llama
 
@@ -127,11 +127,11 @@ def test_kv_cache_equals_full_forward():
     model = Transformer(cfg).eval()
     init_weights(model, 0)
     tokens = torch.randint(0, 256, (1, 13), generator=torch.Generator().manual_seed(0))
-    cache: list = []
+    cache = KVCache(cfg.n_layers)
     with torch.no_grad():
         full = model(tokens)
-        stepped = [forward_cached(model, tokens[:, :5], cache)]
-        stepped += [forward_cached(model, tokens[:, i : i + 1], cache) for i in range(5, 13)]
+        stepped = [model(tokens[:, :5], cache)]
+        stepped += [model(tokens[:, i : i + 1], cache) for i in range(5, 13)]
     assert (torch.cat(stepped, dim=1) - full).abs().max().item() < 1e-5
 
 

@@ -71,6 +71,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.flatten(-2).type_as(x)
 
 
+class LayerCache:
+    """What one attention layer keeps of the tokens already seen (its keys and values),
+    each tensor [batch, seq, ...], grown along the sequence dim: generation runs the
+    prompt once, then one token per forward, through the model's own attention."""
+
+    def __init__(self) -> None:
+        self.tensors: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def length(self) -> int:
+        return self.tensors[0].shape[1] if self.tensors else 0
+
+    def extend(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The cached tensors with ``new`` appended (and kept)."""
+        if self.tensors:
+            new = tuple(torch.cat([old, t], dim=1) for old, t in zip(self.tensors, new))
+        self.tensors = new
+        return new
+
+
+class KVCache:
+    """One ``LayerCache`` per block; ``length``: the tokens already seen."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.layers = [LayerCache() for _ in range(n_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+
+def cached_causal_mask(new: int, start: int, device: torch.device) -> torch.Tensor:
+    """[new, start + new]: new token j (position start + j) sees positions 0 .. start + j."""
+    return torch.ones(new, start + new, dtype=torch.bool, device=device).tril(diagonal=start)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, out_std: float) -> None:
         super().__init__()
@@ -82,12 +118,22 @@ class Attention(nn.Module):
         self.wo = _linear(cfg.n_heads * self.head_dim, cfg.dim, out_std)
         self.context_parallel: ContextParallel | None = None  # set by apply_cp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), cos, sin)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
         cp, mask = self.context_parallel, None
+        if cache is not None:  # generation: after the cached tokens (no CP there)
+            start = cache.length
+            k, v = cache.extend(k, v)
+            mask = cached_causal_mask(s, start, x.device)
         if cp is not None and cp.method == "ring":  # K/V blocks travel the CP ring
             return self.wo(ring_attention(q, k, v, cp.exchange).reshape(b, s, -1))
         if cp is not None:  # local queries attend to the whole sequence's keys and values
@@ -204,13 +250,25 @@ class TransformerBlock(nn.Module):
         # Hugging Face export) stay those of the plain model
         self.checkpoint: Callable[..., torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.checkpoint is not None:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        if self.checkpoint is not None and cache is None:
             return self.checkpoint(self._block, x, cos, sin)
-        return self._block(x, cos, sin)
+        return self._block(x, cos, sin, cache)
 
-    def _block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def _block(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -243,13 +301,17 @@ class Transformer(nn.Module):
             return self._rope[key][0][index], self._rope[key][1][index]
         return self._rope[key]
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits of ``tokens``; with a ``cache``, of ``tokens`` placed after the cached
+        ones (the cache grows)."""
         x = self.tok_embeddings(tokens)
         hidden = tokens.is_floating_point()  # a pipeline stage after the embedding's
         seq = tokens.shape[1] * (self.sequence_shards if hidden else 1)
-        cos, sin = self.rope(seq, tokens.device)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        start = 0 if cache is None else cache.length
+        cos, sin = self.rope(start + seq, tokens.device)
+        cos, sin = cos[start:], sin[start:]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache=None if cache is None else cache.layers[i])
         return self.output(self.norm(x))
 
 
