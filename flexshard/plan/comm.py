@@ -112,3 +112,22 @@ def muon_work(buckets: list[BucketInfo]) -> MatrixWork:
     elements = sum(n for _, n in moved)
     a2a = int(2 * elements * MUON_WIRE_BYTES * (world - 1) / world / world)
     return MatrixWork(tuple(loads), a2a)
+
+
+def gather_all_muon(buckets: list[BucketInfo]) -> MatrixWork:
+    """Muon over FSDP-style storage without redistribution, the baseline DistMuon is
+    measured against (``benchmarks/muon_gather.py``): every rank all-gathers every matrix
+    of its buckets (bf16) and runs every Newton–Schulz itself. Buckets may have groups of
+    different sizes (experts over their own mesh): each gathers over its own."""
+    flops, sent = 0.0, 0
+    for info in buckets:
+        for param in info.layout.params:
+            if not is_muon_matrix(param.fqn, param.shape):
+                continue
+            experts = math.prod(param.shape[:-2])
+            matrix = param.shape[-2:]
+            flops += experts * ns_flops(matrix, NS_STEPS)
+            if not info.layout.replicated:
+                sent += math.prod(param.shape) * MUON_WIRE_BYTES * (info.world - 1) // info.world
+    world = max((b.world for b in buckets), default=1)
+    return MatrixWork((flops,) * world, sent)

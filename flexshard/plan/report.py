@@ -22,7 +22,7 @@ from .host_costs import NO_HOST_COSTS, HostCosts
 from .memory import rank_memory
 from .peak import step_moments
 from .recompute import kept_collective_bytes, op_level, recomputed_share
-from .steptime import step_time
+from .steptime import muon_gather_all_time, step_time
 from .timeline import ActivationTimeline, mix, timeline
 from .world import build_rank, fake_world, stage_ranks
 
@@ -142,6 +142,10 @@ def _backend_plan(
                 "all_to_all_bytes": muon.all_to_all_bytes,
             },
             "step": step.as_dict(),
+            # what the optimizer step would take if every rank gathered every matrix
+            "muon_gather_all_s": muon_gather_all_time(cfg, dims, buckets, hw, host)
+            if t.optimizer == "muon"
+            else None,
             "notes": notes,
         }
         if worst is None or memory.total > worst["memory"]["total"]:

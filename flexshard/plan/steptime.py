@@ -24,7 +24,7 @@ from flexshard.trainer.parallel.dims import ParallelDims
 
 from .activations import tp_share
 from .buckets import BucketInfo
-from .comm import MatrixWork
+from .comm import MatrixWork, gather_all_muon
 from .hardware import Hardware
 from .host_costs import NO_HOST_COSTS, HostCosts
 from .opcount import OpCount, model_ops, optimizer_ops
@@ -361,6 +361,15 @@ def _copy_time(
         total += c.gather_copy * (forward_gathers + micro * b.reshard_after_forward)
         total += c.reduce_copy
     return total
+
+
+def muon_gather_all_time(
+    cfg: Config, dims: ParallelDims, buckets: list[BucketInfo], hw: Hardware, host: HostCosts
+) -> float:
+    """The optimizer step (clipping aside) of the gather-everything Muon baseline on
+    these buckets: every rank gathers every matrix and runs every Newton–Schulz."""
+    work = gather_all_muon(buckets)
+    return _optimizer_time(cfg, buckets, hw, host, work, link(hw, dims.tp, dims.dp_shard))
 
 
 def _optimizer_time(

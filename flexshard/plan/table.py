@@ -54,6 +54,10 @@ ROWS = (
     ("  of it waiting on all-gathers", lambda p: f"{p['step']['exposed_all_gather_s'] * 1e3:,.1f}"),
     ("exposed TP/EP/CP/PP comm (ms)", lambda p: f"{p['step']['exposed_other_s'] * 1e3:,.1f}"),
     ("optimizer step (ms)", lambda p: f"{p['step']['optimizer_s'] * 1e3:,.1f}"),
+    (
+        "  Muon gathering every matrix instead (ms)",
+        lambda p: f"{p['muon_gather_all_s'] * 1e3:,.1f}" if p["muon_gather_all_s"] else "-",
+    ),
     ("tokens/s per device", lambda p: f"{p['step']['tokens_per_s_per_device']:,.0f}"),
 )
 

@@ -18,7 +18,7 @@ from flexshard.placements import Owned, Shard
 from flexshard.placements.layout import plan_bucket
 from flexshard.plan.activations import estimate_activations
 from flexshard.plan.buckets import BucketInfo, fsdp2_equivalent
-from flexshard.plan.comm import bucket_comm, is_muon_matrix, muon_work
+from flexshard.plan.comm import bucket_comm, gather_all_muon, is_muon_matrix, muon_work
 from flexshard.plan.hardware import H100, load_hardware, load_profile
 from flexshard.plan.memory import gathered_in_flight
 from flexshard.plan.opcount import OpCount, OpCounter, count_ops, optimizer_ops, optimizer_step
@@ -151,6 +151,18 @@ def test_owned_muon_balance_bound() -> None:
     costs = [ns_flops(s, 5) for s in shapes]
     assert sum(work.flops) == pytest.approx(sum(costs))
     assert max(work.flops) <= sum(costs) / 3 + max(costs)  # LPT's bound
+
+
+def test_gather_all_muon_runs_every_matrix_on_every_rank() -> None:
+    """The baseline: each rank all-gathers every matrix (bf16, (W - 1) / W of it arrives
+    from the others) and runs all of Newton–Schulz; 1-D parameters are not Muon's."""
+    shapes = [(64, 64), (17, 23), (40,)]
+    info = bucket("m", shapes, 3)
+    work = gather_all_muon([info])
+    every = ns_flops((64, 64), 5) + ns_flops((17, 23), 5)
+    assert work.flops == pytest.approx((every,) * 3)
+    assert work.all_to_all_bytes == (64 * 64 * 2 * 2) // 3 + (17 * 23 * 2 * 2) // 3
+    assert sum(work.flops) > sum(muon_work([info]).flops)  # DistMuon runs each matrix once
 
 
 def test_fsdp2_layout_equals_torch_fully_shard() -> None:
