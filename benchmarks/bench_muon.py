@@ -10,8 +10,9 @@ runs ``--reps`` times (5 by default), the order reversed on every other repetiti
 ratios to (a) are per repetition, then the median with its spread (flexshard/testing/stats.py).
 
     .venv/bin/python -m benchmarks.bench_muon [--world-sizes 2 4] [--steps 5] [--reps 5]
+    .venv/bin/python -m benchmarks.bench_muon --model deepseek_v3  # its matrices, scaled
 
-Writes benchmarks/results/muon_bench.{json,md}.
+Writes benchmarks/results/muon_bench.{json,md} (muon_bench_deepseek_v3.* for the second).
 """
 
 from __future__ import annotations
@@ -30,7 +31,17 @@ from flexshard.optim import muon_balance
 from flexshard.testing import run_distributed
 from flexshard.testing.stats import RULE, cell, paired_ratios, range_cell, summary, verdict_cell
 
-from .muon_rank import BATCH, BUCKETS, DIM, MODES, VARIANTS, MatrixBank, rank_main, shapes
+from .muon_rank import (
+    BATCH,
+    BUCKETS,
+    DIM,
+    MODELS,
+    MODES,
+    VARIANTS,
+    MatrixBank,
+    bank_shapes,
+    rank_main,
+)
 
 RESULTS = Path(__file__).parent / "results"
 MB = 2**20
@@ -122,29 +133,45 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
     parser.add_argument("--reps", type=int, default=5, help="runs per variant and step kind")
-    parser.add_argument("--dim", type=int, default=DIM, help="side of the square matrices")
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="square",
+        help="the matrices: 16 squares and rectangles, or DeepSeek-V3's (MLA, dense and "
+        "MoE blocks) scaled to hidden size --dim",
+    )
+    parser.add_argument(
+        "--dim",
+        type=int,
+        help=f"side of the square matrices ({DIM}), or DeepSeek-V3's hidden (224)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.dim is None:
+        args.dim = 224 if args.model == "deepseek_v3" else DIM
+    stem = "muon_bench" if args.model == "square" else f"muon_bench_{args.model}"
     started = time.time()
     load_before = os.getloadavg()[0]
     results: dict[int, dict] = {}
     balance = {}
     for w in args.world_sizes:
-        per_rank = run_distributed(rank_main, w, args.steps, args.reps, args.dim, timeout=3000)
+        per_rank = run_distributed(
+            rank_main, w, args.steps, args.reps, args.dim, args.model, timeout=3000
+        )
         results[w] = summarise(per_rank, w)
-        balance[w] = muon_balance(MatrixBank(args.dim), w).flops
+        balance[w] = muon_balance(MatrixBank(args.dim, args.model), w).flops
     args.out.mkdir(exist_ok=True)
-    (args.out / "muon_bench.json").write_text(
+    (args.out / f"{stem}.json").write_text(
         json.dumps({"rows": results, "ns_flops_per_rank": balance}, indent=2)
     )
-    bank = shapes(args.dim)
+    bank = bank_shapes(args.model, args.dim)
     listed = ", ".join(f"{n} x {s[0]}x{s[1]}" for s, n in _counts(bank).items())
     lines = [
         "# Distributed Muon: optimizer step and whole step, time and bytes",
         "",
         f"Command: `.venv/bin/python -m benchmarks.bench_muon --world-sizes "
         f"{' '.join(map(str, args.world_sizes))} --steps {args.steps} --reps {args.reps} "
-        f"--dim {args.dim}`  ",
+        f"--model {args.model} --dim {args.dim}`  ",
         f"Date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}; "
         f"torch {torch.__version__}; CPU (2 cores), gloo, one thread per rank; "
         f"{time.time() - started:.0f} s; 1-min load average {load_before:.1f} before, "
@@ -188,7 +215,7 @@ def main() -> None:
         "  less. With W ranks on 2 cores the ranks compete for the CPU: (a) runs W copies",
         "  of every Newton–Schulz, (c) one, spread over the ranks; compare rows of one W.",
     ]
-    (args.out / "muon_bench.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

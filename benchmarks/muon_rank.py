@@ -33,6 +33,38 @@ def shapes(dim: int = DIM) -> list[tuple[int, int]]:
     return [(dim, dim)] * 8 + [(dim, half)] * 4 + [(half, dim)] * 4
 
 
+#: DeepSeek-V3 (671B) matrices, [rows, cols] as nn.Linear stores them, each whole matrix
+#: Muon sees: MLA's projections (kv_a_proj_with_mqa split into its latent and RoPE-key
+#: rows, kv_b_proj into its key and value rows), the dense SwiGLU, and per MoE block the
+#: router, the shared expert and each routed expert
+DEEPSEEK_V3_HIDDEN = 7168
+_MLA = [(1536, 7168), (128 * 192, 1536), (512, 7168), (64, 7168)]
+_MLA += [(128 * 128, 512), (128 * 128, 512), (7168, 128 * 128)]
+_DENSE = [(18432, 7168), (7168, 18432), (18432, 7168)]
+_EXPERT = [(2048, 7168), (7168, 2048), (2048, 7168)]
+
+
+def deepseek_v3_shapes(hidden: int, experts: int = 8) -> list[tuple[int, int]]:
+    """One dense and two MoE blocks of DeepSeek-V3, every side scaled by
+    ``hidden / 7168`` (the ratios of its shapes kept), ``experts`` routed experts (of
+    256) per MoE block and a router for them."""
+    scale = hidden / DEEPSEEK_V3_HIDDEN
+
+    def scaled(shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        return [(max(1, round(r * scale)), max(1, round(c * scale))) for r, c in shapes]
+
+    router = (experts, hidden)  # one row per routed expert
+    moe = scaled(_MLA) + [router] + scaled(_EXPERT * (1 + experts))  # shared + routed
+    return scaled(_MLA + _DENSE) + 2 * moe
+
+
+MODELS = ("square", "deepseek_v3")
+
+
+def bank_shapes(model: str, dim: int) -> list[tuple[int, int]]:
+    return deepseek_v3_shapes(dim) if model == "deepseek_v3" else shapes(dim)
+
+
 BUCKETS = 4  # consecutive matrices per bucket: the redistribution pipelines over them
 LR = 0.02
 #: (a) is this project's own baseline (benchmarks/muon_gather.py, a DistMuon subclass
@@ -48,10 +80,10 @@ BATCH = 32  # rows of input per rank in the whole-step mode
 
 
 class MatrixBank(nn.Module):
-    def __init__(self, dim: int = DIM) -> None:
+    def __init__(self, dim: int = DIM, model: str = "square") -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(0)
-        self.shapes = shapes(dim)
+        self.shapes = bank_shapes(model, dim)
         for i, shape in enumerate(self.shapes):
             self.register_parameter(f"w{i}", nn.Parameter(torch.randn(shape, generator=gen)))
 
@@ -64,20 +96,23 @@ class MatrixBank(nn.Module):
 
 
 def _buckets(placement: fs.Placement, count: int) -> list[fs.BucketSpec]:
-    per = count // BUCKETS
+    ends = [count * (b + 1) // BUCKETS for b in range(BUCKETS)]
+    starts = [0, *ends[:-1]]
     return [
-        fs.BucketSpec([f"w{i}" for i in range(b * per, (b + 1) * per)], placement, name=f"b{b}")
-        for b in range(BUCKETS)
+        fs.BucketSpec([f"w{i}" for i in range(start, end)], placement, name=f"b{b}")
+        for b, (start, end) in enumerate(zip(starts, ends))
     ]
 
 
-def _build(variant: str, mesh: DeviceMesh, dim: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _build(
+    variant: str, mesh: DeviceMesh, dim: int, bank_model: str
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     if variant.startswith("c"):
         # the planner's buckets: whole matrices, owners by LPT on Newton–Schulz FLOPs
-        buckets = muon_buckets(MatrixBank(dim), mesh.size())
-        model = fs.flex_shard(MatrixBank(dim), mesh=mesh, buckets=buckets)
+        buckets = muon_buckets(MatrixBank(dim, bank_model), mesh.size())
+        model = fs.flex_shard(MatrixBank(dim, bank_model), mesh=mesh, buckets=buckets)
     else:
-        bank = MatrixBank(dim)
+        bank = MatrixBank(dim, bank_model)
         model = fs.flex_shard(bank, mesh=mesh, buckets=_buckets(fs.Shard(0), len(bank.shapes)))
     params = list(model.parameters())
     if variant.startswith("a"):
@@ -144,8 +179,10 @@ def _step(mode: str, model: nn.Module, opt: torch.optim.Optimizer, rank: int, st
     opt.zero_grad()
 
 
-def run_variant(variant: str, mode: str, mesh: DeviceMesh, steps: int, dim: int) -> dict:
-    model, opt = _build(variant, mesh, dim)
+def run_variant(
+    variant: str, mode: str, mesh: DeviceMesh, steps: int, dim: int, bank_model: str
+) -> dict:
+    model, opt = _build(variant, mesh, dim, bank_model)
     rank = dist.get_rank()
     times, cpu, bytes_sent, collectives = [], [], [], []
     for step in range(steps + 2):  # two warm-up steps
@@ -177,7 +214,9 @@ def run_variant(variant: str, mode: str, mesh: DeviceMesh, steps: int, dim: int)
     }
 
 
-def rank_main(rank: int, world_size: int, steps: int, reps: int, dim: int = DIM) -> dict:
+def rank_main(
+    rank: int, world_size: int, steps: int, reps: int, dim: int = DIM, bank_model: str = "square"
+) -> dict:
     """``out[mode][variant]``: one run per repetition, the variants' order reversed on
     every other repetition."""
     mesh = init_device_mesh("cpu", (world_size,))
@@ -185,5 +224,6 @@ def rank_main(rank: int, world_size: int, steps: int, reps: int, dim: int = DIM)
     for rep in range(reps):
         for mode in MODES:
             for variant in alternating(centred(VARIANTS, VARIANTS[0]), rep):
-                out[mode][variant].append(run_variant(variant, mode, mesh, steps, dim))
+                run = run_variant(variant, mode, mesh, steps, dim, bank_model)
+                out[mode][variant].append(run)
     return out
