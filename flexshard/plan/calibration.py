@@ -190,7 +190,7 @@ def tiny_config(cfg: Config, backend: str) -> Config:
     sequence, as ``backend`` shards it by its default layout."""
     tiny = copy.deepcopy(cfg)
     heads = tiny.model.n_heads
-    tiny.model.dim = 4 * heads  # head dim 4 (RoPE needs an even one)
+    tiny.model.dim, tiny.model.head_dim = 4 * heads, 0  # head dim 4 (RoPE needs an even one)
     tiny.model.ffn_hidden = 8 * heads
     tiny.model.vocab_size = 256  # the byte tokenizer's ids
     tiny.training.seq_len, tiny.training.batch_size = 8, 1

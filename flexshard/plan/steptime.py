@@ -417,12 +417,16 @@ def _other_collectives(cfg: Config, dims: ParallelDims, hw: Hardware, tokens: in
         per = ring_time(hidden * (dims.tp - 1) / dims.tp, dims.tp, tp_link)
         total += layers * 2 * 2 * 2 * per  # 2 sublayers x (AG + RS) x (forward + backward)
     if dims.ep > 1 and m.moe.num_experts:
-        moe_layers = max(0, layers - m.moe.first_dense_layers // dims.pp)
+        # the stage with the most MoE layers sets the pace
+        moe_layers = max(
+            sum(m.moe.is_moe_layer(i) for i in range(stage * layers, (stage + 1) * layers))
+            for stage in range(dims.pp)
+        )
         ep_link = link(hw, dims.tp, dims.ep)
         sent = hidden * m.moe.top_k * (dims.ep - 1) / dims.ep
         total += moe_layers * 2 * 2 * ring_time(sent, dims.ep, ep_link)
     if dims.cp > 1:
-        kv = tokens * 2 * m.dim * m.n_kv_heads // m.n_heads * act // dims.tp
+        kv = tokens * 2 * m.n_kv_heads * m.head_size() * act // dims.tp
         cp_link = link(hw, dims.tp, dims.cp)
         total += layers * 2 * ring_time(kv * (dims.cp - 1), dims.cp, cp_link)
     if dims.pp > 1:

@@ -86,7 +86,7 @@ def model_state(job: Job) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for module in job.parallel.modules:
         state.update(module.state_dict())
-    return {fqn: value for fqn, value in state.items() if in_hf(fqn)}
+    return {fqn: value for fqn, value in state.items() if in_hf(fqn, job.cfg.model)}
 
 
 def frames_of(job: Job) -> dict:
@@ -100,7 +100,9 @@ def whole_shapes(job: Job) -> dict[str, torch.Size]:
     meta-built model: no memory, no collective)."""
     with torch.device("meta"):
         model = Transformer(job.cfg.model)
-    return {fqn: value.shape for fqn, value in model.state_dict().items() if in_hf(fqn)}
+    return {
+        fqn: value.shape for fqn, value in model.state_dict().items() if in_hf(fqn, job.cfg.model)
+    }
 
 
 def world_group(job: Job) -> tuple[dist.ProcessGroup, datetime.timedelta]:
@@ -112,8 +114,8 @@ def world_group(job: Job) -> tuple[dist.ProcessGroup, datetime.timedelta]:
 
 
 def load_hf(job: Job, folder: str | Path) -> None:
-    """Copy a ``LlamaForCausalLM`` / ``MixtralForCausalLM`` folder's weights into the
-    sharded model, after checking that its config.json describes the model the config
+    """Copy a Hugging Face folder's weights (``hf_adapter.FAMILIES``) into the sharded
+    model, after checking that its config.json describes the model the config
     builds."""
     config = check_matches(job.cfg.model, folder)
     state = model_state(job)

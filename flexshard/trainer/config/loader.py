@@ -130,11 +130,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def config_from_dict(table: dict[str, Any]) -> Config:
     """A Config from a nested dict (as ``Config.to_dict`` gives), validated."""
     cfg = Config()
-    _fill(cfg, table, "")
+    _fill(cfg, _model_from_folder(table), "")
     _vocab_from_tokenizer(cfg, table)
     _check_activation_checkpoint(cfg.activation_checkpoint)
     validate(cfg)
     return cfg
+
+
+def _model_from_folder(table: dict[str, Any]) -> dict[str, Any]:
+    """``table`` whose ``[model]`` keys left out are those of the Hugging Face folder it
+    starts from (``initial_load_in_hf``): the folder's config.json is the model; keys
+    given must agree with it (``check_matches``, at start-up). A folder that is not
+    there is left to the start-up checks, which name it."""
+    from ..models.hf_adapter import model_fields, read_config
+
+    checkpoint, given = table.get("checkpoint", {}), table.get("model", {})
+    if not isinstance(checkpoint, dict) or not isinstance(given, dict):
+        return table  # _fill names the mistake
+    path = checkpoint.get("initial_load_path")
+    if not (checkpoint.get("initial_load_in_hf") is True and isinstance(path, str) and path):
+        return table
+    if not Path(path).is_dir():
+        return table
+    return {**table, "model": _merge(model_fields(read_config(path)), given)}
 
 
 def _vocab_from_tokenizer(cfg: Config, table: dict[str, Any]) -> None:

@@ -29,6 +29,22 @@ class MoEConfig:
     balance: Literal["none", "bias", "aux"] = "none"
     bias_update_rate: float = 1e-3
     aux_loss_coef: float = 1e-2
+    # the chosen experts' softmax weights rescaled to sum 1 (Mixtral; Qwen3-MoE's
+    # norm_topk_prob), else used as they are
+    norm_topk_prob: bool = True
+    # Qwen3-MoE's choice of MoE layers: every decoder_sparse_step-th layer (layer i when
+    # (i + 1) % step == 0) except those in mlp_only_layers, which stay dense
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` (from 0) has the routed experts, else a dense SwiGLU."""
+        return (
+            self.num_experts > 0
+            and layer >= self.first_dense_layers
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
 
 @dataclass
@@ -41,6 +57,9 @@ class ModelConfig:
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int = 2  # grouped-query attention: n_heads % n_kv_heads == 0
+    head_dim: int = 0  # 0: dim // n_heads; else q/k/v/o are sized n_heads * head_dim
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
+    tie_embeddings: bool = False  # the output projection is the embedding table
     ffn_hidden: int = 0  # 0: Llama's rule, 8/3 * dim rounded up to ffn_multiple
     ffn_multiple: int = 16
     norm_eps: float = 1e-5
@@ -48,6 +67,10 @@ class ModelConfig:
     # "bytes", a Hugging Face tokenizer.json or a tiktoken BPE file (tokenizer.py)
     tokenizer: str = "bytes"
     moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def head_size(self) -> int:
+        """Each attention head's width: ``head_dim``, else the model width split by heads."""
+        return self.head_dim or self.dim // self.n_heads
 
 
 @dataclass

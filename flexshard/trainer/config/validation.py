@@ -28,35 +28,49 @@ HF_OPTIONS = "checkpoint.initial_load_in_hf / last_save_in_hf"
 
 
 def hf_format(cfg: ModelConfig, option: str = HF_OPTIONS, export: bool = False) -> str:
-    """``"llama"`` (dense) or ``"mixtral"`` (MoE); a ConfigError naming ``option`` and
-    every reason when the MoE has no Hugging Face twin. ``export``: the model is written
-    (a ``"bias"`` balance changes the routing, and Mixtral has no bias to hold it)."""
+    """The Hugging Face ``model_type`` computing what the model does: ``"llama"`` /
+    ``"qwen3"`` (dense, without / with q/k norms), ``"mixtral"`` / ``"qwen3_moe"`` (MoE,
+    likewise); a ConfigError naming ``option`` and every reason when the MoE has no
+    Hugging Face twin. ``export``: the model is written (a ``"bias"`` balance changes the
+    routing, and neither format has a tensor to hold it)."""
     moe = cfg.moe
     if not moe.num_experts:
-        return "llama"
+        return "qwen3" if cfg.qk_norm else "llama"
+    kind = "qwen3_moe" if cfg.qk_norm else "mixtral"
     problems = []
     if moe.num_shared_experts:
         problems.append(
-            f"model.moe.num_shared_experts = {moe.num_shared_experts} (Mixtral has no shared "
-            "expert; Qwen2-MoE gates its shared expert with a sigmoid, DeepSeek's come "
-            "with MLA attention): set 0"
+            f"model.moe.num_shared_experts = {moe.num_shared_experts} (Mixtral and Qwen3-MoE "
+            "have no shared expert; Qwen2-MoE gates its shared expert with a sigmoid, "
+            "DeepSeek's come with MLA attention): set 0"
         )
-    if moe.first_dense_layers:
+    dense = {
+        "first_dense_layers": (moe.first_dense_layers, 0),
+        "decoder_sparse_step": (moe.decoder_sparse_step, 1),
+        "mlp_only_layers": (moe.mlp_only_layers, []),
+    }
+    for key, (value, everywhere) in dense.items():
+        if kind == "mixtral" and value != everywhere:
+            problems.append(
+                f"model.moe.{key} = {value} (every Mixtral layer is MoE; Qwen3-MoE, with "
+                f"model.qk_norm = true, has dense layers): set {everywhere}"
+            )
+    if kind == "mixtral" and not moe.norm_topk_prob:
         problems.append(
-            f"model.moe.first_dense_layers = {moe.first_dense_layers} (every Mixtral layer "
-            "is MoE; Qwen3-MoE's dense layers come with q/k norms the trainer has not): set 0"
+            "model.moe.norm_topk_prob = false (Mixtral renormalises the chosen weights; "
+            "Qwen3-MoE, with model.qk_norm = true, may not): set true"
         )
     if export and moe.balance == "bias":
         problems.append(
             'model.moe.balance = "bias" (the learned selection bias picks the experts; '
-            "Mixtral routes by the softmax alone and has no tensor for the bias)"
+            "Mixtral and Qwen3-MoE route by the softmax alone and have no tensor for the bias)"
         )
     if problems:
         raise ConfigError(
-            f"{option}: this MoE has no Hugging Face twin (Mixtral is the one whose routing "
-            f"matches the trainer's): {'; '.join(problems)}"
+            f"{option}: this MoE has no Hugging Face twin (Mixtral and Qwen3-MoE are the "
+            f"ones whose routing matches the trainer's): {'; '.join(problems)}"
         )
-    return "mixtral"
+    return kind
 
 
 #: the pipeline schedules (``pipeline.SCHEDULES`` maps them to torch's classes)
@@ -177,6 +191,12 @@ def check_parallel_layout(cfg: Config) -> None:
             f"training.batch_size = {t.batch_size} is not divisible by "
             f"parallelism.pp_microbatches = {micro}"
         )
+    if p.pp > 1 and m.tie_embeddings:
+        raise ConfigError(
+            f"model.tie_embeddings = true with parallelism.pp = {p.pp}: the embedding (first "
+            "stage) and the output projection (last stage) would be one parameter on two "
+            "stages; untie them or set parallelism.pp = 1"
+        )
     if p.pp > 1 and t.grad_accum != 1:
         raise ConfigError(
             "training.grad_accum must be 1 with parallelism.pp > 1: the pipeline's "
@@ -275,10 +295,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallelism.timeout_s = {p.timeout_s}: must be a positive number")
     if p.dp_shard < 1 and p.dp_shard != -1:
         raise ConfigError(f"parallelism.dp_shard = {p.dp_shard}: must be -1 (auto) or >= 1")
-    if m.dim % m.n_heads:
-        raise ConfigError(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}")
-    if (m.dim // m.n_heads) % 2:
-        raise ConfigError(f"head dim {m.dim // m.n_heads} must be even for RoPE")
+    if m.head_dim < 0:
+        raise ConfigError(f"model.head_dim = {m.head_dim}: must be >= 0 (0: dim / n_heads)")
+    if not m.head_dim and m.dim % m.n_heads:
+        raise ConfigError(
+            f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads} "
+            "(or set model.head_dim)"
+        )
+    if m.head_size() % 2:
+        raise ConfigError(f"head dim {m.head_size()} must be even for RoPE")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(
             f"model.n_heads = {m.n_heads} is not a multiple of model.n_kv_heads = {m.n_kv_heads}"
@@ -287,6 +312,15 @@ def validate(cfg: Config) -> None:
     if moe.num_experts and not 1 <= moe.top_k <= moe.num_experts:
         raise ConfigError(
             f"model.moe.top_k = {moe.top_k}: must be in 1..num_experts ({moe.num_experts})"
+        )
+    if moe.decoder_sparse_step < 1:
+        raise ConfigError(
+            f"model.moe.decoder_sparse_step = {moe.decoder_sparse_step}: must be >= 1"
+        )
+    outside = [i for i in moe.mlp_only_layers if not 0 <= i < m.n_layers]
+    if outside:
+        raise ConfigError(
+            f"model.moe.mlp_only_layers: {outside} not in 0..{m.n_layers - 1} (model.n_layers)"
         )
     if moe.bias_update_rate < 0 or moe.aux_loss_coef < 0:
         raise ConfigError("model.moe.bias_update_rate and aux_loss_coef must be >= 0")

@@ -111,11 +111,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, out_std: float) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = cfg.head_size()
         self.wq = _linear(cfg.dim, cfg.n_heads * self.head_dim, 0.02)
         self.wk = _linear(cfg.dim, cfg.n_kv_heads * self.head_dim, 0.02)
         self.wv = _linear(cfg.dim, cfg.n_kv_heads * self.head_dim, 0.02)
         self.wo = _linear(cfg.n_heads * self.head_dim, cfg.dim, out_std)
+        # Qwen3: each head's queries and keys RMS-normalised over head_dim before RoPE
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.context_parallel: ContextParallel | None = None  # set by apply_cp
 
     def forward(
@@ -126,8 +129,11 @@ class Attention(nn.Module):
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
         b, s, _ = x.shape
-        q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), cos, sin)
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
         cp, mask = self.context_parallel, None
         if cache is not None:  # generation: after the cached tokens (no CP there)
@@ -210,7 +216,7 @@ class MoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         hidden = moe.expert_hidden or ffn_hidden_size(cfg)
-        self.top_k = moe.top_k
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.balance = LoadBalance(
             moe.balance, moe.num_experts, moe.bias_update_rate, moe.aux_loss_coef
         )
@@ -227,7 +233,9 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         scores = self.router(flat).float().softmax(dim=-1)
         weights, chosen = self.balance.select(scores, self.top_k)
-        weights = (weights / weights.sum(-1, keepdim=True)).type_as(x)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.type_as(x)
         out = self.balance.account(self.experts(flat, weights, chosen), scores, chosen)
         if self.shared is not None:
             out = out + self.shared(flat)
@@ -241,9 +249,10 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg, out_std)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        use_moe = cfg.moe.num_experts > 0 and layer >= cfg.moe.first_dense_layers
         self.feed_forward: nn.Module = (
-            MoE(cfg, out_std) if use_moe else FeedForward(cfg.dim, ffn_hidden_size(cfg), out_std)
+            MoE(cfg, out_std)
+            if cfg.moe.is_moe_layer(layer)
+            else FeedForward(cfg.dim, ffn_hidden_size(cfg), out_std)
         )
         # set by apply_ac: runs ``_block`` so that backward recomputes its activations.
         # An attribute, not a wrapper module, so parameter names (buckets, checkpoints,
@@ -281,6 +290,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = _linear(cfg.dim, cfg.vocab_size, cfg.dim**-0.5)
+        if cfg.tie_embeddings:  # one parameter, drawn once (as the embedding)
+            self.output.weight = self.tok_embeddings.weight
+            self.output.init_stds = {}
         # RoPE tables are recomputed per device and length, not stored: a meta-built
         # model then needs no buffer re-initialisation after to_empty
         self._rope: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -294,8 +306,7 @@ class Transformer(nn.Module):
         total = cp.global_len(seq_len) if cp is not None else seq_len
         key = (total, device)
         if key not in self._rope:
-            head_dim = self.cfg.dim // self.cfg.n_heads
-            self._rope[key] = rope_tables(total, head_dim, self.cfg.rope_theta, device)
+            self._rope[key] = rope_tables(total, self.cfg.head_size(), self.cfg.rope_theta, device)
         if cp is not None:  # this rank's tokens sit at zig-zag global positions
             index = cp.positions(seq_len, device)
             return self._rope[key][0][index], self._rope[key][1][index]
@@ -325,6 +336,8 @@ def init_module(module: nn.Module) -> None:
     ep_range = getattr(module, "ep_range", None)
     with torch.no_grad():
         for name, param in module.named_parameters(recurse=False):
+            if name not in stds:  # tied: drawn by the module that owns it
+                continue
             std = stds[name]
             drawn = param if ep_range is None else param.new_empty(ep_range[1], *param.shape[1:])
             if std is None:
@@ -349,7 +362,8 @@ def count_params(cfg: ModelConfig) -> tuple[int, int]:
     with torch.device("meta"):
         model = Transformer(cfg)
     total = sum(p.numel() for p in model.parameters())
-    active = total - model.tok_embeddings.weight.numel()
+    # the table is looked up, not multiplied, unless it is also the output projection
+    active = total - (0 if cfg.tie_embeddings else model.tok_embeddings.weight.numel())
     moe = cfg.moe
     if moe.num_experts:
         for module in model.modules():
@@ -361,9 +375,9 @@ def count_params(cfg: ModelConfig) -> tuple[int, int]:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 per active weight plus causal attention scores
-    (12 * layers * dim * seq_len, as in the PaLM/torchtitan estimate)."""
+    (12 * layers * heads * head_dim * seq_len, as in the PaLM/torchtitan estimate)."""
     _, active = count_params(cfg)
-    return 6.0 * active + 12.0 * cfg.n_layers * cfg.dim * seq_len
+    return 6.0 * active + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_size() * seq_len
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ Policy = fs.Placement | Callable[[str, nn.Parameter], fs.Placement]
 
 def muon_row_blocks(model_cfg: ModelConfig) -> dict[str, int]:
     """Muon orthogonalises attention projections per head: rows per block by FQN glob."""
-    head_dim = model_cfg.dim // model_cfg.n_heads
+    head_dim = model_cfg.head_size()
     return {"*.wq.weight": head_dim, "*.wk.weight": head_dim, "*.wv.weight": head_dim}
 
 
@@ -66,7 +66,7 @@ def _mixed(model_cfg: ModelConfig) -> Policy:
     """One bucket, several placements, still one collective each way: norms packed flat,
     attention projections in whole-head row blocks, SwiGLU input matrices whole on one
     rank, the rest FSDP2-style rows."""
-    head_dim = model_cfg.dim // model_cfg.n_heads
+    head_dim = model_cfg.head_size()
 
     def placement(fqn: str, param: nn.Parameter) -> fs.Placement:
         if param.ndim < 2:

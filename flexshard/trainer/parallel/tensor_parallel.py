@@ -56,6 +56,11 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, object]:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=split),
     }
+    if block.attention.q_norm is not None:
+        # q / k norms run on this rank's heads ([b, s, heads, head_dim], heads split):
+        # weights replicated, their gradients summed over tp
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if norm is not None:
         plan["attention_norm"] = norm
         plan["ffn_norm"] = SequenceParallel()
@@ -95,6 +100,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
     if sequence_parallel:
         outer["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, outer)  # type: ignore[arg-type]
+    if model.cfg.tie_embeddings:
+        # both are vocabulary-row shards (Shard(0)) of one table: keep one parameter
+        model.output.weight = model.tok_embeddings.weight
     # the embedding hands its output over sequence-split (SP): later pipeline stages
     # then receive [b, s / tp, d] and must know the sequence is tp times longer
     model.sequence_shards = tp if sequence_parallel else 1
