@@ -12,6 +12,7 @@ Initialise a sharded (e.g. meta-built) model with the values it would have whole
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -229,18 +230,28 @@ def init_params(module: nn.Module, init_fn: Callable[[nn.Module], None] | None =
     index = param_index(module)
     if not index:
         raise ValueError("init_params needs a module sharded by flexshard")
+    # a tied parameter's temporary, kept for its later holders: each starts from what
+    # the earlier ones drew, as on a whole model (the last draw wins, an init that
+    # skips the parameter keeps it)
+    drawn: dict[int, nn.Parameter] = {}
+    holders = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
     for sub in module.modules():
         own = [(name, p) for name, p in sub._parameters.items() if id(p) in index]
         if not own or (init_fn is None and not hasattr(sub, "reset_parameters")):
             continue
         temporaries = {}
         for name, local in own:
+            if id(local) in drawn:
+                temporaries[name] = sub._parameters[name] = drawn[id(local)]
+                continue
             bucket, i = index[id(local)]
             spec = bucket.params[i].tp_spec  # a TP piece: initialise the whole tensor
             shape = bucket.layout.params[i].shape if spec is None else spec.shape
             full = torch.empty(shape, dtype=bucket.store.dtypes[i], device=bucket.storage.device)
             temporaries[name] = nn.Parameter(full, requires_grad=local.requires_grad)
             sub._parameters[name] = temporaries[name]
+            if holders[id(local)] > 1:
+                drawn[id(local)] = temporaries[name]
         try:
             with torch.no_grad():
                 (init_fn or _reset)(sub)

@@ -8,7 +8,8 @@ transformers' own class, built from its config and saved with ``save_pretrained`
   a q/k norm read in the wrong RoPE order is off by ~1e-1);
 - the export of the loaded model (W = 2, sharded) is the folder's tensors bit for bit,
   and ``from_pretrained`` loads it with no missing or unexpected key;
-- ``flexshard-train --nproc 2`` with nothing but the folder trains and exports;
+- ``flexshard-train --nproc 2`` with nothing but the folder trains and exports, and
+  ``flexshard-generate``'s greedy tokens are transformers';
 - config.json features the trainer lacks, a ``[model]`` that differs, and a tied
   embedding under pp are ConfigErrors naming the key.
 """
@@ -203,6 +204,19 @@ def test_flexshard_train_with_only_the_folder(family, tmp_path, capfd):
         moved = (trained.eval()(probe_tokens()).logits - reference(probe_tokens()).logits).abs()
     assert moved.max().item() > 1e-3  # it trained
     assert f"initial weights from {tmp_path / 'hf'}" in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_generation_from_the_folder_matches_transformers(family, tmp_path):
+    """flexshard-generate's model (its own forward, with the KV cache and the q/k
+    norms) gives transformers' greedy tokens."""
+    from flexshard.trainer.generate import generate, load_model
+
+    reference = hf_model(tmp_path / "hf", family)
+    model, _ = load_model(tmp_path / "hf")
+    prompt = torch.tensor([5, 17, 99, 3])
+    theirs = reference.generate(prompt[None], max_new_tokens=12, do_sample=False)[0]
+    assert generate(model, prompt, max_new_tokens=12).tolist() == theirs.tolist()
 
 
 # ---------------------------------------------------------------------- refusals

@@ -33,22 +33,42 @@ NORM_RTOL = 5e-6
 PARAM_ATOL = 1e-4
 MOE = {"num_experts": 4, "top_k": 2, "expert_hidden": 24, "first_dense_layers": 1}
 
-# name: (world size, [parallelism], [model.moe] or None)
+MOE_MODEL = {"model": {"moe": MOE}}
+# Qwen3: heads of 12 (not dim / heads = 8), q/k norms, the output tied to the embedding
+QWEN3 = {"head_dim": 12, "qk_norm": True, "tie_embeddings": True}
+QWEN3_MODEL = {"model": QWEN3}
+# Qwen3-MoE: layer 0 dense, the chosen experts' weights as the softmax gives them
+QWEN3_MOE_MODEL = {
+    "model": {
+        **QWEN3,
+        "tie_embeddings": False,
+        "moe": {
+            **MOE,
+            "first_dense_layers": 0,
+            "num_shared_experts": 0,
+            "mlp_only_layers": [0],
+            "norm_topk_prob": False,
+        },
+    }
+}
+MUON = {"training": {"optimizer": "muon"}}
+
+# name: (world size, [parallelism], other sections ([model], [training]) or None)
 LAYOUTS: dict[str, tuple[int, dict, dict | None]] = {
     "dp2xtp2": (4, {"dp_shard": 2, "tp": 2}, None),
     "tp2xpp2": (4, {"dp_shard": 1, "tp": 2, "pp": 2}, None),
     "dp2xcp2": (4, {"dp_shard": 2, "cp": 2}, None),
-    "dp2xep2": (2, {"dp_shard": 2, "ep": 2}, MOE),
+    "dp2xep2": (2, {"dp_shard": 2, "ep": 2}, MOE_MODEL),
     "hsdp2x2": (4, {"dp_replicate": 2, "dp_shard": 2}, None),
     "dp2xpp2_gpipe": (4, {"dp_shard": 2, "pp": 2, "pp_schedule": "gpipe"}, None),
     "dp2xtp2_fsdp2": (4, {"dp_shard": 2, "tp": 2, "dp_backend": "fsdp2"}, None),
     # slow: 8 ranks
     "dp2xtp2xpp2": (8, {"dp_shard": 2, "tp": 2, "pp": 2}, None),
-    "cp2xtp2xep2": (8, {"dp_shard": 2, "cp": 2, "tp": 2, "ep": 2}, MOE),
+    "cp2xtp2xep2": (8, {"dp_shard": 2, "cp": 2, "tp": 2, "ep": 2}, MOE_MODEL),
     "cp2xtp2xep2_fsdp2": (
         8,
         {"dp_shard": 2, "cp": 2, "tp": 2, "ep": 2, "dp_backend": "fsdp2"},
-        MOE,
+        MOE_MODEL,
     ),
     "pp2_interleaved_x_dp2xcp2": (
         8,
@@ -66,8 +86,21 @@ LAYOUTS: dict[str, tuple[int, dict, dict | None]] = {
     "5d_pp2xdp2xcp2xtp2_ep2": (
         16,
         {"dp_shard": 2, "cp": 2, "tp": 2, "pp": 2, "ep": 2, "pp_microbatches": 2},
-        MOE,
+        MOE_MODEL,
     ),
+    # Qwen3 and Qwen3-MoE on 2 ranks (tied embeddings under both dp backends and tp)
+    "qwen3_dp2_owned": (2, {"dp_shard": 2, "placement": "owned"}, QWEN3_MODEL),
+    "qwen3_dp2_block": (2, {"dp_shard": 2, "placement": "block", "block": [8, 8]}, QWEN3_MODEL),
+    "qwen3_dp2_fsdp2": (2, {"dp_shard": 2, "dp_backend": "fsdp2"}, QWEN3_MODEL),
+    "qwen3_dp2_muon": (2, {"dp_shard": 2, "placement": "muon"}, {**QWEN3_MODEL, **MUON}),
+    "qwen3_tp2": (2, {"dp_shard": 1, "tp": 2}, QWEN3_MODEL),
+    "qwen3_pp2": (2, {"dp_shard": 1, "pp": 2}, {"model": {**QWEN3, "tie_embeddings": False}}),
+    "qwen3_cp2": (2, {"dp_shard": 1, "cp": 2}, QWEN3_MODEL),
+    "qwen3_moe_ep2": (2, {"dp_shard": 2, "ep": 2}, QWEN3_MOE_MODEL),
+    "qwen3_moe_tp2": (2, {"dp_shard": 1, "tp": 2}, QWEN3_MOE_MODEL),
+    # W = 3: rows of 12-wide heads and 24-wide experts cut mid-way
+    "qwen3_moe_dp3": (3, {"dp_shard": 3}, QWEN3_MOE_MODEL),
+    "qwen3_dp3_flat": (3, {"dp_shard": 3, "placement": "flat"}, QWEN3_MODEL),
 }
 
 
@@ -123,17 +156,24 @@ def trained(job: Job, steps: int = STEPS) -> dict:
 
 def train_layout(folder: str, name: str) -> dict:
     """The trainer's own setup and step on this layout; the gathered parameters."""
-    _, parallelism, moe = LAYOUTS[name]
-    return trained(setup(layout_config(f"{folder}/{name}", parallelism, moe)))
+    _, parallelism, sections = LAYOUTS[name]
+    return trained(setup(layout_config(f"{folder}/{name}", parallelism, None, **(sections or {}))))
 
 
 def _cases(rank: int, world_size: int, folder: str, names: list[str]) -> dict:
     return {name: train_layout(folder, name) for name in names}
 
 
+# Muon's Newton-Schulz per rank's blocks rounds otherwise than one process's: measured
+# (qwen3_dp2_muon, 10 steps) loss 2.3e-6, norm 2.4e-5, parameters 1.9e-4
+MUON_RTOL = {"loss_rtol": 2e-5, "norm_rtol": 2e-4, "param_atol": 2e-3}
+
+
 def _check(name: str, result: dict) -> dict[str, float]:
-    _, parallelism, moe = LAYOUTS[name]
-    return compare_with_single_process(name, layout_config("-", parallelism, moe), result)
+    _, parallelism, sections = LAYOUTS[name]
+    cfg = layout_config("-", parallelism, None, **(sections or {}))
+    muon = cfg.training.optimizer == "muon"
+    return compare_with_single_process(name, cfg, result, **(MUON_RTOL if muon else {}))
 
 
 def compare_with_single_process(
@@ -179,6 +219,14 @@ def test_layouts_on_4_ranks(tmp_path):
 
 def test_expert_parallel_on_2_ranks(tmp_path):
     _run_layouts(2, ["dp2xep2"], tmp_path)
+
+
+def test_qwen3_families_on_2_ranks(tmp_path):
+    _run_layouts(2, [n for n, (w, _, _) in LAYOUTS.items() if w == 2 and "qwen3" in n], tmp_path)
+
+
+def test_qwen3_families_on_3_ranks(tmp_path):
+    _run_layouts(3, [n for n, (w, _, _) in LAYOUTS.items() if w == 3], tmp_path)
 
 
 @pytest.mark.slow

@@ -290,8 +290,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = _linear(cfg.dim, cfg.vocab_size, cfg.dim**-0.5)
-        if cfg.tie_embeddings:  # one parameter, drawn once (as the embedding)
+        if cfg.tie_embeddings:
+            # one parameter, drawn once, at the output's scale: the embedding's std of 1
+            # would give logits of std sqrt(dim)
             self.output.weight = self.tok_embeddings.weight
+            self.tok_embeddings.init_stds = self.output.init_stds
             self.output.init_stds = {}
         # RoPE tables are recomputed per device and length, not stored: a meta-built
         # model then needs no buffer re-initialisation after to_empty
