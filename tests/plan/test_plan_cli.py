@@ -43,6 +43,15 @@ def test_plan_json_adds_up(tmp_path, capsys) -> None:
     assert roots["flexshard"]["all_gathers"] == 2 and roots["fsdp2"]["all_gathers"] == 2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3_8b", "qwen3_moe_30b_a3b"])
+def test_plan_runs_on_the_qwen3_shapes(name, tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    assert main([f"configs/{name}.toml", "--world", "8", "--json", str(out)]) == 0
+    for p in json.loads(out.read_text())["backends"].values():
+        assert p["memory"]["params"] > 0 and p["step"]["tokens_per_s_per_device"] > 0
+
+
 def test_sweep_plot(tmp_path, capsys) -> None:
     png = tmp_path / "sweep.png"
     rc = main(

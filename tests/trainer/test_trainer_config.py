@@ -15,6 +15,7 @@ from flexshard.trainer.config import (
     load_config,
     parse_overrides,
 )
+from flexshard.trainer.config.validation import hf_format
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, builtin_corpus
 from flexshard.trainer.lr_schedule import lr_factor
 from flexshard.trainer.models.model import Transformer, count_params, init_weights
@@ -33,6 +34,22 @@ def test_shipped_configs_load(name):
 def test_8b_config_has_llama3_8b_shapes():
     total, _ = count_params(load_config(CONFIGS / "llama3_8b.toml").model)
     assert 6.9e9 < total < 7.1e9  # Llama-3-8B without its 128k-token embedding and head
+
+
+@pytest.mark.parametrize("name, kind", [("qwen3_debug", "qwen3"), ("qwen3_moe_debug", "qwen3_moe")])
+def test_qwen3_debug_configs_are_their_hf_family(name, kind):
+    m = load_config(CONFIGS / f"{name}.toml").model
+    assert hf_format(m) == kind and m.qk_norm and m.head_size() == 32
+
+
+def test_qwen3_configs_have_the_published_shapes():
+    """Qwen3-8B: 8.19B parameters; Qwen3-30B-A3B: 30.5B, 3.3B active with the embedding."""
+    total, _ = count_params(load_config(CONFIGS / "qwen3_8b.toml").model)
+    assert 8.18e9 < total < 8.20e9
+    moe = load_config(CONFIGS / "qwen3_moe_30b_a3b.toml").model
+    total, active = count_params(moe)
+    assert 30.5e9 < total < 30.6e9
+    assert 3.3e9 < active + moe.vocab_size * moe.dim < 3.4e9
 
 
 def test_overrides_parse_like_toml_and_win_over_the_file():
