@@ -10,6 +10,8 @@ transformers' own class, built from its config and saved with ``save_pretrained`
   and ``from_pretrained`` loads it with no missing or unexpected key;
 - ``flexshard-train --nproc 2`` with nothing but the folder trains and exports, and
   ``flexshard-generate``'s greedy tokens are transformers';
+- a tied embedding stays one parameter under both dp backends, and a DCP checkpoint
+  of it resumes bit for bit;
 - config.json features the trainer lacks, a ``[model]`` that differs, and a tied
   embedding under pp are ConfigErrors naming the key.
 """
@@ -31,7 +33,13 @@ from flexshard.trainer.config import ConfigError, config_from_dict
 from flexshard.trainer.launch import main as train_main
 from flexshard.trainer.models.hf_adapter import check_matches, hf_keys, model_fields
 from flexshard.trainer.models.model import Transformer
-from flexshard.trainer.train import setup
+from flexshard.trainer.train import run, setup
+
+from .test_parallel_layouts import QWEN3, layout_config
+
+# 6 steps, no clipping (the backends sum the norm in different orders), constant lr
+FULL = {"steps": 6, "max_norm": 0.0, "decay": "none"}
+HALF = {**FULL, "steps": 3}
 
 LOGIT_ATOL = 1e-5
 # 4 layers, heads of 12 (not hidden_size / heads = 10), eps and theta not the trainer's
@@ -217,6 +225,39 @@ def test_generation_from_the_folder_matches_transformers(family, tmp_path):
     prompt = torch.tensor([5, 17, 99, 3])
     theirs = reference.generate(prompt[None], max_new_tokens=12, do_sample=False)[0]
     assert generate(model, prompt, max_new_tokens=12).tolist() == theirs.tolist()
+
+
+# ---------------------------------------------------------------------- tied checkpoints
+def _resumed_tied(rank: int, world_size: int, folder: str) -> dict[str, list[float]]:
+    """A tied Qwen3 under both dp backends: 6 steps at once, and 3 then 3 more from the
+    DCP checkpoint of step 3."""
+    out = {}
+    for backend in ("flexshard", "fsdp2"):
+        parallelism = {"dp_shard": 2, "dp_backend": backend}
+        whole = run(
+            layout_config(
+                f"{folder}/{backend}/whole", parallelism, None, model=QWEN3, training=FULL
+            )
+        )
+        ckpt = {"enable": True, "interval": 3}
+        cut = f"{folder}/{backend}/cut"
+        first = run(
+            layout_config(cut, parallelism, None, model=QWEN3, checkpoint=ckpt, training=HALF)
+        )
+        rest = run(
+            layout_config(cut, parallelism, None, model=QWEN3, checkpoint=ckpt, training=FULL)
+        )
+        out[backend] = [r["loss"] for r in whole]
+        out[f"{backend}_resumed"] = [r["loss"] for r in first + rest]
+    return out
+
+
+def test_tied_embeddings_checkpoint_and_resume(tmp_path):
+    losses = run_distributed(_resumed_tied, 2, str(tmp_path), timeout=600)[0]
+    for backend in ("flexshard", "fsdp2"):
+        assert len(losses[f"{backend}_resumed"]) == 6
+        assert losses[f"{backend}_resumed"] == losses[backend], backend  # bit for bit
+    assert losses["flexshard"] == losses["fsdp2"]  # Shard(0), fp32: FSDP2's arithmetic
 
 
 # ---------------------------------------------------------------------- refusals
