@@ -227,6 +227,19 @@ def test_generation_from_the_folder_matches_transformers(family, tmp_path):
     assert generate(model, prompt, max_new_tokens=12).tolist() == theirs.tolist()
 
 
+def test_sharded_generation_of_a_tied_folder(tmp_path, capfd):
+    """``flexshard-generate --nproc 2`` on a tied Qwen3 folder (the table sharded once,
+    serving as embedding and output) prints what one process prints."""
+    from flexshard.trainer.generate import main as generate_main
+
+    hf_model(tmp_path / "hf", "qwen3")
+    args = ["--checkpoint", str(tmp_path / "hf"), "--prompt", "MENENIUS:", "--max-new-tokens", "8"]
+    generate_main(args)
+    whole = capfd.readouterr().out
+    generate_main(args + ["--nproc", "2"])
+    assert capfd.readouterr().out == whole and whole.startswith("MENENIUS:")
+
+
 # ---------------------------------------------------------------------- tied checkpoints
 def _resumed_tied(rank: int, world_size: int, folder: str) -> dict[str, list[float]]:
     """A tied Qwen3 under both dp backends: 6 steps at once, and 3 then 3 more from the
