@@ -43,7 +43,6 @@ def test_plan_json_adds_up(tmp_path, capsys) -> None:
     assert roots["flexshard"]["all_gathers"] == 2 and roots["fsdp2"]["all_gathers"] == 2
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3_8b", "qwen3_moe_30b_a3b"])
 def test_plan_runs_on_the_qwen3_shapes(name, tmp_path) -> None:
     out = tmp_path / "plan.json"
