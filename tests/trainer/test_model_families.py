@@ -31,7 +31,7 @@ from flexshard.trainer.checkpointing import checkpoints as checkpointing
 from flexshard.trainer.checkpointing.checkpoints import export_hf
 from flexshard.trainer.config import ConfigError, config_from_dict
 from flexshard.trainer.launch import main as train_main
-from flexshard.trainer.models.hf_adapter import check_matches, hf_keys, model_fields
+from flexshard.trainer.models.hf_adapter import check_matches, hf_config, hf_keys, model_fields
 from flexshard.trainer.models.model import Transformer
 from flexshard.trainer.train import run, setup
 
@@ -313,6 +313,19 @@ def test_model_section_beside_the_folder_must_agree(tmp_path):
     line = str(err.value)
     assert "\n" not in line and "head_dim (10 here, 12 there)" in line
     assert "--model.head_dim 12 --model.qk_norm true" in line
+
+
+def test_first_dense_layers_export_as_mlp_only_layers(tmp_path):
+    """The trainer's first dense layers are Qwen3-MoE's mlp-only ones: the config.json
+    written says the same layers are MoE, and reads back as the same model."""
+    moe = {"num_experts": 4, "num_shared_experts": 0, "first_dense_layers": 1}
+    table = {"model": {"qk_norm": True, "n_layers": 4, "moe": {**moe, "mlp_only_layers": [2]}}}
+    m = config_from_dict(table).model
+    config = hf_config(m, "float32", 64)
+    assert (config["model_type"], config["mlp_only_layers"]) == ("qwen3_moe", [0, 2])
+    assert check_matches(m, _write(tmp_path / "hf", config)) == config
+    back = config_from_dict(from_folder(tmp_path / "hf")).model
+    assert [back.moe.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
 
 
 def test_tied_embedding_under_pp_is_refused(tmp_path):
