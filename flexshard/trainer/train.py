@@ -31,6 +31,7 @@ from .metrics import (
 )
 from .models.model import count_params, flops_per_token, loss_fn
 from .models.moe import step_balance, tokens_per_expert
+from .models.mtp import take_step_loss
 from .optimizers import build_optimizer
 from .parallel import bounded_waits
 from .parallel.dims import ParallelDims, init_distributed, pick_device
@@ -236,6 +237,12 @@ def run(cfg: Config) -> list[dict[str, Any]]:
         loads = tokens_per_expert(job.parallel.modules, pp)  # every stage's layers
         if loads:  # MoE: the global batch's routed rows per expert, by layer
             record["tokens_per_expert"] = loads
+        mtp_loss = take_step_loss(job.parallel.modules)
+        if mtp_loss is not None:  # the global batch's multi-token prediction loss
+            of, avg = f"training step {step + 1}", dist.ReduceOp.AVG
+            timeout = configured_timeout(cfg.parallelism.timeout_s)
+            bounded_waits.all_reduce(mtp_loss, None, "MTP loss all-reduce", of, timeout, avg)
+            record["mtp_loss"] = float(mtp_loss)
         v = cfg.validation
         if v.enable and ((step + 1) % v.freq == 0 or step + 1 == t.steps):
             record["val_loss"] = validate(job)

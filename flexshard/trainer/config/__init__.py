@@ -13,6 +13,7 @@ from .schema import (
     ModelConfig,
     MoEConfig,
     ParallelismConfig,
+    RopeScalingConfig,
     TrainingConfig,
     ValidationConfig,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "ConfigError",
     "MoEConfig",
     "ModelConfig",
+    "RopeScalingConfig",
     "ParallelismConfig",
     "TrainingConfig",
     "DataConfig",

@@ -32,6 +32,14 @@ class MoEConfig:
     # the chosen experts' softmax weights rescaled to sum 1 (Mixtral; Qwen3-MoE's
     # norm_topk_prob), else used as they are
     norm_topk_prob: bool = True
+    # DeepSeek-V3's router (trainer/models/moe.py): sigmoid scores; the experts in
+    # n_group groups, a token's top-k taken from its topk_group best groups (a group
+    # scored by the sum of its two best biased scores); the routed output scaled by
+    # routed_scaling_factor
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     # Qwen3-MoE's choice of MoE layers: every decoder_sparse_step-th layer (layer i when
     # (i + 1) % step == 0) except those in mlp_only_layers, which stay dense
     decoder_sparse_step: int = 1
@@ -45,6 +53,19 @@ class MoEConfig:
             and layer not in self.mlp_only_layers
             and (layer + 1) % self.decoder_sparse_step == 0
         )
+
+
+@dataclass
+class RopeScalingConfig:
+    """YaRN's RoPE scaling (trainer/models/mla.py), as Hugging Face's ``rope_scaling``."""
+
+    type: Literal["none", "yarn"] = "none"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0  # > 0: the softmax scale gains mscale(factor, this)^2
 
 
 @dataclass
@@ -67,6 +88,21 @@ class ModelConfig:
     # "bytes", a Hugging Face tokenizer.json or a tiktoken BPE file (tokenizer.py)
     tokenizer: str = "bytes"
     moe: MoEConfig = field(default_factory=MoEConfig)
+    # "mla": DeepSeek's multi-head latent attention (trainer/models/mla.py); its keys
+    # and values come from a kv_lora_rank latent, its queries from a q_lora_rank one
+    # (0: a plain q_proj), each head with qk_nope_head_dim + qk_rope_head_dim query/key
+    # dims (only the second part rotated) and v_head_dim value dims; n_kv_heads unused
+    attention: Literal["gqa", "mla"] = "gqa"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    # multi-token prediction (trainer/models/mtp.py): mtp_layers extra depths, each
+    # predicting one token further; their mean loss weighted by mtp_loss_weight
+    mtp_layers: int = 0
+    mtp_loss_weight: float = 0.3
 
     def head_size(self) -> int:
         """Each attention head's width: ``head_dim``, else the model width split by heads."""

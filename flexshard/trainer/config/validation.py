@@ -27,17 +27,53 @@ if TYPE_CHECKING:
 HF_OPTIONS = "checkpoint.initial_load_in_hf / last_save_in_hf"
 
 
+def _deepseek_v3_problems(cfg: ModelConfig) -> list[str]:
+    """Why an MLA model has no ``DeepseekV3ForCausalLM`` twin (none: it has)."""
+    moe, problems = cfg.moe, []
+    if not moe.num_experts:
+        return problems
+    if moe.score_func != "sigmoid":
+        problems.append(
+            f'model.moe.score_func = "{moe.score_func}" (DeepSeek-V3 routes by sigmoid '
+            'scores): set "sigmoid"'
+        )
+    if moe.balance != "bias":
+        problems.append(
+            f'model.moe.balance = "{moe.balance}" (the format holds the selection bias, '
+            'e_score_correction_bias): set "bias" (bias_update_rate = 0 keeps it at zero)'
+        )
+    if not moe.num_shared_experts:
+        problems.append("model.moe.num_shared_experts = 0 (DeepSeek-V3 has shared experts)")
+    if cfg.tie_embeddings:
+        problems.append("model.tie_embeddings = true (DeepSeek-V3's head is its own)")
+    return problems
+
+
 def hf_format(cfg: ModelConfig, option: str = HF_OPTIONS, export: bool = False) -> str:
     """The Hugging Face ``model_type`` computing what the model does: ``"llama"`` /
     ``"qwen3"`` (dense, without / with q/k norms), ``"mixtral"`` / ``"qwen3_moe"`` (MoE,
-    likewise); a ConfigError naming ``option`` and every reason when the MoE has no
-    Hugging Face twin. ``export``: the model is written (a ``"bias"`` balance changes the
-    routing, and neither format has a tensor to hold it)."""
+    likewise), ``"deepseek_v3"`` (MLA); a ConfigError naming ``option`` and every reason
+    when the model has no Hugging Face twin. ``export``: the model is written (a
+    ``"bias"`` balance changes the routing, and neither MoE format but DeepSeek-V3's has
+    a tensor to hold it). Multi-token prediction is never exported (no format here
+    holds it)."""
     moe = cfg.moe
+    if cfg.attention == "mla":
+        problems = _deepseek_v3_problems(cfg)
+        if problems:
+            raise ConfigError(
+                f"{option}: this MLA model has no DeepseekV3ForCausalLM twin: {'; '.join(problems)}"
+            )
+        return "deepseek_v3"
     if not moe.num_experts:
         return "qwen3" if cfg.qk_norm else "llama"
     kind = "qwen3_moe" if cfg.qk_norm else "mixtral"
     problems = []
+    if moe.score_func != "softmax" or moe.n_group > 1 or moe.routed_scaling_factor != 1.0:
+        problems.append(
+            "model.moe.score_func / n_group / routed_scaling_factor (Mixtral and Qwen3-MoE "
+            'route by the softmax over all experts, unscaled): set "softmax", 1 and 1.0'
+        )
     if moe.num_shared_experts:
         problems.append(
             f"model.moe.num_shared_experts = {moe.num_shared_experts} (Mixtral and Qwen3-MoE "
@@ -78,11 +114,11 @@ SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Every tp rank must hold whole attention heads."""
-    for key, heads, kind in (
-        ("n_heads", cfg.n_heads, "attention heads"),
-        ("n_kv_heads", cfg.n_kv_heads, "key/value heads"),
-    ):
+    """Every tp rank must hold whole attention heads (MLA: no kv heads of its own)."""
+    parts = [("n_heads", cfg.n_heads, "attention heads")]
+    if cfg.attention == "gqa":
+        parts.append(("n_kv_heads", cfg.n_kv_heads, "key/value heads"))
+    for key, heads, kind in parts:
         if heads % tp:
             raise ConfigError(
                 f"model.{key} = {heads} is not divisible by parallelism.tp = {tp}; "
@@ -203,6 +239,13 @@ def check_parallel_layout(cfg: Config) -> None:
             "microbatches (parallelism.pp_microbatches) accumulate instead"
         )
     check_cp(t.seq_len, p.cp)
+    if m.mtp_layers and (p.tp > 1 or p.pp > 1 or p.cp > 1):
+        raise ConfigError(
+            f"model.mtp_layers = {m.mtp_layers} runs with data and expert parallelism only: "
+            "set parallelism.tp, pp and cp to 1 (the MTP depths share the embedding and the "
+            "head, which pp puts on different stages, and read the tokens ahead, which cp "
+            "puts on other ranks)"
+        )
     # sequence parallelism cuts each rank's sequence across tp, and pipeline stages
     # send those shards
     if p.tp > 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
@@ -264,6 +307,63 @@ def _check_bucket_entry(where: str, entry: Any) -> None:
         raise ConfigError(f"{where}.block = {block!r}: must be two positive sizes [R, C]")
 
 
+def _check_mla(m: ModelConfig, optimizer: str) -> None:
+    sizes = {
+        "model.kv_lora_rank": m.kv_lora_rank,
+        "model.qk_nope_head_dim": m.qk_nope_head_dim,
+        "model.qk_rope_head_dim": m.qk_rope_head_dim,
+        "model.v_head_dim": m.v_head_dim,
+    }
+    for key, value in sizes.items():
+        if value < 1:
+            raise ConfigError(f"{key} = {value}: must be at least 1")
+    for key, value in (("qk_norm", m.qk_norm), ("head_dim", m.head_dim)):
+        if value:
+            raise ConfigError(
+                f"model.{key} = {value!r}: MLA's heads are sized by qk_nope_head_dim, "
+                "qk_rope_head_dim and v_head_dim and have no q/k norms; leave it unset"
+            )
+    if m.q_lora_rank < 0:
+        raise ConfigError(f"model.q_lora_rank = {m.q_lora_rank}: must be >= 0 (0: q_proj)")
+    if m.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.qk_rope_head_dim = {m.qk_rope_head_dim} must be even for RoPE")
+    if optimizer == "muon" and m.qk_rope_head_dim > m.kv_lora_rank:
+        raise ConfigError(
+            f"model.qk_rope_head_dim = {m.qk_rope_head_dim} exceeds model.kv_lora_rank = "
+            f"{m.kv_lora_rank}: Muon and its placements split kv_a_proj_with_mqa in blocks "
+            "of kv_lora_rank rows, the rotated key's rows the last one"
+        )
+    r = m.rope_scaling
+    if r.type == "yarn" and (r.factor < 1 or r.original_max_position_embeddings < 1):
+        raise ConfigError(
+            "model.rope_scaling: YaRN needs factor >= 1 and original_max_position_embeddings >= 1"
+        )
+
+
+def _check_routing(m: ModelConfig) -> None:
+    """Group-limited routing: equal groups of at least two experts (a group is scored by
+    its two best), enough experts in the chosen groups for top_k."""
+    moe = m.moe
+    per_group = moe.num_experts // max(moe.n_group, 1)
+    if moe.n_group < 1 or moe.num_experts % moe.n_group:
+        raise ConfigError(
+            f"model.moe.n_group = {moe.n_group} must be >= 1 and divide model.moe.num_experts "
+            f"= {moe.num_experts}"
+        )
+    if moe.n_group > 1 and per_group < 2:
+        raise ConfigError(
+            f"model.moe.n_group = {moe.n_group}: each group needs at least 2 experts "
+            "(a group is scored by the sum of its two best)"
+        )
+    if not 1 <= moe.topk_group <= moe.n_group or moe.topk_group * per_group < moe.top_k:
+        raise ConfigError(
+            f"model.moe.topk_group = {moe.topk_group}: must be in 1..n_group ({moe.n_group}) "
+            f"and its groups must hold top_k = {moe.top_k} experts"
+        )
+    if moe.routed_scaling_factor <= 0:
+        raise ConfigError("model.moe.routed_scaling_factor must be > 0")
+
+
 def validate(cfg: Config) -> None:
     """Values that type-check but make no sense."""
     m, t, p = cfg.model, cfg.training, cfg.parallelism
@@ -295,18 +395,34 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallelism.timeout_s = {p.timeout_s}: must be a positive number")
     if p.dp_shard < 1 and p.dp_shard != -1:
         raise ConfigError(f"parallelism.dp_shard = {p.dp_shard}: must be -1 (auto) or >= 1")
-    if m.head_dim < 0:
-        raise ConfigError(f"model.head_dim = {m.head_dim}: must be >= 0 (0: dim / n_heads)")
-    if not m.head_dim and m.dim % m.n_heads:
+    if m.attention == "mla":
+        _check_mla(m, t.optimizer)
+    else:
+        if m.head_dim < 0:
+            raise ConfigError(f"model.head_dim = {m.head_dim}: must be >= 0 (0: dim / n_heads)")
+        if not m.head_dim and m.dim % m.n_heads:
+            raise ConfigError(
+                f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads} "
+                "(or set model.head_dim)"
+            )
+        if m.head_size() % 2:
+            raise ConfigError(f"head dim {m.head_size()} must be even for RoPE")
+        if m.n_heads % m.n_kv_heads:
+            raise ConfigError(
+                f"model.n_heads = {m.n_heads} is not a multiple of model.n_kv_heads = "
+                f"{m.n_kv_heads}"
+            )
+        if m.rope_scaling.type != "none":
+            raise ConfigError(
+                f'model.rope_scaling.type = "{m.rope_scaling.type}": YaRN is implemented for '
+                'attention = "mla" only'
+            )
+    if m.mtp_layers < 0 or m.mtp_loss_weight < 0:
+        raise ConfigError("model.mtp_layers and model.mtp_loss_weight must be >= 0")
+    if m.mtp_layers and t.seq_len < m.mtp_layers + 2:
         raise ConfigError(
-            f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads} "
-            "(or set model.head_dim)"
-        )
-    if m.head_size() % 2:
-        raise ConfigError(f"head dim {m.head_size()} must be even for RoPE")
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(
-            f"model.n_heads = {m.n_heads} is not a multiple of model.n_kv_heads = {m.n_kv_heads}"
+            f"training.seq_len = {t.seq_len}: multi-token prediction with model.mtp_layers "
+            f"= {m.mtp_layers} needs at least mtp_layers + 2 tokens"
         )
     moe = m.moe
     if moe.num_experts and not 1 <= moe.top_k <= moe.num_experts:
@@ -322,6 +438,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"model.moe.mlp_only_layers: {outside} not in 0..{m.n_layers - 1} (model.n_layers)"
         )
+    if moe.num_experts:
+        _check_routing(m)
     if moe.bias_update_rate < 0 or moe.aux_loss_coef < 0:
         raise ConfigError("model.moe.bias_update_rate and aux_loss_coef must be >= 0")
     if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:

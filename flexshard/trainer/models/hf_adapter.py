@@ -13,6 +13,8 @@ and ``config.json`` both ways (``FAMILIES``).
 - ``qwen3_moe`` (``Qwen3MoeForCausalLM``): Qwen3's attention and the same sparse block
   with the renormalisation optional (``norm_topk_prob``) and dense layers where
   ``decoder_sparse_step`` / ``mlp_only_layers`` say.
+- ``deepseek_v3`` (``DeepseekV3ForCausalLM``): MLA attention, DeepSeek's MoE
+  (``hf_deepseek_v3``).
 
 The trainer's ``[E, R, C]`` stacks are stored per expert (``...experts.{e}.w1.weight``,
 what ``save_pretrained`` writes; transformers 5 fuses them on load). The MoE twins hold
@@ -42,6 +44,7 @@ from flexshard.checkpoint.hf_safetensors import HFKey
 
 from ..config import ConfigError, ModelConfig, MoEConfig
 from ..config.validation import hf_format
+from . import hf_deepseek_v3
 from .model import ffn_hidden_size
 
 # trainer name (within a block) -> HF name (within model.layers.{i})
@@ -121,6 +124,7 @@ def _common_fields(config: dict[str, Any]) -> dict[str, Any]:
         "n_kv_heads": config.get("num_key_value_heads") or heads,
         "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
         "qk_norm": False,
+        "attention": "gqa",
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
         "ffn_hidden": config["intermediate_size"],
         "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
@@ -251,6 +255,13 @@ FAMILIES = {
         _qwen3_moe_fields,
         _qwen3_moe_config,
     ),
+    "deepseek_v3": Family(
+        "DeepseekV3ForCausalLM",
+        hf_deepseek_v3.BLOCK,
+        hf_deepseek_v3.SPARSE,
+        hf_deepseek_v3.model_fields,
+        hf_deepseek_v3.hf_config,
+    ),
 }
 
 
@@ -283,7 +294,10 @@ def in_hf(fqn: str, cfg: ModelConfig) -> bool:
     output projection is stored once, as the embedding)."""
     if cfg.tie_embeddings and fqn == "output.weight":
         return False
-    return _TRAINER_ONLY.match(fqn) is None
+    if fqn.startswith("mtp."):  # multi-token prediction: no format here holds it
+        return False
+    # DeepSeek-V3's format holds the selection bias (e_score_correction_bias)
+    return cfg.attention == "mla" or _TRAINER_ONLY.match(fqn) is None
 
 
 def hf_keys(fqns: list[str], cfg: ModelConfig, tied: bool = False) -> dict[str, HFKey]:
@@ -346,9 +360,8 @@ def _have(cfg: ModelConfig, key: str) -> Any:
         return cfg.head_size()
     if key == "moe.expert_hidden":
         return cfg.moe.expert_hidden or ffn_hidden_size(cfg)
-    if key.startswith("moe."):
-        return getattr(cfg.moe, key[len("moe.") :])
-    return getattr(cfg, key)
+    table, _, name = key.rpartition(".")  # "moe.x", "rope_scaling.x": a sub-table's
+    return getattr(getattr(cfg, table) if table else cfg, name)
 
 
 _LAYER_CHOICE = ("moe.first_dense_layers", "moe.decoder_sparse_step", "moe.mlp_only_layers")
@@ -362,6 +375,8 @@ def check_matches(cfg: ModelConfig, folder: str | Path) -> dict[str, Any]:
     wanted = model_fields(config)
     moe = wanted.pop("moe")
     wanted.update({f"moe.{k}": v for k, v in moe.items()})
+    rope = wanted.pop("rope_scaling", {})
+    wanted.update({f"rope_scaling.{k}": v for k, v in rope.items()})
     theirs = [MoEConfig(**moe).is_moe_layer(i) for i in range(wanted["n_layers"])]
     if theirs == [cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers)]:
         for key in _LAYER_CHOICE:  # the same layers are MoE, however it is said

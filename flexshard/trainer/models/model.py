@@ -21,7 +21,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel.context_parallel import ring_attention
-from .moe import LoadBalance, grouped_swiglu, loop_swiglu
+from .moe import LoadBalance, _AddAuxGrad, grouped_swiglu, loop_swiglu
 
 if TYPE_CHECKING:
     from ..parallel.context_parallel import ContextParallel
@@ -157,6 +157,14 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
+def _attention(cfg: ModelConfig, out_std: float) -> nn.Module:
+    if cfg.attention == "mla":
+        from .mla import MLA  # mla builds on this file's pieces
+
+        return MLA(cfg, out_std)
+    return Attention(cfg, out_std)
+
+
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
@@ -216,7 +224,10 @@ class MoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         hidden = moe.expert_hidden or ffn_hidden_size(cfg)
-        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.top_k = moe.top_k
+        self.score_func, self.norm_topk_prob = moe.score_func, moe.norm_topk_prob
+        self.groups = (moe.n_group, moe.topk_group)
+        self.routed_scaling_factor = moe.routed_scaling_factor
         self.balance = LoadBalance(
             moe.balance, moe.num_experts, moe.bias_update_rate, moe.aux_loss_coef
         )
@@ -231,12 +242,18 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        scores = self.router(flat).float().softmax(dim=-1)
-        weights, chosen = self.balance.select(scores, self.top_k)
+        logits = self.router(flat).float()
+        sigmoid = self.score_func == "sigmoid"
+        scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
+        weights, chosen = self.balance.select(scores, self.top_k, *self.groups)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
         weights = weights.type_as(x)
-        out = self.balance.account(self.experts(flat, weights, chosen), scores, chosen)
+        # the aux loss's P: probabilities, so sigmoid scores normalised per token
+        probs = scores / scores.sum(-1, keepdim=True) if sigmoid else scores
+        out = self.balance.account(self.experts(flat, weights, chosen), probs, chosen)
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.view(shape)
@@ -247,7 +264,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # residual branches scaled with depth
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg, out_std)
+        self.attention = _attention(cfg, out_std)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward: nn.Module = (
             MoE(cfg, out_std)
@@ -296,6 +313,11 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
             self.tok_embeddings.init_stds = self.output.init_stds
             self.output.init_stds = {}
+        self.mtp: nn.Module | None = None
+        if cfg.mtp_layers:
+            from .mtp import MultiTokenPrediction  # mtp builds on this file's blocks
+
+            self.mtp = MultiTokenPrediction(cfg)
         # RoPE tables are recomputed per device and length, not stored: a meta-built
         # model then needs no buffer re-initialisation after to_empty
         self._rope: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -308,6 +330,10 @@ class Transformer(nn.Module):
         cp = self.context_parallel
         total = cp.global_len(seq_len) if cp is not None else seq_len
         key = (total, device)
+        if key not in self._rope and self.cfg.attention == "mla":
+            from .mla import mla_rope_tables
+
+            self._rope[key] = mla_rope_tables(self.cfg, total, device)
         if key not in self._rope:
             self._rope[key] = rope_tables(total, self.cfg.head_size(), self.cfg.rope_theta, device)
         if cp is not None:  # this rank's tokens sit at zig-zag global positions
@@ -326,7 +352,13 @@ class Transformer(nn.Module):
         cos, sin = cos[start:], sin[start:]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache=None if cache is None else cache.layers[i])
-        return self.output(self.norm(x))
+        logits = self.output(self.norm(x))
+        if self.mtp is not None and torch.is_grad_enabled() and not hidden and cache is None:
+            # the MTP loss joins the backward through the logits, so the backward
+            # reaches the shared embedding and head after data parallelism re-gathers them
+            extra = self.mtp(x, tokens, cos, sin, self.tok_embeddings, self.output)
+            logits = _AddAuxGrad.apply(logits, extra)
+        return logits
 
 
 def init_module(module: nn.Module) -> None:
@@ -378,8 +410,12 @@ def count_params(cfg: ModelConfig) -> tuple[int, int]:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 per active weight plus causal attention scores
-    (12 * layers * heads * head_dim * seq_len, as in the PaLM/torchtitan estimate)."""
+    (12 * layers * heads * head_dim * seq_len, as in the PaLM/torchtitan estimate; MLA's
+    heads: 6 * layers * heads * (qk + v head dims) * seq_len)."""
     _, active = count_params(cfg)
+    if cfg.attention == "mla":
+        head_dims = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+        return 6.0 * active + 6.0 * cfg.n_layers * cfg.n_heads * head_dims * seq_len
     return 6.0 * active + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_size() * seq_len
 
 

@@ -104,11 +104,17 @@ class LoadBalance(nn.Module):
                 self.bias.zero_()
         return self
 
-    def select(self, scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, chosen experts) [N, top_k] from the router's scores [N, E]."""
-        if self.bias is None:
+    def select(
+        self, scores: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, chosen experts) [N, top_k] from the router's scores [N, E]; with
+        ``n_group > 1`` only from each token's ``topk_group`` best expert groups."""
+        if self.bias is None and n_group == 1:
             return scores.topk(top_k, dim=-1)
-        chosen = (scores + self.bias).topk(top_k, dim=-1).indices
+        biased = scores if self.bias is None else scores + self.bias
+        if n_group > 1:
+            biased = group_limited(biased, n_group, topk_group)
+        chosen = biased.topk(top_k, dim=-1).indices
         return scores.gather(-1, chosen), chosen
 
     def account(
@@ -141,6 +147,16 @@ class LoadBalance(nn.Module):
         if self.bias is not None:
             with torch.no_grad():
                 self.bias += self.bias_rate * torch.sign(load.float().mean() - load.float())
+
+
+def group_limited(scores: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing: ``scores`` [N, E] with every expert outside
+    each token's ``topk_group`` best groups (of ``n_group`` equal ones, a group scored by
+    the sum of its two best scores) set to -inf."""
+    grouped = scores.view(scores.shape[0], n_group, -1)
+    best = grouped.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(scores)
 
 
 def _balances(modules: Iterable[nn.Module]) -> Iterable[tuple[str, LoadBalance]]:

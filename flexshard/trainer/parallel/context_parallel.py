@@ -246,13 +246,16 @@ SCORE_TILE = 1 << 20
 
 
 def _block_in_hand(
-    kv: torch.Tensor, ring: _Ring, step: int, half: int, repeat: int
+    kv: torch.Tensor, ring: _Ring, step: int, half: int, repeat: int, k_dim: int
 ) -> tuple[slice, slice, bool, torch.Tensor, torch.Tensor]:
     """At ring step ``step``: which local query rows see which rows of the block in hand
-    (rank ``rank - step``'s), whether under a causal mask, and its fp32 K and V with
-    GQA's heads repeated."""
+    (rank ``rank - step``'s; K and V concatenated along the head dim, the first
+    ``k_dim`` K's), whether under a causal mask, and its fp32 K and V with GQA's heads
+    repeated."""
     rows, keys, causal = _rows_and_keys((ring.rank - step) % ring.size, ring.rank, half)
-    k_blk, v_blk = (_repeat(t[:, :, keys].float(), repeat) for t in kv)
+    k_blk, v_blk = (
+        _repeat(t[:, :, keys].float(), repeat) for t in kv.split([k_dim, kv.shape[-1] - k_dim], -1)
+    )
     return rows, keys, causal, k_blk, v_blk
 
 
@@ -288,23 +291,28 @@ def _unrepeat(grad: torch.Tensor, repeat: int) -> torch.Tensor:
 
 
 class _RingAttention(torch.autograd.Function):
-    """q [b, heads, L, d], k and v [b, kv_heads, L, d] (L = this rank's two chunks)."""
+    """q and k [b, heads / kv_heads, L, d], v [b, kv_heads, L, d_v] (L = this rank's
+    two chunks; MLA's d_v differs from d)."""
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exchange: Exchange
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        exchange: Exchange,
+        scale: float,
     ) -> torch.Tensor:
         ring = _Ring(exchange, "forward")
-        repeat, half = q.shape[1] // k.shape[1], q.shape[2] // 2
-        scale = q.shape[-1] ** -0.5
+        repeat, half, k_dim = q.shape[1] // k.shape[1], q.shape[2] // 2, k.shape[-1]
         qf = q.float()
-        out = torch.zeros_like(qf)
+        out = qf.new_zeros(*q.shape[:-1], v.shape[-1])
         lse = torch.full(qf.shape[:-1], float("-inf"), device=q.device)
-        kv = torch.stack([k, v])  # one message per step
+        kv = torch.cat([k, v], dim=-1)  # one message per step
         for step in range(ring.size):
             if step < ring.size - 1:
                 kv_next, works = ring.start(kv)
-            rows, keys, causal, k_blk, v_blk = _block_in_hand(kv, ring, step, half, repeat)
+            rows, keys, causal, k_blk, v_blk = _block_in_hand(kv, ring, step, half, repeat, k_dim)
             q_rows, out_rows, lse_rows = qf[:, :, rows], out[:, :, rows], lse[:, :, rows]
             for tile in _tiles(q_rows, k_blk.shape[2]):
                 scores = _scores(q_rows[:, :, tile], k_blk, causal, tile.start, scale)
@@ -321,7 +329,7 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.size - 1:
                 ring.wait(works)
                 kv = kv_next
-        ctx.exchange = exchange
+        ctx.exchange, ctx.scale = exchange, scale
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
 
@@ -329,19 +337,19 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         ring = _Ring(ctx.exchange, "backward")
-        repeat, half = q.shape[1] // k.shape[1], q.shape[2] // 2
-        scale = q.shape[-1] ** -0.5
+        repeat, half, k_dim = q.shape[1] // k.shape[1], q.shape[2] // 2, k.shape[-1]
+        scale = ctx.scale
         qf, dout = q.float(), grad_out.float()
         delta = (dout * out).sum(-1)  # rowsum(dO * O), as in flash attention's backward
         dq = torch.zeros_like(qf)
-        kv = torch.stack([k, v])
+        kv = torch.cat([k, v], dim=-1)
         # fp32 dk, dv accumulators of the block in hand; they follow it around the ring
         dkv_recv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         dkv_works: list[Pending] = []
         for step in range(ring.size):
             if step < ring.size - 1:
                 kv_next, kv_works = ring.start(kv)
-            rows, keys, causal, k_blk, v_blk = _block_in_hand(kv, ring, step, half, repeat)
+            rows, keys, causal, k_blk, v_blk = _block_in_hand(kv, ring, step, half, repeat, k_dim)
             dk_blk, dv_blk = torch.zeros_like(k_blk), torch.zeros_like(v_blk)
             q_rows, dq_rows = qf[:, :, rows], dq[:, :, rows]
             d_rows, delta_rows, lse_rows = dout[:, :, rows], delta[:, :, rows], lse[:, :, rows]
@@ -355,27 +363,33 @@ class _RingAttention(torch.autograd.Function):
                 dk_blk += (dscores.transpose(-1, -2) @ q_t) * scale
             ring.wait(dkv_works)  # block src's accumulators arrive behind its k and v
             dkv = dkv_recv
-            dkv[0][:, :, keys] += _unrepeat(dk_blk, repeat)
-            dkv[1][:, :, keys] += _unrepeat(dv_blk, repeat)
+            dkv[:, :, keys, :k_dim] += _unrepeat(dk_blk, repeat)
+            dkv[:, :, keys, k_dim:] += _unrepeat(dv_blk, repeat)
             dkv_recv, dkv_works = ring.start(dkv, tag=1)  # to the next holder, finally home
             if step < ring.size - 1:
                 ring.wait(kv_works)
                 kv = kv_next
         ring.wait(dkv_works)
-        dk, dv = dkv_recv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        dk, dv = dkv_recv.split([k_dim, v.shape[-1]], -1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Exchange | dist.ProcessGroup
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ring: Exchange | dist.ProcessGroup,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Exact causal attention of this rank's zig-zag shard, [b, local, heads, d] in and
     out (k and v with their kv heads; GQA's repeat happens per block, so only the kv
-    heads travel). ``ring``: a layer's CP exchange (its timeout, name, byte count), or
-    a bare CP group (the default timeout)."""
+    heads travel; v's head dim may differ from q's and k's, as MLA's does). ``ring``: a
+    layer's CP exchange (its timeout, name, byte count), or a bare CP group (the default
+    timeout). ``scale``: the softmax scale, ``d ** -0.5`` by default."""
     if q.shape[1] % 2:
         raise ValueError(f"ring attention: a CP rank holds two equal chunks, got {q.shape[1]}")
     if isinstance(ring, dist.ProcessGroup):
         ring = Exchange(ring, "ring attention", "cp")
-    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ring)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ring, scale)
     return out.transpose(1, 2)

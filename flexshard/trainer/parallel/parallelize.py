@@ -67,6 +67,8 @@ def parallelize(
         model = Transformer(cfg.model)
     if not on_meta:
         init_weights(model, cfg.training.seed)
+    if model.mtp is not None:  # the MTP term follows the loss's division by grad_accum
+        model.mtp.loss_scale = 1 / cfg.training.grad_accum
     sequence_parallel = meshes.tp is not None and par.sequence_parallel
     if meshes.tp is not None:
         # under PP too: stages then exchange the [b, s / tp, d] sequence shards

@@ -27,7 +27,13 @@ Policy = fs.Placement | Callable[[str, nn.Parameter], fs.Placement]
 
 
 def muon_row_blocks(model_cfg: ModelConfig) -> dict[str, int]:
-    """Muon orthogonalises attention projections per head: rows per block by FQN glob."""
+    """Muon orthogonalises attention projections per head: rows per block by FQN glob.
+    MLA: each of its matrices whole, but ``kv_a_proj_with_mqa``, which fuses two (the
+    ``kv_lora_rank`` latent rows, then the rotated key's rows: blocks of
+    ``kv_lora_rank`` rows, the second one short; validation keeps the rotated rows
+    within one block)."""
+    if model_cfg.attention == "mla":
+        return {"*.kv_a_proj_with_mqa.weight": model_cfg.kv_lora_rank}
     head_dim = model_cfg.head_size()
     return {"*.wq.weight": head_dim, "*.wk.weight": head_dim, "*.wv.weight": head_dim}
 
@@ -141,10 +147,18 @@ def bucket_specs(cfg: Config, module: nn.Module, dp_shard: int) -> list[fs.Bucke
         fs.BucketSpec(f"layers.{name}.*", placement, name=f"layers.{name}")
         for name in _layer_names(module)
     ]
+    if _mtp(module):  # multi-token prediction: one bucket for its depths
+        specs.append(fs.BucketSpec("mtp.*", placement, name="mtp"))
     outer = _outer_patterns(module)
     if outer:
         specs.append(fs.BucketSpec(outer, placement, name="outer"))
     return specs
+
+
+def _mtp(module: nn.Module) -> list[nn.Module]:
+    """The multi-token prediction module, if ``module`` has one."""
+    mtp = getattr(module, "mtp", None)
+    return [mtp] if mtp is not None else []
 
 
 def apply_dp(
@@ -162,7 +176,7 @@ def apply_dp(
 
         for fqn in present:
             fully_shard(module.get_submodule(fqn), mesh=meshes.experts_dp, mp_policy=policy)
-        for layer in module.layers:  # type: ignore[union-attr]
+        for layer in [*module.layers, *_mtp(module)]:  # type: ignore[union-attr]
             fully_shard(layer, mesh=meshes.dp, mp_policy=policy, reshard_after_forward=reshard)
         return fully_shard(module, mesh=meshes.dp, mp_policy=policy, reshard_after_forward=reshard)
     if present:  # buckets on two meshes: fully_shard style, one call per module
@@ -205,7 +219,8 @@ def _flexshard_per_module(
             shard_placement_fn=place,
             timeout=timeout,
         )
-    for target in [*module.layers, module]:  # type: ignore[union-attr]  # blocks, then the root
+    # blocks, then the root
+    for target in [*module.layers, *_mtp(module), module]:  # type: ignore[union-attr]
         sharded = fs.fully_shard(
             target,
             mesh=meshes.dp,

@@ -2,9 +2,9 @@
 
 ``apply_tp`` runs before data parallelism: the projections become DTensor parameters
 on the tp mesh (column-wise wq/wk/wv/w1/w3, row-wise wo/w2, vocabulary-sharded
-embedding, column-wise output head), and flexshard later shards each DTensor's local
-tensor over the data-parallel group, handing the modules their DTensors back after
-every unshard.
+embedding, column-wise output head; MLA: ``_mla_plan``), and flexshard later shards
+each DTensor's local tensor over the data-parallel group, handing the modules their
+DTensors back after every unshard.
 
 With ``sequence_parallel`` the activations between blocks are split along the
 sequence across tp (norms run on their sequence shard, weights replicated), and each
@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..config.validation import check_tp
+from ..models.mla import MLA
 from ..models.model import Attention, FeedForward, MoE, Transformer
 
 
@@ -49,14 +50,15 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, object]:
         input_layouts=(split, None, None),
         desired_input_layouts=(Replicate(), None, None),
     )
-    plan: dict[str, object] = {
-        "attention": gather_input,
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=split),
-    }
-    if block.attention.q_norm is not None:
+    plan: dict[str, object] = {"attention": gather_input}
+    if isinstance(block.attention, MLA):
+        plan.update(_mla_plan(block.attention, split))
+    else:
+        plan["attention.wq"] = ColwiseParallel()
+        plan["attention.wk"] = ColwiseParallel()
+        plan["attention.wv"] = ColwiseParallel()
+        plan["attention.wo"] = RowwiseParallel(output_layouts=split)
+    if getattr(block.attention, "q_norm", None) is not None:
         # q / k norms run on this rank's heads ([b, s, heads, head_dim], heads split):
         # weights replicated, their gradients summed over tp
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -81,6 +83,28 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, object]:
             desired_output_layouts=(split,),
         )
     return plan
+
+
+def _mla_plan(attention: MLA, split: Shard | Replicate) -> dict[str, object]:
+    """MLA by heads: the projections out of the latents (``q_b_proj`` or ``q_proj``,
+    ``kv_b_proj``) column-wise, whole heads per rank, and ``o_proj`` row-wise. The
+    low-rank ``q_a_proj`` / ``kv_a_proj_with_mqa`` and their norms stay replicated: they
+    are small (rank x dim) and every head needs their whole output (the latents feed
+    every head's rows of the b projections, the rotated key is shared by all heads), so
+    splitting them would only add a gather. The rotated key's gradient is summed over
+    tp in backward (``MLA.tp_mesh``), since each rank's heads give their part of it."""
+    q = "attention.q_proj" if attention.q_proj is not None else "attention.q_b_proj"
+    return {
+        # the whole sequence in as a plain tensor: the replicated a projections take it
+        "attention": PrepareModuleInput(
+            input_layouts=(split, None, None),
+            desired_input_layouts=(Replicate(), None, None),
+            use_local_output=True,
+        ),
+        q: ColwiseParallel(),
+        "attention.kv_b_proj": ColwiseParallel(),
+        "attention.o_proj": RowwiseParallel(output_layouts=split),
+    }
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
@@ -109,6 +133,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
     for block in model.layers:
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))  # type: ignore[arg-type]
         attention = block.attention
-        assert isinstance(attention, Attention)
         attention.n_heads //= tp  # the projections now give this rank's heads only
-        attention.n_kv_heads //= tp
+        if isinstance(attention, MLA):
+            attention.tp_mesh = tp_mesh
+        else:
+            assert isinstance(attention, Attention)
+            attention.n_kv_heads //= tp
