@@ -32,14 +32,12 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ..config import ModelConfig, RopeScalingConfig
-from ..parallel.context_parallel import ring_attention
-from .model import LayerCache, RMSNorm, _linear, apply_rope, cached_causal_mask
+from .model import LayerCache, RMSNorm, _linear, apply_rope, attend, cached_causal_mask
 
 if TYPE_CHECKING:
     from ..parallel.context_parallel import ContextParallel
@@ -168,19 +166,4 @@ class MLA(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_rot, cos, sin)], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, -1, self.n_heads, -1)], dim=-1)
-        cp = self.context_parallel
-        if cp is not None and cp.method == "ring":  # K/V blocks travel the CP ring
-            out = ring_attention(q, k, v, cp.exchange, self.scale)
-            return self.o_proj(out.reshape(b, s, -1))
-        if cp is not None:  # local queries attend to the whole sequence's keys and values
-            k, v = cp.gather_kv(k, v)
-            mask = cp.causal_mask(s, x.device)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.scale,
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.o_proj(attend(q, k, v, self.context_parallel, mask, self.scale))

@@ -107,6 +107,38 @@ def cached_causal_mask(new: int, start: int, device: torch.device) -> torch.Tens
     return torch.ones(new, start + new, dtype=torch.bool, device=device).tril(diagonal=start)
 
 
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: ContextParallel | None,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of queries [b, s, heads, d] over keys and values [b, n,
+    kv_heads, *] (each kv head serving heads / kv_heads queries; v's head dim may differ),
+    out [b, s, heads * v_dim]: over the CP ring, over the CP-gathered sequence, or one
+    SDPA call (``mask``: a KV cache's; None: plain causal)."""
+    b, s = q.shape[:2]
+    if cp is not None and cp.method == "ring":  # K/V blocks travel the CP ring
+        return ring_attention(q, k, v, cp.exchange, scale).reshape(b, s, -1)
+    if cp is not None:  # local queries attend to the whole sequence's keys and values
+        k, v = cp.gather_kv(k, v)
+        mask = cp.causal_mask(s, q.device)
+    repeat = q.shape[2] // k.shape[2]
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+    )
+    return out.transpose(1, 2).reshape(b, s, -1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, out_std: float) -> None:
         super().__init__()
@@ -140,21 +172,7 @@ class Attention(nn.Module):
             start = cache.length
             k, v = cache.extend(k, v)
             mask = cached_causal_mask(s, start, x.device)
-        if cp is not None and cp.method == "ring":  # K/V blocks travel the CP ring
-            return self.wo(ring_attention(q, k, v, cp.exchange).reshape(b, s, -1))
-        if cp is not None:  # local queries attend to the whole sequence's keys and values
-            k, v = cp.gather_kv(k, v)
-            mask = cp.causal_mask(s, x.device)
-        repeat = self.n_heads // self.n_kv_heads  # each kv head serves `repeat` query heads
-        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            is_causal=mask is None,
-        )
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return self.wo(attend(q, k, v, cp, mask))
 
 
 def _attention(cfg: ModelConfig, out_std: float) -> nn.Module:
