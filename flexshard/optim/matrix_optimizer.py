@@ -19,6 +19,8 @@ or a shard: its parameters are *proxies*, plain tensors each holding one whole m
   results equal one process's bit for bit.
 * ``row_blocks`` (DistMuon's option, per group): each stored row block is a matrix of
   its own, stepped in place where it is stored (DistMuon's block layout and checks).
+  A mapping of FQN globs to options (``muon_and_adamw``'s form) gives each named
+  parameter its own: the given groups are split by option at construction.
 * Tensor-parallel matrices: gathered whole (dp, then tp: DistMuon's ``tp_matrices``)
   with their gradient on every rank, which steps its own copy and keeps its part;
   per-head blocks in column-parallel pieces cut at block boundaries need no gather.
@@ -33,7 +35,8 @@ torch's ``get_/set_optimizer_state_dict`` work too (see :mod:`.matrix_state_dict
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import fnmatch
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -81,6 +84,46 @@ def _as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
     return [{"params": items}]
 
 
+def _named(group: dict[str, Any], index: int) -> list[tuple[str, Any]]:
+    """A group's (name, parameter) pairs: from (name, tensor) items or its
+    ``param_names``; raises where the parameters have no names."""
+    params = list(group["params"])
+    if all(isinstance(p, tuple) and len(p) == 2 for p in params):
+        return [(n, p) for n, p in params]
+    names = group.get("param_names")
+    if names is None:
+        raise ValueError(
+            f"{WHO}: row_blocks by FQN glob needs named parameters (named_parameters() "
+            f"or param_names); param group {index} has none"
+        )
+    return list(zip(names, params))
+
+
+def _split_by_blocks(
+    groups: list[dict[str, Any]], row_blocks: Mapping[str, bool | int]
+) -> list[dict[str, Any]]:
+    """Each group split into groups of one ``row_blocks`` option: the first glob of
+    ``row_blocks`` that matches a parameter's name gives its option (none: False)."""
+    out = []
+    for index, group in enumerate(groups):
+        named = _named(group, index)
+        options = [
+            next((v for glob, v in row_blocks.items() if fnmatch.fnmatchcase(n, glob)), False)
+            for n, _ in named
+        ]
+        for option in dict.fromkeys(options):  # distinct, in first-seen order
+            members = [m for m, o in zip(named, options) if o == option]
+            out.append(
+                {
+                    **group,
+                    "params": [p for _, p in members],
+                    "param_names": [n for n, _ in members],
+                    "row_blocks": option,
+                }
+            )
+    return out
+
+
 def _options(group: dict[str, Any]) -> dict[str, Any]:
     """A group's options for the inner optimizer: without the adapter's own entries."""
     return {k: v for k, v in group.items() if k not in OWN_KEYS}
@@ -93,7 +136,10 @@ class MatrixOptimizer(Optimizer):
     :func:`preconditioner_flops`); owners of split matrices are balanced on it.
     ``row_blocks`` (also per param group) is DistMuon's: each row block its own matrix
     (an int: rows per block, the storage holding whole blocks; True: each stored
-    full-width tile), stepped where it is stored, with no communication.
+    full-width tile), stepped where it is stored, with no communication; or a mapping
+    of FQN globs to such options, per named parameter (``params`` from
+    ``named_parameters()`` or with ``param_names``), e.g. the trainer's per-head and
+    per-latent blocks (``muon_row_blocks``).
     ``overlap=True`` calls the inner ``step()`` once per bucket, each while the next
     bucket's gather is in flight: for optimizers that keep no count of their calls on
     themselves (checked at construction; pytorch-optimizer's and torch's keep none,
@@ -106,11 +152,13 @@ class MatrixOptimizer(Optimizer):
         optimizer: Callable[..., Optimizer],
         *,
         cost: Cost | None = None,
-        row_blocks: bool | int = False,
+        row_blocks: bool | int | Mapping[str, bool | int] = False,
         overlap: bool = False,
         **defaults: Any,
     ) -> None:
         groups = _as_groups(params)
+        if isinstance(row_blocks, Mapping):  # per name: the groups carry plain options
+            groups, row_blocks = _split_by_blocks(groups, row_blocks), False
         # the inner optimizer's own defaults and checks, on one placeholder matrix per
         # group (some, torch's Muon among them, check the shapes they are given); it
         # sees each group's own options, as it would see the user's groups

@@ -58,6 +58,8 @@ def build_optimizer(
     ``model`` is one module, or an object with ``.modules`` (the trainer's
     ``Parallelized``: this rank's pipeline stages), whose optimizer covers them all."""
     betas = (cfg.betas[0], cfg.betas[1])
+    stages = getattr(model, "modules", None)  # Parallelized: a list; a module: a method
+    view = StageView(stages) if isinstance(stages, list) else model
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay
@@ -65,12 +67,18 @@ def build_optimizer(
     if cfg.optimizer in ("soap", "shampoo"):
         inner = _third_party(cfg.optimizer)
         options = {"betas": betas} if cfg.optimizer == "soap" else {}
+        # the blocks Muon takes (per head, MLA's fused latent + rotated key), each
+        # expert of a stack and every other matrix whole
         return MatrixOptimizer(
-            model.parameters(), inner, lr=cfg.lr, weight_decay=cfg.weight_decay, **options
+            view.named_parameters(),
+            inner,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            row_blocks=muon_row_blocks(model_cfg),
+            **options,
         )
-    stages = getattr(model, "modules", None)  # Parallelized: a list; a module: a method
     return muon_and_adamw(
-        StageView(stages) if isinstance(stages, list) else model,
+        view,
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         adamw_betas=betas,

@@ -3,7 +3,9 @@ under their global FQNs, expert slices at their offsets in the whole [E, ...] st
 so a resumed run repeats the uninterrupted losses bit for bit on the same layout and
 within the layout tests' tolerance on another (pp2 -> pp1, ep2 -> ep1, ep2 -> ep4).
 Slow: interleaved stages (two stage modules a rank), the FSDP2 backend, and 8-rank
-layouts with TP (dp2 x tp2 x pp2, cp2 x tp2 x ep2)."""
+layouts with TP (dp2 x tp2 x pp2, cp2 x tp2 x ep2). The new families across layouts:
+DeepSeek-V3 (MLA, the "bias" balance, MTP) dp2 -> dp3 flat and -> dp2 x ep2, without
+MTP dp2 -> tp2; a tied Qwen3 dp2 -> tp2 and -> dp3 Owned."""
 
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ from flexshard.testing import run_distributed
 from flexshard.trainer.checkpointing.checkpoints import latest_step
 from flexshard.trainer.train import run
 
+from ..trainer.test_deepseek_layouts import DEEPSEEK_MOE, MLA_MODEL
 from ..trainer.test_parallel_layouts import (
     LOSS_RTOL,
     MOE,
     PARAM_ATOL,
+    QWEN3,
     layout_config,
     single_process,
 )
@@ -42,16 +46,30 @@ EP4 = ({"dp_shard": 4, "ep": 4}, MOE, 1)
 # slow, 8 ranks: stages with TP pieces; expert slices with TP and CP
 DP2_TP2_PP2 = ({"dp_shard": 2, "tp": 2, "pp": 2}, None, 2)
 CP2_TP2_EP2 = ({"dp_shard": 2, "cp": 2, "tp": 2, "ep": 2}, MOE, 2)
+# the new families, a 4th entry: [model] beside the default; each global batch is 6
+# sequences (W = 2 and 3). DeepSeek-V3 with MTP (refused with tp: a variant without)
+# and the "bias" balance, whose biases the checkpoint carries
+DSV3 = {**MLA_MODEL, "mtp_layers": 1, "mtp_loss_weight": 0.3}
+DSV3_MOE = {**DEEPSEEK_MOE, "balance": "bias", "bias_update_rate": 0.01}
+DSV3_DP2 = ({"dp_shard": 2}, DSV3_MOE, 3, DSV3)
+DSV3_DP3_FLAT = ({"dp_shard": 3, "placement": "flat"}, DSV3_MOE, 2, DSV3)
+DSV3_DP2_EP2 = ({"dp_shard": 2, "ep": 2}, DSV3_MOE, 3, DSV3)
+DSV3_NO_MTP_DP2 = ({"dp_shard": 2}, DSV3_MOE, 3, MLA_MODEL)
+DSV3_NO_MTP_TP2 = ({"dp_shard": 1, "tp": 2}, DSV3_MOE, 6, MLA_MODEL)
+QWEN3_DP2 = ({"dp_shard": 2}, None, 3, QWEN3)
+QWEN3_TP2 = ({"dp_shard": 1, "tp": 2}, None, 6, QWEN3)
+QWEN3_DP3_OWNED = ({"dp_shard": 3, "placement": "owned"}, None, 2, QWEN3)
 
 
 def _losses(folder: str, layout: tuple, backend: str = "flexshard") -> list[float]:
-    parallelism, moe, batch = layout
+    parallelism, moe, batch, *model = layout
     cfg = layout_config(
         folder,
         {**parallelism, "dp_backend": backend},
         moe,
         checkpoint=CKPT,
         training={"steps": STEPS, "batch_size": batch},
+        model=model[0] if model else {},
     )
     return [r["loss"] for r in run(cfg)]
 
@@ -112,6 +130,44 @@ def _more_on_2_ranks(rank: int, world_size: int, root: str) -> dict:
         _first_loss(f"{root}/init_{n}", lay, initial) for n, lay in (("ep2", EP2), ("ep1", EP1))
     ]
     return {"exact": out, "initial": first}
+
+
+def _families_on_2_ranks(rank: int, world_size: int, root: str) -> dict:
+    """Each family saved under dp2 and resumed on the same 2 ranks under another layout
+    (then back to step 3, for the 3-rank part)."""
+    out = {}
+    for folder, saved, other in (
+        ("dsv3", DSV3_DP2, {"dp2->dp2xep2": DSV3_DP2_EP2}),
+        ("dsv3_no_mtp", DSV3_NO_MTP_DP2, {"dp2->tp2": DSV3_NO_MTP_TP2}),
+        ("qwen3", QWEN3_DP2, {"dp2->tp2": QWEN3_TP2}),
+    ):
+        whole = _losses(f"{root}/{folder}", saved)
+        _back_to_step_3(f"{root}/{folder}")
+        out[folder] = {"whole": whole}
+        for name, layout in other.items():
+            out[folder][name] = _losses(f"{root}/{folder}", layout)
+            _back_to_step_3(f"{root}/{folder}")
+    return out
+
+
+def _families_on_3_ranks(rank: int, world_size: int, root: str) -> dict:
+    return {
+        "dsv3": {"dp2->dp3_flat": _losses(f"{root}/dsv3", DSV3_DP3_FLAT)},
+        "qwen3": {"dp2->dp3_owned": _losses(f"{root}/qwen3", QWEN3_DP3_OWNED)},
+    }
+
+
+def test_new_families_resume_across_layouts(tmp_path):
+    two = run_distributed(_families_on_2_ranks, 2, str(tmp_path), timeout=900)
+    three = run_distributed(_families_on_3_ranks, 3, str(tmp_path), timeout=900)
+    gaps = {}
+    for folder, runs in two[0].items():
+        whole = runs.pop("whole")
+        resumed = {**runs, **(three[0].get(folder, {}))}
+        for name, losses in resumed.items():
+            gaps[f"{folder} {name}"] = _gap(losses, whole)
+    print(f"families resumed across layouts: loss gaps {gaps}")
+    assert len(gaps) == 5 and max(gaps.values()) < LOSS_RTOL, gaps
 
 
 def _more_on_4_ranks(rank: int, world_size: int, root: str) -> dict:

@@ -265,3 +265,50 @@ def test_planner_balances_on_the_optimizers_cost() -> None:
     # joins it (its rank keeps only the one expert tile it was dealt first)
     heavy = matrix_balance(model, 3, cost=lambda s: 1e9 if s == (54, 18) else 1.0)
     assert max(heavy.flops) == 1e9 + 1
+
+
+def test_row_blocks_by_name_step_each_block_as_its_own_matrix() -> None:
+    """``row_blocks`` as FQN globs (the trainer's ``muon_row_blocks``): a fused
+    ``kv_a_proj_with_mqa`` of 12 latent + 4 rotated-key rows steps as two matrices,
+    exactly as SOAP on the two blocks apart; the unmatched matrix stays whole."""
+    torch.manual_seed(0)
+    layers = {"kv_a_proj_with_mqa": torch.nn.Linear(8, 16, bias=False)}
+    model = torch.nn.ModuleDict(
+        {"attn": torch.nn.ModuleDict(layers), "o": torch.nn.Linear(8, 8, bias=False)}
+    )
+    fused, other = layers["kv_a_proj_with_mqa"].weight, model["o"].weight
+    blocks = [fused[:12].detach().clone(), fused[12:].detach().clone(), other.detach().clone()]
+    whole = fused.detach().clone()
+    cls, options = OPTIMIZERS["soap"]
+    opt = MatrixOptimizer(
+        model.named_parameters(), cls, row_blocks={"*.kv_a_proj_with_mqa.weight": 12}, **options
+    )
+    # the given group is split by option: the fused weight's group steps it per block
+    assert [g["row_blocks"] for g in opt.param_groups] == [12, False]
+    apart = [torch.nn.Parameter(b) for b in blocks]
+    unsplit = torch.nn.Parameter(whole)
+    ref, ref_whole = cls(apart, **options), cls([unsplit], **options)
+    for _ in range(STEPS):
+        grads = {name: torch.randn_like(p) for name, p in model.named_parameters()}
+        for name, p in model.named_parameters():
+            p.grad = grads[name].clone()
+        g = grads["attn.kv_a_proj_with_mqa.weight"]
+        for p, gb in zip(apart, (g[:12], g[12:], grads["o.weight"])):
+            p.grad = gb.clone()
+        unsplit.grad = g.clone()
+        for o in (opt, ref, ref_whole):
+            o.step()
+    assert torch.equal(fused.detach(), torch.cat([apart[0], apart[1]]).detach())
+    assert torch.equal(other.detach(), apart[2].detach())
+    assert not torch.allclose(fused.detach(), unsplit.detach(), atol=1e-4)  # the split shows
+    # one SOAP state per block: its preconditioners are sized by the block's rows
+    states = [s for s in opt.inner.state.values() if s]
+    assert sorted(tuple(s["GG"][0].shape) for s in states if "GG" in s) == sorted(
+        tuple(ref.state[p]["GG"][0].shape) for p in apart
+    )
+
+
+def test_row_blocks_by_name_needs_names() -> None:
+    model = torch.nn.Linear(8, 16, bias=False)
+    with pytest.raises(ValueError, match="row_blocks by FQN glob needs named parameters"):
+        MatrixOptimizer(model.parameters(), OPTIMIZERS["soap"][0], row_blocks={"*": 4})

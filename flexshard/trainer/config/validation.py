@@ -327,10 +327,10 @@ def _check_mla(m: ModelConfig, optimizer: str) -> None:
         raise ConfigError(f"model.q_lora_rank = {m.q_lora_rank}: must be >= 0 (0: q_proj)")
     if m.qk_rope_head_dim % 2:
         raise ConfigError(f"model.qk_rope_head_dim = {m.qk_rope_head_dim} must be even for RoPE")
-    if optimizer == "muon" and m.qk_rope_head_dim > m.kv_lora_rank:
+    if optimizer != "adamw" and m.qk_rope_head_dim > m.kv_lora_rank:
         raise ConfigError(
             f"model.qk_rope_head_dim = {m.qk_rope_head_dim} exceeds model.kv_lora_rank = "
-            f"{m.kv_lora_rank}: Muon and its placements split kv_a_proj_with_mqa in blocks "
+            f"{m.kv_lora_rank}: training.optimizer = {optimizer!r} and its placements split kv_a_proj_with_mqa in blocks "
             "of kv_lora_rank rows, the rotated key's rows the last one"
         )
     r = m.rope_scaling

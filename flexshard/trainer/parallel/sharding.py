@@ -2,7 +2,8 @@
 alone, or last in ``parallelize``'s composition): flexshard buckets (one per block plus
 one outer bucket by default, a placement per bucket) or torch FSDP2 for comparison.
 Muon's layout is decided here too, where it is applied: attention projections in
-whole-head row blocks (``muon_row_blocks``), which the optimizer's DistMuon reads."""
+whole-head row blocks (``muon_row_blocks``), which the optimizer's DistMuon (and
+SOAP / Shampoo's MatrixOptimizer) reads."""
 
 from __future__ import annotations
 
@@ -124,9 +125,10 @@ def _outer_patterns(module: nn.Module) -> list[str]:
 
 
 def block_placement(cfg: Config) -> Policy:
-    """``parallelism.placement`` for every block; under Muon, q/k/v in whole heads."""
+    """``parallelism.placement`` for every block; under Muon, SOAP or Shampoo (per-head
+    matrices), q/k/v in whole heads."""
     placement = named_placement(cfg.parallelism.placement, cfg)
-    if cfg.training.optimizer == "muon":  # per-head Muon: q/k/v stored in whole heads
+    if cfg.training.optimizer != "adamw":  # per-head matrices stored in whole heads
         placement = muon_head_placement(placement, cfg.model)
     return placement
 

@@ -1,0 +1,97 @@
+"""The quantized all-gather (an MXFP8 32x32 BlockShard bucket, as test_tp's) on the
+Qwen3 and DeepSeek-V3 debug models at W = 2: every matrix of the blocks in the bucket
+(Qwen3's q/k/v/o and MLP; MLA's five projections, the router, each expert of the
+stacks, the shared expert), norms and the embedding beside it in Shard(0). Shapes that
+are not whole tiles (MLA's kv_a_proj_with_mqa: 32 latent + 8 rotated-key rows; Qwen3's
+176-row MLP) take partial edge tiles, quantized on their own: they work, no padding.
+
+Against one process whose master weights train while the forward uses their
+quantize-dequantize (the same tiles), as test_quantized_bucket_under_tp: losses within
+1e-5 relative."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import flexshard as fs
+from flexshard.quant import dequantize, quantize
+from flexshard.testing import run_distributed
+from flexshard.trainer.config import ModelConfig, load_config
+from flexshard.trainer.models.model import Transformer, init_weights
+from tests.helpers import tp_cases as tc
+
+from .test_tp import QUANT
+
+STEPS = 3
+CONFIGS = ("qwen3_debug", "deepseek_v3_debug")
+
+
+def _model_config(name: str) -> ModelConfig:
+    """The debug config's model; DeepSeek-V3's without MTP (its loss is the trainer's,
+    not ``tc.loss_of``; its matrices are those of a block)."""
+    return replace(load_config(f"configs/{name}.toml").model, mtp_layers=0)
+
+
+def _quantized(model: nn.Module) -> list[str]:
+    """The bucket's parameters: every matrix and expert stack of the blocks."""
+    return [n for n, p in model.named_parameters() if p.ndim >= 2 and n.startswith("layers.")]
+
+
+def _run(rank: int, world_size: int) -> dict[str, list[float]]:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    out = {}
+    for name in CONFIGS:
+        model = Transformer(_model_config(name))
+        init_weights(model, tc.SEED)
+        quantized = _quantized(model)
+        rest = [n for n, _ in model.named_parameters() if n not in quantized]
+        specs = [
+            fs.BucketSpec(quantized, fs.BlockShard((32, 32)), name="quant", quant=QUANT),
+            fs.BucketSpec(rest, fs.Shard(0), name="rest"),
+        ]
+        model = fs.flex_shard(model, mesh=mesh, buckets=specs)
+        out[name] = tc.train(model, mesh, STEPS)[0]
+    return out
+
+
+def _reference(name: str, quant: bool) -> list[float]:
+    """One process: the master weights train; the forward uses the QDQ of the bucket's."""
+    cfg = _model_config(name)
+    master = Transformer(cfg)
+    init_weights(master, tc.SEED)
+    quantized = set(_quantized(master))
+    opt = torch.optim.AdamW(master.parameters(), lr=tc.LR, weight_decay=0.1)
+    losses = []
+    for batch in tc.batches(2, STEPS, vocab=cfg.vocab_size):
+        model = Transformer(cfg)
+        model.load_state_dict(master.state_dict())
+        with torch.no_grad():
+            for key, p in model.named_parameters():
+                if quant and key in quantized:
+                    p.copy_(dequantize(quantize(p, QUANT), p.dtype))
+        loss = tc.loss_of(model, batch)
+        loss.backward()
+        for p, q in zip(master.parameters(), model.parameters()):
+            p.grad = q.grad  # the gradient of the dequantized weight updates the master
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, list[float]]]:
+    return run_distributed(_run, 2, timeout=600)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_quantized_gather_on_the_families(results, name) -> None:
+    expected = _reference(name, quant=True)
+    assert expected[0] != _reference(name, quant=False)[0]  # the quantization shows
+    for by_name in results:
+        assert by_name[name] == pytest.approx(expected, rel=1e-5), name
