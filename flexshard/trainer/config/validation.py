@@ -330,8 +330,9 @@ def _check_mla(m: ModelConfig, optimizer: str) -> None:
     if optimizer != "adamw" and m.qk_rope_head_dim > m.kv_lora_rank:
         raise ConfigError(
             f"model.qk_rope_head_dim = {m.qk_rope_head_dim} exceeds model.kv_lora_rank = "
-            f"{m.kv_lora_rank}: training.optimizer = {optimizer!r} and its placements split kv_a_proj_with_mqa in blocks "
-            "of kv_lora_rank rows, the rotated key's rows the last one"
+            f"{m.kv_lora_rank}: training.optimizer = {optimizer!r} and its placements "
+            "split kv_a_proj_with_mqa in blocks of kv_lora_rank rows, the rotated key's "
+            "rows the last one"
         )
     r = m.rope_scaling
     if r.type == "yarn" and (r.factor < 1 or r.original_max_position_embeddings < 1):
