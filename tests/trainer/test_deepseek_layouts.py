@@ -2,8 +2,8 @@
 query/key heads, sigmoid routing in expert groups, routed scale) under the trainer's
 layouts against one process, as ``test_parallel_layouts`` checks the Llama model:
 data parallelism on every placement (W = 2, and W = 3), Muon with its split of
-``kv_a_proj_with_mqa``, tp (the MLA plan), pp, cp with both attentions, ep and
-activation checkpointing."""
+``kv_a_proj_with_mqa``, SOAP through MatrixOptimizer on the same blocks, tp
+(the MLA plan), pp, cp with both attentions, ep and activation checkpointing."""
 
 from __future__ import annotations
 
@@ -103,8 +103,13 @@ def _cases(rank: int, world_size: int, folder: str, names: list[str]) -> dict[st
     return {name: trained(setup(case_config(folder, name))) for name in names}
 
 
-def _run(world_size: int, tmp_path) -> None:
-    names = [n for n, (w, *_) in CASES.items() if w == world_size]
+def _soap(name: str) -> bool:
+    return CASES[name][3].get("training", {}).get("optimizer") == "soap"
+
+
+def _run(world_size: int, tmp_path, soap: bool = False) -> None:
+    """The cases on ``world_size`` ranks: SOAP's (its own test) or the others."""
+    names = [n for n, (w, *_) in CASES.items() if w == world_size and _soap(n) == soap]
     results = run_distributed(_cases, world_size, str(tmp_path), names, timeout=900)
     for name in names:
         cfg = case_config("-", name)
@@ -122,6 +127,10 @@ def _run(world_size: int, tmp_path) -> None:
 
 def test_deepseek_data_parallel_layouts_on_2_ranks(tmp_path):
     _run(2, tmp_path)
+
+
+def test_deepseek_soap_on_2_ranks(tmp_path):
+    _run(2, tmp_path, soap=True)
 
 
 def test_deepseek_odd_world_on_3_ranks(tmp_path):
