@@ -84,7 +84,12 @@ def setup(cfg: Config) -> Job:
     meshes, dp_rank = dims.meshes(mesh), dims.dp_rank(mesh)
     t = cfg.training
     tokenizer = load_tokenizer(cfg.model)
-    tokens, validation = load_tokens(cfg.data, tokenizer), None
+    if cfg.data.source == "rl_task":  # the RL task's format, answers included
+        from .rl.task import corpus
+
+        tokens, validation = tokenizer.encode(corpus(cfg.rl, t.seed)), None
+    else:
+        tokens, validation = load_tokens(cfg.data, tokenizer), None
     if cfg.validation.enable:
         if dims.pp > 1:
             raise ConfigError("validation.enable: not wired with parallelism.pp > 1 yet")
@@ -212,41 +217,19 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     peak = peak_flops_per_rank(job.device, cfg.job.peak_tflops)
     records = []
     _comm_bytes(job.parallel)  # count from the first step on
+    rl = None
+    if cfg.rl.enable:  # GRPO: the step generates, scores and updates (trainer/rl)
+        from .rl.grpo import GRPO
+
+        rl = GRPO(job)
     for step in range(start_step, t.steps):
-        begin = time.perf_counter()
-        loss, grad_norm, lr = train_step(job, step)
-        if job.device.type == "cuda":
-            torch.cuda.synchronize(job.device)
-        seconds = time.perf_counter() - begin
-        per_rank = tokens_per_step / job.dims.world_size / seconds
-        record = {
-            "step": step + 1,
-            "loss": loss,
-            "tokens_per_s": tokens_per_step / seconds,
-            "tokens_per_s_per_rank": per_rank,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "mfu": flops_token * per_rank / peak if peak else 0.0,
-            "step_time_s": seconds,
-            "peak_memory_mb": peak_memory_mb(job.device),
-            "comm_bytes": _comm_bytes(job.parallel),
-        }
-        # a dense model has no counts to gather: no pp collective for it every step
-        moe = cfg.model.moe.num_experts > 0
-        pp = job.meshes.pp.get_group() if job.meshes.pp is not None and moe else None
-        loads = tokens_per_expert(job.parallel.modules, pp)  # every stage's layers
-        if loads:  # MoE: the global batch's routed rows per expert, by layer
-            record["tokens_per_expert"] = loads
-        mtp_loss = take_step_loss(job.parallel.modules)
-        if mtp_loss is not None:  # the global batch's multi-token prediction loss
-            of, avg = f"training step {step + 1}", dist.ReduceOp.AVG
-            timeout = configured_timeout(cfg.parallelism.timeout_s)
-            bounded_waits.all_reduce(mtp_loss, None, "MTP loss all-reduce", of, timeout, avg)
-            record["mtp_loss"] = float(mtp_loss)
-        v = cfg.validation
-        if v.enable and ((step + 1) % v.freq == 0 or step + 1 == t.steps):
-            record["val_loss"] = validate(job)
-            record["val_perplexity"] = math.exp(min(record["val_loss"], 80.0))
+        if rl is not None:
+            record = rl.step(step)
+            per_rank = record["tokens_per_s"] / job.dims.world_size
+            record["mfu"] = flops_token * per_rank / peak if peak else 0.0
+        else:
+            record = _train_record(job, step, tokens_per_step, flops_token, peak)
+        loss = record["loss"]
         records.append(record)
         logged = (step + 1) % cfg.job.log_every == 0 or step + 1 == t.steps
         if writer is not None and (logged or "val_loss" in record):
@@ -275,6 +258,48 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     with bounded_waits.in_flight("end-of-run barrier", "the job", {"world": dist.group.WORLD}):
         dist.barrier()
     return records
+
+
+def _train_record(
+    job: Job, step: int, tokens_per_step: int, flops_token: float, peak: float
+) -> dict[str, Any]:
+    """One pre-training step and its metrics row."""
+    cfg, t = job.cfg, job.cfg.training
+    begin = time.perf_counter()
+    loss, grad_norm, lr = train_step(job, step)
+    if job.device.type == "cuda":
+        torch.cuda.synchronize(job.device)
+    seconds = time.perf_counter() - begin
+    per_rank = tokens_per_step / job.dims.world_size / seconds
+    record = {
+        "step": step + 1,
+        "loss": loss,
+        "tokens_per_s": tokens_per_step / seconds,
+        "tokens_per_s_per_rank": per_rank,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "mfu": flops_token * per_rank / peak if peak else 0.0,
+        "step_time_s": seconds,
+        "peak_memory_mb": peak_memory_mb(job.device),
+        "comm_bytes": _comm_bytes(job.parallel),
+    }
+    # a dense model has no counts to gather: no pp collective for it every step
+    moe = cfg.model.moe.num_experts > 0
+    pp = job.meshes.pp.get_group() if job.meshes.pp is not None and moe else None
+    loads = tokens_per_expert(job.parallel.modules, pp)  # every stage's layers
+    if loads:  # MoE: the global batch's routed rows per expert, by layer
+        record["tokens_per_expert"] = loads
+    mtp_loss = take_step_loss(job.parallel.modules)
+    if mtp_loss is not None:  # the global batch's multi-token prediction loss
+        of, avg = f"training step {step + 1}", dist.ReduceOp.AVG
+        timeout = configured_timeout(cfg.parallelism.timeout_s)
+        bounded_waits.all_reduce(mtp_loss, None, "MTP loss all-reduce", of, timeout, avg)
+        record["mtp_loss"] = float(mtp_loss)
+    v = cfg.validation
+    if v.enable and ((step + 1) % v.freq == 0 or step + 1 == t.steps):
+        record["val_loss"] = validate(job)
+        record["val_perplexity"] = math.exp(min(record["val_loss"], 80.0))
+    return record
 
 
 def _report(job: Job, note: str) -> None:

@@ -157,7 +157,8 @@ class TrainingConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["builtin", "files", "hf_disk"] = "builtin"
+    # "rl_task": the [rl] task's prompts with their answers (pre-training for RL)
+    source: Literal["builtin", "files", "hf_disk", "rl_task"] = "builtin"
     paths: list[str] = field(default_factory=list)  # text files or globs (source="files")
     hf_path: str = ""  # datasets.save_to_disk folder (source="hf_disk")
     hf_split: str = "train"
@@ -224,6 +225,27 @@ class ActivationCheckpointConfig:
 
 
 @dataclass
+class RLConfig:
+    """On-policy GRPO (trainer/rl): the model generates, a verifier scores, the same
+    model is updated; training.steps counts RL steps, training.seq_len is the context."""
+
+    enable: bool = False
+    task: Literal["sort"] = "sort"  # sort a few letters (rl/task.py)
+    task_min_len: int = 3  # letters per prompt
+    task_max_len: int = 6
+    prompts_per_step: int = 8  # global, split over the data-parallel ranks
+    group_size: int = 8  # completions sampled per prompt (G)
+    max_new_tokens: int = 12
+    temperature: float = 1.0
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO)
+    clip_high: float = 0.28
+    kl_coef: float = 0.0  # > 0: k3 KL to a frozen copy of the starting weights
+    micro_batch: int = 0  # completions per training forward; 0: a rank's all at once
+    # generator's log-probs bit for bit the trainer's (rl/batch_invariant.py)
+    batch_invariant: bool = False
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -236,6 +258,7 @@ class Config:
     activation_checkpoint: ActivationCheckpointConfig = field(
         default_factory=ActivationCheckpointConfig
     )
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -456,5 +456,67 @@ def validate(cfg: Config) -> None:
         _check_bucket_entry(f"parallelism.buckets[{i}]", entry)
     if cfg.data.source == "files" and not cfg.data.paths:
         raise ConfigError('data.source = "files" needs data.paths (text files or globs)')
+    check_rl(cfg)
     if cfg.data.source == "hf_disk" and not cfg.data.hf_path:
         raise ConfigError('data.source = "hf_disk" needs data.hf_path (a save_to_disk folder)')
+
+
+def check_rl(cfg: Config) -> None:
+    """What GRPO runs with (trainer/rl), refused at start-up otherwise."""
+    r, p = cfg.rl, cfg.parallelism
+    if not (r.enable or cfg.data.source == "rl_task"):
+        return
+    from ..rl.task import check_task  # the task's own sizes
+
+    check_task(r, cfg.training.seq_len)
+    if cfg.model.tokenizer != "bytes":
+        raise ConfigError(
+            f"model.tokenizer = {cfg.model.tokenizer!r}: the rl task is written in bytes; "
+            'use model.tokenizer = "bytes"'
+        )
+    if not r.enable:
+        return
+    for key, value in (
+        ("rl.prompts_per_step", r.prompts_per_step),
+        ("rl.group_size", r.group_size),
+        ("rl.max_new_tokens", r.max_new_tokens),
+    ):
+        if value < 1:
+            raise ConfigError(f"{key} = {value}: must be at least 1")
+    if r.group_size < 2:
+        raise ConfigError(
+            f"rl.group_size = {r.group_size}: GRPO normalises rewards within a group, "
+            "which needs at least 2 completions per prompt"
+        )
+    if r.micro_batch < 0 or r.kl_coef < 0 or not 0 <= r.clip_low < 1 or r.clip_high < 0:
+        raise ConfigError(
+            "rl.micro_batch and rl.kl_coef must be >= 0, rl.clip_low in [0, 1), "
+            "rl.clip_high >= 0"
+        )
+    if not r.temperature > 0:
+        raise ConfigError(f"rl.temperature = {r.temperature}: must be > 0")
+    for key, value in (("parallelism.pp", p.pp), ("parallelism.cp", p.cp), ("parallelism.ep", p.ep)):
+        if value > 1:
+            raise ConfigError(
+                f"{key} = {value}: rl (GRPO) generates with the model's KV cache, which "
+                "is not wired with pipeline, context or expert parallelism; set it to 1"
+            )
+    if p.tp > 1 and p.sequence_parallel:
+        raise ConfigError(
+            f"parallelism.tp = {p.tp} with sequence_parallel = true: rl decodes one token "
+            "per step, which cannot be split over tp; set parallelism.sequence_parallel = false"
+        )
+    if p.dp_backend != "flexshard":
+        raise ConfigError('rl runs on parallelism.dp_backend = "flexshard"')
+    if cfg.compile.enable or cfg.validation.enable or cfg.training.grad_accum != 1:
+        raise ConfigError(
+            "rl: compile.enable and validation.enable must be false and "
+            "training.grad_accum 1 (rl.micro_batch splits the completions instead)"
+        )
+    if cfg.training.mixed_precision != "fp32" and r.batch_invariant:
+        raise ConfigError('rl.batch_invariant needs training.mixed_precision = "fp32"')
+    if r.batch_invariant and cfg.model.moe.num_experts:
+        raise ConfigError(
+            "rl.batch_invariant: the MoE's grouped expert kernels are not batch-invariant; "
+            "set model.moe.num_experts = 0 or rl.batch_invariant = false"
+        )

@@ -1,0 +1,141 @@
+"""Batch-invariant CPU kernels: inside ``batch_invariant()`` every row of a result is
+computed by the same arithmetic whatever the batch, the padding, the sequence length
+or the decode step around it, so a generator's per-token log-probabilities equal the
+trainer's recomputed ones bit for bit.
+
+The ops are swapped for the whole process through ``torch.library`` (aten's CPU
+kernels, below autograd, DTensor and the sharding hooks), so every model family and
+layout gets them without model code. Which default CPU ops are batch-dependent was
+measured on an AVX-512 CPU (tests/trainer/test_rl_batch_invariant.py switches each one
+back and sees the bits change):
+
+- ``mm``: BLAS picks its blocking from the row count, so a row's dot products are
+  summed in another order at M = batch (decode) than at M = batch * seq (training).
+  Here: fixed tiles of ``ROW_TILE`` rows (the last one zero-padded), each one BLAS call
+  of the same shape.
+- CPU flash attention: its query/key block sizes follow the sequence lengths, so a
+  decode step (1 query against the cache) and the causal forward sum keys differently.
+  Here: keys in fixed tiles of ``KEY_TILE`` from key 0, masked keys exact zeros,
+  tiles accumulated in order (an all-masked tile adds +0.0, which changes nothing).
+- ``silu``: the vectorised loop leaves a tail to a scalar ``exp``, so an element's
+  bits depend on where it falls in the tensor. Here: padded chunks that vectorise
+  whole (``exp`` in the attention too).
+
+The norms' ``mean`` and ``log_softmax`` over a 256-wide vocabulary, ``cos``/``sin`` of
+the RoPE tables and the elementwise rest were found invariant and keep their kernels.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+ROW_TILE = 32  # rows per BLAS call
+KEY_TILE = 16  # keys per attention tile
+CHUNK = 16384  # elements per elementwise call: serial (under the 32768 grain), no tail
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    rows = a.shape[0]
+    pad = (-rows) % ROW_TILE
+    if pad:
+        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+    out = a.new_empty(a.shape[0], b.shape[1])
+    for start in range(0, a.shape[0], ROW_TILE):  # mm.out: the native kernel
+        torch.mm(a[start : start + ROW_TILE], b, out=out[start : start + ROW_TILE])
+    return out[:rows]
+
+
+def _vectorised(op: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``op(x, out=...)`` applied in zero-padded chunks of ``CHUNK`` elements, so every
+    element goes through the vector path."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1)
+        pad = (-flat.numel()) % CHUNK
+        flat = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.contiguous()
+        out = torch.empty_like(flat)
+        for start in range(0, flat.numel(), CHUNK):
+            op(flat[start : start + CHUNK], out=out[start : start + CHUNK])
+        return out[: x.numel()].view(x.shape)
+
+    return run
+
+
+_silu = _vectorised(torch.ops.aten.silu.out)
+_exp = _vectorised(torch.ops.aten.exp.out)
+
+
+def _flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_scaled_dot_product_flash_attention_for_cpu``'s (output, logsumexp), keys in
+    fixed tiles from key 0. The output keeps the native layout (queries before heads
+    in memory) for the native backward."""
+    if dropout_p:
+        raise NotImplementedError("batch-invariant attention: dropout_p must be 0")
+    b, h, q_len, d = query.shape
+    keys = key.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    if is_causal:
+        attn_mask = torch.ones(q_len, keys, dtype=torch.bool, device=query.device).tril()
+    tiles = math.ceil(keys / KEY_TILE)
+    pad = tiles * KEY_TILE - keys
+    q, k, v = query.float(), key.float(), value.float()
+    scores = (q[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1) * scale  # [b, h, q, keys]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask is not None:  # sdpa hands a boolean mask over as 0 / -inf
+        scores = scores + attn_mask
+    if pad:  # padded keys are masked ones: exact zeros below
+        scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf"))
+        v = torch.nn.functional.pad(v, (0, 0, 0, pad))
+    top = scores.amax(-1, keepdim=True)  # a max is exact in any order
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all masked
+    probs = _exp(scores - top).view(b, h, q_len, tiles, KEY_TILE)
+    v = v.view(b, h, tiles, KEY_TILE, d)
+    denom = probs[..., 0, :].sum(-1)
+    out = (probs[..., 0, :, None] * v[:, :, None, 0]).sum(-2)
+    for tile in range(1, tiles):  # in order: a tile of masked keys adds exact zeros
+        denom = denom + probs[..., tile, :].sum(-1)
+        out = out + (probs[..., tile, :, None] * v[:, :, None, tile]).sum(-2)
+    safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+    out = out / safe[..., None]
+    lse = top[..., 0] + torch.log(safe)
+    native = query.new_empty(b, q_len, h, d).transpose(1, 2)  # the kernel's layout
+    native.copy_(out)
+    return native, lse
+
+
+#: the ops swapped in batch-invariant mode: aten name -> implementation
+OPS: dict[str, Callable[..., object]] = {
+    "mm": _mm,
+    "_scaled_dot_product_flash_attention_for_cpu": _flash_attention,
+    "silu": _silu,
+}
+
+
+@contextmanager
+def batch_invariant(ops: Sequence[str] | None = None) -> Iterator[None]:
+    """Swap ``ops`` (default: all of ``OPS``) for their batch-invariant CPU kernels for
+    the duration; the native kernels come back on exit."""
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():  # "overriding a previously registered kernel"
+            warnings.simplefilter("ignore")
+            for name in OPS if ops is None else ops:
+                library.impl(name, OPS[name], "CPU")
+        yield
+    finally:
+        library._destroy()

@@ -1,0 +1,230 @@
+"""On-policy GRPO in the trainer: each step the (sharded) model samples ``group_size``
+completions per prompt with its own forward and KV cache, the task's verifier scores
+them, rewards are normalised within each prompt's group, and the same model is
+updated through the trainer's optimizer, lr schedule and clipping with the clipped
+ratio loss averaged over every completion token of the global batch (DAPO), plus a k3
+KL to a frozen copy of the starting weights when ``rl.kl_coef > 0``.
+
+Nothing is kept between steps: step ``s``'s prompts and sampling seeds are functions of
+(training.seed, s), so a checkpoint's step restores them."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..checkpointing import checkpoints as checkpointing
+from ..checkpointing.checkpoints import Job
+from ..config import ConfigError
+from ..lr_schedule import current_lr
+from ..metrics import peak_memory_mb
+from ..parallel.parallelize import parallelize
+from ..train import clip_gradients
+from . import task
+from .batch_invariant import batch_invariant
+from .rollout import Completion, rollout, token_logprobs
+
+
+def reference_model(job: Job) -> nn.Module:
+    """A frozen copy of the starting weights, sharded as the policy is: the seeded
+    initialisation, then ``checkpoint.initial_load_path`` when there is one."""
+    ref = parallelize(job.cfg, job.dims, job.meshes, job.device)
+    if job.cfg.checkpoint.initial_load_path:
+        checkpointing.initial_load(dataclasses.replace(job, model=ref.modules[0], parallel=ref))
+    for param in ref.parameters():
+        param.requires_grad_(False)
+    return ref.modules[0]
+
+
+def advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """[prompts, group] rewards normalised within each group (0 where all are equal)."""
+    mean, std = rewards.mean(1, keepdim=True), rewards.std(1, keepdim=True)
+    return (rewards - mean) / (std + 1e-6)
+
+
+def _sum(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+class GRPO:
+    def __init__(self, job: Job) -> None:
+        cfg, r = job.cfg, job.cfg.rl
+        if r.prompts_per_step % job.dims.dp_size:
+            raise ConfigError(
+                f"rl.prompts_per_step = {r.prompts_per_step} is not divisible by the "
+                f"{job.dims.dp_size} data-parallel ranks"
+            )
+        self.job, self.r = job, r
+        self.eos = int(job.tokenizer.encode(task.EOS)[-1])  # type: ignore[union-attr]
+        self.per_rank = r.prompts_per_step // job.dims.dp_size
+        self.copies = job.dims.world_size // job.dims.dp_size  # ranks holding one dp rank's data
+        self.reference = reference_model(job) if r.kl_coef > 0 else None
+        self.errors_logged = False
+
+    def _mode(self) -> contextlib.AbstractContextManager:
+        return batch_invariant() if self.r.batch_invariant else contextlib.nullcontext()
+
+    def _rewards(self, prompts: list[task.Prompt], groups: list[list[Completion]]) -> tuple:
+        """Rewards [prompts, group] and the counts of odd outcomes (a verifier that
+        raises scores 0, logged once)."""
+        counts = {"verifier_errors": 0, "empty_completions": 0, "truncated": 0, "solved": 0}
+        rewards = torch.zeros(len(groups), self.r.group_size)
+        decode = self.job.tokenizer.decode  # type: ignore[union-attr]
+        for i, (prompt, group) in enumerate(zip(prompts, groups)):
+            for j, done in enumerate(group):
+                text = decode(done.tokens[:-1] if done.finished else done.tokens)
+                counts["truncated"] += not done.finished
+                counts["empty_completions"] += done.finished and not text
+                try:
+                    rewards[i, j] = task.reward(prompt, text) if done.finished else 0.0
+                except Exception as err:  # a broken verifier costs the sample, not the run
+                    counts["verifier_errors"] += 1
+                    if not self.errors_logged:
+                        print(f"rl: the verifier raised on {prompt.text!r}: {err!r}", flush=True)
+                        self.errors_logged = True
+                counts["solved"] += bool(rewards[i, j] == 1.0)
+        return rewards, counts
+
+    def _loss(self, rows: list[Completion], adv: list[float], tokens: float) -> dict[str, Any]:
+        """Forward and backward of one micro-batch; its per-token statistics."""
+        job, r = self.job, self.r
+        seqs = [torch.cat([c.prompt, c.tokens]) for c in rows]
+        width = max(len(s) for s in seqs) - 1
+        inputs = torch.zeros(len(seqs), width, dtype=torch.long)
+        targets, mask = torch.zeros_like(inputs), torch.zeros(len(seqs), width, dtype=torch.bool)
+        old, gain = torch.zeros(len(seqs), width), torch.zeros(len(seqs), width)
+        for i, (seq, done) in enumerate(zip(seqs, rows)):
+            inputs[i, : len(seq) - 1], targets[i, : len(seq) - 1] = seq[:-1], seq[1:]
+            first = len(done.prompt) - 1  # the target of position first is completion token 0
+            span = slice(first, first + len(done.tokens))
+            mask[i, span], old[i, span], gain[i, span] = True, done.logprobs, adv[i]
+        inputs, targets = inputs.to(job.device), targets.to(job.device)
+        new = token_logprobs(job.model(inputs), targets, r.temperature).cpu()
+        ratio = torch.exp(new - old)
+        clipped = ratio.clamp(1 - r.clip_low, 1 + r.clip_high)
+        terms = -torch.minimum(ratio * gain, clipped * gain)
+        stats: dict[str, Any] = {}
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = token_logprobs(self.reference(inputs), targets, r.temperature).cpu()
+            k3 = torch.exp(ref - new) - (ref - new) - 1
+            terms = terms + r.kl_coef * k3
+            stats["kl"] = float(k3[mask].sum())
+        scale = job.dims.dp_size / tokens  # gradients are averaged over the dp ranks
+        loss = terms[mask].sum() * scale
+        loss.backward()
+        dev = (ratio[mask] - 1).detach()
+        stats.update(
+            loss=float(terms[mask].sum().detach()) / tokens,
+            diff=float((new.detach() - old)[mask].abs().max()),
+            ratio_sum=float(ratio[mask].sum()),
+            ratio_min=float(ratio[mask].min()),
+            ratio_max=float(ratio[mask].max()),
+            ratio_dev=float(dev.abs().max()),
+            clipped=float((clipped != ratio)[mask].sum()),
+            forwarded=inputs.numel(),
+        )
+        return stats
+
+    def step(self, step: int) -> dict[str, Any]:
+        """One RL step: rollout, rewards, update; its metrics row (every rank)."""
+        job, r, cfg = self.job, self.r, self.job.cfg
+        begin = time.perf_counter()
+        everything = task.prompts(r, cfg.training.seed, step)
+        mine = everything[job.dp_rank * self.per_rank : (job.dp_rank + 1) * self.per_rank]
+        encode = job.tokenizer.encode  # type: ignore[union-attr]
+        seed = (cfg.training.seed * 1_000_003 + step) * 4099 + job.dp_rank
+        sampler = torch.Generator().manual_seed(seed)
+        lengths = [task.prompt_len(len(p.answer)) for p in everything]
+        with self._mode():
+            groups = rollout(
+                job.model,
+                [encode(p.text) for p in mine],
+                lengths,
+                r.group_size,
+                r.max_new_tokens,
+                cfg.training.seq_len,
+                self.eos,
+                r.temperature,
+                sampler,
+            )
+            generated = sum(len(c.tokens) for g in groups for c in g)
+            gen_seconds = time.perf_counter() - begin
+            rewards, counts = self._rewards(mine, groups)
+            adv = advantages(rewards)
+            rows = [c for g in groups for c in g]
+            row_adv = adv.reshape(-1).tolist()
+            lengths_done = [len(c.tokens) for c in rows]
+            tokens = _sum([sum(lengths_done)])[0] / self.copies
+            micro = r.micro_batch or len(rows)
+            train_begin = time.perf_counter()
+            parts = []
+            for start in range(0, len(rows), micro):
+                last = start + micro >= len(rows)
+                job.model.set_requires_gradient_sync(last)  # type: ignore[operator]
+                parts.append(
+                    self._loss(rows[start : start + micro], row_adv[start : start + micro], tokens)
+                )
+            lr = current_lr(job.lr_scheduler)
+            grad_norm = clip_gradients(job)
+            job.optimizer.step()
+            job.lr_scheduler.step()
+            job.optimizer.zero_grad(set_to_none=True)
+        train_seconds = time.perf_counter() - train_begin
+        local = [
+            float(rewards.sum()),
+            float(rewards.numel()),
+            sum(p["loss"] for p in parts),
+            sum(p["ratio_sum"] for p in parts),
+            sum(p["clipped"] for p in parts),
+            float(generated),
+            float(sum(p["forwarded"] for p in parts)),
+            float(sum(lengths_done)),
+            sum(p.get("kl", 0.0) for p in parts),
+            *map(float, counts.values()),
+        ]
+        total = [v / self.copies for v in _sum(local)]
+        reward_sum, n, loss, ratio_sum, clipped, gen_tokens, trained, done_tokens, kl = total[:9]
+        extremes = _sum(
+            [
+                max(p["diff"] for p in parts),
+                max(p["ratio_max"] for p in parts),
+                -min(p["ratio_min"] for p in parts),
+                max(p["ratio_dev"] for p in parts),
+                float(max(lengths_done)),
+            ],
+            dist.ReduceOp.MAX,
+        )
+        seconds = time.perf_counter() - begin
+        record: dict[str, Any] = {
+            "step": step + 1,
+            "reward": reward_sum / n,
+            "loss": loss,
+            "logprob_max_abs_diff": extremes[0],
+            "ratio_mean": ratio_sum / done_tokens,
+            "ratio_min": -extremes[2],
+            "ratio_max": extremes[1],
+            "ratio_max_abs_dev": extremes[3],
+            "clip_fraction": clipped / done_tokens,
+            "kl": kl / done_tokens if self.reference is not None else None,
+            "completion_len_mean": done_tokens / n,
+            "completion_len_max": int(extremes[4]),
+            **{key: int(v) for key, v in zip(counts, total[9:])},
+            "gen_tokens_per_s": gen_tokens / gen_seconds,
+            "train_tokens_per_s": trained / train_seconds,
+            "tokens_per_s": trained / train_seconds,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "step_time_s": seconds,
+            "peak_memory_mb": peak_memory_mb(job.device),
+        }
+        record["solved"] = record["solved"] / n
+        return record
