@@ -490,12 +490,15 @@ def check_rl(cfg: Config) -> None:
         )
     if r.micro_batch < 0 or r.kl_coef < 0 or not 0 <= r.clip_low < 1 or r.clip_high < 0:
         raise ConfigError(
-            "rl.micro_batch and rl.kl_coef must be >= 0, rl.clip_low in [0, 1), "
-            "rl.clip_high >= 0"
+            "rl.micro_batch and rl.kl_coef must be >= 0, rl.clip_low in [0, 1), rl.clip_high >= 0"
         )
     if not r.temperature > 0:
         raise ConfigError(f"rl.temperature = {r.temperature}: must be > 0")
-    for key, value in (("parallelism.pp", p.pp), ("parallelism.cp", p.cp), ("parallelism.ep", p.ep)):
+    for key, value in (
+        ("parallelism.pp", p.pp),
+        ("parallelism.cp", p.cp),
+        ("parallelism.ep", p.ep),
+    ):
         if value > 1:
             raise ConfigError(
                 f"{key} = {value}: rl (GRPO) generates with the model's KV cache, which "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,9 +55,32 @@ def _sum(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[flo
     return tensor.tolist()
 
 
+def score(
+    prompts: list[task.Prompt], groups: list[list[Completion]], decode: Callable[..., str]
+) -> tuple[torch.Tensor, dict[str, int], list[str]]:
+    """Rewards [prompts, group], the counts of odd outcomes, and what the verifier
+    raised: an empty answer scores as any other, a completion cut at the token budget
+    scores 0, a verifier that raises scores 0 (the run goes on)."""
+    counts = {"verifier_errors": 0, "empty_completions": 0, "truncated": 0, "solved": 0}
+    rewards = torch.zeros(len(groups), max((len(g) for g in groups), default=0))
+    raised = []
+    for i, (prompt, group) in enumerate(zip(prompts, groups)):
+        for j, done in enumerate(group):
+            text = decode(done.tokens[:-1] if done.finished else done.tokens)
+            counts["truncated"] += not done.finished
+            counts["empty_completions"] += done.finished and not text
+            try:
+                rewards[i, j] = task.reward(prompt, text) if done.finished else 0.0
+            except Exception as err:  # a broken verifier costs the sample, not the run
+                counts["verifier_errors"] += 1
+                raised.append(f"rl: the verifier raised on {prompt.text!r}: {err!r}")
+            counts["solved"] += bool(rewards[i, j] == 1.0)
+    return rewards, counts, raised
+
+
 class GRPO:
     def __init__(self, job: Job) -> None:
-        cfg, r = job.cfg, job.cfg.rl
+        r = job.cfg.rl
         if r.prompts_per_step % job.dims.dp_size:
             raise ConfigError(
                 f"rl.prompts_per_step = {r.prompts_per_step} is not divisible by the "
@@ -71,27 +95,6 @@ class GRPO:
 
     def _mode(self) -> contextlib.AbstractContextManager:
         return batch_invariant() if self.r.batch_invariant else contextlib.nullcontext()
-
-    def _rewards(self, prompts: list[task.Prompt], groups: list[list[Completion]]) -> tuple:
-        """Rewards [prompts, group] and the counts of odd outcomes (a verifier that
-        raises scores 0, logged once)."""
-        counts = {"verifier_errors": 0, "empty_completions": 0, "truncated": 0, "solved": 0}
-        rewards = torch.zeros(len(groups), self.r.group_size)
-        decode = self.job.tokenizer.decode  # type: ignore[union-attr]
-        for i, (prompt, group) in enumerate(zip(prompts, groups)):
-            for j, done in enumerate(group):
-                text = decode(done.tokens[:-1] if done.finished else done.tokens)
-                counts["truncated"] += not done.finished
-                counts["empty_completions"] += done.finished and not text
-                try:
-                    rewards[i, j] = task.reward(prompt, text) if done.finished else 0.0
-                except Exception as err:  # a broken verifier costs the sample, not the run
-                    counts["verifier_errors"] += 1
-                    if not self.errors_logged:
-                        print(f"rl: the verifier raised on {prompt.text!r}: {err!r}", flush=True)
-                        self.errors_logged = True
-                counts["solved"] += bool(rewards[i, j] == 1.0)
-        return rewards, counts
 
     def _loss(self, rows: list[Completion], adv: list[float], tokens: float) -> dict[str, Any]:
         """Forward and backward of one micro-batch; its per-token statistics."""
@@ -125,9 +128,9 @@ class GRPO:
         stats.update(
             loss=float(terms[mask].sum().detach()) / tokens,
             diff=float((new.detach() - old)[mask].abs().max()),
-            ratio_sum=float(ratio[mask].sum()),
-            ratio_min=float(ratio[mask].min()),
-            ratio_max=float(ratio[mask].max()),
+            ratio_sum=float(ratio[mask].detach().sum()),
+            ratio_min=float(ratio[mask].detach().min()),
+            ratio_max=float(ratio[mask].detach().max()),
             ratio_dev=float(dev.abs().max()),
             clipped=float((clipped != ratio)[mask].sum()),
             forwarded=inputs.numel(),
@@ -158,7 +161,10 @@ class GRPO:
             )
             generated = sum(len(c.tokens) for g in groups for c in g)
             gen_seconds = time.perf_counter() - begin
-            rewards, counts = self._rewards(mine, groups)
+            rewards, counts, raised = score(mine, groups, job.tokenizer.decode)  # type: ignore[union-attr]
+            if raised and not self.errors_logged:  # once per run, then counted
+                print(raised[0], flush=True)
+                self.errors_logged = True
             adv = advantages(rewards)
             rows = [c for g in groups for c in g]
             row_adv = adv.reshape(-1).tolist()

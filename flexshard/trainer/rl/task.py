@@ -61,7 +61,9 @@ def prompts(cfg: RLConfig, seed: int, step: int) -> list[Prompt]:
 def corpus(cfg: RLConfig, seed: int, lines: int = 20000) -> str:
     """Pre-training text: prompts and their answers, one per line."""
     generator = torch.Generator().manual_seed(seed + 7919)  # not the RL steps' prompts
-    return "".join(f"{p.text}{p.answer}{EOS}" for p in (sample(cfg, generator) for _ in range(lines)))
+    return "".join(
+        f"{p.text}{p.answer}{EOS}" for p in (sample(cfg, generator) for _ in range(lines))
+    )
 
 
 def reward(prompt: Prompt, completion: str) -> float:

@@ -1,0 +1,162 @@
+"""GRPO in the trainer: start-up refusals, the scores of odd completions, and runs of
+the real loop: bit-for-bit generator/trainer log-probabilities (ratio exactly 1) on
+every data-parallel placement at W = 2 and 3 and under tp = 2, a resumed run equal to
+an uninterrupted one, a raising verifier counted instead of crashing the run."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexshard.testing import run_distributed
+from flexshard.trainer.checkpointing.checkpoints import latest_step
+from flexshard.trainer.config import ConfigError, config_from_dict
+from flexshard.trainer.rl import task
+from flexshard.trainer.rl.grpo import score
+from flexshard.trainer.rl.rollout import Completion
+from flexshard.trainer.train import run
+
+PLACEMENTS = ("shard0", "flat", "owned", "block", "mixed", "muon")
+
+
+def _table(folder: str, **sections: dict) -> dict:
+    """A tiny model, 6 prompts x 2 completions per step (6 divides over 2 and 3 ranks)."""
+    table: dict = {
+        "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 48},
+        "training": {"steps": 2, "seq_len": 16, "lr": 1e-3, "seed": 1},
+        "job": {"dump_folder": folder, "progress": False, "plot": False, "tensorboard": False},
+        "rl": {
+            "enable": True,
+            "prompts_per_step": 6,
+            "group_size": 2,
+            "max_new_tokens": 5,
+            "batch_invariant": True,
+        },
+    }
+    for name, values in sections.items():
+        table[name] = {**table.get(name, {}), **values}
+    return table
+
+
+def _run(rank: int, world_size: int, table: dict) -> list[dict]:
+    return run(config_from_dict(table))
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "names"),
+    [
+        ("parallelism", {"pp": 2}, "parallelism.pp"),
+        ("parallelism", {"cp": 2}, "parallelism.cp"),
+        ("parallelism", {"tp": 2}, "sequence_parallel"),
+        ("rl", {"task_max_len": 12}, "training.seq_len"),
+        ("rl", {"group_size": 1}, "rl.group_size"),
+        ("rl", {"temperature": 0.0}, "rl.temperature"),
+        ("model", {"tokenizer": "x.tiktoken"}, "model.tokenizer"),
+    ],
+)
+def test_refused_at_start_up(section, values, names):
+    with pytest.raises(ConfigError, match=names.replace(".", r"\.")):
+        config_from_dict(_table("-", **{section: values}))
+
+
+def test_odd_completions_are_counted():
+    prompt = task.Prompt("sort cab:", "abc")
+
+    def done(text: str, finished: bool = True) -> Completion:
+        ids = torch.tensor(list((text + ("\n" if finished else "")).encode()))
+        return Completion(torch.tensor([0]), ids, torch.zeros(len(ids)), finished)
+
+    def decode(ids: torch.Tensor) -> str:
+        return bytes(ids.tolist()).decode()
+
+    group = [done("abc"), done(""), done("abcabcabc", finished=False), done("acb")]
+    rewards, counts, raised = score([prompt], [group], decode)
+    assert rewards.tolist() == [[1.0, 0.0, 0.0, pytest.approx(1 / 3)]]
+    assert counts == {"verifier_errors": 0, "empty_completions": 1, "truncated": 1, "solved": 1}
+    assert not raised
+
+
+def _exact(records: list[dict]) -> None:
+    for record in records:
+        assert record["logprob_max_abs_diff"] == 0.0, record
+        assert record["ratio_max_abs_dev"] == 0.0, record
+        assert record["ratio_min"] == record["ratio_max"] == 1.0, record
+
+
+def _resume(rank: int, world_size: int, folder: str) -> tuple[list[dict], list[dict]]:
+    table = _table(folder, training={"steps": 4}, checkpoint={"enable": True, "interval": 2})
+    whole = run(config_from_dict(table))
+    torch.distributed.barrier()
+    if rank == 0:  # as if the job had died after the step-2 save
+        shutil.rmtree(Path(folder) / "checkpoint" / "step-4")
+    torch.distributed.barrier()
+    return whole, run(config_from_dict(table))
+
+
+def test_bitwise_at_w2_and_resume_exact(tmp_path):
+    whole, resumed = run_distributed(_resume, 2, str(tmp_path), timeout=300)[0]
+    _exact(whole)
+    assert [r["step"] for r in resumed] == [3, 4]
+    keys = ("reward", "loss", "grad_norm", "completion_len_mean", "truncated")
+    assert [{k: r[k] for k in keys} for r in resumed] == [
+        {k: r[k] for k in keys} for r in whole[2:]
+    ]  # same prompts, samples and updates: bit for bit
+    assert latest_step(tmp_path / "checkpoint") == 4
+
+
+def _raising(rank: int, world_size: int, folder: str) -> list[dict]:
+    def broken(prompt: task.Prompt, completion: str) -> float:
+        raise RuntimeError("verifier down")
+
+    task.reward = broken  # in this spawned process only
+    table = _table(folder, checkpoint={"enable": True, "interval": 2})
+    return run(config_from_dict(table))
+
+
+def test_raising_verifier_is_counted(tmp_path, capfd):
+    records = run_distributed(_raising, 1, str(tmp_path), timeout=300)[0]
+    finished = [r["verifier_errors"] + r["truncated"] for r in records]
+    assert finished == [12, 12]  # every completion: scored 0, counted, run finished
+    assert all(r["reward"] == 0.0 for r in records)
+    assert latest_step(tmp_path / "checkpoint") == 2
+    captured = capfd.readouterr()
+    assert "rl: the verifier raised on" in captured.out + captured.err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_bitwise_on_every_placement(tmp_path, world, placement):
+    optimizer = "muon" if placement == "muon" else "adamw"
+    table = _table(
+        str(tmp_path),
+        parallelism={"placement": placement},
+        training={"optimizer": optimizer},
+        activation_checkpoint={"mode": "full" if world == 3 else "none"},
+    )
+    for records in run_distributed(_run, world, table, timeout=600):
+        _exact(records)
+
+
+@pytest.mark.slow
+def test_bitwise_under_tp2_with_kl(tmp_path):
+    table = _table(
+        str(tmp_path),
+        parallelism={"tp": 2, "sequence_parallel": False},
+        rl={"kl_coef": 0.05},
+    )
+    for records in run_distributed(_run, 2, table, timeout=600):
+        _exact(records)
+        assert records[0]["kl"] == 0.0  # step 1: the policy is the reference
+        assert records[1]["kl"] > 0.0
+
+
+@pytest.mark.slow
+def test_native_kernels_differ(tmp_path):
+    """Without the mode the same run's generator and trainer disagree in the last bits."""
+    table = _table(str(tmp_path), rl={"batch_invariant": False}, training={"steps": 3})
+    records = run_distributed(_run, 2, table, timeout=600)[0]
+    assert max(r["logprob_max_abs_diff"] for r in records) > 0.0
