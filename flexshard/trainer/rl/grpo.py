@@ -118,9 +118,9 @@ class GRPO:
         if self.reference is not None:
             with torch.no_grad():
                 ref = token_logprobs(self.reference(inputs), targets, r.temperature).cpu()
-            k3 = torch.exp(ref - new) - (ref - new) - 1
+            k3 = torch.expm1(ref - new) - (ref - new)  # exp(d) - d - 1, small d kept
             terms = terms + r.kl_coef * k3
-            stats["kl"] = float(k3[mask].sum())
+            stats["kl"] = float(k3[mask].detach().sum())
         scale = job.dims.dp_size / tokens  # gradients are averaged over the dp ranks
         loss = terms[mask].sum() * scale
         loss.backward()
