@@ -1,7 +1,10 @@
 """GRPO in the trainer: start-up refusals, the scores of odd completions, and runs of
 the real loop: bit-for-bit generator/trainer log-probabilities (ratio exactly 1) on
 every data-parallel placement at W = 2 and 3 and under tp = 2, a resumed run equal to
-an uninterrupted one, a raising verifier counted instead of crashing the run."""
+an uninterrupted one, a raising verifier counted instead of crashing the run. The runs
+start from a short pre-training on the task's format, so rewards differ within groups
+and every update moves the weights; with any swapped op back to its native kernel the
+same runs' bits differ."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from flexshard.testing import run_distributed
 from flexshard.trainer.checkpointing.checkpoints import latest_step
 from flexshard.trainer.config import ConfigError, config_from_dict
 from flexshard.trainer.rl import task
+from flexshard.trainer.rl.batch_invariant import OPS
 from flexshard.trainer.rl.grpo import score
 from flexshard.trainer.rl.rollout import Completion
 from flexshard.trainer.train import run
@@ -25,13 +29,16 @@ PLACEMENTS = ("shard0", "flat", "owned", "block", "mixed", "muon")
 
 
 def _table(folder: str, **sections: dict) -> dict:
-    """A tiny model, 6 prompts x 2 completions per step (6 divides over 2 and 3 ranks)."""
+    """A small model, 6 prompts of 3-4 letters x 2 completions per step (6 divides over
+    2 and 3 ranks). ffn_hidden = 168: rows of 168 leave silu's vector loop a scalar
+    tail whenever a batch has an odd number of row pairs, so silu's swap is exercised."""
     table: dict = {
-        "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 48},
+        "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 168},
         "training": {"steps": 2, "seq_len": 16, "lr": 1e-3, "seed": 1},
         "job": {"dump_folder": folder, "progress": False, "plot": False, "tensorboard": False},
         "rl": {
             "enable": True,
+            "task_max_len": 4,
             "prompts_per_step": 6,
             "group_size": 2,
             "max_new_tokens": 5,
@@ -45,6 +52,26 @@ def _table(folder: str, **sections: dict) -> dict:
 
 def _run(rank: int, world_size: int, table: dict) -> list[dict]:
     return run(config_from_dict(table))
+
+
+PRE_STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory) -> dict:
+    """The RL runs' start: the model pre-trained on the task's format (rewards above 0
+    and unequal within groups, so the updates move the weights), as
+    ``{"initial_load_path": ...}`` for the checkpoint section."""
+    folder = str(tmp_path_factory.mktemp("rl_pretrain"))
+    table = _table(
+        folder,
+        data={"source": "rl_task"},
+        training={"steps": PRE_STEPS, "lr": 3e-3, "batch_size": 16, "warmup_steps": 5},
+        checkpoint={"enable": True, "interval": PRE_STEPS},
+        rl={"enable": False},
+    )
+    run_distributed(_run, 1, table, timeout=600)
+    return {"initial_load_path": f"{folder}/checkpoint/step-{PRE_STEPS}"}
 
 
 @pytest.mark.parametrize(
@@ -86,10 +113,12 @@ def _exact(records: list[dict]) -> None:
         assert record["logprob_max_abs_diff"] == 0.0, record
         assert record["ratio_max_abs_dev"] == 0.0, record
         assert record["ratio_min"] == record["ratio_max"] == 1.0, record
+    assert any(r["grad_norm"] > 0 for r in records), records  # the policy did move
 
 
-def _resume(rank: int, world_size: int, folder: str) -> tuple[list[dict], list[dict]]:
-    table = _table(folder, training={"steps": 4}, checkpoint={"enable": True, "interval": 2})
+def _resume(rank: int, world_size: int, folder: str, start: dict) -> tuple[list[dict], list[dict]]:
+    checkpoint = {**start, "enable": True, "interval": 2}
+    table = _table(folder, training={"steps": 4}, checkpoint=checkpoint)
     whole = run(config_from_dict(table))
     torch.distributed.barrier()
     if rank == 0:  # as if the job had died after the step-2 save
@@ -98,8 +127,8 @@ def _resume(rank: int, world_size: int, folder: str) -> tuple[list[dict], list[d
     return whole, run(config_from_dict(table))
 
 
-def test_bitwise_at_w2_and_resume_exact(tmp_path):
-    whole, resumed = run_distributed(_resume, 2, str(tmp_path), timeout=300)[0]
+def test_bitwise_at_w2_and_resume_exact(tmp_path, start):
+    whole, resumed = run_distributed(_resume, 2, str(tmp_path), start, timeout=300)[0]
     _exact(whole)
     assert [r["step"] for r in resumed] == [3, 4]
     keys = ("reward", "loss", "grad_norm", "completion_len_mean", "truncated")
@@ -109,20 +138,21 @@ def test_bitwise_at_w2_and_resume_exact(tmp_path):
     assert latest_step(tmp_path / "checkpoint") == 4
 
 
-def _raising(rank: int, world_size: int, folder: str) -> tuple[list[dict], str]:
+def _raising(rank: int, world_size: int, folder: str, start: dict) -> tuple[list[dict], str]:
     def broken(prompt: task.Prompt, completion: str) -> float:
         raise RuntimeError("verifier down")
 
     task.reward = broken  # in this spawned process only
-    table = _table(folder, checkpoint={"enable": True, "interval": 2})
+    table = _table(folder, checkpoint={**start, "enable": True, "interval": 2})
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         records = run(config_from_dict(table))
     return records, printed.getvalue()
 
 
-def test_raising_verifier_is_counted(tmp_path):
-    records, printed = run_distributed(_raising, 1, str(tmp_path), timeout=300)[0]
+def test_raising_verifier_is_counted(tmp_path, start):
+    records, printed = run_distributed(_raising, 1, str(tmp_path), start, timeout=300)[0]
+    assert all(r["verifier_errors"] > 0 for r in records), records
     finished = [r["verifier_errors"] + r["truncated"] for r in records]
     assert finished == [12, 12]  # every completion: scored 0, counted, run finished
     assert all(r["reward"] == 0.0 for r in records)
@@ -133,10 +163,11 @@ def test_raising_verifier_is_counted(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_bitwise_on_every_placement(tmp_path, world, placement):
+def test_bitwise_on_every_placement(tmp_path, start, world, placement):
     optimizer = "muon" if placement == "muon" else "adamw"
     table = _table(
         str(tmp_path),
+        checkpoint=start,
         parallelism={"placement": placement},
         training={"optimizer": optimizer},
         activation_checkpoint={"mode": "full" if world == 3 else "none"},
@@ -146,9 +177,10 @@ def test_bitwise_on_every_placement(tmp_path, world, placement):
 
 
 @pytest.mark.slow
-def test_bitwise_under_tp2_with_kl(tmp_path):
+def test_bitwise_under_tp2_with_kl(tmp_path, start):
     table = _table(
         str(tmp_path),
+        checkpoint=start,
         parallelism={"tp": 2, "sequence_parallel": False},
         rl={"kl_coef": 0.05},
     )
@@ -158,9 +190,24 @@ def test_bitwise_under_tp2_with_kl(tmp_path):
         assert records[1]["kl"] > 0.0
 
 
+def _without(rank: int, world_size: int, table: dict, op: str | None) -> list[dict]:
+    if op is not None:  # this op back to its native kernel, in this spawned process
+        del OPS[op]
+    return run(config_from_dict(table))
+
+
 @pytest.mark.slow
-def test_native_kernels_differ(tmp_path):
-    """Without the mode the same run's generator and trainer disagree in the last bits."""
-    table = _table(str(tmp_path), rl={"batch_invariant": False}, training={"steps": 3})
-    records = run_distributed(_run, 2, table, timeout=600)[0]
-    assert max(r["logprob_max_abs_diff"] for r in records) > 0.0
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("op", [None, *sorted(OPS)])
+def test_native_kernels_differ(tmp_path, start, op, world):
+    """The placement runs' setting with the native kernels (op None: the mode off) or
+    any one op back to its own: the generator and trainer disagree in the last bits."""
+    table = _table(
+        str(tmp_path),
+        checkpoint=start,
+        rl={"batch_invariant": op is not None},
+        training={"steps": 3},
+        activation_checkpoint={"mode": "full" if world == 3 else "none"},
+    )
+    records = run_distributed(_without, world, table, op, timeout=600)[0]
+    assert max(r["logprob_max_abs_diff"] for r in records) > 0.0, op
