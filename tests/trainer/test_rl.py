@@ -1,6 +1,7 @@
 """GRPO in the trainer: start-up refusals, the scores of odd completions, and runs of
 the real loop: bit-for-bit generator/trainer log-probabilities (ratio exactly 1) on
-every data-parallel placement at W = 2 and 3 and under tp = 2, a resumed run equal to
+every data-parallel placement at W = 2 and 3, under tp = 2 and on Qwen3's attention
+(q/k norms, tied embeddings) at W = 1 and 2, a resumed run equal to
 an uninterrupted one, a raising verifier counted instead of crashing the run. The runs
 start from a short pre-training on the task's format, so rewards differ within groups
 and every update moves the weights; with any swapped op back to its native kernel the
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,15 +27,21 @@ from flexshard.trainer.rl.grpo import score
 from flexshard.trainer.rl.rollout import Completion
 from flexshard.trainer.train import run
 
+from .test_parallel_layouts import QWEN3
+
 PLACEMENTS = ("shard0", "flat", "owned", "block", "mixed", "muon")
+# the model families' attention variants, beside Llama's (the defaults)
+FAMILIES: dict[str, dict] = {"llama": {}, "qwen3": QWEN3}
 
 
-def _table(folder: str, **sections: dict) -> dict:
+def _table(folder: str, family: str = "llama", **sections: dict) -> dict:
     """A small model, 6 prompts of 3-4 letters x 2 completions per step (6 divides over
     2 and 3 ranks). ffn_hidden = 168: rows of 168 leave silu's vector loop a scalar
-    tail whenever a batch has an odd number of row pairs, so silu's swap is exercised."""
+    tail whenever a batch has an odd number of row pairs, so silu's swap is exercised.
+    ``family``: the attention variant (``FAMILIES``)."""
+    model = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 168}
     table: dict = {
-        "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 168},
+        "model": {**model, **FAMILIES[family]},
         "training": {"steps": 2, "seq_len": 16, "lr": 1e-3, "seed": 1},
         "job": {"dump_folder": folder, "progress": False, "plot": False, "tensorboard": False},
         "rl": {
@@ -57,14 +65,10 @@ def _run(rank: int, world_size: int, table: dict) -> list[dict]:
 PRE_STEPS = 60
 
 
-@pytest.fixture(scope="module")
-def start(tmp_path_factory) -> dict:
-    """The RL runs' start: the model pre-trained on the task's format (rewards above 0
-    and unequal within groups, so the updates move the weights), as
-    ``{"initial_load_path": ...}`` for the checkpoint section."""
-    folder = str(tmp_path_factory.mktemp("rl_pretrain"))
+def _pretrain(folder: str, family: str) -> dict:
     table = _table(
         folder,
+        family,
         data={"source": "rl_task"},
         training={"steps": PRE_STEPS, "lr": 3e-3, "batch_size": 16, "warmup_steps": 5},
         checkpoint={"enable": True, "interval": PRE_STEPS},
@@ -72,6 +76,26 @@ def start(tmp_path_factory) -> dict:
     )
     run_distributed(_run, 1, table, timeout=600)
     return {"initial_load_path": f"{folder}/checkpoint/step-{PRE_STEPS}"}
+
+
+@pytest.fixture(scope="module")
+def starts(tmp_path_factory) -> Callable[[str], dict]:
+    """The RL runs' start by family: the model pre-trained on the task's format
+    (rewards above 0 and unequal within groups, so the updates move the weights), as
+    ``{"initial_load_path": ...}`` for the checkpoint section; each built once."""
+    built: dict[str, dict] = {}
+
+    def start(family: str) -> dict:
+        if family not in built:
+            built[family] = _pretrain(str(tmp_path_factory.mktemp(f"pre_{family}")), family)
+        return built[family]
+
+    return start
+
+
+@pytest.fixture
+def start(starts) -> dict:
+    return starts("llama")
 
 
 @pytest.mark.parametrize(
@@ -136,6 +160,14 @@ def test_bitwise_at_w2_and_resume_exact(tmp_path, start):
         {k: r[k] for k in keys} for r in whole[2:]
     ]  # same prompts, samples and updates: bit for bit
     assert latest_step(tmp_path / "checkpoint") == 4
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_qwen3_bitwise(tmp_path, starts, world):
+    """Qwen3's q/k norms, wider heads and tied embeddings: the same bits."""
+    table = _table(str(tmp_path), "qwen3", checkpoint=starts("qwen3"))
+    for records in run_distributed(_run, world, table, timeout=300):
+        _exact(records)
 
 
 def _raising(rank: int, world_size: int, folder: str, start: dict) -> tuple[list[dict], str]:

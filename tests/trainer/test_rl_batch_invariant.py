@@ -13,13 +13,20 @@ from flexshard.trainer.models.model import Transformer, init_weights
 from flexshard.trainer.rl.batch_invariant import OPS, batch_invariant
 from flexshard.trainer.rl.rollout import generate, token_logprobs
 
+from .test_parallel_layouts import QWEN3
+
 EOS = 10
+# the model families' attention variants, beside Llama's (the defaults)
+FAMILIES: dict[str, dict] = {"llama": {}, "qwen3": QWEN3}
 
 
-def _model() -> Transformer:
+def _model(family: str) -> Transformer:
     """The debug model with its projections scaled up: activations of order 1, as in a
     trained model (at 0.02-std initialisation few elements reach silu's scalar tail)."""
-    model = Transformer(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176))
+    cfg = ModelConfig(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176, **FAMILIES[family]
+    )
+    model = Transformer(cfg)
     init_weights(model, 0)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -52,9 +59,9 @@ def _mismatches(model: Transformer, ops: list[str] | None) -> int:
     return bad
 
 
-@pytest.fixture(scope="module")
-def model() -> Transformer:
-    return _model()
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def model(request) -> Transformer:
+    return _model(request.param)
 
 
 def test_generator_equals_trainer_bitwise(model):
