@@ -1,12 +1,14 @@
 """GRPO in the trainer: does it learn, and what does batch-invariant mode cost.
 
-    .venv/bin/python -m benchmarks.bench_rl            # W = 2, 5 cost repetitions
-    .venv/bin/python -m benchmarks.bench_rl --quick    # fewer steps, 2 repetitions
+    .venv/bin/python -m benchmarks.bench_rl            # W = 2, seeds 0 and 1, 5 cost reps
+    .venv/bin/python -m benchmarks.bench_rl --quick    # fewer steps, one seed, 2 reps
 
 One launch of W gloo ranks: pre-training with ``configs/rl_pretrain.toml`` (the task's
-format, answers included), then ``configs/rl_debug.toml`` from its checkpoint (the
-learning curve: mean reward per step, the margin = mean of the last 10 steps minus the
-first 10), then the per-step cost of ``rl.batch_invariant`` against the native kernels:
+format, answers included), then ``configs/rl_debug.toml`` from its checkpoint once per
+RL seed (``training.seed``: the steps' prompts and samples; the learning curve: mean
+reward per step, the margin = mean of the last 10 steps minus the first 10; prompts are
+drawn afresh each step, so with the weights held the reward would stay level), then
+the per-step cost of ``rl.batch_invariant`` against the native kernels:
 each repetition runs both from the same checkpoint, alternating their order, and
 takes each run's median step time; the ratio is per repetition (median, IQR).
 Writes benchmarks/results/rl_bench.{json,md} and rl_reward.png."""
@@ -18,6 +20,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,21 +43,23 @@ def _ranks(rank: int, world: int, folder: str, args: dict[str, Any]) -> dict[str
     run(load_config(pre, [*QUIET, "--job.dump_folder", f"{folder}/pre"]))
     start = ["--checkpoint.initial_load_path", f"{folder}/pre/checkpoint/step-{pre_steps}"]
     rl = ROOT / "configs" / "rl_debug.toml"
-    curve = run(
-        load_config(
-            rl,
-            [
-                *QUIET,
-                *start,
-                "--job.dump_folder",
-                f"{folder}/rl",
-                "--training.steps",
-                str(args["steps"]),
-                "--checkpoint.enable",
-                "false",
-            ],
+    curves = {}
+    for seed in args["seeds"]:
+        overrides = ["--training.seed", str(seed), "--training.steps", str(args["steps"])]
+        curves[seed] = run(
+            load_config(
+                rl,
+                [
+                    *QUIET,
+                    *start,
+                    *overrides,
+                    "--job.dump_folder",
+                    f"{folder}/rl{seed}",
+                    "--checkpoint.enable",
+                    "false",
+                ],
+            )
         )
-    )
     costs: dict[str, list[float]] = {"default": [], "invariant": []}
     for rep in range(args["reps"]):
         for mode in alternating(("default", "invariant"), rep):
@@ -76,19 +81,33 @@ def _ranks(rank: int, world: int, folder: str, args: dict[str, Any]) -> dict[str
                 )
             )
             costs[mode].append(statistics.median(r["step_time_s"] for r in records[1:]))
-    return {"curve": curve, "costs": costs}
+    return {"curves": curves, "costs": costs}
 
 
-def plot(curve: list[dict], path: Path, title: str) -> None:
+def plot(curves: dict[int, list[dict]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in curve]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["reward"] for r in curve], label="mean reward", color="tab:blue")
-    ax.plot(steps, [r["solved"] for r in curve], label="solved (exact)", color="tab:green")
+    for i, (seed, curve) in enumerate(curves.items()):
+        steps = [r["step"] for r in curve]
+        style = ("-", "--", ":")[i % 3]
+        ax.plot(
+            steps,
+            [r["reward"] for r in curve],
+            style,
+            color="tab:blue",
+            label=f"mean reward, seed {seed}",
+        )
+        ax.plot(
+            steps,
+            [r["solved"] for r in curve],
+            style,
+            color="tab:green",
+            label=f"solved (exact), seed {seed}",
+        )
     ax.set_xlabel("RL step")
     ax.set_ylabel("per step, over all completions")
     ax.set_title(title)
@@ -99,29 +118,45 @@ def plot(curve: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _learned(curve: list[dict]) -> dict[str, float]:
+    """Mean reward and solved share over the first and the last 10 steps."""
+    first, last = curve[:10], curve[-10:]
+    out = {}
+    for key in ("reward", "solved"):
+        out[f"{key}_first"] = statistics.mean(r[key] for r in first)
+        out[f"{key}_last"] = statistics.mean(r[key] for r in last)
+    out["margin"] = out["reward_last"] - out["reward_first"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="RL seeds")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     opts = parser.parse_args(argv)
     rl_cfg = load_config(ROOT / "configs" / "rl_debug.toml")
     args = {
+        "seeds": opts.seeds[:1] if opts.quick else opts.seeds,
         "steps": 20 if opts.quick else rl_cfg.training.steps,
         "reps": 2 if opts.quick else 5,
         "cost_steps": 3 if opts.quick else 5,
     }
+    began = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         result = run_distributed(_ranks, opts.world, folder, args, timeout=3600)[0]
-    curve, costs = result["curve"], result["costs"]
-    first, last = curve[:10], curve[-10:]
-    before = statistics.mean(r["reward"] for r in first)
-    after = statistics.mean(r["reward"] for r in last)
+    wall = time.perf_counter() - began
+    curves, costs = result["curves"], result["costs"]
+    learned = {seed: _learned(curve) for seed, curve in curves.items()}
     cost = summary(paired_ratios(costs["invariant"], costs["default"]))
+    pre_cfg = load_config(ROOT / "configs" / "rl_pretrain.toml")
     meta = {
         "command": "python -m benchmarks.bench_rl" + (" --quick" if opts.quick else ""),
         "world": opts.world,
-        "seeds": {"training.seed": rl_cfg.training.seed, "pre-training": "the same"},
+        "seeds": {"rl training.seed": args["seeds"], "pre-training": pre_cfg.training.seed},
+        "pre_steps": pre_cfg.training.steps,
+        "wall_s": round(wall, 1),
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
         **args,
@@ -129,20 +164,27 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(opts.out)
     png = out / "rl_reward.png"
     out.mkdir(parents=True, exist_ok=True)
-    plot(curve, png, f"GRPO, sort letters, W = {opts.world} (batch-invariant)")
-    diff = max(r["logprob_max_abs_diff"] for r in curve)
-    dev = max(r["ratio_max_abs_dev"] for r in curve)
+    plot(curves, png, f"GRPO, sort letters, W = {opts.world} (batch-invariant)")
+    every = [r for curve in curves.values() for r in curve]
+    diff = max(r["logprob_max_abs_diff"] for r in every)
+    dev = max(r["ratio_max_abs_dev"] for r in every)
     lines = [
         "# GRPO on the sort-letters task",
         "",
-        f"`{meta['command']}` (W = {opts.world}, seed {rl_cfg.training.seed}; "
-        "configs/rl_pretrain.toml, then configs/rl_debug.toml from its checkpoint)",
+        f"`{meta['command']}` (W = {opts.world}; configs/rl_pretrain.toml, "
+        f"{pre_cfg.training.steps} steps, seed {pre_cfg.training.seed}, then "
+        f"configs/rl_debug.toml from its checkpoint, {args['steps']} RL steps per seed; "
+        f"{wall:.0f} s in all)",
         "",
-        f"- mean reward, first 10 steps: {before:.3f}; last 10 steps: {after:.3f}; "
-        f"margin {after - before:+.3f} over {len(curve)} steps",
-        f"- solved (exact), first 10 / last 10: "
-        f"{statistics.mean(r['solved'] for r in first):.3f} / "
-        f"{statistics.mean(r['solved'] for r in last):.3f}",
+        "| RL seed | reward, first 10 steps | last 10 steps | margin | "
+        "solved, first 10 | last 10 |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {seed} | {v['reward_first']:.3f} | {v['reward_last']:.3f} | "
+            f"{v['margin']:+.3f} | {v['solved_first']:.3f} | {v['solved_last']:.3f} |"
+            for seed, v in learned.items()
+        ),
+        "",
         f"- generator vs trainer log-probs, max |diff| over every step: {diff}; "
         f"max |ratio - 1|: {dev}",
         f"- step time, batch-invariant / default (per repetition, {args['reps']} reps): "
@@ -151,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         f"- curve: {png.name}",
         "",
     ]
-    rows = [{"curve": curve, "costs": costs, "cost_ratio": cost}]
+    rows = [{"curves": curves, "learned": learned, "costs": costs, "cost_ratio": cost}]
     write_results(out, "rl_bench", meta, rows, "\n".join(lines))
     print("\n".join(lines))
 

@@ -28,6 +28,7 @@ from flexshard.trainer.rl.rollout import Completion
 from flexshard.trainer.train import run
 
 from .test_parallel_layouts import QWEN3
+from .test_rl_batch_invariant import ROUTING
 
 PLACEMENTS = ("shard0", "flat", "owned", "block", "mixed", "muon")
 # the model families' attention variants, beside Llama's (the defaults)
@@ -230,7 +231,7 @@ def _without(rank: int, world_size: int, table: dict, op: str | None) -> list[di
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("op", [None, *sorted(OPS)])
+@pytest.mark.parametrize("op", [None, *sorted(set(OPS) - {ROUTING})])
 def test_native_kernels_differ(tmp_path, start, op, world):
     """The placement runs' setting with the native kernels (op None: the mode off) or
     any one op back to its own: the generator and trainer disagree in the last bits."""

@@ -17,6 +17,9 @@ back and sees the bits change):
   decode step (1 query against the cache) and the causal forward sum keys differently.
   Here: keys in fixed tiles of ``KEY_TILE`` from key 0, masked keys exact zeros,
   tiles accumulated in order (an all-masked tile adds +0.0, which changes nothing).
+- ``scaled_dot_product_attention`` with queries wider than the values (MLA): sdpa
+  leaves the flash kernel for its math path, batched matmuls whose sums follow the key
+  count. Here: the three zero-padded to one width, into the flash kernel above.
 - ``silu``: the vectorised loop leaves a tail to a scalar ``exp``, so an element's
   bits depend on where it falls in the tensor. Here: padded chunks that vectorise
   whole (``exp`` in the attention too).
@@ -33,6 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 ROW_TILE = 32  # rows per BLAS call
 KEY_TILE = 16  # keys per attention tile
@@ -113,17 +118,60 @@ def _flash_attention(
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
     out = out / safe[..., None]
     lse = top[..., 0] + torch.log(safe)
-    native = query.new_empty(b, q_len, h, d).transpose(1, 2)  # the kernel's layout
+    native = query.new_empty(b, q_len, h, value.shape[-1]).transpose(1, 2)  # kernel's layout
     native.copy_(out)
     return native, lse
+
+
+def _attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` always through the flash kernel above: queries
+    and keys of another width than the values (MLA) are zero-padded to one width, which
+    adds exact zeros to the scores and the output (the scale stays the queries'), where
+    sdpa would take its math path (batched matmuls whose sums follow the key count)."""
+    width, dv = max(query.shape[-1], value.shape[-1]), value.shape[-1]
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    query, key, value = (
+        F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
+        for t in (query, key, value)
+    )
+    choice = torch._fused_sdp_choice(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+    if choice != SDPBackend.FLASH_ATTENTION.value:
+        raise NotImplementedError(
+            f"batch-invariant attention: sdpa would take backend {choice}, not the flash "
+            f"kernel (queries {tuple(query.shape)}, keys {tuple(key.shape)}, "
+            f"enable_gqa={enable_gqa}, dropout_p={dropout_p})"
+        )
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as sdpa hands it over
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(
+            ~attn_mask, float("-inf")
+        )
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    return out[..., :dv]
 
 
 #: the ops swapped in batch-invariant mode: aten name -> implementation
 OPS: dict[str, Callable[..., object]] = {
     "mm": _mm,
     "_scaled_dot_product_flash_attention_for_cpu": _flash_attention,
+    "scaled_dot_product_attention": _attention,
     "silu": _silu,
 }
+#: the dispatch key each one is registered for (default "CPU"): sdpa's own entry is the
+#: composite that picks a backend, above autograd (the flash kernel's backward is used)
+KEYS = {"scaled_dot_product_attention": "CompositeImplicitAutograd"}
 
 
 @contextmanager
@@ -135,7 +183,7 @@ def batch_invariant(ops: Sequence[str] | None = None) -> Iterator[None]:
         with warnings.catch_warnings():  # "overriding a previously registered kernel"
             warnings.simplefilter("ignore")
             for name in OPS if ops is None else ops:
-                library.impl(name, OPS[name], "CPU")
+                library.impl(name, OPS[name], KEYS.get(name, "CPU"))
         yield
     finally:
         library._destroy()
