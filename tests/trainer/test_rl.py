@@ -1,7 +1,8 @@
 """GRPO in the trainer: start-up refusals, the scores of odd completions, and runs of
 the real loop: bit-for-bit generator/trainer log-probabilities (ratio exactly 1) on
-every data-parallel placement at W = 2 and 3, under tp = 2 and on Qwen3's attention
-(q/k norms, tied embeddings) at W = 1 and 2, a resumed run equal to
+every data-parallel placement at W = 2 and 3, under tp = 2, on Qwen3's attention (q/k
+norms, tied embeddings) and DeepSeek-V3's MLA at W = 1 and 2, GRPO on DeepSeek's MoE
+without batch-invariance, a resumed run equal to
 an uninterrupted one, a raising verifier counted instead of crashing the run. The runs
 start from a short pre-training on the task's format, so rewards differ within groups
 and every update moves the weights; with any swapped op back to its native kernel the
@@ -20,19 +21,17 @@ import torch
 
 from flexshard.testing import run_distributed
 from flexshard.trainer.checkpointing.checkpoints import latest_step
-from flexshard.trainer.config import ConfigError, config_from_dict
+from flexshard.trainer.config import ConfigError, config_from_dict, load_config
 from flexshard.trainer.rl import task
 from flexshard.trainer.rl.batch_invariant import OPS
 from flexshard.trainer.rl.grpo import score
 from flexshard.trainer.rl.rollout import Completion
 from flexshard.trainer.train import run
 
-from .test_parallel_layouts import QWEN3
-from .test_rl_batch_invariant import ROUTING
+from .test_deepseek_layouts import DEEPSEEK_MOE
+from .test_rl_batch_invariant import FAMILIES, ROUTING
 
 PLACEMENTS = ("shard0", "flat", "owned", "block", "mixed", "muon")
-# the model families' attention variants, beside Llama's (the defaults)
-FAMILIES: dict[str, dict] = {"llama": {}, "qwen3": QWEN3}
 
 
 def _table(folder: str, family: str = "llama", **sections: dict) -> dict:
@@ -109,11 +108,24 @@ def start(starts) -> dict:
         ("rl", {"group_size": 1}, "rl.group_size"),
         ("rl", {"temperature": 0.0}, "rl.temperature"),
         ("model", {"tokenizer": "x.tiktoken"}, "model.tokenizer"),
+        ("model", {"mtp_layers": 1}, "model.mtp_layers"),
+        ("model", {"moe": {"num_experts": 4, "top_k": 2}}, "model.moe.num_experts"),
     ],
 )
 def test_refused_at_start_up(section, values, names):
     with pytest.raises(ConfigError, match=names.replace(".", r"\.")):
         config_from_dict(_table("-", **{section: values}))
+
+
+def test_deepseek_debug_config_names_what_rl_refuses():
+    path = Path(__file__).resolve().parents[2] / "configs" / "deepseek_v3_debug.toml"
+    with pytest.raises(ConfigError, match=r"model\.mtp_layers = 1"):
+        load_config(path, ["--rl.enable", "true"])
+    with pytest.raises(ConfigError, match=r"model\.moe\.num_experts"):
+        load_config(
+            path, ["--rl.enable", "true", "--model.mtp_layers", "0", "--rl.batch_invariant", "true"]
+        )
+    assert load_config(path, ["--rl.enable", "true", "--model.mtp_layers", "0"]).rl.enable
 
 
 def test_odd_completions_are_counted():
@@ -164,11 +176,26 @@ def test_bitwise_at_w2_and_resume_exact(tmp_path, start):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_qwen3_bitwise(tmp_path, starts, world):
-    """Qwen3's q/k norms, wider heads and tied embeddings: the same bits."""
-    table = _table(str(tmp_path), "qwen3", checkpoint=starts("qwen3"))
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_family_bitwise(tmp_path, starts, family, world):
+    """Qwen3's q/k norms, wider heads and tied embeddings; DeepSeek-V3's MLA with its
+    latent KV cache and YaRN: the same bits."""
+    table = _table(str(tmp_path), family, checkpoint=starts(family))
     for records in run_distributed(_run, world, table, timeout=300):
         _exact(records)
+
+
+def test_deepseek_moe_without_batch_invariance(tmp_path):
+    """MLA with sigmoid-routed experts and bias balancing: GRPO runs on the native
+    kernels (batch-invariant mode refuses the MoE) and the update balances the load."""
+    moe = {**DEEPSEEK_MOE, "balance": "bias"}
+    table = _table(str(tmp_path), "deepseek_v3", model={"moe": moe}, rl={"batch_invariant": False})
+    records = run_distributed(_run, 2, table, timeout=300)[0]
+    assert [r["step"] for r in records] == [1, 2]
+    loads = records[-1]["tokens_per_expert"]
+    assert list(loads) == ["layers.1.feed_forward"], loads  # layer 0 dense
+    assert len(loads["layers.1.feed_forward"]) == 4 and sum(loads["layers.1.feed_forward"]) > 0
+    assert all(0 <= r["logprob_max_abs_diff"] < 1e-3 for r in records), records
 
 
 def _raising(rank: int, world_size: int, folder: str, start: dict) -> tuple[list[dict], str]:

@@ -9,25 +9,29 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flexshard.trainer.config import ModelConfig
+from flexshard.trainer.config import config_from_dict
 from flexshard.trainer.models.model import Transformer, init_weights
 from flexshard.trainer.rl.batch_invariant import OPS, batch_invariant
 from flexshard.trainer.rl.rollout import generate, token_logprobs
 
+from .test_deepseek_layouts import MLA_MODEL
 from .test_parallel_layouts import QWEN3
 
 EOS = 10
-# the model families' attention variants, beside Llama's (the defaults)
-FAMILIES: dict[str, dict] = {"llama": {}, "qwen3": QWEN3}
+# the model families' attention variants, beside Llama's (the defaults): Qwen3's q/k
+# norms, wider heads and tied embeddings; DeepSeek-V3's MLA (latent KV cache, YaRN,
+# queries wider than the values)
+FAMILIES: dict[str, dict] = {"llama": {}, "qwen3": QWEN3, "deepseek_v3": MLA_MODEL}
+# sdpa's own entry only routes queries wider than the values (MLA) to the flash kernel;
+# elsewhere sdpa takes that kernel anyway
+ROUTING = "scaled_dot_product_attention"
 
 
 def _model(family: str) -> Transformer:
     """The debug model with its projections scaled up: activations of order 1, as in a
     trained model (at 0.02-std initialisation few elements reach silu's scalar tail)."""
-    cfg = ModelConfig(
-        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176, **FAMILIES[family]
-    )
-    model = Transformer(cfg)
+    shape = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 176}
+    model = Transformer(config_from_dict({"model": {**shape, **FAMILIES[family]}}).model)
     init_weights(model, 0)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -70,14 +74,12 @@ def test_generator_equals_trainer_bitwise(model):
     assert _mismatches(model, []) > 0  # the native kernels: not batch-invariant
 
 
-# sdpa's own entry only routes queries wider than the values (MLA) to the flash kernel;
-# elsewhere sdpa takes that kernel anyway (test_mla_shapes_take_the_flash_kernel)
-ROUTING = "scaled_dot_product_attention"
-
-
-@pytest.mark.parametrize("op", sorted(set(OPS) - {ROUTING}))
+@pytest.mark.parametrize("op", sorted(OPS))
 def test_each_op_is_needed(model, op):
-    assert _mismatches(model, [o for o in OPS if o != op]) > 0, op
+    if op == ROUTING and model.cfg.attention != "mla":
+        assert _mismatches(model, [o for o in OPS if o != op]) == 0  # flash anyway
+    else:
+        assert _mismatches(model, [o for o in OPS if o != op]) > 0, op
 
 
 def _decode_vs_causal(ops: list[str] | None) -> tuple[int, torch.Tensor, torch.Tensor]:

@@ -523,3 +523,9 @@ def check_rl(cfg: Config) -> None:
             "rl.batch_invariant: the MoE's grouped expert kernels are not batch-invariant; "
             "set model.moe.num_experts = 0 or rl.batch_invariant = false"
         )
+    if cfg.model.mtp_layers:
+        raise ConfigError(
+            f"model.mtp_layers = {cfg.model.mtp_layers}: rl's update would add the "
+            "multi-token prediction loss on the sampled (padded) completions to the policy "
+            "gradient; set model.mtp_layers = 0"
+        )

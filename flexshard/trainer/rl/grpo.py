@@ -25,6 +25,8 @@ from ..checkpointing.checkpoints import Job
 from ..config import ConfigError
 from ..lr_schedule import current_lr
 from ..metrics import peak_memory_mb
+from ..models.moe import step_balance, tokens_per_expert
+from ..parallel.exchange import configured_timeout
 from ..parallel.parallelize import parallelize
 from ..train import clip_gradients
 from . import task
@@ -141,6 +143,7 @@ class GRPO:
         """One RL step: rollout, rewards, update; its metrics row (every rank)."""
         job, r, cfg = self.job, self.r, self.job.cfg
         begin = time.perf_counter()
+        timeout = configured_timeout(cfg.parallelism.timeout_s)
         everything = task.prompts(r, cfg.training.seed, step)
         mine = everything[job.dp_rank * self.per_rank : (job.dp_rank + 1) * self.per_rank]
         encode = job.tokenizer.encode  # type: ignore[union-attr]
@@ -182,6 +185,7 @@ class GRPO:
             lr = current_lr(job.lr_scheduler)
             grad_norm = clip_gradients(job)
             job.optimizer.step()
+            step_balance(job.parallel.modules, job.meshes.dp.get_all_groups(), timeout)
             job.lr_scheduler.step()
             job.optimizer.zero_grad(set_to_none=True)
         train_seconds = time.perf_counter() - train_begin
@@ -233,4 +237,7 @@ class GRPO:
             "peak_memory_mb": peak_memory_mb(job.device),
         }
         record["solved"] = record["solved"] / n
+        loads = tokens_per_expert(job.parallel.modules)  # pp is refused: every layer here
+        if loads:  # MoE: the update's routed rows per expert, by layer
+            record["tokens_per_expert"] = loads
         return record
