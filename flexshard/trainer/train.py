@@ -221,7 +221,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     if cfg.rl.enable:  # GRPO: the step generates, scores and updates (trainer/rl)
         from .rl.grpo import GRPO
 
-        rl = GRPO(job)
+        rl = GRPO(job, clip_gradients)
     for step in range(start_step, t.steps):
         if rl is not None:
             record = rl.step(step)

@@ -28,7 +28,6 @@ from ..metrics import peak_memory_mb
 from ..models.moe import step_balance, tokens_per_expert
 from ..parallel.exchange import configured_timeout
 from ..parallel.parallelize import parallelize
-from ..train import clip_gradients
 from . import task
 from .batch_invariant import batch_invariant
 from .rollout import Completion, rollout, token_logprobs
@@ -81,14 +80,16 @@ def score(
 
 
 class GRPO:
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, clip: Callable[[Job], float]) -> None:
+        """``clip``: the trainer's gradient clipping, returning the full norm (passed in:
+        the trainer imports this file)."""
         r = job.cfg.rl
         if r.prompts_per_step % job.dims.dp_size:
             raise ConfigError(
                 f"rl.prompts_per_step = {r.prompts_per_step} is not divisible by the "
                 f"{job.dims.dp_size} data-parallel ranks"
             )
-        self.job, self.r = job, r
+        self.job, self.r, self.clip = job, r, clip
         self.eos = int(job.tokenizer.encode(task.EOS)[-1])  # type: ignore[union-attr]
         self.per_rank = r.prompts_per_step // job.dims.dp_size
         self.copies = job.dims.world_size // job.dims.dp_size  # ranks holding one dp rank's data
@@ -183,7 +184,7 @@ class GRPO:
                     self._loss(rows[start : start + micro], row_adv[start : start + micro], tokens)
                 )
             lr = current_lr(job.lr_scheduler)
-            grad_norm = clip_gradients(job)
+            grad_norm = self.clip(job)
             job.optimizer.step()
             step_balance(job.parallel.modules, job.meshes.dp.get_all_groups(), timeout)
             job.lr_scheduler.step()

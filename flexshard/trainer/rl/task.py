@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ConfigError, RLConfig
+from ..config.schema import ConfigError, RLConfig  # not the package: validation imports this
 
 LETTERS = "abcdefghij"
 EOS = "\n"
