@@ -6,11 +6,12 @@
 One launch of W gloo ranks: pre-training with ``configs/rl_pretrain.toml`` (the task's
 format, answers included), then ``configs/rl_debug.toml`` from its checkpoint once per
 RL seed (``training.seed``: the steps' prompts and samples; the learning curve: mean
-reward per step, the margin = mean of the last 10 steps minus the first 10; prompts are
-drawn afresh each step, so with the weights held the reward would stay level), then
-the per-step cost of ``rl.batch_invariant`` against the native kernels:
-each repetition runs both from the same checkpoint, alternating their order, and
-takes each run's median step time; the ratio is per repetition (median, IQR).
+reward per step, the margin = mean of the last 10 steps minus the first 10) and once
+more as the control, the first seed with lr 1e-12 (the same prompts and samples, the
+weights in effect held: the config refuses lr 0), then the per-step cost of
+``rl.batch_invariant`` against the native kernels: each repetition runs both from the
+same checkpoint, alternating their order, and takes each run's median step time; the
+ratio is per repetition (median, IQR).
 Writes benchmarks/results/rl_bench.{json,md} and rl_reward.png."""
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from flexshard.trainer.train import run
 from .common import write_results
 
 ROOT = Path(__file__).resolve().parent.parent
+CONTROL_LR = "1e-12"  # the control run's: the weights in effect held (lr 0 is refused)
 QUIET = ["--job.progress", "false", "--job.plot", "false", "--job.tensorboard", "false"]
 
 
@@ -43,18 +45,22 @@ def _ranks(rank: int, world: int, folder: str, args: dict[str, Any]) -> dict[str
     run(load_config(pre, [*QUIET, "--job.dump_folder", f"{folder}/pre"]))
     start = ["--checkpoint.initial_load_path", f"{folder}/pre/checkpoint/step-{pre_steps}"]
     rl = ROOT / "configs" / "rl_debug.toml"
+    runs = {f"seed {seed}": ["--training.seed", str(seed)] for seed in args["seeds"]}
+    # the control: the first seed's prompts and samples, the weights in effect held
+    runs[_control(args["seeds"])] = [*runs[f"seed {args['seeds'][0]}"], "--training.lr", CONTROL_LR]
     curves = {}
-    for seed in args["seeds"]:
-        overrides = ["--training.seed", str(seed), "--training.steps", str(args["steps"])]
-        curves[seed] = run(
+    for i, (name, overrides) in enumerate(runs.items()):
+        curves[name] = run(
             load_config(
                 rl,
                 [
                     *QUIET,
                     *start,
                     *overrides,
+                    "--training.steps",
+                    str(args["steps"]),
                     "--job.dump_folder",
-                    f"{folder}/rl{seed}",
+                    f"{folder}/rl{i}",
                     "--checkpoint.enable",
                     "false",
                 ],
@@ -84,29 +90,29 @@ def _ranks(rank: int, world: int, folder: str, args: dict[str, Any]) -> dict[str
     return {"curves": curves, "costs": costs}
 
 
-def plot(curves: dict[int, list[dict]], path: Path, title: str) -> None:
+def plot(curves: dict[str, list[dict]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for i, (seed, curve) in enumerate(curves.items()):
+    for i, (name, curve) in enumerate(curves.items()):
         steps = [r["step"] for r in curve]
-        style = ("-", "--", ":")[i % 3]
+        style = ("-", "--", ":", "-.")[i % 4]
         ax.plot(
             steps,
             [r["reward"] for r in curve],
             style,
             color="tab:blue",
-            label=f"mean reward, seed {seed}",
+            label=f"mean reward, {name}",
         )
         ax.plot(
             steps,
             [r["solved"] for r in curve],
             style,
             color="tab:green",
-            label=f"solved (exact), seed {seed}",
+            label=f"solved (exact), {name}",
         )
     ax.set_xlabel("RL step")
     ax.set_ylabel("per step, over all completions")
@@ -116,6 +122,10 @@ def plot(curves: dict[int, list[dict]], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _control(seeds: list[int]) -> str:
+    return f"seed {seeds[0]}, lr {CONTROL_LR}"
 
 
 def _learned(curve: list[dict]) -> dict[str, float]:
@@ -148,7 +158,10 @@ def main(argv: list[str] | None = None) -> None:
         result = run_distributed(_ranks, opts.world, folder, args, timeout=3600)[0]
     wall = time.perf_counter() - began
     curves, costs = result["curves"], result["costs"]
-    learned = {seed: _learned(curve) for seed, curve in curves.items()}
+    learned = {name: _learned(curve) for name, curve in curves.items()}
+    held = learned[_control(args["seeds"])]["reward_last"]
+    for v in learned.values():  # the last 10 steps against the held weights' last 10
+        v["over_control"] = v["reward_last"] - held
     cost = summary(paired_ratios(costs["invariant"], costs["default"]))
     pre_cfg = load_config(ROOT / "configs" / "rl_pretrain.toml")
     meta = {
@@ -165,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     png = out / "rl_reward.png"
     out.mkdir(parents=True, exist_ok=True)
     plot(curves, png, f"GRPO, sort letters, W = {opts.world} (batch-invariant)")
-    every = [r for curve in curves.values() for r in curve]
+    every = [r for curve in curves.values() for r in curve]  # the control's too
     diff = max(r["logprob_max_abs_diff"] for r in every)
     dev = max(r["ratio_max_abs_dev"] for r in every)
     lines = [
@@ -173,16 +186,18 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"`{meta['command']}` (W = {opts.world}; configs/rl_pretrain.toml, "
         f"{pre_cfg.training.steps} steps, seed {pre_cfg.training.seed}, then "
-        f"configs/rl_debug.toml from its checkpoint, {args['steps']} RL steps per seed; "
+        f"configs/rl_debug.toml from its checkpoint, {args['steps']} RL steps per run "
+        "(`training.seed`: each step's prompts and samples; lr 1e-12: the weights in effect held); "
         f"{wall:.0f} s in all)",
         "",
-        "| RL seed | reward, first 10 steps | last 10 steps | margin | "
-        "solved, first 10 | last 10 |",
-        "|---|---|---|---|---|---|",
+        "| RL run | reward, first 10 steps | last 10 steps | margin | over the control "
+        "| solved, first 10 | last 10 |",
+        "|---|---|---|---|---|---|---|",
         *(
-            f"| {seed} | {v['reward_first']:.3f} | {v['reward_last']:.3f} | "
-            f"{v['margin']:+.3f} | {v['solved_first']:.3f} | {v['solved_last']:.3f} |"
-            for seed, v in learned.items()
+            f"| {name} | {v['reward_first']:.3f} | {v['reward_last']:.3f} | "
+            f"{v['margin']:+.3f} | {v['over_control']:+.3f} | {v['solved_first']:.3f} | "
+            f"{v['solved_last']:.3f} |"
+            for name, v in learned.items()
         ),
         "",
         f"- generator vs trainer log-probs, max |diff| over every step: {diff}; "
