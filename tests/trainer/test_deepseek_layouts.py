@@ -15,8 +15,7 @@ from flexshard.testing import run_distributed
 from flexshard.trainer.config import Config, ConfigError
 from flexshard.trainer.train import setup
 
-from . import test_trainer_muon_layouts as muon
-from .test_parallel_layouts import compare_with_single_process, layout_config, trained
+from .test_parallel_layouts import MUON_RTOL, compare_with_single_process, layout_config, trained
 
 MLA_MODEL = {
     "attention": "mla",
@@ -113,11 +112,9 @@ def _run(world_size: int, tmp_path, soap: bool = False) -> None:
     results = run_distributed(_cases, world_size, str(tmp_path), names, timeout=900)
     for name in names:
         cfg = case_config("-", name)
-        # Muon: Newton-Schulz magnifies the ranks' rounding (the Muon layouts' bounds)
-        bounds = {
-            "muon": (muon.LOSS_RTOL, muon.NORM_RTOL, muon.PARAM_ATOL),
-            "soap": SOAP_BOUNDS,
-        }
+        # Muon: Newton-Schulz magnifies the ranks' rounding (the other families' bounds;
+        # measured dp2_muon loss 3.5e-6 on torch 2.11)
+        bounds = {"muon": tuple(MUON_RTOL.values()), "soap": SOAP_BOUNDS}
         tolerances = bounds.get(cfg.training.optimizer, ())
         gaps = compare_with_single_process(name, cfg, results[0][name], *tolerances)
         print(f"{name}: {gaps}")
