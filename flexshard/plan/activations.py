@@ -20,7 +20,7 @@ import torch
 
 from flexshard.torch_internals import FakeTensorMode, MemRefType, MemTracker, ModState
 from flexshard.trainer.config import ActivationCheckpointConfig, Config, ModelConfig
-from flexshard.trainer.models.model import Transformer, ffn_hidden_size
+from flexshard.trainer.models.model import Transformer
 from flexshard.trainer.parallel.activation_checkpoint import apply_ac
 
 from .recompute import op_level, recomputed_share
@@ -38,7 +38,7 @@ def dense_equivalent(model: ModelConfig) -> ModelConfig:
     moe = model.moe
     if not moe.num_experts:
         return model
-    hidden = moe.expert_hidden or ffn_hidden_size(model)
+    hidden = moe.expert_hidden or model.ffn_hidden_size()
     out = copy.deepcopy(model)
     out.ffn_hidden = hidden * (moe.top_k + moe.num_shared_experts)
     out.moe.num_experts = 0

@@ -27,7 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from flexshard.torch_internals import FakeTensorMode, TorchDispatchMode, tree_map_only
 from flexshard.trainer.config import ModelConfig
-from flexshard.trainer.models.model import loss_fn  # the trainer's loss, as it runs it
+from flexshard.trainer.models.layers import loss_fn  # the trainer's loss, as it runs it
 
 from .activations import fake_model
 

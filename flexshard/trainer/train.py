@@ -29,7 +29,8 @@ from .metrics import (
     read_metrics,
     summary_table,
 )
-from .models.model import count_params, flops_per_token, loss_fn
+from .models.layers import loss_fn
+from .models.model import count_params, flops_per_token
 from .models.moe import step_balance, tokens_per_expert
 from .models.mtp import take_step_loss
 from .optimizers import build_optimizer

@@ -22,9 +22,11 @@ from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
 from flexshard.testing import run_distributed
 from flexshard.trainer.checkpointing.checkpoints import latest_step
 from flexshard.trainer.config import ConfigError, config_from_dict, load_config
+from flexshard.trainer.config.hf_config import hf_config, model_fields, read_config
 from flexshard.trainer.generate import generate, load_model
-from flexshard.trainer.models.hf_adapter import hf_config, hf_keys, model_fields, read_config
-from flexshard.trainer.models.model import KVCache, Transformer, count_params, init_weights
+from flexshard.trainer.models.hf_adapter import hf_keys
+from flexshard.trainer.models.layers import KVCache
+from flexshard.trainer.models.model import Transformer, count_params, init_weights
 from flexshard.trainer.models.moe import group_limited
 from flexshard.trainer.train import run
 

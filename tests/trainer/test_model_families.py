@@ -30,8 +30,9 @@ from flexshard.testing import run_distributed
 from flexshard.trainer.checkpointing import checkpoints as checkpointing
 from flexshard.trainer.checkpointing.checkpoints import export_hf
 from flexshard.trainer.config import ConfigError, config_from_dict
+from flexshard.trainer.config.hf_config import check_matches, hf_config, model_fields
 from flexshard.trainer.launch import main as train_main
-from flexshard.trainer.models.hf_adapter import check_matches, hf_config, hf_keys, model_fields
+from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.model import Transformer
 from flexshard.trainer.train import run, setup
 

@@ -25,8 +25,8 @@ from flexshard.testing import run_distributed
 from flexshard.trainer.checkpointing import checkpoints as checkpointing
 from flexshard.trainer.checkpointing.checkpoints import export_hf
 from flexshard.trainer.config import ConfigError, load_config
+from flexshard.trainer.config.hf_config import check_matches
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, load_tokens
-from flexshard.trainer.models.hf_adapter import check_matches
 from flexshard.trainer.train import loss_fn, run, setup, train_step
 
 from ..helpers.trainer_cases import tiny_config

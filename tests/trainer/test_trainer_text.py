@@ -15,7 +15,8 @@ from flexshard.trainer.config import ConfigError, config_from_dict, load_config
 from flexshard.trainer.data.dataset import builtin_corpus
 from flexshard.trainer.data.tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer
 from flexshard.trainer.generate import generate, load_model, load_sharded
-from flexshard.trainer.models.model import KVCache, Transformer, init_weights
+from flexshard.trainer.models.layers import KVCache
+from flexshard.trainer.models.model import Transformer, init_weights
 
 from .test_trainer_hf import hf_llama
 

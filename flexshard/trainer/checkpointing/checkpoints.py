@@ -43,10 +43,11 @@ from flexshard.checkpoint.hf_safetensors import (
 )
 from flexshard.checkpoint.stages import Model
 
+from ..config.hf_config import check_matches, hf_config
 from ..config.schema import Config
 from ..data.dataset import DPSampler, ValidationBatches
 from ..data.tokenizer import Tokenizer
-from ..models.hf_adapter import DTYPES, check_matches, hf_config, hf_keys, in_hf
+from ..models.hf_adapter import DTYPES, hf_keys, in_hf
 from ..models.model import Transformer
 from ..parallel.dims import Meshes, ParallelDims
 from ..parallel.exchange import configured_timeout
@@ -114,7 +115,7 @@ def world_group(job: Job) -> tuple[dist.ProcessGroup, datetime.timedelta]:
 
 
 def load_hf(job: Job, folder: str | Path) -> None:
-    """Copy a Hugging Face folder's weights (``hf_adapter.FAMILIES``) into the sharded
+    """Copy a Hugging Face folder's weights (``config.hf_config.FAMILIES``) into the sharded
     model, after checking that its config.json describes the model the config
     builds."""
     config = check_matches(job.cfg.model, folder)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config, ConfigError
+from ..config.hf_config import check_matches
 from ..data.dataset import data_files
 from ..data.tokenizer import load_tokenizer
 
@@ -99,8 +100,6 @@ def check_checkpoints(cfg: Config) -> None:
         if not path.exists():
             raise StartupError("checkpoint", f"{key} '{path}': no such file or folder")
         if c.initial_load_in_hf:
-            from ..models.hf_adapter import check_matches
-
             check_matches(cfg.model, path)  # config.json against [model], keys named
             if not any(path.glob("*.safetensors")):
                 raise StartupError("checkpoint", f"{key} '{path}': no *.safetensors file")

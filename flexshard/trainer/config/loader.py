@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..data.tokenizer import open_tokenizer, padded_vocab_size
+from .hf_config import model_fields, read_config
 from .schema import (
     ActivationCheckpointConfig,
     Config,
@@ -142,8 +143,6 @@ def _model_from_folder(table: dict[str, Any]) -> dict[str, Any]:
     starts from (``initial_load_in_hf``): the folder's config.json is the model; keys
     given must agree with it (``check_matches``, at start-up). A folder that is not
     there is left to the start-up checks, which name it."""
-    from ..models.hf_adapter import model_fields, read_config
-
     checkpoint, given = table.get("checkpoint", {}), table.get("model", {})
     if not isinstance(checkpoint, dict) or not isinstance(given, dict):
         return table  # _fill names the mistake

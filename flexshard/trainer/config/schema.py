@@ -7,6 +7,7 @@ them from ``flexshard.trainer.config``, which re-exports them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -107,6 +108,13 @@ class ModelConfig:
     def head_size(self) -> int:
         """Each attention head's width: ``head_dim``, else the model width split by heads."""
         return self.head_dim or self.dim // self.n_heads
+
+    def ffn_hidden_size(self) -> int:
+        """The dense SwiGLU's width: ``ffn_hidden``, else 8/3 of ``dim`` rounded up to
+        ``ffn_multiple`` (the 4*dim MLP's parameter count)."""
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return self.ffn_multiple * math.ceil(int(8 * self.dim / 3) / self.ffn_multiple)
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""The trainer's model in Hugging Face ``transformers`` terms, one family per
-``model_type``: its state-dict key names, the RoPE projections whose rows change order,
-and ``config.json`` both ways (``FAMILIES``).
+"""The trainer's state dict in Hugging Face ``transformers`` terms, one family per
+``model_type``: its key names and the RoPE projections whose rows change order
+(``FAMILY_KEYS``). What each family's ``config.json`` means as ``[model]``, and back,
+is the config side's (``config/hf_config.py``: ``FAMILIES``, keyed alike).
 
 - ``llama`` (``LlamaForCausalLM``): RMSNorm, SwiGLU, GQA, RoPE without scaling, the
   output tied or not; names as in Meta/torchtitan checkpoints here.
@@ -31,21 +32,16 @@ MiniMax-M2 a sigmoid router.
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
 from flexshard.checkpoint.hf_safetensors import HFKey
 
-from ..config import ConfigError, ModelConfig, MoEConfig
+from ..config import ModelConfig
 from ..config.validation import hf_format
 from . import hf_deepseek_v3
-from .model import ffn_hidden_size
 
 # trainer name (within a block) -> HF name (within model.layers.{i})
 _ATTENTION = {
@@ -89,186 +85,29 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 # exporting it is refused by hf_format)
 _TRAINER_ONLY = re.compile(r"^layers\.\d+\.feed_forward\.balance\.bias$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# what a config.json may carry that changes what the model computes, and the value the
-# trainer's model has (other values: a ConfigError naming the key)
-_NEEDED = {
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
-    "attention_dropout": 0.0,
-    "router_jitter_noise": 0.0,
-    "use_sliding_window": False,
-    "sliding_window": None,
-}
-
-
-def _common_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """The ``[model]`` keys every family's config.json gives the same way."""
-    for key, ok in _NEEDED.items():
-        if key == "sliding_window" and not config.get("use_sliding_window", True):
-            continue  # Qwen3 keeps a window size it does not use
-        if config.get(key, ok) != ok:
-            raise ConfigError(f"config.json: {key} = {config[key]!r}: the trainer needs {ok!r}")
-    kinds = set(config.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"}:
-        raise ConfigError(
-            f"config.json: layer_types has {sorted(kinds - {'full_attention'})}: the "
-            "trainer's attention is fully causal"
-        )
-    heads = config["num_attention_heads"]
-    return {
-        "vocab_size": config["vocab_size"],
-        "dim": config["hidden_size"],
-        "n_layers": config["num_hidden_layers"],
-        "n_heads": heads,
-        "n_kv_heads": config.get("num_key_value_heads") or heads,
-        "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
-        "qk_norm": False,
-        "attention": "gqa",
-        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
-        "ffn_hidden": config["intermediate_size"],
-        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-        "rope_theta": _rope_theta(config),
-        "moe": {"num_experts": 0},
-    }
-
-
-def _llama_fields(config: dict[str, Any]) -> dict[str, Any]:
-    return _common_fields(config)
-
-
-def _qwen3_fields(config: dict[str, Any]) -> dict[str, Any]:
-    return {**_common_fields(config), "qk_norm": True}
-
-
-def _mixtral_fields(config: dict[str, Any]) -> dict[str, Any]:
-    moe = {
-        "num_experts": config["num_local_experts"],
-        "top_k": config["num_experts_per_tok"],
-        "expert_hidden": config["intermediate_size"],
-        "num_shared_experts": 0,
-        "first_dense_layers": 0,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-    }
-    return {**_common_fields(config), "moe": moe}
-
-
-def _qwen3_moe_fields(config: dict[str, Any]) -> dict[str, Any]:
-    moe = {
-        # the Hub's name; transformers 5 saves its alias num_local_experts
-        "num_experts": config.get("num_experts", config.get("num_local_experts")),
-        "top_k": config["num_experts_per_tok"],
-        "expert_hidden": config["moe_intermediate_size"],
-        "num_shared_experts": 0,
-        "first_dense_layers": 0,
-        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
-        "decoder_sparse_step": config.get("decoder_sparse_step", 1),
-        "mlp_only_layers": list(config.get("mlp_only_layers") or []),
-    }
-    return {**_qwen3_fields(config), "moe": moe}
-
-
-def _base_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The config.json keys of every family (Llama's set)."""
-    return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": ffn_hidden_size(cfg),
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_size(),
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "attention_bias": False,
-        "tie_word_embeddings": cfg.tie_embeddings,
-    }
-
-
-def _llama_config(cfg: ModelConfig) -> dict[str, Any]:
-    return {**_base_config(cfg), "mlp_bias": False}
-
-
-def _qwen3_config(cfg: ModelConfig) -> dict[str, Any]:
-    no_window = {"use_sliding_window": False, "sliding_window": None}
-    return {**_base_config(cfg), **no_window, "max_window_layers": cfg.n_layers}
-
-
-def _moe_sizes(cfg: ModelConfig) -> dict[str, Any]:
-    return {"num_experts_per_tok": cfg.moe.top_k, "output_router_logits": False}
-
-
-def _mixtral_config(cfg: ModelConfig) -> dict[str, Any]:
-    moe = cfg.moe
-    return {
-        **_base_config(cfg),
-        **_moe_sizes(cfg),
-        "intermediate_size": moe.expert_hidden or ffn_hidden_size(cfg),
-        "num_local_experts": moe.num_experts,
-        "sliding_window": None,
-        "router_jitter_noise": 0.0,
-    }
-
-
-def _qwen3_moe_config(cfg: ModelConfig) -> dict[str, Any]:
-    moe = cfg.moe
-    # the trainer's first dense layers are Qwen3-MoE's mlp-only ones
-    dense = sorted(set(moe.mlp_only_layers) | set(range(moe.first_dense_layers)))
-    return {
-        **_qwen3_config(cfg),
-        **_moe_sizes(cfg),
-        "moe_intermediate_size": moe.expert_hidden or ffn_hidden_size(cfg),
-        "num_experts": moe.num_experts,
-        "norm_topk_prob": moe.norm_topk_prob,
-        "decoder_sparse_step": moe.decoder_sparse_step,
-        "mlp_only_layers": dense,
-    }
 
 
 @dataclass(frozen=True)
-class Family:
-    """One Hugging Face architecture the trainer's model computes exactly."""
+class FamilyKeys:
+    """One family's state-dict names (``config.hf_config.FAMILIES`` has its config.json)."""
 
-    architecture: str  # the transformers class
     block: dict[str, str]  # trainer -> HF names within a block (every layer)
     sparse: dict[str, str]  # the MoE layers' sparse block ({} for a dense family)
-    fields: Callable[[dict[str, Any]], dict[str, Any]]  # config.json -> [model]
-    config: Callable[[ModelConfig], dict[str, Any]]  # [model] -> config.json
 
 
-FAMILIES = {
-    "llama": Family("LlamaForCausalLM", {**_ATTENTION, **_DENSE}, {}, _llama_fields, _llama_config),
-    "qwen3": Family(
-        "Qwen3ForCausalLM", {**_ATTENTION, **_QK_NORM, **_DENSE}, {}, _qwen3_fields, _qwen3_config
-    ),
-    "mixtral": Family(
-        "MixtralForCausalLM", {**_ATTENTION, **_DENSE}, _MIXTRAL, _mixtral_fields, _mixtral_config
-    ),
-    "qwen3_moe": Family(
-        "Qwen3MoeForCausalLM",
-        {**_ATTENTION, **_QK_NORM, **_DENSE},
-        _QWEN3_MOE,
-        _qwen3_moe_fields,
-        _qwen3_moe_config,
-    ),
-    "deepseek_v3": Family(
-        "DeepseekV3ForCausalLM",
-        hf_deepseek_v3.BLOCK,
-        hf_deepseek_v3.SPARSE,
-        hf_deepseek_v3.model_fields,
-        hf_deepseek_v3.hf_config,
-    ),
+FAMILY_KEYS = {
+    "llama": FamilyKeys({**_ATTENTION, **_DENSE}, {}),
+    "qwen3": FamilyKeys({**_ATTENTION, **_QK_NORM, **_DENSE}, {}),
+    "mixtral": FamilyKeys({**_ATTENTION, **_DENSE}, _MIXTRAL),
+    "qwen3_moe": FamilyKeys({**_ATTENTION, **_QK_NORM, **_DENSE}, _QWEN3_MOE),
+    "deepseek_v3": FamilyKeys(hf_deepseek_v3.BLOCK, hf_deepseek_v3.SPARSE),
 }
 
 
 def hf_key(fqn: str, cfg: ModelConfig) -> HFKey:
     """The Hugging Face key of trainer key ``fqn`` (RoPE rows marked, expert stacks
     named per expert)."""
-    family = FAMILIES[hf_format(cfg)]
+    family = FAMILY_KEYS[hf_format(cfg)]
     if fqn in _ROOT:
         return HFKey(_ROOT[fqn])
     match = _LAYER.match(fqn)
@@ -307,90 +146,3 @@ def hf_keys(fqns: list[str], cfg: ModelConfig, tied: bool = False) -> dict[str, 
     if tied and "output.weight" in keys:
         keys["output.weight"] = HFKey(_ROOT["tok_embeddings.weight"])
     return keys
-
-
-def hf_config(cfg: ModelConfig, dtype: str, max_positions: int) -> dict[str, Any]:
-    """``config.json`` of the transformers model computing what ``Transformer(cfg)`` does."""
-    kind = hf_format(cfg, "checkpoint.last_save_in_hf", export=True)
-    family = FAMILIES[kind]
-    return {
-        "architectures": [family.architecture],
-        "model_type": kind,
-        **family.config(cfg),
-        "max_position_embeddings": max_positions,
-        "torch_dtype": dtype,
-        "dtype": dtype,
-    }
-
-
-def _rope_theta(config: dict[str, Any]) -> float:
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise ConfigError(
-            f"config.json: rope type '{kind}' (RoPE scaling) is not implemented by the trainer"
-        )
-    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-
-
-def model_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """The ``[model]`` keys (with ``[model.moe]``) that reproduce a config.json of one of
-    ``FAMILIES``; ConfigError for what the trainer's model cannot compute."""
-    kind = config.get("model_type")
-    if kind not in FAMILIES:
-        raise ConfigError(
-            f"config.json: model_type '{kind}': the trainer supports "
-            f"{', '.join(repr(k) for k in FAMILIES)}"
-        )
-    return FAMILIES[kind].fields(config)
-
-
-def read_config(folder: str | Path) -> dict[str, Any]:
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"'{folder}' has no config.json: not a Hugging Face model folder")
-    return json.loads(path.read_text())
-
-
-def _have(cfg: ModelConfig, key: str) -> Any:
-    """The value ``[model]`` key ``key`` ("moe.x" for [model.moe]) has in effect."""
-    if key == "ffn_hidden":
-        return ffn_hidden_size(cfg)
-    if key == "head_dim":
-        return cfg.head_size()
-    if key == "moe.expert_hidden":
-        return cfg.moe.expert_hidden or ffn_hidden_size(cfg)
-    table, _, name = key.rpartition(".")  # "moe.x", "rope_scaling.x": a sub-table's
-    return getattr(getattr(cfg, table) if table else cfg, name)
-
-
-_LAYER_CHOICE = ("moe.first_dense_layers", "moe.decoder_sparse_step", "moe.mlp_only_layers")
-
-
-def check_matches(cfg: ModelConfig, folder: str | Path) -> dict[str, Any]:
-    """The folder's config.json, or a ConfigError listing the ``[model]`` keys that
-    differ (with the overrides that would make them match). A tied folder loads into an
-    untied model too (the output starts as a copy of the embedding)."""
-    config = read_config(folder)
-    wanted = model_fields(config)
-    moe = wanted.pop("moe")
-    wanted.update({f"moe.{k}": v for k, v in moe.items()})
-    rope = wanted.pop("rope_scaling", {})
-    wanted.update({f"rope_scaling.{k}": v for k, v in rope.items()})
-    theirs = [MoEConfig(**moe).is_moe_layer(i) for i in range(wanted["n_layers"])]
-    if theirs == [cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers)]:
-        for key in _LAYER_CHOICE:  # the same layers are MoE, however it is said
-            wanted.pop(key, None)
-    if moe["num_experts"] and all(theirs):  # no dense layer: its width does not count
-        del wanted["ffn_hidden"]
-    if wanted["tie_embeddings"] and not cfg.tie_embeddings:
-        del wanted["tie_embeddings"]
-    wrong = {k: v for k, v in wanted.items() if _have(cfg, k) != v}
-    if wrong:
-        fix = " ".join(f"--model.{k} {json.dumps(v)}" for k, v in wrong.items())
-        raise ConfigError(
-            f"checkpoint.initial_load_path '{folder}': config.json differs from [model] in "
-            f"{', '.join(f'{k} ({_have(cfg, k)} here, {v} there)' for k, v in wrong.items())}"
-            f"; set them: {fix}"
-        )
-    return config

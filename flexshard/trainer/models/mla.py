@@ -8,7 +8,7 @@ Queries: ``q_b_proj(q_a_layernorm(q_a_proj(x)))`` (a ``q_lora_rank`` latent), or
 rotated key shared by all heads (decoupled RoPE). Each head's query / key is its
 ``nope`` part followed by its ``rope`` part; only the latter is rotated.
 
-RoPE rotates adjacent pairs (``model.apply_rope``), the layout of DeepSeek's released
+RoPE rotates adjacent pairs (``layers.apply_rope``), the layout of DeepSeek's released
 weights (transformers' ``rope_interleave = True``), so the weights need no row
 permutation either way. YaRN (``rope_scaling.type = "yarn"``) interpolates the low
 frequencies by ``factor``, keeps the high ones, ramps between ``beta_fast`` and
@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ..config import ModelConfig, RopeScalingConfig
-from .model import LayerCache, RMSNorm, _linear, apply_rope, attend, cached_causal_mask
+from .layers import LayerCache, RMSNorm, _linear, apply_rope, attend, cached_causal_mask
 
 if TYPE_CHECKING:
     from ..parallel.context_parallel import ContextParallel

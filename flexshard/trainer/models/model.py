@@ -4,10 +4,9 @@ optional DeepSeek-style MoE layers (top-k router, shared expert, 3-D expert weig
 
 Initialisation is one function per module (``init_module``), applied in module order,
 so that ``fs.init_params(model, init_module)`` on a meta-built, sharded model draws
-exactly the values an eagerly built model gets from ``init_weights``.
-
-``loss_fn``: the trainer's loss, which the pipeline (parallelize) and the loop (train)
-both call."""
+exactly the values an eagerly built model gets from ``init_weights``. The pieces every
+family shares are in ``layers``, DeepSeek's MLA attention in ``mla`` and its
+multi-token prediction in ``mtp``."""
 
 from __future__ import annotations
 
@@ -20,123 +19,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..parallel.context_parallel import ring_attention
+from .layers import (
+    KVCache,
+    LayerCache,
+    RMSNorm,
+    _linear,
+    apply_rope,
+    attend,
+    cached_causal_mask,
+    rope_tables,
+)
+from .mla import MLA, mla_rope_tables
 from .moe import LoadBalance, _AddAuxGrad, grouped_swiglu, loop_swiglu
+from .mtp import MultiTokenPrediction
 
 if TYPE_CHECKING:
     from ..parallel.context_parallel import ContextParallel
     from ..parallel.expert_parallel import ExpertParallel
-
-
-def ffn_hidden_size(cfg: ModelConfig) -> int:
-    if cfg.ffn_hidden:
-        return cfg.ffn_hidden
-    hidden = int(8 * cfg.dim / 3)  # SwiGLU keeps the 4*dim MLP's parameter count
-    return cfg.ffn_multiple * math.ceil(hidden / cfg.ffn_multiple)
-
-
-def _linear(fan_in: int, fan_out: int, std: float) -> nn.Linear:
-    layer = nn.Linear(fan_in, fan_out, bias=False)
-    layer.init_stds = {"weight": std}  # read by init_module
-    return layer
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.init_stds = {"weight": None}  # None: ones
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
-
-
-def rope_tables(
-    seq_len: int, head_dim: int, theta: float, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every (position, frequency) pair, [seq_len, head_dim / 2], fp32."""
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device).float(), freqs)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs of ``x`` [batch, seq, heads, head_dim] (Llama's layout)."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
-
-
-class LayerCache:
-    """What one attention layer keeps of the tokens already seen (its keys and values),
-    each tensor [batch, seq, ...], grown along the sequence dim: generation runs the
-    prompt once, then one token per forward, through the model's own attention."""
-
-    def __init__(self) -> None:
-        self.tensors: tuple[torch.Tensor, ...] = ()
-
-    @property
-    def length(self) -> int:
-        return self.tensors[0].shape[1] if self.tensors else 0
-
-    def extend(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The cached tensors with ``new`` appended (and kept)."""
-        if self.tensors:
-            new = tuple(torch.cat([old, t], dim=1) for old, t in zip(self.tensors, new))
-        self.tensors = new
-        return new
-
-
-class KVCache:
-    """One ``LayerCache`` per block; ``length``: the tokens already seen."""
-
-    def __init__(self, n_layers: int) -> None:
-        self.layers = [LayerCache() for _ in range(n_layers)]
-
-    @property
-    def length(self) -> int:
-        return self.layers[0].length
-
-
-def cached_causal_mask(new: int, start: int, device: torch.device) -> torch.Tensor:
-    """[new, start + new]: new token j (position start + j) sees positions 0 .. start + j."""
-    return torch.ones(new, start + new, dtype=torch.bool, device=device).tril(diagonal=start)
-
-
-def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cp: ContextParallel | None,
-    mask: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Causal attention of queries [b, s, heads, d] over keys and values [b, n,
-    kv_heads, *] (each kv head serving heads / kv_heads queries; v's head dim may differ),
-    out [b, s, heads * v_dim]: over the CP ring, over the CP-gathered sequence, or one
-    SDPA call (``mask``: a KV cache's; None: plain causal)."""
-    b, s = q.shape[:2]
-    if cp is not None and cp.method == "ring":  # K/V blocks travel the CP ring
-        return ring_attention(q, k, v, cp.exchange, scale).reshape(b, s, -1)
-    if cp is not None:  # local queries attend to the whole sequence's keys and values
-        k, v = cp.gather_kv(k, v)
-        mask = cp.causal_mask(s, q.device)
-    repeat = q.shape[2] // k.shape[2]
-    if repeat > 1:
-        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-    )
-    return out.transpose(1, 2).reshape(b, s, -1)
 
 
 class Attention(nn.Module):
@@ -177,8 +76,6 @@ class Attention(nn.Module):
 
 def _attention(cfg: ModelConfig, out_std: float) -> nn.Module:
     if cfg.attention == "mla":
-        from .mla import MLA  # mla builds on this file's pieces
-
         return MLA(cfg, out_std)
     return Attention(cfg, out_std)
 
@@ -241,7 +138,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, out_std: float) -> None:
         super().__init__()
         moe = cfg.moe
-        hidden = moe.expert_hidden or ffn_hidden_size(cfg)
+        hidden = moe.expert_hidden or cfg.ffn_hidden_size()
         self.top_k = moe.top_k
         self.score_func, self.norm_topk_prob = moe.score_func, moe.norm_topk_prob
         self.groups = (moe.n_group, moe.topk_group)
@@ -287,7 +184,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward: nn.Module = (
             MoE(cfg, out_std)
             if cfg.moe.is_moe_layer(layer)
-            else FeedForward(cfg.dim, ffn_hidden_size(cfg), out_std)
+            else FeedForward(cfg.dim, cfg.ffn_hidden_size(), out_std)
         )
         # set by apply_ac: runs ``_block`` so that backward recomputes its activations.
         # An attribute, not a wrapper module, so parameter names (buckets, checkpoints,
@@ -333,9 +230,7 @@ class Transformer(nn.Module):
             self.output.init_stds = {}
         self.mtp: nn.Module | None = None
         if cfg.mtp_layers:
-            from .mtp import MultiTokenPrediction  # mtp builds on this file's blocks
-
-            self.mtp = MultiTokenPrediction(cfg)
+            self.mtp = MultiTokenPrediction(cfg, TransformerBlock)
         # RoPE tables are recomputed per device and length, not stored: a meta-built
         # model then needs no buffer re-initialisation after to_empty
         self._rope: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -349,8 +244,6 @@ class Transformer(nn.Module):
         total = cp.global_len(seq_len) if cp is not None else seq_len
         key = (total, device)
         if key not in self._rope and self.cfg.attention == "mla":
-            from .mla import mla_rope_tables
-
             self._rope[key] = mla_rope_tables(self.cfg, total, device)
         if key not in self._rope:
             self._rope[key] = rope_tables(total, self.cfg.head_size(), self.cfg.rope_theta, device)
@@ -435,8 +328,3 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         head_dims = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
         return 6.0 * active + 6.0 * cfg.n_layers * cfg.n_heads * head_dims * seq_len
     return 6.0 * active + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_size() * seq_len
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy, computed in float32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))

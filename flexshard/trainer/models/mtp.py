@@ -23,20 +23,25 @@ Hugging Face export leaves them out, since ``DeepseekV3ForCausalLM`` has none.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .model import RMSNorm, TransformerBlock, _linear, loss_fn
+from .layers import RMSNorm, _linear, loss_fn
+
+# (cfg, layer index) -> the main model's transformer block for that layer
+BlockFactory = Callable[[ModelConfig, int], nn.Module]
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, block: BlockFactory) -> None:
         super().__init__()
         self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.eh_proj = _linear(2 * cfg.dim, cfg.dim, 0.02)
-        self.block = TransformerBlock(cfg, layer)  # MoE or dense as layer `layer` would be
+        self.block = block(cfg, layer)  # MoE or dense as layer `layer` would be
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
     def forward(
@@ -49,9 +54,11 @@ class MTPLayer(nn.Module):
 
 
 class MultiTokenPrediction(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, block: BlockFactory) -> None:
+        """``block``: the main model's block class (``Transformer`` hands its own)."""
         super().__init__()
-        self.layers = nn.ModuleList(MTPLayer(cfg, cfg.n_layers + k) for k in range(cfg.mtp_layers))
+        depths = range(cfg.mtp_layers)
+        self.layers = nn.ModuleList(MTPLayer(cfg, cfg.n_layers + k, block) for k in depths)
         self.weight = cfg.mtp_loss_weight
         self.loss_scale = 1.0  # set by the trainer: 1 / grad_accum
         # the step's mean loss so far (loss_scale-weighted micro-batches), detached

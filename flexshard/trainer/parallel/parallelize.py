@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import flexshard as fs
 
 from ..config import Config
-from ..models.model import Transformer, init_module, init_weights, loss_fn
+from ..models.layers import loss_fn
+from ..models.model import Transformer, init_module, init_weights
 from .activation_checkpoint import apply_ac
 from .context_parallel import apply_cp, split_sequence
 from .dims import Meshes, ParallelDims

@@ -1,0 +1,390 @@
+"""What a Hugging Face ``config.json`` means as ``[model]`` keys, and back, one family
+per ``model_type`` (``FAMILIES``: the transformers class, ``config.json`` -> ``[model]``
+and ``[model]`` -> ``config.json``); the state-dict key names of each family are the
+models side's (``models/hf_adapter.py``, keyed alike).
+
+A ``config.json`` key that changes what the model computes and that the trainer's model
+does not compute is a ConfigError naming it; ``check_matches`` compares a folder's
+config.json with ``[model]`` at start-up. DeepSeek-V3 (``deepseek_v3``): MLA sizes,
+YaRN RoPE (``rope_interleave = true``: the trainer's pairwise rotation), sigmoid
+group-limited routing with the ``"bias"`` balance, no MTP depths
+(``num_nextn_predict_layers = 0``); a folder loads with ``mtp_layers = 0``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .schema import ConfigError, ModelConfig, MoEConfig
+from .validation import hf_format
+
+# what a config.json may carry that changes what the model computes, and the value the
+# trainer's model has (other values: a ConfigError naming the key)
+_NEEDED = {
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "attention_dropout": 0.0,
+    "router_jitter_noise": 0.0,
+    "use_sliding_window": False,
+    "sliding_window": None,
+}
+
+
+def _common_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``[model]`` keys every family's config.json gives the same way."""
+    for key, ok in _NEEDED.items():
+        if key == "sliding_window" and not config.get("use_sliding_window", True):
+            continue  # Qwen3 keeps a window size it does not use
+        if config.get(key, ok) != ok:
+            raise ConfigError(f"config.json: {key} = {config[key]!r}: the trainer needs {ok!r}")
+    kinds = set(config.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise ConfigError(
+            f"config.json: layer_types has {sorted(kinds - {'full_attention'})}: the "
+            "trainer's attention is fully causal"
+        )
+    heads = config["num_attention_heads"]
+    return {
+        "vocab_size": config["vocab_size"],
+        "dim": config["hidden_size"],
+        "n_layers": config["num_hidden_layers"],
+        "n_heads": heads,
+        "n_kv_heads": config.get("num_key_value_heads") or heads,
+        "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+        "qk_norm": False,
+        "attention": "gqa",
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "ffn_hidden": config["intermediate_size"],
+        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "rope_theta": _rope_theta(config),
+        "moe": {"num_experts": 0},
+    }
+
+
+def _llama_fields(config: dict[str, Any]) -> dict[str, Any]:
+    return _common_fields(config)
+
+
+def _qwen3_fields(config: dict[str, Any]) -> dict[str, Any]:
+    return {**_common_fields(config), "qk_norm": True}
+
+
+def _mixtral_fields(config: dict[str, Any]) -> dict[str, Any]:
+    moe = {
+        "num_experts": config["num_local_experts"],
+        "top_k": config["num_experts_per_tok"],
+        "expert_hidden": config["intermediate_size"],
+        "num_shared_experts": 0,
+        "first_dense_layers": 0,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+    return {**_common_fields(config), "moe": moe}
+
+
+def _qwen3_moe_fields(config: dict[str, Any]) -> dict[str, Any]:
+    moe = {
+        # the Hub's name; transformers 5 saves its alias num_local_experts
+        "num_experts": config.get("num_experts", config.get("num_local_experts")),
+        "top_k": config["num_experts_per_tok"],
+        "expert_hidden": config["moe_intermediate_size"],
+        "num_shared_experts": 0,
+        "first_dense_layers": 0,
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "decoder_sparse_step": config.get("decoder_sparse_step", 1),
+        "mlp_only_layers": list(config.get("mlp_only_layers") or []),
+    }
+    return {**_qwen3_fields(config), "moe": moe}
+
+
+def _base_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json keys of every family (Llama's set)."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_hidden_size(),
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_size(),
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+    }
+
+
+def _llama_config(cfg: ModelConfig) -> dict[str, Any]:
+    return {**_base_config(cfg), "mlp_bias": False}
+
+
+def _qwen3_config(cfg: ModelConfig) -> dict[str, Any]:
+    no_window = {"use_sliding_window": False, "sliding_window": None}
+    return {**_base_config(cfg), **no_window, "max_window_layers": cfg.n_layers}
+
+
+def _moe_sizes(cfg: ModelConfig) -> dict[str, Any]:
+    return {"num_experts_per_tok": cfg.moe.top_k, "output_router_logits": False}
+
+
+def _mixtral_config(cfg: ModelConfig) -> dict[str, Any]:
+    moe = cfg.moe
+    return {
+        **_base_config(cfg),
+        **_moe_sizes(cfg),
+        "intermediate_size": moe.expert_hidden or cfg.ffn_hidden_size(),
+        "num_local_experts": moe.num_experts,
+        "sliding_window": None,
+        "router_jitter_noise": 0.0,
+    }
+
+
+def _qwen3_moe_config(cfg: ModelConfig) -> dict[str, Any]:
+    moe = cfg.moe
+    # the trainer's first dense layers are Qwen3-MoE's mlp-only ones
+    dense = sorted(set(moe.mlp_only_layers) | set(range(moe.first_dense_layers)))
+    return {
+        **_qwen3_config(cfg),
+        **_moe_sizes(cfg),
+        "moe_intermediate_size": moe.expert_hidden or cfg.ffn_hidden_size(),
+        "num_experts": moe.num_experts,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "decoder_sparse_step": moe.decoder_sparse_step,
+        "mlp_only_layers": dense,
+    }
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise ConfigError(
+            f"config.json: rope type '{kind}' (RoPE scaling) is not implemented by the trainer"
+        )
+    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def _yarn_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    scaling = cfg.rope_scaling
+    if scaling.type == "none":
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {
+        "rope_type": "yarn",
+        "rope_theta": cfg.rope_theta,
+        "factor": scaling.factor,
+        "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        "beta_fast": scaling.beta_fast,
+        "beta_slow": scaling.beta_slow,
+        "mscale": scaling.mscale,
+        "mscale_all_dim": scaling.mscale_all_dim,
+    }
+
+
+def _deepseek_v3_config(cfg: ModelConfig) -> dict[str, Any]:
+    """``config.json`` of a ``DeepseekV3ForCausalLM`` computing what ``Transformer(cfg)``
+    does (its main model: no MTP), but the keys every family writes alike."""
+    moe = cfg.moe
+    dense = cfg.ffn_hidden_size()
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": dense,
+        "moe_intermediate_size": moe.expert_hidden or dense,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_heads,
+        "q_lora_rank": cfg.q_lora_rank or None,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "n_routed_experts": moe.num_experts,
+        "n_shared_experts": moe.num_shared_experts,
+        "num_experts_per_tok": moe.top_k,
+        "n_group": moe.n_group,
+        "topk_group": moe.topk_group,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "routed_scaling_factor": moe.routed_scaling_factor,
+        # every block dense without routed experts
+        "first_k_dense_replace": moe.first_dense_layers if moe.num_experts else cfg.n_layers,
+        "num_nextn_predict_layers": 0,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": _yarn_parameters(cfg),
+        "rope_interleave": True,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
+def _yarn_fields(config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, the [model.rope_scaling] table) of a config.json, read as
+    transformers reads it; ConfigError for what the trainer does not compute."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, {"type": "none"}
+    if kind != "yarn":
+        raise ConfigError(f"config.json: rope type '{kind}': the trainer's MLA runs YaRN only")
+    for key, ok in (("attention_factor", None), ("truncate", True)):
+        if params.get(key, ok) != ok:
+            raise ConfigError(f"config.json: rope {key} = {params[key]!r}: the trainer needs {ok}")
+    original = params.get("original_max_position_embeddings", config["max_position_embeddings"])
+    factor = params.get("factor") or config["max_position_embeddings"] / original
+    return theta, {
+        "type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": int(original),
+        "beta_fast": float(params.get("beta_fast") or 32),
+        "beta_slow": float(params.get("beta_slow") or 1),
+        "mscale": float(params.get("mscale") or 0),
+        "mscale_all_dim": float(params.get("mscale_all_dim") or 0),
+    }
+
+
+def _deepseek_v3_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``[model]`` keys (with ``[model.moe]``, ``[model.rope_scaling]``) that reproduce
+    a ``DeepseekV3ForCausalLM`` config.json."""
+    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("rope_interleave", True)):
+        if config.get(key, ok) != ok:
+            raise ConfigError(f"config.json: {key} = {config[key]!r}: the trainer needs {ok!r}")
+    theta, rope_scaling = _yarn_fields(config)
+    layers = config["num_hidden_layers"]
+    dense = config.get("first_k_dense_replace") or 0
+    moe: dict[str, Any] = {"num_experts": 0}
+    if dense < layers:
+        moe = {
+            "num_experts": config["n_routed_experts"],
+            "top_k": config["num_experts_per_tok"],
+            "num_shared_experts": config["n_shared_experts"],
+            "expert_hidden": config["moe_intermediate_size"],
+            "first_dense_layers": dense,
+            "balance": "bias",
+            "score_func": "sigmoid",
+            "n_group": config.get("n_group") or 1,
+            "topk_group": config.get("topk_group") or 1,
+            "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
+            "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
+        }
+    return {
+        "attention": "mla",
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "vocab_size": config["vocab_size"],
+        "dim": config["hidden_size"],
+        "n_layers": layers,
+        "n_heads": config["num_attention_heads"],
+        "ffn_hidden": config["intermediate_size"],
+        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "rope_theta": theta,
+        "q_lora_rank": config.get("q_lora_rank") or 0,
+        "kv_lora_rank": config["kv_lora_rank"],
+        "qk_nope_head_dim": config["qk_nope_head_dim"],
+        "qk_rope_head_dim": config["qk_rope_head_dim"],
+        "v_head_dim": config["v_head_dim"],
+        "rope_scaling": rope_scaling,
+        "moe": moe,
+    }
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face architecture the trainer's model computes exactly."""
+
+    architecture: str  # the transformers class
+    fields: Callable[[dict[str, Any]], dict[str, Any]]  # config.json -> [model]
+    config: Callable[[ModelConfig], dict[str, Any]]  # [model] -> config.json
+
+
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM", _llama_fields, _llama_config),
+    "qwen3": Family("Qwen3ForCausalLM", _qwen3_fields, _qwen3_config),
+    "mixtral": Family("MixtralForCausalLM", _mixtral_fields, _mixtral_config),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", _qwen3_moe_fields, _qwen3_moe_config),
+    "deepseek_v3": Family("DeepseekV3ForCausalLM", _deepseek_v3_fields, _deepseek_v3_config),
+}
+
+
+def hf_config(cfg: ModelConfig, dtype: str, max_positions: int) -> dict[str, Any]:
+    """``config.json`` of the transformers model computing what ``Transformer(cfg)`` does."""
+    kind = hf_format(cfg, "checkpoint.last_save_in_hf", export=True)
+    family = FAMILIES[kind]
+    return {
+        "architectures": [family.architecture],
+        "model_type": kind,
+        **family.config(cfg),
+        "max_position_embeddings": max_positions,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+
+
+def model_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``[model]`` keys (with ``[model.moe]``) that reproduce a config.json of one of
+    ``FAMILIES``; ConfigError for what the trainer's model cannot compute."""
+    kind = config.get("model_type")
+    if kind not in FAMILIES:
+        raise ConfigError(
+            f"config.json: model_type '{kind}': the trainer supports "
+            f"{', '.join(repr(k) for k in FAMILIES)}"
+        )
+    return FAMILIES[kind].fields(config)
+
+
+def read_config(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"'{folder}' has no config.json: not a Hugging Face model folder")
+    return json.loads(path.read_text())
+
+
+def _have(cfg: ModelConfig, key: str) -> Any:
+    """The value ``[model]`` key ``key`` ("moe.x" for [model.moe]) has in effect."""
+    if key == "ffn_hidden":
+        return cfg.ffn_hidden_size()
+    if key == "head_dim":
+        return cfg.head_size()
+    if key == "moe.expert_hidden":
+        return cfg.moe.expert_hidden or cfg.ffn_hidden_size()
+    table, _, name = key.rpartition(".")  # "moe.x", "rope_scaling.x": a sub-table's
+    return getattr(getattr(cfg, table) if table else cfg, name)
+
+
+_LAYER_CHOICE = ("moe.first_dense_layers", "moe.decoder_sparse_step", "moe.mlp_only_layers")
+
+
+def check_matches(cfg: ModelConfig, folder: str | Path) -> dict[str, Any]:
+    """The folder's config.json, or a ConfigError listing the ``[model]`` keys that
+    differ (with the overrides that would make them match). A tied folder loads into an
+    untied model too (the output starts as a copy of the embedding)."""
+    config = read_config(folder)
+    wanted = model_fields(config)
+    moe = wanted.pop("moe")
+    wanted.update({f"moe.{k}": v for k, v in moe.items()})
+    rope = wanted.pop("rope_scaling", {})
+    wanted.update({f"rope_scaling.{k}": v for k, v in rope.items()})
+    theirs = [MoEConfig(**moe).is_moe_layer(i) for i in range(wanted["n_layers"])]
+    if theirs == [cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers)]:
+        for key in _LAYER_CHOICE:  # the same layers are MoE, however it is said
+            wanted.pop(key, None)
+    if moe["num_experts"] and all(theirs):  # no dense layer: its width does not count
+        del wanted["ffn_hidden"]
+    if wanted["tie_embeddings"] and not cfg.tie_embeddings:
+        del wanted["tie_embeddings"]
+    wrong = {k: v for k, v in wanted.items() if _have(cfg, k) != v}
+    if wrong:
+        fix = " ".join(f"--model.{k} {json.dumps(v)}" for k, v in wrong.items())
+        raise ConfigError(
+            f"checkpoint.initial_load_path '{folder}': config.json differs from [model] in "
+            f"{', '.join(f'{k} ({_have(cfg, k)} here, {v} there)' for k, v in wrong.items())}"
+            f"; set them: {fix}"
+        )
+    return config
