@@ -1,5 +1,8 @@
-"""Every Hugging Face family of the trainer (``hf_adapter.FAMILIES``) against
-transformers' own class, built from its config and saved with ``save_pretrained``:
+"""Every Hugging Face family of the trainer (``config.hf_config.FAMILIES``, its key
+names in ``hf_adapter.FAMILY_KEYS``) against transformers' own class, built from its
+config and saved with ``save_pretrained``:
+
+- the config side and the state-dict side name the same families;
 
 - the folder is the model: ``config_from_dict`` with only ``initial_load_path`` /
   ``initial_load_in_hf`` builds it from config.json (sizes, ``head_dim``, q/k norms,
@@ -30,8 +33,10 @@ from flexshard.testing import run_distributed
 from flexshard.trainer.checkpointing import checkpoints as checkpointing
 from flexshard.trainer.checkpointing.checkpoints import export_hf
 from flexshard.trainer.config import ConfigError, config_from_dict
+from flexshard.trainer.config import hf_config as config_side
 from flexshard.trainer.config.hf_config import check_matches, hf_config, model_fields
 from flexshard.trainer.launch import main as train_main
+from flexshard.trainer.models import hf_adapter
 from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.model import Transformer
 from flexshard.trainer.train import run, setup
@@ -77,6 +82,10 @@ FAMILIES = {
         {**QWEN3_MOE, "norm_topk_prob": True, "decoder_sparse_step": 2},
     ),
 }
+
+
+def test_config_and_key_tables_name_the_same_families():
+    assert list(config_side.FAMILIES) == list(hf_adapter.FAMILY_KEYS)
 
 
 def _transformers():
