@@ -3,6 +3,8 @@ reference and a dp x tp run of the same steps."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -64,6 +66,32 @@ def reference(cfg: ModelConfig, dp: int, steps: int) -> tuple[list[float], list[
         opt.zero_grad()
         losses.append(loss.item())
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def quantized_reference(
+    cfg: ModelConfig, dp: int, steps: int, qdq: Callable[[Transformer], None]
+) -> list[float]:
+    """One process's losses where the master weights train and each forward runs on
+    ``qdq``'s quantize-dequantize of them (applied in place to a copy, no grad): the
+    gradient of the dequantized weights updates the master, as a quantized all-gather
+    of fp32 master shards trains."""
+    master = Transformer(cfg)
+    init_weights(master, SEED)
+    opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=0.1)
+    losses = []
+    for batch in batches(dp, steps):
+        model = Transformer(cfg)
+        model.load_state_dict(master.state_dict())
+        with torch.no_grad():
+            qdq(model)
+        loss = loss_of(model, batch)
+        loss.backward()
+        for p, q in zip(master.parameters(), model.parameters()):
+            p.grad = q.grad
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def tp_mesh(dp: int, tp: int) -> DeviceMesh:

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -67,26 +66,14 @@ def _run(rank: int, world_size: int) -> dict[str, list[float]]:
 def _reference(name: str, quant: bool) -> list[float]:
     """One process: the master weights train; the forward uses the QDQ of the bucket's."""
     cfg = _model_config(name)
-    master = Transformer(cfg)
-    init_weights(master, tc.SEED)
-    quantized = set(_quantized(master))
-    opt = torch.optim.AdamW(master.parameters(), lr=tc.LR, weight_decay=0.1)
-    losses = []
-    for batch in tc.batches(2, STEPS):  # tc.train's batches
-        model = Transformer(cfg)
-        model.load_state_dict(master.state_dict())
-        with torch.no_grad():
-            for key, p in model.named_parameters():
-                if quant and key in quantized:
-                    p.copy_(dequantize(quantize(p, QUANT), p.dtype))
-        loss = tc.loss_of(model, batch)
-        loss.backward()
-        for p, q in zip(master.parameters(), model.parameters()):
-            p.grad = q.grad  # the gradient of the dequantized weight updates the master
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+
+    def qdq(model: Transformer) -> None:
+        quantized = set(_quantized(model))
+        for key, p in model.named_parameters():
+            if quant and key in quantized:
+                p.copy_(dequantize(quantize(p, QUANT), p.dtype))
+
+    return tc.quantized_reference(cfg, 2, STEPS, qdq)  # tc.train's batches
 
 
 @pytest.fixture(scope="module")

@@ -212,27 +212,14 @@ def _quant_case(mesh: DeviceMesh) -> list[float]:
 
 def _quant_reference(steps: int) -> list[float]:
     """One process: the master weights train, the forward uses their TP-piecewise QDQ."""
-    cfg = tc.model_config(dim=64)
-    master = Transformer(cfg)
-    tc.init_weights(master, tc.SEED)
-    opt = torch.optim.AdamW(master.parameters(), lr=tc.LR, weight_decay=0.1)
-    losses = []
-    for batch in tc.batches(2, steps):
-        model = Transformer(cfg)
-        model.load_state_dict(master.state_dict())
-        with torch.no_grad():
-            for layer in model.layers:
-                wq, wo = layer.attention.wq.weight, layer.attention.wo.weight
-                wq.copy_(_qdq_tp_pieces(wq, 0, 2))  # column-parallel: split by rows
-                wo.copy_(_qdq_tp_pieces(wo, 1, 2))  # row-parallel: split by columns
-        loss = tc.loss_of(model, batch)
-        loss.backward()
-        for p, q in zip(master.parameters(), model.parameters()):
-            p.grad = q.grad  # the gradient of the dequantized weight updates the master
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+
+    def qdq(model: Transformer) -> None:
+        for layer in model.layers:
+            wq, wo = layer.attention.wq.weight, layer.attention.wo.weight
+            wq.copy_(_qdq_tp_pieces(wq, 0, 2))  # column-parallel: split by rows
+            wo.copy_(_qdq_tp_pieces(wo, 1, 2))  # row-parallel: split by columns
+
+    return tc.quantized_reference(tc.model_config(dim=64), 2, steps, qdq)
 
 
 def test_quantized_bucket_under_tp(dp2_tp2) -> None:
