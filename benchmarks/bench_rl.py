@@ -100,20 +100,11 @@ def plot(curves: dict[str, list[dict]], path: Path, title: str) -> None:
     for i, (name, curve) in enumerate(curves.items()):
         steps = [r["step"] for r in curve]
         style = ("-", "--", ":", "-.")[i % 4]
-        ax.plot(
-            steps,
-            [r["reward"] for r in curve],
-            style,
-            color="tab:blue",
-            label=f"mean reward, {name}",
-        )
-        ax.plot(
-            steps,
-            [r["solved"] for r in curve],
-            style,
-            color="tab:green",
-            label=f"solved (exact), {name}",
-        )
+        for key, color, label in (
+            ("reward", "tab:blue", "mean reward"),
+            ("solved", "tab:green", "solved (exact)"),
+        ):
+            ax.plot(steps, [r[key] for r in curve], style, color=color, label=f"{label}, {name}")
     ax.set_xlabel("RL step")
     ax.set_ylabel("per step, over all completions")
     ax.set_title(title)
