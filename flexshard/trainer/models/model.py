@@ -259,8 +259,11 @@ class Transformer(nn.Module):
         hidden = tokens.is_floating_point()  # a pipeline stage after the embedding's
         seq = tokens.shape[1] * (self.sequence_shards if hidden else 1)
         start = 0 if cache is None else cache.length
-        cos, sin = self.rope(start + seq, tokens.device)
-        cos, sin = cos[start:], sin[start:]
+        # decoding: one table per power of two (a position's angles do not depend on the
+        # table's length), not a new one for every length the cache reaches
+        length = start + seq if cache is None else 1 << (start + seq - 1).bit_length()
+        cos, sin = self.rope(length, tokens.device)
+        cos, sin = cos[start : start + seq], sin[start : start + seq]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache=None if cache is None else cache.layers[i])
         logits = self.output(self.norm(x))
