@@ -14,8 +14,13 @@ is the config side's (``config/hf_config.py``: ``FAMILIES``, keyed alike).
 - ``qwen3_moe`` (``Qwen3MoeForCausalLM``): Qwen3's attention and the same sparse block
   with the renormalisation optional (``norm_topk_prob``) and dense layers where
   ``decoder_sparse_step`` / ``mlp_only_layers`` say.
-- ``deepseek_v3`` (``DeepseekV3ForCausalLM``): MLA attention, DeepSeek's MoE
-  (``hf_deepseek_v3``).
+- ``deepseek_v3`` (``DeepseekV3ForCausalLM``): MLA's parameters under transformers'
+  names, its rotated rows in DeepSeek's pairwise order (``rope_interleave = true``,
+  written on export, required on load: no row moves); DeepSeek's MoE block (``mlp.gate``
+  with the ``"bias"`` balance's selection bias as ``e_score_correction_bias``, hence that
+  balance both ways; ``mlp.shared_experts``; routed experts one tensor per expert). The
+  multi-token prediction depths (``mtp.*``) are not exported: the transformers class has
+  no such weights, and a folder loads with ``mtp_layers = 0``.
 
 The trainer's ``[E, R, C]`` stacks are stored per expert (``...experts.{e}.w1.weight``,
 what ``save_pretrained`` writes; transformers 5 fuses them on load). The MoE twins hold
@@ -41,7 +46,6 @@ from flexshard.checkpoint.hf_safetensors import HFKey
 
 from ..config import ModelConfig
 from ..config.validation import hf_format
-from . import hf_deepseek_v3
 
 # trainer name (within a block) -> HF name (within model.layers.{i})
 _ATTENTION = {
@@ -87,6 +91,39 @@ _TRAINER_ONLY = re.compile(r"^layers\.\d+\.feed_forward\.balance\.bias$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+_MLA_NAMES = (
+    "q_proj",
+    "q_a_proj",
+    "q_a_layernorm",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_a_layernorm",
+    "kv_b_proj",
+    "o_proj",
+)
+# DeepSeek-V3: every block
+_DEEPSEEK_V3 = {
+    **{f"attention.{name}.weight": f"self_attn.{name}.weight" for name in _MLA_NAMES},
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+# DeepSeek-V3's MoE blocks
+_DEEPSEEK_V3_MOE = {
+    "feed_forward.router.weight": "mlp.gate.weight",
+    "feed_forward.balance.bias": "mlp.gate.e_score_correction_bias",
+    "feed_forward.shared.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "feed_forward.shared.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "feed_forward.shared.w2.weight": "mlp.shared_experts.down_proj.weight",
+    # "{}": the expert index of a stack's per-expert tensors
+    "feed_forward.experts.w1": "mlp.experts.{}.gate_proj.weight",
+    "feed_forward.experts.w3": "mlp.experts.{}.up_proj.weight",
+    "feed_forward.experts.w2": "mlp.experts.{}.down_proj.weight",
+}
+
+
 @dataclass(frozen=True)
 class FamilyKeys:
     """One family's state-dict names (``config.hf_config.FAMILIES`` has its config.json)."""
@@ -100,7 +137,7 @@ FAMILY_KEYS = {
     "qwen3": FamilyKeys({**_ATTENTION, **_QK_NORM, **_DENSE}, {}),
     "mixtral": FamilyKeys({**_ATTENTION, **_DENSE}, _MIXTRAL),
     "qwen3_moe": FamilyKeys({**_ATTENTION, **_QK_NORM, **_DENSE}, _QWEN3_MOE),
-    "deepseek_v3": FamilyKeys(hf_deepseek_v3.BLOCK, hf_deepseek_v3.SPARSE),
+    "deepseek_v3": FamilyKeys(_DEEPSEEK_V3, _DEEPSEEK_V3_MOE),
 }
 
 
