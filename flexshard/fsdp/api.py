@@ -102,6 +102,13 @@ def check_bucket_spec(spec: Any) -> None:
             f"{where}: quant must be a QuantFormat (FP8Blockwise, MXFP8) or None, "
             f"got {spec.quant!r}"
         )
+    if not isinstance(spec.ragged, bool):
+        raise TypeError(f"{where}: ragged must be a bool, got {spec.ragged!r}")
+    if spec.ragged and (spec.quant is not None or spec.pack_as_bytes):
+        raise ValueError(
+            f"{where}: ragged=True moves one dtype's elements per rank; a quantized or "
+            "byte-packed bucket sends its own wire format: give it ragged=False"
+        )
 
 
 def check_options(
@@ -253,6 +260,11 @@ class BucketSpec:
     #: the bucket's own mesh, 1-D (shard) or 2-D (replicate, shard); None: flex_shard's.
     #: FSDP2 says the same with a shard_placement_fn's ShardPlacementResult
     mesh: DeviceMesh | None = None
+    #: each rank stores, sends and receives only its own share: the all-gather and the
+    #: gradient reduction move per-rank sizes instead of W shards padded to the largest
+    #: (Owned / BlockShard buckets whose ranks hold unequal shares, such as a block's
+    #: whole matrices over more ranks than it has matrices; docs/placements.md)
+    ragged: bool = False
 
     def __post_init__(self) -> None:
         check_bucket_spec(self)
@@ -404,6 +416,7 @@ def _plan(
     first_rank: int,
     mp_policy: MixedPrecisionPolicy,
     pack_as_bytes: bool = False,
+    ragged: bool = False,
 ) -> BucketLayout:
     dtypes: dict[torch.dtype, str] = {}
     for param, fqns in members:
@@ -426,6 +439,7 @@ def _plan(
         world_size,
         bucket=name,
         first_rank=first_rank,
+        ragged=ragged,
     )
 
 
@@ -604,7 +618,14 @@ def _plan_flex(
         # successive buckets start LPT ties on successive ranks, spreading Owned params
         policy = spec.mp_policy or mp_policy or MixedPrecisionPolicy()
         layout = _plan(
-            names[b], members, placements, world_size, b % world_size, policy, spec.pack_as_bytes
+            names[b],
+            members,
+            placements,
+            world_size,
+            b % world_size,
+            policy,
+            spec.pack_as_bytes,
+            spec.ragged,
         )
         if spec.quant is not None:
             _check_quant(names[b], members, placements, spec.quant)

@@ -94,6 +94,13 @@ class BucketLayout:
     world_size: int
     shard_numel: int  # every rank's storage, padded to the largest rank
     replicated: bool  # Replicate bucket: all-reduce instead of all-gather/reduce-scatter
+    #: each rank stores and sends only its own elements (``extents``): collectives of
+    #: per-rank sizes instead of W padded shards, for Owned/BlockShard buckets whose
+    #: ranks hold unequal shares (a per-block bucket of whole matrices at W > matrices)
+    ragged: bool = False
+    #: per rank, the elements of its storage (padding of Shard slots included); empty:
+    #: ``shard_numel`` on every rank
+    extents: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -107,6 +114,28 @@ class BucketLayout:
     def rank_numel(self, rank: int) -> int:
         return sum(p.local_numel(rank) for p in self.params)
 
+    def extent(self, rank: int) -> int:
+        """Elements of ``rank``'s storage buffer: its own extent when ragged, else the
+        padded shard every rank keeps."""
+        return self.extents[rank] if self.ragged else self.shard_numel
+
+    @property
+    def wire_numel(self) -> int:
+        """Elements of the gathered buffer (and of the reduce-scatter input): the
+        ranks' extents summed when ragged, else W padded shards."""
+        if self.ragged:
+            return sum(self.extents)
+        return self.world_size * self.shard_numel
+
+    @cached_property
+    def rank_starts(self) -> tuple[int, ...]:
+        """Where each rank's storage begins in the gathered buffer."""
+        starts, at = [], 0
+        for rank in range(self.world_size):
+            starts.append(at)
+            at += self.extent(rank)
+        return tuple(starts)
+
 
 def _slots(placement: Placement, per_rank: Sequence[Sequence[Region]]) -> list[int]:
     """Elements a parameter reserves in each rank's storage."""
@@ -119,12 +148,14 @@ def plan_bucket(
     world_size: int,
     bucket: str = "bucket",
     first_rank: int = 0,
+    ragged: bool = False,
 ) -> BucketLayout:
     """Assign every parameter's regions to ranks and lay them out in flat storage.
 
     Parameters keep bucket order in storage. Placements with ``uniform_slots`` (Shard)
     reserve the largest rank's slice on every rank, as FSDP2 pads each parameter;
-    the others pack tightly and the bucket pads once at the end.
+    the others pack tightly and the bucket pads once at the end, unless ``ragged``:
+    then each rank keeps and moves its own extent only.
     """
     check_world_size(world_size)
     kinds = {isinstance(p, Replicate) for _, _, p in entries}
@@ -176,6 +207,8 @@ def plan_bucket(
         world_size=world_size,
         shard_numel=max(cursors, default=0),
         replicated=kinds == {True},
+        ragged=ragged and kinds != {True},
+        extents=tuple(cursors),
     )
 
 
@@ -199,4 +232,6 @@ def trainable_layout(
         world_size=layout.world_size,
         shard_numel=max(cursors, default=0),
         replicated=layout.replicated,
+        ragged=layout.ragged,
+        extents=tuple(cursors),
     )
