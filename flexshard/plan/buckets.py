@@ -47,25 +47,37 @@ class BucketInfo:
 
     @property
     def shard_numel(self) -> int:
-        return self.layout.shard_numel
+        """Elements per rank on the wire: the padded shard; for a ragged bucket the
+        ranks' mean extent (its collectives carry the bucket with no padding, (W - 1) / W
+        of it per ring link, as NCCL's grouped broadcasts and reduces do)."""
+        layout = self.layout
+        if layout.ragged:
+            return -(-layout.wire_numel // layout.world_size)
+        return layout.shard_numel
 
     @property
     def gathered_bytes(self) -> int:
-        """The all-gather output: W padded shards."""
+        """The all-gather output: W padded shards, or the ragged ranks' extents."""
         if self.layout.replicated:
             return 0
-        return self.world * self.shard_numel * self.gather_itemsize
+        return self.layout.wire_numel * self.gather_itemsize
 
     @property
     def unsharded_grad_bytes(self) -> int:
-        """The reduce-scatter input (W padded shards in the reduce dtype)."""
-        return self.world * self.shard_numel * self.reduce_itemsize
+        """The reduce-scatter input (W padded shards, or the ragged extents, in the
+        reduce dtype)."""
+        return self.layout.wire_numel * self.reduce_itemsize
 
     @property
     def padding(self) -> float:
         """Share of the communicated elements that are padding."""
-        total = self.world * self.shard_numel
+        total = self.layout.wire_numel
         return 0.0 if self.layout.replicated or not total else 1 - self.numel / total
+
+    def storage_numels(self) -> list[int]:
+        """Elements of each rank's storage buffer: the padded shard everywhere, or each
+        rank's own extent when ragged."""
+        return [self.layout.extent(rank) for rank in range(self.world)]
 
     def rank_numels(self) -> list[int]:
         """Elements each rank of the group really stores (its share before padding)."""

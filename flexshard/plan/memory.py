@@ -104,7 +104,7 @@ def gathered_in_flight(buckets: list[BucketInfo]) -> tuple[int, str]:
     root_back = sum(b.gathered_bytes for b in root if not b.reshard_after_forward)
     for i, bucket in enumerate(backward):
         following = backward[i + 1].gathered_bytes if i + 1 < len(backward) else 0
-        grads = bucket.world * bucket.shard_numel * bucket.gather_itemsize
+        grads = bucket.layout.wire_numel * bucket.gather_itemsize
         pending = sum(
             b.unsharded_grad_bytes for b in backward[max(0, i - MAX_PENDING_REDUCTIONS) : i]
         )
@@ -131,6 +131,17 @@ def busiest_elements(buckets: list[BucketInfo]) -> int:
     return sum(max(v) for v in groups.values())
 
 
+def storage_bytes(buckets: list[BucketInfo]) -> int:
+    """The busiest rank's storage buffers, per group size (an upper bound across
+    groups, as ``busiest_elements``)."""
+    groups: dict[int, list[int]] = {}
+    for b in buckets:
+        per_rank = groups.setdefault(b.world, [0] * b.world)
+        for r, n in enumerate(b.storage_numels()):
+            per_rank[r] += n * b.storage_itemsize
+    return sum(max(v) for v in groups.values())
+
+
 def rank_memory(
     buckets: list[BucketInfo],
     optimizer: str,
@@ -141,8 +152,9 @@ def rank_memory(
     """``moments``: the step's (peak.step_moments); without them the parts are added.
     ``staging``: an async checkpoint stages a CPU copy of the parameters and the
     optimizer state (the real elements the state dict holds)."""
-    # the runtime allocates the padded shard on every rank of the group
-    params = sum(b.shard_numel * b.storage_itemsize for b in buckets)
+    # the runtime allocates the padded shard on every rank of the group (a ragged
+    # bucket: each rank's own extent, so the busiest rank over all buckets counts)
+    params = storage_bytes(buckets)
     itemsize = max((b.storage_itemsize for b in buckets), default=FP32)
     elements = busiest_elements(buckets)
     grads = elements * itemsize

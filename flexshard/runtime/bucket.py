@@ -497,7 +497,9 @@ class Bucket:
             send = self.collective.payload(self._data_version(), full.gathered)
             with unsafe_preserve_version_counter(full.guarded):
                 # keeps ``send``
-                full.pending = self.comm.all_gather(full.gathered, send, forward_prefetch)
+                full.pending = self.collective.all_gather(
+                    self.comm, full.gathered, send, forward_prefetch
+                )
 
     def _finish_gather(self) -> None:
         full = self.full

@@ -316,6 +316,9 @@ class Pending:
         self._stream_waited = False
         #: buffers the collective reads (its input): alive until it completed
         self.keep: tuple[torch.Tensor, ...] = ()
+        #: local work that turns what landed into the result (a ragged reduction's sum
+        #: over the ranks' rows), run once by the first ``wait`` after it completed
+        self.then: Callable[[], None] | None = None
 
     @classmethod
     def launch(
@@ -387,8 +390,10 @@ class Pending:
                 self.runtime.wait(self.event)
                 self._stream_waited = True
             self.keep = ()  # the compute stream is past the collective
+            self._then()
             return
         if self.work is None:
+            self._then()
             return
         # the clock runs from launch: a prefetch waited on late gets no extra time
         left = max(self.timeout.total_seconds() - (time.monotonic() - self.started), 0.001)
@@ -407,6 +412,12 @@ class Pending:
             raise self.error
         self.work = None
         self.keep = ()
+        self._then()
+
+    def _then(self) -> None:
+        then, self.then = self.then, None
+        if then is not None:
+            then()
 
 
 def by_process_group(buckets: Sequence[_HasComm]) -> list[list[_HasComm]]:
@@ -454,10 +465,12 @@ class BucketComm:
         groups = [(r, self.group(r)) for r in (False, True)]
         return [r for r, g in groups if g is not None and dist.get_world_size(g) > 1]
 
-    def _count(self, kind: str, moved: int, payload: bool = True) -> None:
+    def _count(
+        self, kind: str, moved: int, payload: bool = True, received: int | None = None
+    ) -> None:
         setattr(self.stats, kind, getattr(self.stats, kind) + 1)
         self.stats.bytes_sent += moved
-        self.stats.bytes_received += moved
+        self.stats.bytes_received += moved if received is None else received
         if kind == "all_gather" and payload:
             self.stats.all_gather_bytes += moved
 
@@ -524,6 +537,110 @@ class BucketComm:
             overlap=True,
         )
         self._count("reduce_scatter", (self.world_size - 1) * out.numel() * out.element_size())
+        return pending
+
+    # [Note: collectives of per-rank sizes]
+    # A ragged bucket's ranks hold unequal shares (a block's whole matrices over more
+    # ranks than it has matrices: most ranks hold none of them). Its all-gather moves
+    # exactly the ranks' shares back to back and its reduction lands exactly each
+    # rank's share, so nothing travels or is held for padding. NCCL has both natively
+    # (torch's list all_gather / reduce_scatter of per-rank sizes: grouped broadcasts
+    # and reduces, the same bytes per link as the ring collectives). gloo has neither,
+    # so there they are all-to-alls (gloo takes per-rank splits): the gather's input
+    # repeats this rank's share once per peer, the reduction's output holds every
+    # rank's contribution to this rank's share, summed here in rank order. Each is
+    # still one collective per direction, counted as the all-gather and reduce-scatter
+    # it stands for, with the bytes this rank really sends and receives.
+
+    def all_gather_ragged(
+        self,
+        out: torch.Tensor,
+        local: torch.Tensor,
+        extents: Sequence[int],
+        forward_prefetch: bool = False,
+    ) -> Pending:
+        """Every rank's ``local`` (``extents[r]`` elements from rank r) into ``out``,
+        back to back (see the Note above)."""
+        group = self.shard_group
+        if self.world_size == 1:
+            if out.data_ptr() != local.data_ptr():
+                out.copy_(local.view(-1))
+            return self._done("all-gather", group)
+        mine, size = local.numel(), self.world_size
+        if dist.get_backend(group) == "gloo":
+            send = local.view(-1).repeat(size)
+            splits = list(extents)
+
+            def start() -> dist.Work | None:
+                return dist.all_to_all_single(
+                    out, send, splits, [mine] * size, group=group, async_op=True
+                )
+
+            keep: tuple[torch.Tensor, ...] = (send,)
+        else:
+            pieces = list(out.split(list(extents)))
+
+            def start() -> dist.Work | None:
+                return dist.all_gather(pieces, local.view(-1), group=group, async_op=True)
+
+            keep = (local,)
+        pending = self._launch(start, "all-gather", group, out, keep=keep, overlap=forward_prefetch)
+        item = local.element_size()
+        self._count("all_gather", (size - 1) * mine * item, received=(out.numel() - mine) * item)
+        return pending
+
+    def reduce_scatter_ragged(
+        self,
+        out: torch.Tensor,
+        full: torch.Tensor,
+        extents: Sequence[int],
+        op: dist.ReduceOp = dist.ReduceOp.AVG,
+    ) -> Pending:
+        """Reduce ``full`` (every rank's share back to back, ``extents[r]`` elements for
+        rank r) over the group into this rank's share ``out`` (see the Note above)."""
+        group = self.shard_group
+        if self.world_size == 1:
+            out.copy_(full)
+            return self._done("reduce-scatter", group)
+        mine, size = out.numel(), self.world_size
+        then: Callable[[], None] | None = None
+        if dist.get_backend(group) == "gloo":
+            landed = torch.empty(size * mine, dtype=out.dtype, device=out.device)
+            rows = landed.view(size, mine)
+            splits = list(extents)
+
+            def start() -> dist.Work | None:
+                return dist.all_to_all_single(
+                    landed, full, [mine] * size, splits, group=group, async_op=True
+                )
+
+            def then() -> None:
+                out.copy_(rows[0])
+                for row in rows[1:]:  # rank order, the same on every run
+                    out.add_(row)
+                if op == dist.ReduceOp.AVG:
+                    out.div_(size)
+
+        else:
+            pieces = list(full.split(list(extents)))
+
+            def start() -> dist.Work | None:
+                return dist.reduce_scatter(out, pieces, op=op, group=group, async_op=True)
+
+        pending = self._launch(
+            start,
+            "reduce-scatter",
+            group,
+            out,
+            wait_ignores_timeout=dist.get_backend(group) == "gloo",
+            keep=(full,),
+            overlap=True,
+        )
+        pending.then = then
+        item = out.element_size()
+        self._count(
+            "reduce_scatter", (full.numel() - mine) * item, received=(size - 1) * mine * item
+        )
         return pending
 
     def all_reduce(

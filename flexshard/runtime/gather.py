@@ -49,6 +49,13 @@ class Collective(Protocol):
         part of it (an in-place all-gather, as FSDP2 copies in)."""
         ...
 
+    def all_gather(
+        self, comm: BucketComm, out: torch.Tensor, local: torch.Tensor, prefetch: bool
+    ) -> Pending:
+        """Launch the all-gather of ``local`` (the payload) into ``out`` (the gathered
+        buffer); ``prefetch``: forward's prefetch, left in flight on CPU too."""
+        ...
+
     def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
         """Fill the full parameters with a buffer of their own (``owned``, None for the
         others) from the landed all-gather; True: ``gathered`` may be freed now."""
@@ -82,6 +89,11 @@ class ShardedCollective:
 
     def __init__(self, store: BucketStorage) -> None:
         self.store = store
+
+    def all_gather(
+        self, comm: BucketComm, out: torch.Tensor, local: torch.Tensor, prefetch: bool
+    ) -> Pending:
+        return comm.all_gather(out, local, prefetch)
 
     def gather_storage(self, comm: BucketComm) -> torch.Tensor:
         store, layout = self.store, self.store.storage_layout
@@ -193,6 +205,165 @@ class BytesGather(PlainGather):
         return None
 
 
+class RaggedGather(ShardedCollective):
+    """A ragged bucket (``BucketSpec(ragged=True)``): each rank stores only its own
+    extent and the collectives move per-rank sizes (collectives.py, [Note: collectives
+    of per-rank sizes]), so the gathered buffer is the bucket's parameters back to back
+    with no padding. When every parameter's pieces sit there in order (whole Owned
+    matrices, rows on consecutive ranks) the parameters are views of it; otherwise all
+    are copied out and the buffer freed, as ``PlainGather`` does."""
+
+    def __init__(self, store: BucketStorage) -> None:
+        super().__init__(store)
+        layout = store.storage_layout
+        probe = torch.empty(layout.wire_numel, device="meta")
+        self.aliases = len(set(store.full_dtypes)) == 1 and all(
+            param.numel == 0 or ragged_alias(layout, i, probe) is not None
+            for i, param in enumerate(layout.params)
+        )
+        self._copy_out: tuple[tuple, list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def _extents(self, layout: BucketLayout) -> list[int]:
+        return [layout.extent(rank) for rank in range(layout.world_size)]
+
+    def gather_buffer(self) -> torch.Tensor | None:
+        store = self.store
+        return torch.empty(
+            store.storage_layout.wire_numel, dtype=store.param_dtype, device=store.buffer.device
+        )
+
+    def full_base(self, index: int, gathered: torch.Tensor | None) -> torch.Tensor | None:
+        assert gathered is not None
+        if not self.aliases:
+            return None
+        return ragged_alias(self.store.storage_layout, index, gathered)
+
+    def payload(self, version: object, gathered: torch.Tensor | None) -> torch.Tensor:
+        store = self.store
+        if store.param_dtype == store.dtype:
+            return store.buffer
+        assert gathered is not None  # cast into this rank's part: no buffer of its own
+        layout = store.storage_layout
+        start = layout.rank_starts[store.rank]
+        send = gathered[start : start + layout.extent(store.rank)]
+        send.copy_(store.buffer)
+        return send
+
+    def all_gather(
+        self, comm: BucketComm, out: torch.Tensor, local: torch.Tensor, prefetch: bool
+    ) -> Pending:
+        layout = self.store.storage_layout
+        return comm.all_gather_ragged(out, local, self._extents(layout), prefetch)
+
+    def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
+        assert gathered is not None
+        key = (gathered, *owned)
+        cached = self._copy_out
+        if (
+            cached is None
+            or len(cached[0]) != len(key)
+            or any(a is not b for a, b in zip(cached[0], key))
+        ):
+            layout = self.store.storage_layout
+            dsts, srcs = ragged_views(layout, self.store.as_units(owned), gathered, False)
+            cached = self._copy_out = (key, dsts, srcs)
+        _, dsts, srcs = cached
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        return all(full is not None for full in owned)  # every one copied: free it now
+
+    def gather_storage(self, comm: BucketComm) -> torch.Tensor:
+        store, layout = self.store, self.store.storage_layout
+        device = store.buffer.device
+        wire = torch.empty(layout.wire_numel, dtype=store.dtype, device=device)
+        comm.all_gather_ragged(wire, store.buffer, self._extents(layout)).wait()
+        padded = torch.zeros(
+            layout.world_size, layout.shard_numel, dtype=store.dtype, device=device
+        )
+        for rank, (start, extent) in enumerate(zip(layout.rank_starts, self._extents(layout))):
+            padded[rank, :extent] = wire[start : start + extent]
+        return padded
+
+    def launch_reduce(
+        self,
+        comm: BucketComm,
+        layout: BucketLayout,
+        grads: list[torch.Tensor | None],
+        dtype: torch.dtype,
+        op: dist.ReduceOp,
+        runtime: DeviceRuntime,
+    ) -> tuple[Pending, torch.Tensor]:
+        device = self.store.buffer.device
+        stream = runtime.reduce_scatter_stream
+        full = torch.zeros(layout.wire_numel, dtype=dtype, device=device)
+        dsts, srcs = ragged_views(layout, grads, full, True)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        runtime.protect(full, stream)
+        with runtime.on(stream):
+            out = torch.empty(layout.extent(self.store.rank), dtype=dtype, device=device)
+            return comm.reduce_scatter_ragged(out, full, self._extents(layout), op), out
+
+
+def _rank_rows(layout: BucketLayout, wire: torch.Tensor) -> list[torch.Tensor]:
+    """Each rank's storage in a ragged wire buffer, as a one-row 2-D view."""
+    return [
+        wire[start : start + layout.extent(rank)].view(1, -1)
+        for rank, start in enumerate(layout.rank_starts)
+    ]
+
+
+def ragged_views(
+    layout: BucketLayout,
+    fulls: Sequence[torch.Tensor | None],
+    wire: torch.Tensor,
+    into_wire: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(destinations, sources) of one foreach copy between the full tensors
+    (contiguous; None: skipped) and a ragged wire buffer, in either direction."""
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    for rank, row in enumerate(_rank_rows(layout, wire)):
+        d, s, strided = copy_views(layout, fulls, row, range(rank, rank + 1), into_wire)
+        assert not strided  # full parameters and gradients are contiguous here
+        dsts += d
+        srcs += s
+    return dsts, srcs
+
+
+def ragged_alias(layout: BucketLayout, index: int, wire: torch.Tensor) -> torch.Tensor | None:
+    """Parameter ``index`` as a view of a ragged wire buffer, when its pieces sit
+    there contiguously and in order (a whole Owned matrix; row blocks on consecutive
+    ranks, each at the end of one rank's storage and the start of the next's)."""
+    param = layout.params[index]
+    pieces = []  # (position in the wire buffer, first flat element, numel)
+    for rank, start in enumerate(layout.rank_starts):
+        position = start + param.offsets[rank]
+        for region in param.regions[rank]:
+            if not region.numel:
+                continue
+            if region.flat:
+                first = region.offsets[0]
+            elif region.numel == param.numel:
+                first = 0
+            elif tuple(region.sizes[1:]) == tuple(param.shape[1:]):  # whole rows
+                first = region.offsets[0] * (param.numel // param.shape[0])
+            else:
+                return None  # a box smaller than whole rows is strided in the parameter
+            pieces.append((position, first, region.numel))
+            position += region.numel
+    if not pieces:
+        return None
+    begin, covered = pieces[0][0], 0
+    for position, first, numel in pieces:
+        if first != covered or position != begin + covered:
+            return None
+        covered += numel
+    if covered != param.numel:
+        return None
+    return wire.view(-1)[begin : begin + param.numel].view(param.shape)
+
+
 class ReplicatedGather:
     """Replicate (DDP): every rank stores everything, so there is nothing to gather;
     gradients are all-reduced."""
@@ -211,6 +382,11 @@ class ReplicatedGather:
 
     def payload(self, version: object, gathered: torch.Tensor | None) -> torch.Tensor:
         return self.store.buffer
+
+    def all_gather(
+        self, comm: BucketComm, out: torch.Tensor, local: torch.Tensor, prefetch: bool
+    ) -> Pending:
+        raise AssertionError("a replicated bucket gathers nothing (gather_buffer is None)")
 
     def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
         for i, full in enumerate(owned):  # with a cast: each parameter from the storage

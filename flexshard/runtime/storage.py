@@ -162,7 +162,8 @@ class BucketStorage:
         self.packed = len(set(dtypes)) > 1
         self.storage_layout = as_bytes(layout, element_sizes) if self.packed else layout
         self._set_dtype(torch.uint8 if self.packed else dtypes[0])
-        self.buffer = torch.zeros(self.storage_layout.shard_numel, dtype=self.dtype, device=device)
+        extent = self.storage_layout.extent(rank)  # ragged: this rank's own share only
+        self.buffer = torch.zeros(extent, dtype=self.dtype, device=device)
 
     def _set_dtype(self, dtype: torch.dtype) -> None:
         policy = self.policy

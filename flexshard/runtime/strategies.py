@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from ..placements import Placement
 from ..quant import QuantFormat
-from .gather import BytesGather, Collective, PlainGather, ReplicatedGather
+from .gather import BytesGather, Collective, PlainGather, RaggedGather, ReplicatedGather
 from .quantized import QuantizedGather
 from .storage import BucketStorage
 
@@ -22,8 +22,11 @@ CollectiveFactory = Callable[[BucketStorage, "QuantFormat | None"], Collective]
 
 
 def _sharded(store: BucketStorage, fmt: QuantFormat | None) -> Collective:
-    # one storage dtype: gather elements; several: the storage is bytes
-    return BytesGather(store) if store.packed else PlainGather(store)
+    # one storage dtype: gather elements (per-rank sizes when ragged); several: the
+    # storage is bytes
+    if store.packed:
+        return BytesGather(store)
+    return RaggedGather(store) if store.layout.ragged else PlainGather(store)
 
 
 def _quantized(store: BucketStorage, fmt: QuantFormat | None) -> Collective:
