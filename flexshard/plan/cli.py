@@ -46,7 +46,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         action="store_true",
         help="propose placements and bucket options under --memory-limit",
     )
-    p.add_argument("--memory-limit", type=float, default=80.0, help="GiB per device")
+    p.add_argument(
+        "--memory-limit",
+        type=float,
+        default=None,
+        help="GiB per device (default: the hardware profile's memory_gib, else 80)",
+    )
     p.add_argument(
         "--markdown",
         choices=("short", "full"),
@@ -75,7 +80,7 @@ def check_args(args: argparse.Namespace) -> None:
     """What argparse's types do not check: one line naming the value."""
     if args.world < 1:
         raise ValueError(f"--world {args.world}: must be a positive number of ranks")
-    if not args.memory_limit > 0:  # also NaN
+    if args.memory_limit is not None and not args.memory_limit > 0:  # also NaN
         raise ValueError(f"--memory-limit {args.memory_limit:g}: must be a positive GiB per device")
     if args.sweep:
         sweep_worlds(args.sweep)
@@ -96,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.suggest:
         from .suggest import suggest
 
-        print(suggest(cfg, args.world, profile.hardware, args.memory_limit, profile.host))
+        limit = args.memory_limit or profile.hardware.memory_gib or 80.0
+        print(suggest(cfg, args.world, profile.hardware, limit, profile.host))
         return 0
     try:
         plan = make_plan(cfg, args.world, profile.hardware, args.rank, backends, profile.host)

@@ -46,6 +46,7 @@ class Hardware:
     # collective is waited for at launch (runtime/collectives.py's Note on collectives
     # without streams, and FSDP2's unshard_async_op = False): ``overlap`` is moot
     blocking_collectives: bool = False
+    memory_gib: float = 0.0  # device memory; a plan needing more says so first (0: unknown)
 
     def non_gemm_s(self, ops: int, moved: float) -> float:
         """Seconds of ``ops`` dispatched ops moving ``moved`` non-GEMM bytes."""
@@ -93,9 +94,15 @@ H100 = Hardware(
     copy_gbps=0.8 * 3350.0,
     collective_overhead_us=5.0,
     attention_tflops=335.0,
+    memory_gib=80.0,
 )
 H200 = dataclasses.replace(
-    H100, name="h200", hbm_gbps=4800.0, elementwise_gbps=0.8 * 4800.0, copy_gbps=0.8 * 4800.0
+    H100,
+    name="h200",
+    hbm_gbps=4800.0,
+    elementwise_gbps=0.8 * 4800.0,
+    copy_gbps=0.8 * 4800.0,
+    memory_gib=141.0,
 )
 BUILTIN = {"h100": H100, "h200": H200}
 

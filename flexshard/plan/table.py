@@ -62,10 +62,28 @@ ROWS = (
 )
 
 
+def does_not_fit(plan: dict[str, Any]) -> list[str]:
+    """One line per backend whose peak per rank exceeds the device's memory (the
+    hardware profile's ``memory_gib``): such a plan's other figures describe a run
+    that cannot happen."""
+    limit = plan["hardware"].get("memory_gib", 0.0)
+    lines = []
+    for backend, p in plan["backends"].items():
+        total = p["memory"]["total"]
+        if limit and total > limit * GiB:
+            lines.append(
+                f"DOES NOT FIT: {backend} needs {_gib(total)} GiB per rank on "
+                f"{plan['hardware']['name']} ({limit:g} GiB): its step and savings below "
+                "are of a run that cannot happen"
+            )
+    return lines
+
+
 def render(plan: dict[str, Any], top: int = 3) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in plan["mesh"].items() if v > 1 or k == "dp_shard")
     backends = list(plan["backends"])
     lines = [
+        *does_not_fit(plan),
         f"world {plan['world']:,} ({mesh}), placement {plan['placement']}, "
         f"optimizer {plan['optimizer']}, {plan['parameters'] / 1e9:.1f}B parameters, "
         f"hardware {plan['hardware']['name']}; planned in {plan['planning_seconds']:.1f} s",
@@ -151,6 +169,7 @@ def render_summary(plan: dict[str, Any], full: bool = True) -> str:
     names = {"flexshard": f"flexshard ({plan['placement']})", "fsdp2": "FSDP2"}
     backends = list(plan["backends"])
     lines = [
+        *does_not_fit(plan),
         "| per rank (busiest) | " + " | ".join(names.get(b, b) for b in backends) + " |",
         "|---|" + "---|" * len(backends),
     ]
