@@ -75,6 +75,43 @@ def _slot(target: Target) -> tuple[Bucket, int]:
     return target.bucket, target.index
 
 
+def dp_holder(target: Target) -> int | None:
+    """The dp rank whose storage holds ``target``'s whole tp piece (Owned), None when
+    the piece is split across the shard group (or replicated)."""
+    bucket, index = _slot(target)
+    layout = bucket.layout.params[index]
+    if bucket.layout.replicated or bucket.layout.world_size == 1:
+        return None
+    holders = [r for r, regions in enumerate(layout.regions) if regions]
+    if len(holders) == 1 and layout.local_numel(holders[0]) == layout.numel:
+        return holders[0]
+    return None
+
+
+def _row_members(targets: Sequence[Target]) -> list[Target]:
+    """The targets this rank's tp group steps. [Note: TP pieces held whole over dp]
+    A piece stored whole on one dp rank (Owned, pinned alike on every tp rank: the plan
+    is made from shapes the tp ranks share) meets the other pieces of its matrix in
+    that dp rank's tp group, so only that group steps it, with no dp collective; the
+    other dp rows leave it out. A split piece is gathered over dp first, as before, by
+    every row."""
+    members = []
+    for target in targets:
+        holder = dp_holder(target)
+        if holder is not None:
+            boxes = piece_boxes(target)
+            if len({box[1] for box in boxes}) != 1:
+                raise ValueError(
+                    f"DistMuon: {target.name}: its tensor-parallel pieces differ in shape "
+                    f"({[box[1] for box in boxes]}), so the data-parallel owner planned on "
+                    "each tp rank may differ; store it split (Shard(0)) or make its tp "
+                    "dim divisible by tp"
+                )
+        if holder is None or holder == _slot(target)[0].store.rank:
+            members.append(target)
+    return members
+
+
 def _numel(box: Box) -> int:
     return math.prod(box[1])
 
@@ -143,7 +180,7 @@ def plan_tp(targets: Sequence[Target], cost: Callable[[Target], float]) -> list[
     order, by LPT on ``cost``. From the specs alone: every rank computes the same plan."""
     by_group: dict[str, list[Target]] = {}
     groups: dict[str, dist.ProcessGroup] = {}
-    for target in targets:
+    for target in _row_members(targets):
         assert target.bucket is not None
         group = tp_group(target.bucket.params[target.index].tp_spec)  # type: ignore[arg-type]
         by_group.setdefault(group.group_name, []).append(target)
@@ -182,9 +219,19 @@ def step_tp(
     the orthogonalised matrix."""
     wire, rank = plan.wire, plan.wire.rank
     targets = [unit.target for unit in plan.units]
-    # over dp, in bf16 (Newton–Schulz's first cast)
-    pieces = gather_pieces([(*_slot(t), updates[id(t.param)].to(WIRE_DTYPE)) for t in targets])
-    tp_counter.count_gathers(targets)
+    # over dp, in bf16 (Newton–Schulz's first cast); a piece held whole here needs none
+    held = [dp_holder(t) is not None for t in targets]
+    split = [t for t, h in zip(targets, held) if not h]
+    gathered = iter(
+        gather_pieces([(*_slot(t), updates[id(t.param)].to(WIRE_DTYPE)) for t in split])
+    )
+    pieces = [
+        updates[id(t.param)].to(WIRE_DTYPE).reshape(_slot(t)[0].layout.params[t.index].shape)
+        if h
+        else next(gathered)
+        for t, h in zip(targets, held)
+    ]
+    tp_counter.count_gathers(split)
     order = sorted(range(len(plan.units)), key=lambda i: plan.units[i].owner)  # stable
     send = [pieces[i].reshape(-1) for i in order]
     flat = torch.cat(send) if send else torch.empty(0, dtype=WIRE_DTYPE, device=wire.device)
