@@ -161,20 +161,31 @@ def test_muon_and_adamw_is_torch_muon_plus_adamw_and_resumes() -> None:
 def test_planner_buckets() -> None:
     buckets = muon_buckets(_tied(), 3, row_blocks={"*.qkv.weight": 6})
     by_name = {b.name: b for b in buckets}
-    assert set(by_name) == {"muon_blocks", "muon_owned", "adamw"}
-    blocks = by_name["muon_blocks"]
-    assert blocks.placement("layers.0.qkv.weight", None) == fs.BlockShard((6, 18))
-    assert blocks.placement("experts", None) == fs.BlockShard((18, 29))  # one tile per expert
-    owned = by_name["muon_owned"]
-    assert all(isinstance(owned.placement(n, None), fs.Owned) for n in owned.pattern_list)
-    assert {owned.placement(n, None).rank for n in owned.pattern_list} == {0, 1, 2}
-    assert "embed.weight" in by_name["adamw"].pattern_list
+    assert list(by_name) == ["layers.0", "layers.1", "outer"]
+    assert all(b.ragged for b in buckets)
+    block = by_name["layers.0"]
+    assert block.pattern_list == ["layers.0.*"]
+    qkv = block.placement("layers.0.qkv.weight", None)
+    assert isinstance(qkv, fs.Owned) and qkv.rank is not None  # whole, per head locally
+    outer = by_name["outer"]
+    assert outer.placement("experts", None) == fs.BlockShard((18, 29))  # one tile per expert
+    assert outer.placement("embed.weight", None) == fs.Shard(0)
+    assert "embed.weight" in outer.pattern_list  # the tied head: one parameter, by name
+    assert block.placement("layers.0.up.bias", None) == fs.Shard(0)
+    owned = {
+        n: b.placement(n, None)
+        for b in buckets
+        for n in b.placement.table  # type: ignore[union-attr]
+        if isinstance(b.placement(n, None), fs.Owned)
+    }
+    assert {p.rank for p in owned.values()} == {0, 1, 2}
     # the repr says who owns which matrix and how each block is cut, not "<lambda>"
-    for name in owned.pattern_list:
-        assert f"'{name}': Owned(rank={owned.placement(name, None).rank})" in repr(owned), name
-    assert "'layers.0.qkv.weight': BlockShard(block=(6, 18))" in repr(blocks)
+    for name, placement in owned.items():
+        bucket = by_name[name.rsplit(".", 2)[0]] if name.startswith("layers.") else outer
+        assert f"'{name}': Owned(rank={placement.rank})" in repr(bucket), name
+    assert "'experts': BlockShard(block=(18, 29))" in repr(outer)
     with pytest.raises(KeyError, match="'embed.weight'"):
-        owned.placement("embed.weight", None)
+        block.placement("embed.weight", None)
 
 
 @pytest.mark.parametrize(

@@ -135,8 +135,9 @@ def block_placement(cfg: Config) -> Policy:
 
 def bucket_specs(cfg: Config, module: nn.Module, dp_shard: int) -> list[fs.BucketSpec]:
     """The flexshard buckets this config asks for ``module`` (the model or a pipeline
-    stage): ``[[parallelism.buckets]]``, the Muon / SOAP owners' layout, or one bucket
-    per block plus one for the root's parts."""
+    stage): ``[[parallelism.buckets]]``, or one bucket per block plus one for the root's
+    parts (under ``"muon"``: the planner's, matrices whole on owners balanced across the
+    module, ragged collectives)."""
     par = cfg.parallelism
     if par.buckets:
         return _explicit_buckets(cfg)
