@@ -8,16 +8,16 @@ the parameters under no block (embeddings, LM head, final norm). Every bucket is
 ``ragged``: its collectives move each rank's own elements, so a block whose few
 matrices sit whole on a few ranks costs no padding.
 
-Inside a block every optimizer matrix is ``Owned(rank=r)``, r pinned by one assignment
-over the whole model that keeps each rank's total storage (elements over every bucket)
-under ``STORAGE_SLACK`` x the mean and its Newton–Schulz work near level: matrices by
-size, largest first, each to the least-busy rank it still fits on. A matrix that fits
-on no rank is stored ``Shard(0)`` and the optimizer redistributes that one matrix in
-its step (one owner gathers it): at more ranks than matrices most are, and the plan
-degrades to FSDP2's storage with a redistributing optimizer, never worse (a
-``row_blocks`` matrix is split into whole row blocks instead, ``BlockShard``, so per-head
-Muon stays local; those tiles land where the bucket's layout puts them). Expert
-stacks ``[E, R, C]`` are ``BlockShard((R, C))``, one tile per expert. Parameters the
+Inside a block every optimizer matrix is ``Owned(rank=r)`` and every expert of an
+``[E, R, C]`` stack a ``BlockShard((R, C), owners=...)`` tile, each pinned by one
+assignment over the whole model that keeps each rank's total storage (elements over
+every bucket) under ``STORAGE_SLACK`` x the mean and its Newton–Schulz work near level:
+units by size, largest first, each to the least-busy rank it still fits on. A matrix
+that fits on no rank is stored ``Shard(0)`` and the optimizer redistributes that one
+matrix in its step (one owner gathers it; per-head ``row_blocks`` matrices too): at
+more ranks than matrices most are, and the plan degrades to FSDP2's storage with a
+redistributing optimizer, never worse. An expert stack with an expert that fits
+nowhere is stored ``Shard(0)`` too, whose pieces are whole experts. Parameters the
 optimizer does not take (AdamW's norms, biases, embeddings; frozen ones) are
 ``Shard(0)``. Pure arithmetic: no process group needed.
 """
@@ -33,7 +33,6 @@ from torch import nn
 
 from ..fsdp.api import BucketSpec
 from ..placements import BlockShard, Owned, Placement, Shard
-from ..placements.layout import plan_bucket
 from ..placements.owned import lpt_owners
 from .matrix_units import preconditioner_flops
 from .muon_adamw import full_shape, split_named_params
@@ -79,7 +78,7 @@ class MuonBalance:
     FLOPs for Muon; a split matrix counts on the rank the optimizer's step picks as its
     owner) and the elements it stores over every bucket (``storage``, padding of Shard
     slots included). ``split``: the matrices too large to own (stored Shard(0) and
-    redistributed each step; ``row_blocks`` matrices BlockShard in whole row blocks)."""
+    redistributed each step; expert stacks Shard(0) in whole experts)."""
 
     flops: tuple[float, ...]
     storage: tuple[int, ...] = ()
@@ -165,16 +164,15 @@ def _rows_for(name: str, shape: Shape, row_blocks: Mapping[str, int]) -> int | N
 
 
 def _fixed(param: _Param, split: set[str]) -> Placement | None:
-    """The placement that does not depend on the owners: None for an owned matrix."""
+    """The placement that does not depend on the owners: None for a matrix (or expert
+    stack) whose owners the plan picks."""
     if not param.matrix:
         # (a scalar cannot be sharded: Owned, as small as it gets)
         return Shard(0) if param.shape else None
-    if param.experts:
-        return BlockShard(param.shape[-2:])  # one tile per expert
     if param.name in split:
-        # row blocks stay whole (per-head Muon without a collective), the rest is
-        # redistributed by the optimizer's step
-        return BlockShard((param.rows, param.shape[1])) if param.rows else Shard(0)
+        # the optimizer's step redistributes it (an expert stack's rows are whole
+        # experts, so its Shard(0) pieces need no redistribution at all)
+        return Shard(0)
     return None
 
 
@@ -183,66 +181,81 @@ def _shard0_slot(shape: Shape, world_size: int) -> int:
     return -(-shape[0] // world_size) * math.prod(shape[1:])
 
 
-def _local_loads(
+@dataclass(frozen=True)
+class _Unit:
+    """What one owner takes whole: a matrix, or one expert of a stack."""
+
+    param: _Param
+    expert: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel if self.expert is None else math.prod(self.param.shape[-2:])
+
+    def work(self, cost: Cost) -> float:
+        if self.expert is None:
+            return _work(self.param, self.param.shape, cost)
+        return cost(self.param.shape[-2:])
+
+
+def _units(param: _Param) -> list[_Unit]:
+    if param.experts:
+        return [_Unit(param, e) for e in range(param.shape[0])]
+    return [_Unit(param)]
+
+
+def _loads(
     params: Sequence[_Param], table: Mapping[str, Placement], world_size: int, cost: Cost
 ) -> tuple[list[int], list[float]]:
-    """Per rank, the elements it stores (over the buckets of ``table``'s members) and
-    the work on the matrices it holds whole (split ones are not local)."""
+    """Per rank, the elements it stores (Shard(0) slots padded, as the runtime lays
+    them out) and the work on the matrices it holds whole (split ones are not local)."""
     storage, work = [0] * world_size, [0.0] * world_size
-    members: dict[str, list[_Param]] = {}
     for p in params:
-        if p.name in table:
-            members.setdefault(p.bucket, []).append(p)
-    for bucket, ps in members.items():
-        if any(isinstance(table[p.name], BlockShard) for p in ps):
-            # tiles fill the ranks the bucket's other members left light: lay it out
-            entries = [(p.name, p.shape, table[p.name]) for p in ps]
-            layout = plan_bucket(entries, world_size, bucket, ragged=True)
-            for rank in range(world_size):
-                storage[rank] += layout.extent(rank)
-            for p, laid in zip(ps, layout.params):
-                if not isinstance(table[p.name], Shard):
-                    for rank, regions in enumerate(laid.regions):
-                        work[rank] += sum(_work(p, r.sizes, cost) for r in regions)
-            continue
-        for p in ps:  # Shard(0) and Owned: known without laying the bucket out
-            placement = table[p.name]
-            if isinstance(placement, Owned):
-                assert placement.rank is not None
-                storage[placement.rank] += p.numel
-                work[placement.rank] += _work(p, p.shape, cost)
-            else:
-                slot = _shard0_slot(p.shape, world_size)
-                storage = [s + slot for s in storage]
+        placement = table.get(p.name)
+        if isinstance(placement, Owned):
+            assert placement.rank is not None
+            storage[placement.rank] += p.numel
+            work[placement.rank] += _work(p, p.shape, cost)
+        elif isinstance(placement, BlockShard):  # whole experts, each pinned
+            assert placement.owners is not None
+            for unit, rank in zip(_units(p), placement.owners):
+                storage[rank] += unit.numel
+                work[rank] += unit.work(cost)
+        elif isinstance(placement, Shard):
+            slot = _shard0_slot(p.shape, world_size)
+            storage = [s + slot for s in storage]
+            if p.experts:  # whole experts on each rank: stepped there
+                per_rank = -(-p.shape[0] // world_size)
+                for rank in range(world_size):
+                    count = min(per_rank, max(0, p.shape[0] - rank * per_rank))
+                    work[rank] += count * cost(p.shape[-2:])
     return storage, work
 
 
 def _owners(
-    candidates: Sequence[_Param],
+    units: Sequence[_Unit],
     storage: Sequence[int],
     work: Sequence[float],
     cap: float,
     cost: Cost,
-) -> tuple[dict[str, int], list[str]]:
-    """Largest first, each matrix to the least-busy rank whose storage stays under
-    ``cap`` (ties: less storage, then lower rank); the names that fit nowhere."""
+) -> tuple[dict[_Unit, int], list[str]]:
+    """Largest first, each unit to the least-busy rank whose storage stays under
+    ``cap`` (ties: less storage, then lower rank); the parameters with a unit that
+    fits nowhere."""
     storage, work = list(storage), list(work)
-    owners: dict[str, int] = {}
+    owners: dict[_Unit, int] = {}
     over: list[str] = []
-    for p in sorted(candidates, key=lambda p: -p.numel):  # stable: ties in model order
-        fits = [r for r in range(len(storage)) if storage[r] + p.numel <= cap]
+    for unit in sorted(units, key=lambda u: -u.numel):  # stable: ties in model order
+        fits = [r for r in range(len(storage)) if storage[r] + unit.numel <= cap]
         if not fits:
-            over.append(p.name)
+            if unit.param.name not in over:
+                over.append(unit.param.name)
             continue
         rank = min(fits, key=lambda r: (work[r], storage[r], r))
-        owners[p.name] = rank
-        storage[rank] += p.numel
-        work[rank] += _work(p, p.shape, cost)
+        owners[unit] = rank
+        storage[rank] += unit.numel
+        work[rank] += unit.work(cost)
     return owners, over
-
-
-#: re-plans of the owners against where a block's expert tiles really land
-TILE_ROUNDS = 4
 
 
 def _assign(
@@ -254,54 +267,22 @@ def _assign(
     split: set[str] = set()
     while True:
         fixed = {p.name: f for p in params if (f := _fixed(p, split)) is not None}
-        storage, work = _local_loads(params, fixed, world_size, cost)
-        candidates = [p for p in params if p.name not in fixed]
-        cap = STORAGE_SLACK * (sum(storage) + sum(p.numel for p in candidates)) / world_size
-        owners, over = _owners(candidates, storage, work, cap, cost)
+        storage, work = _loads(params, fixed, world_size, cost)
+        units = [u for p in params if p.name not in fixed for u in _units(p)]
+        cap = STORAGE_SLACK * (sum(storage) + sum(u.numel for u in units)) / world_size
+        owners, over = _owners(units, storage, work, cap, cost)
         if not over:
             break
         split.update(over)
-    table = _with_owners(params, fixed, owners)
-    if any(isinstance(f, BlockShard) for f in fixed.values()):
-        table = _settle_tiles(params, fixed, candidates, table, cap, world_size, cost)
-    return table, [p.name for p in params if p.name in split]
-
-
-def _with_owners(
-    params: Sequence[_Param], fixed: Mapping[str, Placement], owners: Mapping[str, int]
-) -> dict[str, Placement]:
-    table = {**fixed, **{name: Owned(rank=rank) for name, rank in owners.items()}}
-    return {p.name: table[p.name] for p in params}
-
-
-def _settle_tiles(
-    params: Sequence[_Param],
-    fixed: Mapping[str, Placement],
-    candidates: Sequence[_Param],
-    table: dict[str, Placement],
-    cap: float,
-    world_size: int,
-    cost: Cost,
-) -> dict[str, Placement]:
-    """BlockShard tiles fill the ranks their bucket's owned matrices leave light, so the
-    owners move the tiles: re-plan the owners against where the tiles landed under the
-    previous owners, keeping the levellest storage seen."""
-    best, best_peak = table, max(_local_loads(params, table, world_size, cost)[0])
-    for _ in range(TILE_ROUNDS):
-        storage, work = _local_loads(params, table, world_size, cost)
-        for p in candidates:  # the tiles' loads under these owners, without the owners
-            rank = table[p.name].rank  # type: ignore[attr-defined]
-            storage[rank] -= p.numel
-            work[rank] -= _work(p, p.shape, cost)
-        owners, over = _owners(candidates, storage, work, cap, cost)
-        if over:
-            break
-        table = _with_owners(params, fixed, owners)
-        peak = max(_local_loads(params, table, world_size, cost)[0])
-        if peak >= best_peak:
-            break
-        best, best_peak = table, peak
-    return best
+    table: dict[str, Placement] = dict(fixed)
+    for p in params:
+        if p.name in table:
+            continue
+        ranks = tuple(owners[u] for u in _units(p))
+        table[p.name] = (
+            BlockShard(p.shape[-2:], owners=ranks) if p.experts else Owned(rank=ranks[0])
+        )
+    return {p.name: table[p.name] for p in params}, [p.name for p in params if p.name in split]
 
 
 def _balance(
@@ -311,11 +292,11 @@ def _balance(
     world_size: int,
     cost: Cost,
 ) -> MuonBalance:
-    storage, work = _local_loads(params, table, world_size, cost)
+    storage, work = _loads(params, table, world_size, cost)
     # the optimizer's step picks owners of split matrices by LPT over the whole ones' work
     by_bucket: dict[str, list[_Param]] = {}
     for p in params:
-        if p.matrix and isinstance(table[p.name], Shard):
+        if p.matrix and not p.experts and isinstance(table[p.name], Shard):
             by_bucket.setdefault(p.bucket, []).append(p)
     for ps in by_bucket.values():
         costs = [_work(p, p.shape, cost) for p in ps]

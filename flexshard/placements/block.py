@@ -41,15 +41,39 @@ class BlockShard(Placement):
     """Tiles never straddle ranks, so a rank can quantize its own tiles or run Muon on
     its own row blocks without talking to anyone. All BlockShard parameters of a
     bucket form one tile sequence (bucket order, then row-major tile order) that is
-    cut into W contiguous runs balanced by bytes."""
+    cut into W contiguous runs balanced by bytes. ``owners`` pins each tile (row-major
+    tile order) to a rank instead: a planner that balances whole experts over a model's
+    many buckets says where each goes; the unpinned parameters then level out the rest."""
 
     block: tuple[int, int] = (128, 128)
+    owners: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         block = tuple(self.block)
         if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
             raise ValueError(f"BlockShard block must be two positive ints, got {self.block!r}")
         object.__setattr__(self, "block", block)
+        if self.owners is not None:
+            owners = tuple(self.owners)
+            if not all(isinstance(r, int) and not isinstance(r, bool) for r in owners):
+                raise TypeError(f"BlockShard owners must be ints, got {self.owners!r}")
+            object.__setattr__(self, "owners", owners)
+
+    def validate(self, fqn: str, shape: Shape, world_size: int) -> None:
+        if self.owners is None:
+            return
+        tiles = len(tile_grid(shape, self.block))
+        if len(self.owners) != tiles:
+            raise ValueError(
+                f"BlockShard(owners=...) for parameter '{fqn}' names {len(self.owners)} "
+                f"ranks for its {tiles} tiles of {self.block}"
+            )
+        outside = [r for r in self.owners if not 0 <= r < world_size]
+        if outside:
+            raise ValueError(
+                f"BlockShard(owners=...) for parameter '{fqn}' names ranks {outside} outside "
+                f"the shard group of size {world_size}"
+            )
 
     stage = 2
 
@@ -64,11 +88,20 @@ class BlockShard(Placement):
         first_rank: int = 0,
     ) -> list[list[list[Region]]]:
         grids = [tile_grid(shape, p.block) for p, shape in members]  # type: ignore[attr-defined]
-        tiles = [(i, tile) for i, grid in enumerate(grids) for tile in grid]
-        # level out what the bucket's Shard, FlatShard and Owned parameters left uneven
-        cuts = contiguous_cuts([tile.numel for _, tile in tiles], world_size, loads)
         out: list[list[list[Region]]] = [[[] for _ in range(world_size)] for _ in members]
+        loads = list(loads) or [0] * world_size
+        free = []
+        for i, ((placement, _), grid) in enumerate(zip(members, grids)):
+            pins = placement.owners  # type: ignore[attr-defined]
+            if pins is None:
+                free += [(i, tile) for tile in grid]
+                continue
+            for rank, tile in zip(pins, grid):
+                out[i][rank].append(tile)
+                loads[rank] += tile.numel
+        # level out what the bucket's Shard, FlatShard, Owned and pinned tiles left uneven
+        cuts = contiguous_cuts([tile.numel for _, tile in free], world_size, loads)
         for rank in range(world_size):
-            for i, tile in tiles[cuts[rank] : cuts[rank + 1]]:
+            for i, tile in free[cuts[rank] : cuts[rank + 1]]:
                 out[i][rank].append(tile)
         return out

@@ -139,7 +139,11 @@ def test_odd_world_sizes_and_shapes(world_size: int) -> None:
     storage = [sum(lay.extent(r) for lay in layouts.values()) for r in range(world_size)]
     assert balance.storage == tuple(storage)
     experts = specs[1].placement("blocks.1.experts", None)
-    assert experts == fs.BlockShard((17, 6))
+    # one tile per expert, each pinned by the plan, or whole experts in Shard(0) rows
+    if "blocks.1.experts" in balance.split:
+        assert experts == fs.Shard(0)
+    else:
+        assert experts.block == (17, 6) and len(experts.owners) == 5
     for spec in specs[:3]:
         for p in layouts[spec.name].params:
             placement = spec.placement(p.fqn, None)
@@ -154,7 +158,7 @@ def test_odd_world_sizes_and_shapes(world_size: int) -> None:
     mspecs = matrix_buckets(model, world_size)
     assert [s.name for s in mspecs] == [s.name for s in specs]
     mbalance = matrix_balance(model, world_size)
-    assert mbalance.storage_imbalance <= STORAGE_SLACK + 0.3  # 5 tiles of 102 at W = 7
+    assert mbalance.storage_imbalance <= STORAGE_SLACK
     _layouts(model, mspecs, world_size)
 
 
