@@ -36,6 +36,12 @@ class BucketInfo:
     replicas: int  # HSDP replicate degree (gradients all-reduced over them)
     reshard_after_forward: bool
     is_root: bool  # the root's bucket stays gathered from forward into backward
+    #: per parameter, the whole matrix's shape (a tensor-parallel piece's is larger
+    #: than its layout's); empty: the layout's shapes
+    full_shapes: tuple[tuple[int, ...], ...] = ()
+
+    def full_shape(self, index: int) -> tuple[int, ...]:
+        return self.full_shapes[index] if self.full_shapes else self.layout.params[index].shape
 
     @property
     def world(self) -> int:
@@ -137,6 +143,10 @@ def flexshard_buckets(modules: list[nn.Module]) -> list[BucketInfo]:
                     # None: FSDP2's default, every module but the root reshards
                     reshard_after_forward=(not is_root) if reshard is None else bool(reshard),
                     is_root=is_root,
+                    full_shapes=tuple(
+                        tuple(p.tp_spec.shape) if p.tp_spec is not None else laid.shape
+                        for p, laid in zip(bucket.params, bucket.layout.params)
+                    ),
                 )
             )
     return found
@@ -181,4 +191,5 @@ def whole_on_rank(placement: Placement, shape: tuple[int, ...]) -> bool:
         return True
     if isinstance(placement, BlockShard):
         return placement.block[-1] >= shape[-1]
-    return False
+    # an expert stack's dim-0 rows are whole experts
+    return isinstance(placement, Shard) and placement.dim == 0 and len(shape) == 3

@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import fnmatch
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from flexshard.optim.newton_schulz import ns_flops
@@ -81,37 +83,78 @@ def is_muon_matrix(fqn: str, shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2 and not fqn.startswith(("tok_embeddings", "output"))
 
 
-def muon_work(buckets: list[BucketInfo]) -> MatrixWork:
+def _row_blocks(fqn: str, row_blocks: Mapping[str, int]) -> int | None:
+    return next((r for pat, r in row_blocks.items() if fnmatch.fnmatchcase(fqn, pat)), None)
+
+
+def _matrix_flops(shape: tuple[int, ...], rows: int | None) -> float:
+    """Newton–Schulz FLOPs of one matrix, per block of ``rows`` rows (per head) if set."""
+    if rows is None:
+        return ns_flops(shape, NS_STEPS)
+    height, width = shape
+    return sum(ns_flops((min(rows, height - r), width), NS_STEPS) for r in range(0, height, rows))
+
+
+def muon_work(buckets: list[BucketInfo], row_blocks: Mapping[str, int] | None = None) -> MatrixWork:
     """Muon on these buckets as DistMuon runs it: matrices whole on a rank (Owned,
-    full-width row blocks, whole experts) are computed there; split ones go to an
-    LPT owner on Newton–Schulz FLOPs (experts one by one) and come back. All buckets
-    must share one group size (the trainer's Muon runs on data parallelism alone)."""
-    world = max((b.world for b in buckets), default=1)
-    loads = [0.0] * world
-    moved: list[tuple[float, int]] = []  # (flops, elements) of each redistributed matrix
+    full-width row blocks, whole experts) are computed there; split ones go, bucket by
+    bucket, to LPT owners on Newton–Schulz FLOPs (experts one by one) on top of each
+    rank's load so far, and come back. ``row_blocks`` (FQN globs -> rows): matrices
+    orthogonalised per block of rows (per head). Groups of several sizes (EP's experts
+    over their own mesh) keep their loads apart, their busiest ranks added (an upper
+    bound). A tensor-parallel piece's matrix is whole on one rank of its tp group: a
+    piece held whole on one dp rank travels over tp alone, from that rank's tp group;
+    a split one is first all-gathered over dp, on every row."""
+    row_blocks = row_blocks or {}
+    loads: dict[int, list[float]] = {}
+    sent = 0.0  # bytes per rank, averaged over each group's ranks
     for info in buckets:
-        if info.world != world:
-            raise ValueError(
-                f"muon_work: bucket '{info.name}' has {info.world} ranks, others {world}"
-            )
-        for param, placement in zip(info.layout.params, info.placements):
+        world = info.world
+        load = loads.setdefault(world, [0.0] * world)
+        moved: list[tuple[float, int]] = []  # (flops, elements) of each redistributed matrix
+        for i, (param, placement) in enumerate(zip(info.layout.params, info.placements)):
             if not is_muon_matrix(param.fqn, param.shape):
                 continue
-            if whole_on_rank(placement, param.shape) or info.layout.replicated:
+            full = info.full_shape(i)
+            rows = _row_blocks(param.fqn, row_blocks)
+            whole = whole_on_rank(placement, param.shape) or info.layout.replicated
+            if full != param.shape:  # a tensor-parallel piece
+                tp = math.prod(full) // max(param.numel, 1)
+                flops = _matrix_flops(full, rows) / tp  # its tp group's share, per rank
+                piece = param.numel * MUON_WIRE_BYTES
+                holders = [r for r, regions in enumerate(param.regions) if regions]
+                if whole and len(holders) == 1:
+                    load[holders[0]] += flops
+                    sent += 2 * piece * (tp - 1) / tp / world
+                else:
+                    for r in range(world):
+                        load[r] += flops
+                    sent += piece * (world - 1) / world + 2 * piece * (tp - 1) / tp
+                continue
+            if whole:
                 for rank, regions in enumerate(param.regions):
-                    loads[rank] += sum(ns_flops(r.sizes, NS_STEPS) for r in regions)
+                    for r in regions:
+                        count = r.sizes[0] if len(r.sizes) == 3 else 1
+                        load[rank] += count * _matrix_flops(r.sizes[-2:], rows)
                 continue
             experts = math.prod(param.shape[:-2])
             matrix = param.shape[-2:]
-            moved += [(ns_flops(matrix, NS_STEPS), math.prod(matrix))] * experts
-    if moved:
-        owners = lpt_owners([f for f, _ in moved], world, loads=loads)
-        for owner, (flops, _) in zip(owners, moved):
-            loads[owner] += flops
-    # each matrix: (W - 1) / W of it travels to its owner and back, spread over the ranks
-    elements = sum(n for _, n in moved)
-    a2a = int(2 * elements * MUON_WIRE_BYTES * (world - 1) / world / world)
-    return MatrixWork(tuple(loads), a2a)
+            moved += [(_matrix_flops(matrix, rows), math.prod(matrix))] * experts
+        if moved:
+            owners = lpt_owners([f for f, _ in moved], world, loads=load)
+            for owner, (flops, _) in zip(owners, moved):
+                load[owner] += flops
+            # each matrix: (W - 1) / W of it travels to its owner and back, spread over
+            # the ranks
+            elements = sum(n for _, n in moved)
+            sent += 2 * elements * MUON_WIRE_BYTES * (world - 1) / world / world
+    if not loads:
+        return MatrixWork((0.0,), 0)
+    # the busiest rank of each group, added: ranks of the widest group carry them
+    widest = max(loads)
+    busiest = [max(load) for w, load in loads.items() if w != widest]
+    flops = tuple(x + sum(busiest) for x in loads[widest])
+    return MatrixWork(flops, int(sent))
 
 
 def gather_all_muon(buckets: list[BucketInfo]) -> MatrixWork:

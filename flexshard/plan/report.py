@@ -13,6 +13,7 @@ import torch
 from flexshard.trainer.config import Config
 from flexshard.trainer.models.model import count_params
 from flexshard.trainer.parallel.dims import ParallelDims
+from flexshard.trainer.parallel.sharding import muon_row_blocks
 
 from .activations import dense_equivalent, tp_share
 from .buckets import BucketInfo, flexshard_buckets, fsdp2_equivalent
@@ -109,12 +110,8 @@ def _backend_plan(
     timeline_ = activation_timeline(cfg, seqs)
     worst: dict[str, Any] | None = None
     for index, buckets in enumerate(stages):
-        muon = None
-        notes = []
-        if len({b.world for b in buckets}) == 1 and dims.tp == 1:
-            muon = muon_work(buckets)
-        else:
-            notes.append("Muon balance: data parallelism alone (no tp / ep groups)")
+        notes: list[str] = []
+        muon = muon_work(buckets, muon_row_blocks(cfg.model))
         moments = step_moments(
             buckets,
             timeline_,

@@ -125,12 +125,15 @@ def test_muon_work_matches_the_optimizer_planner() -> None:
     )
     cfg = planning_config(cfg)
     _, (buckets,) = build_stages(cfg, 3, 0)
-    work = muon_work(buckets)
+    rows = muon_row_blocks(cfg.model)
+    work = muon_work(buckets, rows)
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    expected = muon_balance(model, 3, row_blocks=muon_row_blocks(cfg.model))
+    expected = muon_balance(model, 3, row_blocks=rows)
     assert work.flops == pytest.approx(expected.flops)
-    assert work.all_to_all_bytes == 0
+    # what the plan splits travels, and nothing else
+    split = sum(p.numel for b in buckets for p in b.layout.params if p.fqn in expected.split)
+    assert work.all_to_all_bytes == int(2 * split * 2 * 2 / 3 / 3)
     # on Shard(0) every matrix travels whole to one owner: whole-matrix Newton–Schulz
     shard = muon_work(fsdp2_equivalent(buckets))
     assert shard.all_to_all_bytes > 0
