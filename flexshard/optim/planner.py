@@ -305,10 +305,17 @@ def _balance(
     return MuonBalance(tuple(work), tuple(storage), tuple(split))
 
 
-def _params(model: nn.Module, matrices: set[str], row_blocks: Mapping[str, int]) -> list[_Param]:
+def _params(
+    model: nn.Module,
+    matrices: set[str],
+    row_blocks: Mapping[str, int],
+    exclude: Sequence[str] = (),
+) -> list[_Param]:
     prefixes = set(block_prefixes(model))
     out = []
     for name, param in model.named_parameters():  # ties once, under their first name
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude):
+            continue
         shape = full_shape(param)
         matrix = name in matrices
         rows = _rows_for(name, shape, row_blocks) if matrix else None
@@ -325,24 +332,20 @@ def _specs(
         names.setdefault(p.bucket, []).append(p.name)
     bucket_of = {p.name: p.bucket for p in params}
     first = {id(param): name for name, param in model.named_parameters()}
-    # a tied parameter reachable inside a block but planned elsewhere: that block names
-    # its members one by one, so no glob takes the parameter twice
-    foreign = {
-        fqn
-        for fqn, param in model.named_parameters(remove_duplicate=False)
-        if fqn != first[id(param)]
-    }
+    every = list(model.named_parameters(remove_duplicate=False))
     specs = []
     for bucket in [*block_prefixes(model), OUTER]:
         members = names.get(bucket)
         if not members:
             continue
-        tied = any(
-            fqn.startswith(f"{bucket}.") and bucket_of[first[id(param)]] != bucket
-            for fqn, param in model.named_parameters(remove_duplicate=False)
-            if fqn in foreign
+        # a parameter reachable inside the block but planned elsewhere (tied) or left
+        # out (``exclude``): the block names its members one by one, so no glob takes it
+        own = all(
+            bucket_of.get(first[id(param)]) == bucket
+            for fqn, param in every
+            if fqn.startswith(f"{bucket}.")
         )
-        patterns: str | list[str] = members if bucket == OUTER or tied else f"{bucket}.*"
+        patterns: str | list[str] = f"{bucket}.*" if bucket != OUTER and own else members
         placement = PlacementByName({name: table[name] for name in members})
         specs.append(BucketSpec(patterns, placement=placement, name=bucket, ragged=True))
     return specs
@@ -354,8 +357,9 @@ def _plan(
     matrices: set[str],
     row_blocks: Mapping[str, int],
     cost: Cost,
+    exclude: Sequence[str] = (),
 ) -> tuple[list[BucketSpec], MuonBalance]:
-    params = _params(model, matrices, row_blocks)
+    params = _params(model, matrices, row_blocks, exclude)
     table, split = _assign(params, world_size, cost)
     return _specs(model, params, table), _balance(params, table, split, world_size, cost)
 
@@ -368,12 +372,13 @@ def _muon_plan(
     adamw_patterns: Sequence[str],
     muon_patterns: Sequence[str],
     detect_head: bool,
+    exclude: Sequence[str],
 ) -> tuple[list[BucketSpec], MuonBalance]:
     muon, _ = split_named_params(
         model, adamw_patterns=adamw_patterns, muon_patterns=muon_patterns, detect_head=detect_head
     )
     cost = lambda shape: ns_flops(shape, ns_steps)  # noqa: E731
-    return _plan(model, world_size, {n for n, _ in muon}, row_blocks or {}, cost)
+    return _plan(model, world_size, {n for n, _ in muon}, row_blocks or {}, cost, exclude)
 
 
 def _trainable(model: nn.Module) -> set[str]:
@@ -413,6 +418,7 @@ def muon_buckets(
     adamw_patterns: Sequence[str] = (),
     muon_patterns: Sequence[str] = (),
     detect_head: bool = True,
+    exclude: Sequence[str] = (),
 ) -> list[BucketSpec]:
     """Buckets for ``flex_shard(model, mesh=mesh, buckets=...)``: one ragged bucket per
     block (``layers.3``) plus ``outer``. Muon's matrices are ``Owned`` with owners pinned
@@ -421,10 +427,19 @@ def muon_buckets(
     on no rank ``Shard(0)``, which DistMuon redistributes; AdamW's parameters (embeddings,
     LM head, norms, biases, as ``split_muon_params`` decides) ``Shard(0)``.
     ``row_blocks`` (globs -> rows, e.g. ``{"*.wq.weight": head_dim}``) makes each block of
-    rows a matrix of its own; pass the same to ``muon_and_adamw``. Call it on the
-    unsharded model; :func:`muon_balance` reports the plan."""
+    rows a matrix of its own; pass the same to ``muon_and_adamw``. ``exclude`` (FQN
+    globs): parameters left out, for buckets of their own (expert weights on an
+    expert-parallel mesh: plan them with a ``muon_buckets`` call of their own). Call it
+    on the unsharded model; :func:`muon_balance` reports the plan."""
     return _muon_plan(
-        model, world_size, row_blocks, ns_steps, adamw_patterns, muon_patterns, detect_head
+        model,
+        world_size,
+        row_blocks,
+        ns_steps,
+        adamw_patterns,
+        muon_patterns,
+        detect_head,
+        exclude,
     )[0]
 
 
@@ -437,9 +452,17 @@ def muon_balance(
     adamw_patterns: Sequence[str] = (),
     muon_patterns: Sequence[str] = (),
     detect_head: bool = True,
+    exclude: Sequence[str] = (),
 ) -> MuonBalance:
     """Per-rank Newton–Schulz FLOPs and storage of the plan :func:`muon_buckets`
     proposes, and the matrices it splits."""
     return _muon_plan(
-        model, world_size, row_blocks, ns_steps, adamw_patterns, muon_patterns, detect_head
+        model,
+        world_size,
+        row_blocks,
+        ns_steps,
+        adamw_patterns,
+        muon_patterns,
+        detect_head,
+        exclude,
     )[1]

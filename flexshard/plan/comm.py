@@ -108,10 +108,14 @@ def muon_work(buckets: list[BucketInfo], row_blocks: Mapping[str, int] | None = 
     row_blocks = row_blocks or {}
     loads: dict[int, list[float]] = {}
     sent = 0.0  # bytes per rank, averaged over each group's ranks
+    # every rank's work on what it holds whole comes first: owners of the split
+    # matrices are then picked bucket by bucket on top of it (DistMuon's plan)
+    moved_by_bucket: list[tuple[int, list[tuple[float, int]]]] = []
     for info in buckets:
         world = info.world
         load = loads.setdefault(world, [0.0] * world)
         moved: list[tuple[float, int]] = []  # (flops, elements) of each redistributed matrix
+        moved_by_bucket.append((world, moved))
         for i, (param, placement) in enumerate(zip(info.layout.params, info.placements)):
             if not is_muon_matrix(param.fqn, param.shape):
                 continue
@@ -140,7 +144,9 @@ def muon_work(buckets: list[BucketInfo], row_blocks: Mapping[str, int] | None = 
             experts = math.prod(param.shape[:-2])
             matrix = param.shape[-2:]
             moved += [(_matrix_flops(matrix, rows), math.prod(matrix))] * experts
+    for world, moved in moved_by_bucket:
         if moved:
+            load = loads[world]
             owners = lpt_owners([f for f, _ in moved], world, loads=load)
             for owner, (flops, _) in zip(owners, moved):
                 load[owner] += flops

@@ -63,6 +63,12 @@ LAYOUTS: dict[str, tuple[int, dict, dict | None]] = {
     "tp2xpp2": (4, {"dp_shard": 1, "tp": 2, "pp": 2}, None),
     "dp2xcp2": (4, {"dp_shard": 2, "cp": 2}, None),
     "dp2xpp2_ep2": (4, {"dp_shard": 2, "pp": 2, "ep": 2}, MOE),
+    # the "muon" placement (per-block buckets, matrices whole on balanced owners) on
+    # every layout: dp-owned TP pieces, experts over their own mesh, stages, replicas
+    "muon_dp2xtp2": (4, {"dp_shard": 2, "tp": 2, "placement": "muon"}, None),
+    "muon_dp4_ep2": (4, {"dp_shard": 4, "ep": 2, "placement": "muon"}, MOE),
+    "muon_dp2xpp2": (4, {"dp_shard": 2, "pp": 2, "placement": "muon"}, None),
+    "muon_hsdp": (4, {"dp_replicate": 2, "dp_shard": 2, "placement": "muon"}, None),
 }
 
 

@@ -255,10 +255,10 @@ def check_parallel_layout(cfg: Config) -> None:
         )
     check_ep(m.moe.num_experts, p.ep, p.dp_shard * p.cp if p.dp_shard != -1 else None)
     composed = p.tp * p.pp * p.ep > 1
-    if composed and (p.buckets or p.placement == "muon"):
+    if composed and p.buckets:
         raise ConfigError(
-            'parallelism.buckets and placement = "muon" are for data parallelism alone; '
-            "with tp, pp or ep > 1 use a named placement"
+            "parallelism.buckets are for data parallelism alone; with tp, pp or ep > 1 use "
+            'a named placement (or "muon")'
         )
     # Muon runs on every layout (DistMuon: tp matrices have one owner per tp group,
     # each pipeline stage its own matrices, experts one matrix each); SOAP/Shampoo's

@@ -14,10 +14,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import flexshard as fs
 from flexshard.optim import matrix_buckets, muon_buckets
+from flexshard.optim.planner import PlacementByName
 
 from ..config import Config, ConfigError, ModelConfig
 from .dims import Meshes
@@ -133,18 +135,50 @@ def block_placement(cfg: Config) -> Policy:
     return placement
 
 
-def bucket_specs(cfg: Config, module: nn.Module, dp_shard: int) -> list[fs.BucketSpec]:
+def _expert_specs(
+    module: nn.Module, expert_fqns: Sequence[str], mesh: DeviceMesh
+) -> list[fs.BucketSpec]:
+    """Each MoE layer's experts (``E / ep`` of them on this rank) in a ragged bucket of
+    its own over the expert mesh, every expert whole on one rank, pinned by one plan
+    balanced across the layers (the planner's blocks are the layers' expert modules)."""
+    stacks = nn.ModuleList(module.get_submodule(fqn) for fqn in expert_fqns)
+    planned = muon_buckets(stacks, mesh.size(-1), detect_head=False)
+    specs = []
+    for spec in planned:
+        fqn = expert_fqns[int(spec.name)]  # the plan names block i "i"
+        table = spec.placement.table  # type: ignore[union-attr]
+        renamed = {f"{fqn}.{name.split('.', 1)[1]}": p for name, p in table.items()}
+        specs.append(
+            fs.BucketSpec(f"{fqn}.*", PlacementByName(renamed), name=fqn, mesh=mesh, ragged=True)
+        )
+    return specs
+
+
+def bucket_specs(
+    cfg: Config,
+    module: nn.Module,
+    dp_shard: int,
+    expert_fqns: Sequence[str] = (),
+    experts_mesh: DeviceMesh | None = None,
+) -> list[fs.BucketSpec]:
     """The flexshard buckets this config asks for ``module`` (the model or a pipeline
     stage): ``[[parallelism.buckets]]``, or one bucket per block plus one for the root's
     parts (under ``"muon"``: the planner's, matrices whole on owners balanced across the
-    module, ragged collectives)."""
+    module, ragged collectives; EP's ``expert_fqns`` then in buckets of their own over
+    ``experts_mesh``)."""
     par = cfg.parallelism
     if par.buckets:
         return _explicit_buckets(cfg)
     if par.placement == "muon":
         if cfg.training.optimizer in ("soap", "shampoo"):  # balanced on their own cost
             return matrix_buckets(module, dp_shard)
-        return list(muon_buckets(module, dp_shard, row_blocks=muon_row_blocks(cfg.model)))
+        rows = muon_row_blocks(cfg.model)
+        if not expert_fqns:
+            return muon_buckets(module, dp_shard, row_blocks=rows)
+        assert experts_mesh is not None
+        excluded = [f"{fqn}.*" for fqn in expert_fqns]
+        specs = muon_buckets(module, dp_shard, row_blocks=rows, exclude=excluded)
+        return _expert_specs(module, expert_fqns, experts_mesh) + specs
     placement = block_placement(cfg)
     specs = [
         fs.BucketSpec(f"layers.{name}.*", placement, name=f"layers.{name}")
@@ -182,14 +216,15 @@ def apply_dp(
         for layer in [*module.layers, *_mtp(module)]:  # type: ignore[union-attr]
             fully_shard(layer, mesh=meshes.dp, mp_policy=policy, reshard_after_forward=reshard)
         return fully_shard(module, mesh=meshes.dp, mp_policy=policy, reshard_after_forward=reshard)
-    if present:  # buckets on two meshes: fully_shard style, one call per module
+    if present and cfg.parallelism.placement != "muon":
+        # buckets on two meshes: fully_shard style, one call per module
         return _flexshard_per_module(
             module, block_placement(cfg), meshes, present, policy, reshard, timeout
         )
     return fs.flex_shard(
         module,
         mesh=meshes.dp,
-        buckets=bucket_specs(cfg, module, meshes.dp.size(-1)),
+        buckets=bucket_specs(cfg, module, meshes.dp.size(-1), present, meshes.experts_dp),
         mp_policy=policy,
         reshard_after_forward=reshard,
         timeout=timeout,
