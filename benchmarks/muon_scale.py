@@ -36,7 +36,9 @@ ROWS: list[tuple[str, int]] = [
     ("deepseek_v3", 2048),
     ("qwen3_moe_30b_a3b", 64),
 ]
-TARGETS = "gathered <= 1.05x, bytes <= 1.0x, storage max/mean <= 1.05, optimizer <= 0.5x, step <= 0.97x"
+TARGETS = (
+    "gathered <= 1.05x, bytes <= 1.0x, storage max/mean <= 1.05, optimizer <= 0.5x, step <= 0.97x"
+)
 
 
 def _plan(config: str, world: int, placement: str, backend: str) -> dict[str, Any]:
@@ -100,9 +102,9 @@ def markdown(table: list[dict[str, Any]]) -> str:
         "# Muon at scale, planned: flexshard's muon layout vs FSDP2 + redistributing DistMuon",
         "",
         f"`.venv/bin/python -m benchmarks.muon_scale`, {now}, H100 profile "
-        f"({H100.memory_gib:g} GiB). Each cell: flexshard `placement = \"muon\"` vs the FSDP2 "
-        "column of the same config's per-block plan (`placement = \"shard0\"`), both with "
-        f"`training.optimizer = \"muon\"`. Targets: {TARGETS}.",
+        f'({H100.memory_gib:g} GiB). Each cell: flexshard `placement = "muon"` vs the FSDP2 '
+        'column of the same config\'s per-block plan (`placement = "shard0"`), both with '
+        f'`training.optimizer = "muon"`. Targets: {TARGETS}.',
         "",
         "| config, world (mesh) | peak GiB/rank | gathered in flight (GiB) | max bucket "
         "padding | storage max/mean | bytes sent/step (GiB) | optimizer step (ms) | "
