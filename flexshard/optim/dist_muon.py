@@ -57,6 +57,7 @@ from .redistribute import (
 )
 from .tp_matrices import gather_matrix, own_part
 from .tp_owners import TpCounter, TpExchange, owner_plannable, plan_tp, step_tp
+from .units import block_runs, row_block_shapes
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -79,6 +80,7 @@ RULES = Rules(
     "column-parallel (Shard(0)) pieces cut at block boundaries",
     check_shape=_check_ndim,
     tp_2d_only=True,
+    remote_row_blocks=True,
 )
 
 
@@ -273,8 +275,7 @@ class DistMuon(Optimizer):
                     load = loads.setdefault(len(work), [0.0] * len(work))
                     loads[len(work)] = [a + b for a, b in zip(load, work)]
             remote = [t for t in targets if t.kind is Kind.REMOTE]
-            cost = lambda t, shape: ns_flops(shape, t.group["ns_steps"])  # noqa: E731
-            self._plan = (key, plan_exchanges(remote, cost, loads))
+            self._plan = (key, plan_exchanges(remote, _remote_cost, loads))
         return self._plan[1]
 
     def _tp_exchanges(self, targets: list[Target]) -> list[TpExchange]:
@@ -295,6 +296,8 @@ class DistMuon(Optimizer):
         args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
         if matrix.ndim == 3:
             return zeropower_batched(matrix, *args)
+        if target.kind is Kind.REMOTE and target.rows:  # a row-block matrix on its owner
+            return torch.cat([zeropower(block, *args) for block in matrix.split(target.rows)])
         return zeropower(matrix, *args)
 
     @staticmethod
@@ -330,7 +333,22 @@ class DistMuon(Optimizer):
 
     def _apply_remote(self, exchange: Exchange, back: Transfer) -> None:
         # piece by piece: weight decay and the update are elementwise, every element of
-        # the local shard is in exactly one piece
-        for unit, param, update in local_updates(exchange, back.wait()):
-            piece = Target(param, unit.target.name, unit.target.group, Kind.WHOLE, unit.shape)
-            self._apply(piece, update, unit.shape)
+        # the local shard is in exactly one piece; a row-block matrix's piece run by
+        # run, each run in one block, whose shape adjusts its lr
+        for unit, piece, param, update in local_updates(exchange, back.wait()):
+            group, rows = unit.target.group, unit.target.rows
+            runs = [(0, piece.region.numel, unit.shape)]
+            if rows:
+                runs = block_runs(piece.region, unit.shape, rows)
+            for start, numel, shape in runs:
+                part = Target(
+                    param[start : start + numel], unit.target.name, group, Kind.WHOLE, shape
+                )
+                self._apply(part, update[start : start + numel], shape)
+
+
+def _remote_cost(target: Target, shape: Shape) -> float:
+    """Newton–Schulz FLOPs of a redistributed matrix: of each row block, with row_blocks."""
+    steps = target.group["ns_steps"]
+    shapes = row_block_shapes(shape, target.rows) if target.rows else [shape]
+    return sum((ns_flops(block, steps) for block in shapes), 0.0)

@@ -25,7 +25,6 @@ from flexshard.testing.collectives import (
 )
 
 from ..helpers.muon_cases import (
-    HEAD_ROWS,
     LR,
     SHAPES,
     STEPS,
@@ -189,7 +188,6 @@ def _bad_inputs(mesh) -> None:
     tiles = fs.flex_shard(Mats(), mesh=mesh, buckets=[fs.BucketSpec("*", fs.BlockShard((8, 8)))])
     rows = fs.flex_shard(Mats(), mesh=mesh, buckets=[fs.BucketSpec("*", fs.Shard(0), name="rows")])
     qkv_tiles = {"params": [tiles.qkv], "row_blocks": True}
-    qkv_rows = {"params": [rows.qkv], "row_blocks": HEAD_ROWS}  # 14-row chunks at W = 4
     tp = distribute_tensor(torch.zeros(8, 4), mesh, [TorchShard(0)])  # scatters: outside
     linear = fs.flex_shard(
         torch.nn.Linear(5, 3), mesh=mesh, buckets=[fs.BucketSpec("*", name="lin")]
@@ -197,8 +195,6 @@ def _bad_inputs(mesh) -> None:
     with forbid_collectives():
         with pytest.raises(ValueError, match="'qkv' in bucket 'bucket0'.*not whole blocks"):
             DistMuon([qkv_tiles])
-        with pytest.raises(ValueError, match="'qkv' in bucket 'rows'.*not whole blocks of 6"):
-            DistMuon([qkv_rows])
         with pytest.raises(ValueError, match="row_blocks takes 2-D.*'e' in bucket 'rows'"):
             DistMuon([{"params": [rows.e], "row_blocks": True}])
         with pytest.raises(ValueError, match="parameter 'bias' in bucket 'lin' has shape"):
@@ -208,6 +204,46 @@ def _bad_inputs(mesh) -> None:
         for bad in ({"ns_steps": 100}, {"lr": -1.0}, {"momentum": 1.0}):
             with pytest.raises(ValueError, match=next(iter(bad))):
                 DistMuon(rows.parameters(), **bad)
+
+
+#: row blocks the storage cuts (Shard(0) rows and flat ranges, and tiles narrower than
+#: the matrix): 17 rows in blocks of 4 (the last of one row), 3 rows in one short
+#: block (fewer blocks than ranks), 54 in blocks of 4, 29 in blocks of 24 and 5 (whose
+#: lr adjusts differently: 24 > 18 columns); "c" is one whole matrix beside them
+SPLIT_BLOCKS = {"a": 4, "t": 4, "qkv": 4, "b": 24}
+SPLIT_BUCKETS = [
+    fs.BucketSpec(["a", "t"], placement=fs.Shard(0), name="rows"),
+    fs.BucketSpec(["qkv", "c"], placement=fs.FlatShard(), name="flat"),
+    fs.BucketSpec("b", placement=fs.BlockShard((8, 6)), name="tiles"),
+]
+
+
+def _split_row_blocks(mesh) -> dict:
+    """Row-block matrices whose storage cuts blocks go whole to an owner, which steps
+    block by block: bit for bit torch Muon per block, for either lr adjustment."""
+    names = ("a", "b", "c", "qkv", "t")
+    out = {}
+    for adjust in (None, "match_rms_adamw"):
+        model = fs.flex_shard(Mats(names), mesh=mesh, buckets=SPLIT_BUCKETS)
+        named = dict(model.named_parameters())
+        groups = [{"params": [named["c"]]}]
+        groups += [{"params": [named[n]], "row_blocks": r} for n, r in SPLIT_BLOCKS.items()]
+        opt = DistMuon(groups, lr=LR, adjust_lr_fn=adjust)
+        for name, rows in SPLIT_BLOCKS.items():
+            target = opt._targets[id(named[name])]
+            assert (target.kind, target.rows) == (Kind.REMOTE, rows), name
+        counts: Counter[str] = Counter()
+        for step in range(STEPS):
+            set_grads(model, full_grads(names, step))
+            with record_collectives() as log:
+                opt.step()
+            counts.update(log.counts())
+        full = fs.full_state_dict(model)
+        ref = reference_params(names, STEPS, SPLIT_BLOCKS, adjust_lr_fn=adjust)
+        for name in names:
+            assert torch.equal(full[name], ref[name]), f"{adjust}: {name} differs from torch Muon"
+        out[str(adjust)] = {"counts": dict(counts), **opt.comm_stats()}
+    return out
 
 
 def _pipeline_order(mesh) -> None:
@@ -281,6 +317,8 @@ def _all_cases(rank: int, world_size: int) -> dict:
         _owners_avoid_busy_ranks(mesh)
     if world_size == 4:
         _bad_inputs(mesh)
+    if world_size in (3, 4):
+        out["split_row_blocks"] = _split_row_blocks(mesh)
     if world_size == 4:  # HSDP: 2 replicas x 2 shards, exchanges inside each shard group
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         out["hsdp"] = _run_case("shard0", hsdp)
@@ -303,6 +341,11 @@ def test_dist_muon_matches_torch_muon(world_size: int) -> None:
         assert counts == {"all_to_all_single": STEPS * per_step}, (name, counts)
         assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats)
         assert sum(s["bytes_sent"] for s in stats) > 0
+    if world_size in (3, 4):  # per block on the owner: one all-to-all each way per bucket
+        expected = STEPS * 2 * len(SPLIT_BUCKETS)
+        for stats in (s for r in results for s in r["split_row_blocks"].values()):
+            assert stats["counts"] == {"all_to_all_single": expected}, stats
+            assert stats["all_to_all"] == expected
 
 
 def _save_after_two_steps(rank: int, world_size: int, root: str) -> None:
