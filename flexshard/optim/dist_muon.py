@@ -11,6 +11,10 @@ runs. Momentum and weight decay are elementwise, so they run on the shards and e
 piece of state (``momentum_buffer``) is shaped like the local shard it belongs to:
 ``state_dict()``/``load_state_dict()`` work rank-locally as for any torch optimizer.
 
+Row blocks (``row_blocks=head_dim``) that the storage cuts go the same way: the owner
+gets the whole matrix and orthogonalises each block alone (LPT on the blocks' FLOPs);
+each rank applies its pieces block by block, each block's lr adjusted by its shape.
+
 Replicate buckets: every rank holds the whole matrix and its (all-reduced) gradient;
 the owner computes Newton–Schulz and the back all-to-all shares its update (the
 forward needs no collective), so no rank repeats another's Newton–Schulz. HSDP: the
@@ -130,10 +134,13 @@ class DistMuon(Optimizer):
     """``torch.optim.Muon`` for flexshard local shards (and plain tensors).
 
     Extra per-group option ``row_blocks`` (default False): Muon per row block, each
-    block a matrix of its own (one attention head of a fused QKV), computed without
-    communication. An int gives the rows per block (``head_dim``; the storage must hold
-    whole blocks, e.g. ``BlockShard((k * head_dim, C))``, and a plain tensor is split
-    the same way); True takes each stored full-width BlockShard tile as a block.
+    block a matrix of its own (one attention head of a fused QKV). An int gives the
+    rows per block (``head_dim``): storage that holds whole blocks (e.g.
+    ``BlockShard((k * head_dim, C))``, a plain tensor) computes them without
+    communication; storage that cuts blocks (``Shard(0)`` over more ranks than heads,
+    ``FlatShard``) redistributes the matrix like any split one, and its owner
+    orthogonalises block by block. True takes each stored full-width BlockShard tile
+    as a block.
     Learning rates adjust by each matrix's shape (a block's, one expert's).
     ``comm_stats()`` counts the step's all-to-alls and the bytes this rank sent.
     """

@@ -113,9 +113,10 @@ def _check_row_block_region(
 ) -> None:
     if not _whole_blocks(region, shape, rows):
         per = f"blocks of {rows} rows" if rows else "blocks"
-        hint = ""
-        if rules.remote_row_blocks and not rows:  # by rows, cut blocks are redistributed
-            hint = ", or row_blocks=<rows per block> to redistribute it"
+        if rules.remote_row_blocks:  # only blocks given by rows are redistributed
+            hint = "; or give row_blocks as rows per block to redistribute it"
+        else:
+            hint = f"; {rules.who} steps row blocks only where they are stored"
         raise ValueError(
             f"{rules.who}: {name} stores a piece of {region.sizes} at {region.offsets} that "
             f"is not whole {per} of its shape {shape}; per-block steps need storage in "

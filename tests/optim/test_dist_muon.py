@@ -15,7 +15,7 @@ from torch.distributed.tensor import distribute_tensor
 
 import flexshard as fs
 from flexshard import checkpoint as ckpt
-from flexshard.optim import DistMuon
+from flexshard.optim import DistMuon, MatrixOptimizer
 from flexshard.optim.matrices import Kind
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import (
@@ -25,6 +25,7 @@ from flexshard.testing.collectives import (
 )
 
 from ..helpers.muon_cases import (
+    HEAD_ROWS,
     LR,
     SHAPES,
     STEPS,
@@ -195,6 +196,12 @@ def _bad_inputs(mesh) -> None:
     with forbid_collectives():
         with pytest.raises(ValueError, match="'qkv' in bucket 'bucket0'.*not whole blocks"):
             DistMuon([qkv_tiles])
+        # MatrixOptimizer steps row blocks only where they are stored (14-row chunks)
+        qkv_rows = {"params": [rows.qkv], "row_blocks": HEAD_ROWS}
+        with pytest.raises(
+            ValueError, match="MatrixOptimizer: .*'qkv' in bucket 'rows'.*blocks of 6"
+        ):
+            MatrixOptimizer([qkv_rows], torch.optim.SGD, lr=LR)
         with pytest.raises(ValueError, match="row_blocks takes 2-D.*'e' in bucket 'rows'"):
             DistMuon([{"params": [rows.e], "row_blocks": True}])
         with pytest.raises(ValueError, match="parameter 'bias' in bucket 'lin' has shape"):
