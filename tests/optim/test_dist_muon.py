@@ -1,6 +1,7 @@
 """DistMuon against torch.optim.Muon: every placement, W = 2, 3 and 4, HSDP, empty
-shards, zero collectives where storage holds whole matrices, the pipeline order, bad
-storage, rank-local state dicts and a checkpoint resumed at another world size."""
+shards, zero collectives where storage holds whole matrices, row blocks the storage cuts
+(redistributed, per block on the owner), the pipeline order, bad storage, rank-local
+state dicts and a checkpoint resumed at another world size."""
 
 from __future__ import annotations
 
@@ -313,6 +314,21 @@ def _owners_avoid_busy_ranks(mesh) -> None:
     assert [u.owner for u in exchange.units] == [1]
 
 
+def _owners_by_block_flops(mesh) -> None:
+    """A row-block matrix the storage cuts costs its owner its blocks' Newton–Schulz
+    FLOPs: 'qkv' in 4-row blocks (42k) is the lightest of the three and joins 'c' (87k)
+    on rank 1 beside 'a' (108k); whole (204k) it would be the heaviest, alone on rank 0."""
+    model = fs.flex_shard(Mats(("a", "c", "qkv")), mesh=mesh, buckets=[fs.BucketSpec("*")])
+    groups = [{"params": [model.a, model.c]}, {"params": [model.qkv], "row_blocks": 4}]
+    opt = DistMuon(groups, lr=LR)
+    (exchange,) = opt._exchanges([opt._targets[id(p)] for p in model.parameters()])
+    assert {u.target.name.split("'")[1]: u.owner for u in exchange.units} == {
+        "a": 0,
+        "c": 1,
+        "qkv": 1,
+    }
+
+
 def _all_cases(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world_size,))
@@ -322,6 +338,7 @@ def _all_cases(rank: int, world_size: int) -> dict:
         _guard_catches_redistribution(mesh)
         _pipeline_order(mesh)
         _owners_avoid_busy_ranks(mesh)
+        _owners_by_block_flops(mesh)
     if world_size == 4:
         _bad_inputs(mesh)
     if world_size in (3, 4):
