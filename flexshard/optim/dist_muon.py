@@ -11,6 +11,10 @@ runs. Momentum and weight decay are elementwise, so they run on the shards and e
 piece of state (``momentum_buffer``) is shaped like the local shard it belongs to:
 ``state_dict()``/``load_state_dict()`` work rank-locally as for any torch optimizer.
 
+Row blocks (``row_blocks=head_dim``) that the storage cuts go the same way: the owner
+gets the whole matrix and orthogonalises each block alone (LPT on the blocks' FLOPs);
+each rank applies its pieces block by block, each block's lr adjusted by its shape.
+
 Replicate buckets: every rank holds the whole matrix and its (all-reduced) gradient;
 the owner computes Newton–Schulz and the back all-to-all shares its update (the
 forward needs no collective), so no rank repeats another's Newton–Schulz. HSDP: the
@@ -57,6 +61,7 @@ from .redistribute import (
 )
 from .tp_matrices import gather_matrix, own_part
 from .tp_owners import TpCounter, TpExchange, owner_plannable, plan_tp, step_tp
+from .units import block_runs, row_block_shapes
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -79,6 +84,7 @@ RULES = Rules(
     "column-parallel (Shard(0)) pieces cut at block boundaries",
     check_shape=_check_ndim,
     tp_2d_only=True,
+    remote_row_blocks=True,
 )
 
 
@@ -128,10 +134,13 @@ class DistMuon(Optimizer):
     """``torch.optim.Muon`` for flexshard local shards (and plain tensors).
 
     Extra per-group option ``row_blocks`` (default False): Muon per row block, each
-    block a matrix of its own (one attention head of a fused QKV), computed without
-    communication. An int gives the rows per block (``head_dim``; the storage must hold
-    whole blocks, e.g. ``BlockShard((k * head_dim, C))``, and a plain tensor is split
-    the same way); True takes each stored full-width BlockShard tile as a block.
+    block a matrix of its own (one attention head of a fused QKV). An int gives the
+    rows per block (``head_dim``): storage that holds whole blocks (e.g.
+    ``BlockShard((k * head_dim, C))``, a plain tensor) computes them without
+    communication; storage that cuts blocks (``Shard(0)`` over more ranks than heads,
+    ``FlatShard``) redistributes the matrix like any split one, and its owner
+    orthogonalises block by block. True takes each stored full-width BlockShard tile
+    as a block.
     Learning rates adjust by each matrix's shape (a block's, one expert's).
     ``comm_stats()`` counts the step's all-to-alls and the bytes this rank sent.
     """
@@ -273,8 +282,7 @@ class DistMuon(Optimizer):
                     load = loads.setdefault(len(work), [0.0] * len(work))
                     loads[len(work)] = [a + b for a, b in zip(load, work)]
             remote = [t for t in targets if t.kind is Kind.REMOTE]
-            cost = lambda t, shape: ns_flops(shape, t.group["ns_steps"])  # noqa: E731
-            self._plan = (key, plan_exchanges(remote, cost, loads))
+            self._plan = (key, plan_exchanges(remote, _remote_cost, loads))
         return self._plan[1]
 
     def _tp_exchanges(self, targets: list[Target]) -> list[TpExchange]:
@@ -295,6 +303,8 @@ class DistMuon(Optimizer):
         args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
         if matrix.ndim == 3:
             return zeropower_batched(matrix, *args)
+        if target.kind is Kind.REMOTE and target.rows:  # a row-block matrix on its owner
+            return torch.cat([zeropower(block, *args) for block in matrix.split(target.rows)])
         return zeropower(matrix, *args)
 
     @staticmethod
@@ -330,7 +340,22 @@ class DistMuon(Optimizer):
 
     def _apply_remote(self, exchange: Exchange, back: Transfer) -> None:
         # piece by piece: weight decay and the update are elementwise, every element of
-        # the local shard is in exactly one piece
-        for unit, param, update in local_updates(exchange, back.wait()):
-            piece = Target(param, unit.target.name, unit.target.group, Kind.WHOLE, unit.shape)
-            self._apply(piece, update, unit.shape)
+        # the local shard is in exactly one piece; a row-block matrix's piece run by
+        # run, each run in one block, whose shape adjusts its lr
+        for unit, piece, param, update in local_updates(exchange, back.wait()):
+            group, rows = unit.target.group, unit.target.rows
+            runs = [(0, piece.region.numel, unit.shape)]
+            if rows:
+                runs = block_runs(piece.region, unit.shape, rows)
+            for start, numel, shape in runs:
+                part = Target(
+                    param[start : start + numel], unit.target.name, group, Kind.WHOLE, shape
+                )
+                self._apply(part, update[start : start + numel], shape)
+
+
+def _remote_cost(target: Target, shape: Shape) -> float:
+    """Newton–Schulz FLOPs of a redistributed matrix: of each row block, with row_blocks."""
+    steps = target.group["ns_steps"]
+    shapes = row_block_shapes(shape, target.rows) if target.rows else [shape]
+    return sum((ns_flops(block, steps) for block in shapes), 0.0)

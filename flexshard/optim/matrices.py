@@ -51,7 +51,9 @@ class Target:
     bucket: Bucket | None = None
     index: int = -1
     blocks: tuple[Block, ...] = ()
-    rows: int | None = None  # row_blocks: rows per block (0: each stored region)
+    # row_blocks: rows per block (0: each stored region); a REMOTE target with rows is
+    # stepped block by block on its owner
+    rows: int | None = None
     first_row: int = 0  # row_blocks in a tensor-parallel piece: its first row in the matrix
 
 
@@ -68,6 +70,9 @@ class Rules:
     tp_split: str  # the end of the error for a tensor-parallel split it cannot step
     check_shape: Callable[[str, Shape], None] = _any_shape  # raises for shapes it cannot take
     tp_2d_only: bool = False  # tensor-parallel matrices it gathers whole: 2-D only
+    # row_blocks (by rows) whose storage cuts blocks: redistributed whole to an owner
+    # that steps each block (else refused)
+    remote_row_blocks: bool = False
 
 
 def _is_full_width(region: Region, shape: Shape) -> bool:
@@ -95,18 +100,27 @@ def _check_row_block_shape(name: str, shape: Shape, who: str) -> None:
         raise ValueError(f"{who}: row_blocks takes 2-D matrices; {name} has shape {shape}")
 
 
-def _check_row_block_region(name: str, shape: Shape, region: Region, rows: int, who: str) -> None:
-    """A stored region must be whole rows and, with ``rows`` per block, whole blocks."""
-    whole_rows = _is_full_width(region, shape)
-    if whole_rows and rows:
-        start, size = region.offsets[0], region.sizes[0]
-        whole_rows = start % rows == 0 and (size % rows == 0 or start + size == shape[0])
-    if not whole_rows:
+def _whole_blocks(region: Region, shape: Shape, rows: int) -> bool:
+    """Whether a stored region is whole rows and, with ``rows`` per block, whole blocks."""
+    if not _is_full_width(region, shape):
+        return False
+    start, size = region.offsets[0], region.sizes[0]
+    return not rows or (start % rows == 0 and (size % rows == 0 or start + size == shape[0]))
+
+
+def _check_row_block_region(
+    name: str, shape: Shape, region: Region, rows: int, rules: Rules
+) -> None:
+    if not _whole_blocks(region, shape, rows):
         per = f"blocks of {rows} rows" if rows else "blocks"
+        if rules.remote_row_blocks:  # only blocks given by rows are redistributed
+            hint = "; or give row_blocks as rows per block to redistribute it"
+        else:
+            hint = f"; {rules.who} steps row blocks only where they are stored"
         raise ValueError(
-            f"{who}: {name} stores a piece of {region.sizes} at {region.offsets} that is "
-            f"not whole {per} of its shape {shape}; per-block steps need storage in whole "
-            f"row blocks, e.g. BlockShard(({rows or 'rows'}, {shape[-1]}))"
+            f"{rules.who}: {name} stores a piece of {region.sizes} at {region.offsets} that "
+            f"is not whole {per} of its shape {shape}; per-block steps need storage in "
+            f"whole row blocks, e.g. BlockShard(({rows or 'rows'}, {shape[-1]})){hint}"
         )
 
 
@@ -123,14 +137,14 @@ def _split_rows(region: Region, offset: int, rows: int) -> list[Block]:
 
 
 def row_blocks_of(
-    name: str, shape: Shape, regions: Sequence[Sequence[Region]], rows: int, who: str
+    name: str, shape: Shape, regions: Sequence[Sequence[Region]], rows: int, rules: Rules
 ) -> list[tuple[Block, ...]]:
     """Each rank's row blocks of a 2-D tensor stored as ``regions`` (per rank; a plain
     tensor is one rank holding it whole), in its local storage order; raises naming
     ``name`` unless every stored region is whole blocks."""
-    _check_row_block_shape(name, shape, who)
+    _check_row_block_shape(name, shape, rules.who)
     for region in (r for held in regions for r in held):
-        _check_row_block_region(name, shape, region, rows, who)
+        _check_row_block_region(name, shape, region, rows, rules)
     out = []
     for held in regions:
         blocks, offset = [], 0
@@ -158,7 +172,7 @@ def classify(param: torch.Tensor, name: str, row_blocks: bool | int | None, rule
         rules.check_shape(name, shape)
         if rows is not None:
             whole = [(Region((0, 0), shape),)]
-            blocks = row_blocks_of(name, shape, whole, rows, rules.who)[0]
+            blocks = row_blocks_of(name, shape, whole, rows, rules)[0]
             return Target(local, name, {}, Kind.ROW_BLOCKS, shape, blocks=blocks)
         return Target(local, name, {}, Kind.EXPERTS if len(shape) == 3 else Kind.WHOLE, shape)
     bucket, index = slot
@@ -183,8 +197,13 @@ def classify(param: torch.Tensor, name: str, row_blocks: bool | int | None, rule
         first_row = tp_frame(spec)[1][0]  # where this rank's piece starts in the matrix
     rules.check_shape(name, shape)
     target = Target(local, name, {}, Kind.REMOTE, shape, bucket, index)
+    if rows and rules.remote_row_blocks and len(shape) == 2:
+        stored = (r for held in layout.regions for r in held)
+        if not all(_whole_blocks(region, shape, rows) for region in stored):
+            target.rows = rows  # the storage cuts blocks: the owner steps them whole
+            return target
     if rows is not None:  # every rank computes the blocks it stores (all, if replicated)
-        blocks = row_blocks_of(name, shape, layout.regions, rows, rules.who)[bucket.store.rank]
+        blocks = row_blocks_of(name, shape, layout.regions, rows, rules)[bucket.store.rank]
         target.kind, target.blocks, target.rows = Kind.ROW_BLOCKS, blocks, rows
         target.first_row = first_row
         return target

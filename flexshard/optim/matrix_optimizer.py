@@ -382,8 +382,8 @@ class MatrixOptimizer(Optimizer):
                 proxy.grad = None
 
     def _apply_remote(self, exchange: Exchange, back: Transfer) -> None:
-        for _unit, piece, value in local_updates(exchange, back.wait()):
-            piece.copy_(value)
+        for _unit, _piece, part, value in local_updates(exchange, back.wait()):
+            part.copy_(value)
 
     def _check_state(self) -> None:
         """The inner state must be keyed by proxies: state kept on anything else is not

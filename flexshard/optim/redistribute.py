@@ -252,9 +252,9 @@ def send_updates(
 
 def local_updates(
     exchange: Exchange, received: list[torch.Tensor]
-) -> list[tuple[Unit, torch.Tensor, torch.Tensor]]:
-    """(unit, piece of the local parameter, its update), flat, for every piece of
-    every matrix this rank stores."""
+) -> list[tuple[Unit, Piece, torch.Tensor, torch.Tensor]]:
+    """(unit, piece, that piece of the local parameter, its update), flat, for every
+    piece of every matrix this rank stores."""
     rank = exchange.rank
     cursors = [0] * exchange.world_size
     out = []
@@ -264,5 +264,5 @@ def local_updates(
             numel, cursor = piece.region.numel, cursors[unit.owner]
             update = received[unit.owner][cursor : cursor + numel]
             cursors[unit.owner] += numel
-            out.append((unit, param[piece.local : piece.local + numel], update))
+            out.append((unit, piece, param[piece.local : piece.local + numel], update))
     return out

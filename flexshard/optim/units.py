@@ -62,3 +62,27 @@ def pieces(regions: Sequence[Region], shape: Shape, expert: int | None) -> tuple
                 out.append(piece)
         start += region.numel
     return tuple(out)
+
+
+def row_block_shapes(shape: Shape, rows: int) -> list[Shape]:
+    """The blocks of ``rows`` full-width rows of a 2-D ``shape`` (the last may be short)."""
+    height, width = shape
+    return [(min(rows, height - top), width) for top in range(0, height, rows)]
+
+
+def block_runs(region: Region, shape: Shape, rows: int) -> list[tuple[int, int, Shape]]:
+    """(start, numel, block shape): the runs of a piece (``region`` of a 2-D matrix of
+    ``shape``, stored contiguously in row-major order) that each lie in one block of
+    ``rows`` full-width rows, from the piece's first element on."""
+    height, width = shape
+    if region.flat:  # a range of the flattened matrix
+        per_row, base = width, region.offsets[0]
+    else:  # a box: its rows one after another, each ``sizes[1]`` wide
+        per_row, base = region.sizes[1], region.offsets[0] * region.sizes[1]
+    runs = []
+    for top, block in zip(range(0, height, rows), row_block_shapes(shape, rows)):
+        lo = max(top * per_row - base, 0)
+        hi = min((top + block[0]) * per_row - base, region.numel)
+        if lo < hi:
+            runs.append((lo, hi - lo, block))
+    return runs

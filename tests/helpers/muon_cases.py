@@ -85,16 +85,21 @@ def split_rows(full: torch.Tensor, rows: int) -> list[torch.Tensor]:
 
 
 def reference_params(
-    names: tuple[str, ...], steps: int, row_blocks: tuple[str, ...] = (), **muon_kwargs
+    names: tuple[str, ...],
+    steps: int,
+    row_blocks: tuple[str, ...] | dict[str, int] = (),
+    **muon_kwargs,
 ) -> dict[str, torch.Tensor]:
     """torch.optim.Muon on the full matrices: a row-block parameter as one Muon matrix
-    per block of HEAD_ROWS rows, an expert stack as one Muon matrix per expert."""
+    per block of its rows (``row_blocks``: names in blocks of HEAD_ROWS, or name ->
+    rows), an expert stack as one Muon matrix per expert."""
+    rows = row_blocks if isinstance(row_blocks, dict) else dict.fromkeys(row_blocks, HEAD_ROWS)
     model = Mats(names)
     pieces: dict[str, list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
         data = param.detach()
-        if name in row_blocks:
-            parts = split_rows(data, HEAD_ROWS)
+        if name in rows:
+            parts = split_rows(data, rows[name])
         elif data.ndim == 3:
             parts = list(data.unbind(0))
         else:
@@ -105,8 +110,8 @@ def reference_params(
         grads = full_grads(names, step)
         for name, params in pieces.items():
             g = grads[name]
-            if name in row_blocks:
-                parts = split_rows(g, HEAD_ROWS)
+            if name in rows:
+                parts = split_rows(g, rows[name])
             else:
                 parts = list(g.unbind(0)) if g.ndim == 3 else [g]
             for p, part in zip(params, parts):
@@ -114,7 +119,7 @@ def reference_params(
         opt.step()
     out = {}
     for name, params in pieces.items():
-        if name in row_blocks:
+        if name in rows:
             out[name] = torch.cat([p.detach() for p in params])
         elif SHAPES[name].__len__() == 3:
             out[name] = torch.stack([p.detach() for p in params])

@@ -1,6 +1,7 @@
 """DistMuon against torch.optim.Muon: every placement, W = 2, 3 and 4, HSDP, empty
-shards, zero collectives where storage holds whole matrices, the pipeline order, bad
-storage, rank-local state dicts and a checkpoint resumed at another world size."""
+shards, zero collectives where storage holds whole matrices, row blocks the storage cuts
+(redistributed, per block on the owner), the pipeline order, bad storage, rank-local
+state dicts and a checkpoint resumed at another world size."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch.distributed.tensor import distribute_tensor
 
 import flexshard as fs
 from flexshard import checkpoint as ckpt
-from flexshard.optim import DistMuon
+from flexshard.optim import DistMuon, MatrixOptimizer
 from flexshard.optim.matrices import Kind
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import (
@@ -189,7 +190,6 @@ def _bad_inputs(mesh) -> None:
     tiles = fs.flex_shard(Mats(), mesh=mesh, buckets=[fs.BucketSpec("*", fs.BlockShard((8, 8)))])
     rows = fs.flex_shard(Mats(), mesh=mesh, buckets=[fs.BucketSpec("*", fs.Shard(0), name="rows")])
     qkv_tiles = {"params": [tiles.qkv], "row_blocks": True}
-    qkv_rows = {"params": [rows.qkv], "row_blocks": HEAD_ROWS}  # 14-row chunks at W = 4
     tp = distribute_tensor(torch.zeros(8, 4), mesh, [TorchShard(0)])  # scatters: outside
     linear = fs.flex_shard(
         torch.nn.Linear(5, 3), mesh=mesh, buckets=[fs.BucketSpec("*", name="lin")]
@@ -197,8 +197,12 @@ def _bad_inputs(mesh) -> None:
     with forbid_collectives():
         with pytest.raises(ValueError, match="'qkv' in bucket 'bucket0'.*not whole blocks"):
             DistMuon([qkv_tiles])
-        with pytest.raises(ValueError, match="'qkv' in bucket 'rows'.*not whole blocks of 6"):
-            DistMuon([qkv_rows])
+        # MatrixOptimizer steps row blocks only where they are stored (14-row chunks)
+        qkv_rows = {"params": [rows.qkv], "row_blocks": HEAD_ROWS}
+        with pytest.raises(
+            ValueError, match="MatrixOptimizer: .*'qkv' in bucket 'rows'.*blocks of 6"
+        ):
+            MatrixOptimizer([qkv_rows], torch.optim.SGD, lr=LR)
         with pytest.raises(ValueError, match="row_blocks takes 2-D.*'e' in bucket 'rows'"):
             DistMuon([{"params": [rows.e], "row_blocks": True}])
         with pytest.raises(ValueError, match="parameter 'bias' in bucket 'lin' has shape"):
@@ -208,6 +212,46 @@ def _bad_inputs(mesh) -> None:
         for bad in ({"ns_steps": 100}, {"lr": -1.0}, {"momentum": 1.0}):
             with pytest.raises(ValueError, match=next(iter(bad))):
                 DistMuon(rows.parameters(), **bad)
+
+
+#: row blocks the storage cuts (Shard(0) rows and flat ranges, and tiles narrower than
+#: the matrix): 17 rows in blocks of 4 (the last of one row), 3 rows in one short
+#: block (fewer blocks than ranks), 54 in blocks of 4, 29 in blocks of 24 and 5 (whose
+#: lr adjusts differently: 24 > 18 columns); "c" is one whole matrix beside them
+SPLIT_BLOCKS = {"a": 4, "t": 4, "qkv": 4, "b": 24}
+SPLIT_BUCKETS = [
+    fs.BucketSpec(["a", "t"], placement=fs.Shard(0), name="rows"),
+    fs.BucketSpec(["qkv", "c"], placement=fs.FlatShard(), name="flat"),
+    fs.BucketSpec("b", placement=fs.BlockShard((8, 6)), name="tiles"),
+]
+
+
+def _split_row_blocks(mesh) -> dict:
+    """Row-block matrices whose storage cuts blocks go whole to an owner, which steps
+    block by block: bit for bit torch Muon per block, for either lr adjustment."""
+    names = ("a", "b", "c", "qkv", "t")
+    out = {}
+    for adjust in (None, "match_rms_adamw"):
+        model = fs.flex_shard(Mats(names), mesh=mesh, buckets=SPLIT_BUCKETS)
+        named = dict(model.named_parameters())
+        groups = [{"params": [named["c"]]}]
+        groups += [{"params": [named[n]], "row_blocks": r} for n, r in SPLIT_BLOCKS.items()]
+        opt = DistMuon(groups, lr=LR, adjust_lr_fn=adjust)
+        for name, rows in SPLIT_BLOCKS.items():
+            target = opt._targets[id(named[name])]
+            assert (target.kind, target.rows) == (Kind.REMOTE, rows), name
+        counts: Counter[str] = Counter()
+        for step in range(STEPS):
+            set_grads(model, full_grads(names, step))
+            with record_collectives() as log:
+                opt.step()
+            counts.update(log.counts())
+        full = fs.full_state_dict(model)
+        ref = reference_params(names, STEPS, SPLIT_BLOCKS, adjust_lr_fn=adjust)
+        for name in names:
+            assert torch.equal(full[name], ref[name]), f"{adjust}: {name} differs from torch Muon"
+        out[str(adjust)] = {"counts": dict(counts), **opt.comm_stats()}
+    return out
 
 
 def _pipeline_order(mesh) -> None:
@@ -270,6 +314,21 @@ def _owners_avoid_busy_ranks(mesh) -> None:
     assert [u.owner for u in exchange.units] == [1]
 
 
+def _owners_by_block_flops(mesh) -> None:
+    """A row-block matrix the storage cuts costs its owner its blocks' Newton–Schulz
+    FLOPs: 'qkv' in 4-row blocks (42k) is the lightest of the three and joins 'c' (87k)
+    on rank 1 beside 'a' (108k); whole (204k) it would be the heaviest, alone on rank 0."""
+    model = fs.flex_shard(Mats(("a", "c", "qkv")), mesh=mesh, buckets=[fs.BucketSpec("*")])
+    groups = [{"params": [model.a, model.c]}, {"params": [model.qkv], "row_blocks": 4}]
+    opt = DistMuon(groups, lr=LR)
+    (exchange,) = opt._exchanges([opt._targets[id(p)] for p in model.parameters()])
+    assert {u.target.name.split("'")[1]: u.owner for u in exchange.units} == {
+        "a": 0,
+        "c": 1,
+        "qkv": 1,
+    }
+
+
 def _all_cases(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world_size,))
@@ -279,8 +338,11 @@ def _all_cases(rank: int, world_size: int) -> dict:
         _guard_catches_redistribution(mesh)
         _pipeline_order(mesh)
         _owners_avoid_busy_ranks(mesh)
+        _owners_by_block_flops(mesh)
     if world_size == 4:
         _bad_inputs(mesh)
+    if world_size in (3, 4):
+        out["split_row_blocks"] = _split_row_blocks(mesh)
     if world_size == 4:  # HSDP: 2 replicas x 2 shards, exchanges inside each shard group
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         out["hsdp"] = _run_case("shard0", hsdp)
@@ -303,6 +365,11 @@ def test_dist_muon_matches_torch_muon(world_size: int) -> None:
         assert counts == {"all_to_all_single": STEPS * per_step}, (name, counts)
         assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats)
         assert sum(s["bytes_sent"] for s in stats) > 0
+    if world_size in (3, 4):  # per block on the owner: one all-to-all each way per bucket
+        expected = STEPS * 2 * len(SPLIT_BUCKETS)
+        for stats in (s for r in results for s in r["split_row_blocks"].values()):
+            assert stats["counts"] == {"all_to_all_single": expected}, stats
+            assert stats["all_to_all"] == expected
 
 
 def _save_after_two_steps(rank: int, world_size: int, root: str) -> None:

@@ -3,7 +3,9 @@ tp = 3, which none of the shapes divides (one piece is empty): bit for bit torch
 on the whole matrices and the gather-everywhere path, with each matrix orthogonalised
 by one rank of the tp group (fewer Newton–Schulz runs per rank, LPT-balanced) and two
 packed all-to-alls per step over tp in place of one all-gather per matrix.
-(dp x tp, the dp gathers included, is tests/trainer/test_tp.py's dp2 x tp2 DistMuon case.)"""
+(dp x tp, the dp gathers included, is tests/trainer/test_tp.py's dp2 x tp2 DistMuon case.)
+Per-head row blocks in column-parallel pieces at dp2 x tp2: local, redistributed over dp
+or refused, by where the blocks are cut."""
 
 from __future__ import annotations
 
@@ -141,3 +143,63 @@ def test_owner_plan_collectives(results) -> None:
         for counts in result["everywhere"]["counts"]:  # an all-gather per matrix
             assert sum(counts.values()) == len(SHAPES), counts
             assert "all_to_all_single" not in counts, counts
+
+
+#: a column-parallel (24, 10) weight at dp2 x tp2: 12-row tp pieces, 6 rows per dp rank
+HEADS_SHAPE = (24, 10)
+
+
+def _head_grad(step: int) -> torch.Tensor:
+    return torch.randn(HEADS_SHAPE, generator=torch.Generator().manual_seed(200 + step))
+
+
+def _per_head_reference(rows: int) -> torch.Tensor:
+    """torch.optim.Muon on each block of ``rows`` rows of the whole matrix."""
+    start = torch.randn(HEADS_SHAPE, generator=torch.Generator().manual_seed(0))
+    heads = [nn.Parameter(h.clone()) for h in start.split(rows)]
+    opt = torch.optim.Muon(heads, lr=LR, weight_decay=WD)
+    for step in range(STEPS):
+        for head, grad in zip(heads, _head_grad(step).split(rows)):
+            head.grad = grad.clone()
+        opt.step()
+    return torch.cat([h.detach() for h in heads])
+
+
+def _heads_in_tp_pieces(rank: int, world_size: int) -> dict:
+    """Per-head DistMuon on tp pieces of whole heads: kept local where dp stores whole
+    heads (3 rows), redistributed over dp where it cuts them (4 rows); heads that the tp
+    pieces cut (5 rows) raise."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    out: dict = {}
+    for rows in (3, 4, 5):
+        model = nn.Sequential(nn.Linear(HEADS_SHAPE[1], HEADS_SHAPE[0], bias=False))
+        model[0].weight.data = torch.randn(HEADS_SHAPE, generator=torch.Generator().manual_seed(0))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+        model = fs.flex_shard(model, mesh=mesh["dp_shard"], buckets=[fs.BucketSpec("*")])
+        (param,) = model.parameters()
+        group = {"params": [param], "row_blocks": rows}
+        if rows == 5:
+            with pytest.raises(ValueError, match="split by tensor parallelism.*not whole row"):
+                DistMuon([group])
+            continue
+        opt = DistMuon([group], lr=LR, weight_decay=WD)
+        tp_rank, dp_rank = mesh.get_local_rank("tp"), mesh.get_local_rank("dp_shard")
+        for step in range(STEPS):  # this rank's dp rows of its tp piece
+            local = _head_grad(step).chunk(2, 0)[tp_rank].chunk(2, 0)[dp_rank]
+            param.grad = DTensor.from_local(
+                local.reshape(param.to_local().shape), param.device_mesh, param.placements,
+                shape=param.shape, stride=param.stride(), run_check=False,
+            )  # fmt: skip
+            opt.step()
+        full = fs.full_state_dict(model)["0.weight"]
+        kind = opt._targets[id(param)].kind.value
+        out[rows] = (kind, torch.equal(full, _per_head_reference(rows)), opt.comm_stats())
+    return out
+
+
+def test_row_blocks_in_tp_pieces() -> None:
+    for result in run_distributed(_heads_in_tp_pieces, 4, timeout=300):
+        assert result[3] == ("row_blocks", True, {"all_to_all": 0, "bytes_sent": 0,
+                                                  "bytes_received": 0})  # fmt: skip
+        kind, equal, stats = result[4]
+        assert (kind, equal, stats["all_to_all"]) == ("remote", True, 2 * STEPS)

@@ -44,9 +44,10 @@ def muon_row_blocks(model_cfg: ModelConfig) -> dict[str, int]:
 def muon_head_placement(base: Any, model_cfg: ModelConfig) -> Any:
     """``base`` (a placement or an ``(fqn, param) -> placement`` function) with the
     parameters of :func:`muon_row_blocks` in whole-head row blocks
-    (``BlockShard((head_dim, C))``): per-head Muon needs every head whole on a rank, which
-    Shard(0) or FlatShard over a dp group larger than the heads per piece would cut
-    (the single process, and so the loss parity, is per head whatever the layout)."""
+    (``BlockShard((head_dim, C))``): every head whole on a rank, so per-head steps move
+    no byte. Shard(0) or FlatShard over a dp group larger than the heads per piece would
+    cut heads: DistMuon would redistribute them, MatrixOptimizer refuses them (the
+    single process, and so the loss parity, is per head whatever the layout)."""
     rows = muon_row_blocks(model_cfg)
 
     def placement(fqn: str, param: nn.Parameter) -> Any:
