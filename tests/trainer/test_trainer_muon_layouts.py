@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from flexshard.runtime.bucket import slot_of
 from flexshard.testing import run_distributed
 from flexshard.trainer.checkpointing.checkpoints import latest_step
 from flexshard.trainer.config import ConfigError
@@ -79,8 +80,31 @@ def _config(folder: str, name: str, **extra: dict):
     )
 
 
+def _split_matrices(job) -> int:
+    """Muon's matrices whose data-parallel storage splits them (the plan found them too
+    large to own): DistMuon redistributes those, and only those, over dp."""
+    split = 0
+    for group in job.optimizer.param_groups:
+        if not group.get("use_muon", True):
+            continue
+        for param in group["params"]:
+            bucket, index = slot_of(param)
+            layout = bucket.layout.params[index]
+            holders = [r for r, regions in enumerate(layout.regions) if regions]
+            pieces = [r for regions in layout.regions for r in regions]
+            whole = len(holders) == 1 or all(r.sizes[-2:] == layout.shape[-2:] for r in pieces)
+            split += not whole
+    return split
+
+
 def _train(folder: str, name: str) -> dict:
-    return trained(setup(_config(f"{folder}/{name}", name)), STEPS)
+    job = setup(_config(f"{folder}/{name}", name))
+    job.optimizer.comm_stats(reset=True)
+    result = trained(job, STEPS)
+    if name.startswith("muon_"):
+        result["optimizer_comm"] = job.optimizer.comm_stats()
+        result["split"] = _split_matrices(job)
+    return result
 
 
 CKPT = {"enable": True, "interval": 3}
@@ -136,8 +160,24 @@ def _run_layouts(world_size: int, names: list[str], ckpt: str | None, tmp_path) 
     for name in names:
         gaps = _check(name, results[0][name])
         print(f"muon {name}: {gaps}")
+        for rank, by_name in enumerate(results):
+            if name.startswith("muon_"):
+                _check_comm_free(name, rank, by_name[name])
         for rank, by_name in enumerate(results):  # every rank logs the same loss
             assert by_name[name]["losses"] == results[0][name]["losses"], (name, rank)
+
+
+def _check_comm_free(name: str, rank: int, result: dict) -> None:
+    """The "muon" placement's DistMuon step moves nothing over data parallelism when the
+    plan owns every matrix: no all-to-all at all, and under TP only the tp group's
+    exchange of the pieces (no dp gather)."""
+    stats, tp = result["optimizer_comm"], LAYOUTS[name][1].get("tp", 1)
+    print(f"muon {name} rank {rank}: split {result['split']}, optimizer {stats}")
+    if result["split"]:
+        return
+    assert stats.get("tp_all_gather", 0) == 0, (name, rank, stats)
+    if tp == 1:
+        assert stats["all_to_all"] == 0 and stats["bytes_sent"] == 0, (name, rank, stats)
 
 
 def test_muon_tp2_and_pp2_checkpoint(tmp_path):
