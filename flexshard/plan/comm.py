@@ -53,10 +53,12 @@ def bucket_comm(info: BucketInfo, microbatches: int, keep_between_micro: bool) -
     gathers = 1 + (microbatches if info.reshard_after_forward else 0)
     if not keep_between_micro:
         gathers = per_pass * microbatches
-    ag = gathers * (w - 1) * info.shard_numel * info.gather_itemsize
-    rs = (w - 1) * info.shard_numel * info.reduce_itemsize
+    gathered, reduced = info.sent_numels()
+    ag = gathers * gathered * info.gather_itemsize
+    rs = reduced * info.reduce_itemsize
     r = info.replicas
-    ar = 2 * (r - 1) * info.shard_numel * info.reduce_itemsize // r if r > 1 else 0
+    own = info.layout.extent(info.rank)
+    ar = 2 * (r - 1) * own * info.reduce_itemsize // r if r > 1 else 0
     return BucketComm(info.name, ag, gathers, rs, ar, info.padding)
 
 

@@ -53,16 +53,34 @@ class Moment:
 
 def _blocks(bucket: BucketInfo) -> set[int]:
     found = set()
-    for p in bucket.layout.params:
-        m = _LAYER.search(p.fqn)
+    # fully_shard's buckets name their parameters from their module, which the bucket
+    # is named after ("layers.3"): the block is in that name
+    for name in (*(p.fqn for p in bucket.layout.params), f"{bucket.name}."):
+        m = _LAYER.search(name)
         if m:
             found.add(int(m.group(1)))
     return found
 
 
-def sharded_grad_bytes(bucket: BucketInfo) -> int:
-    """The busiest rank's sharded gradients of this bucket (real, unpadded elements)."""
-    return max(bucket.rank_numels()) * bucket.storage_itemsize
+def sharded_grad_bytes(bucket: BucketInfo, busiest: dict[int, int] | None = None) -> int:
+    """The busiest rank's sharded gradients of this bucket (real, unpadded elements).
+    Ragged buckets' shares are level over the model, not bucket by bucket: theirs are
+    those of the rank that holds most over all of them (``busiest``, per group size)."""
+    numels = bucket.rank_numels()
+    if bucket.layout.ragged and busiest:
+        return numels[busiest[bucket.world]] * bucket.storage_itemsize
+    return max(numels) * bucket.storage_itemsize
+
+
+def busiest_ragged_rank(buckets: list[BucketInfo]) -> dict[int, int]:
+    """Per group size, the rank whose ragged buckets hold the most elements."""
+    totals: dict[int, list[int]] = {}
+    for b in buckets:
+        if b.layout.ragged:
+            per_rank = totals.setdefault(b.world, [0] * b.world)
+            for r, n in enumerate(b.rank_numels()):
+                per_rank[r] += n
+    return {w: v.index(max(v)) for w, v in totals.items()}
 
 
 def optimizer_temporaries(buckets: list[BucketInfo], foreach: bool) -> int:
@@ -89,6 +107,7 @@ def step_moments(
     unsharded gradients of every bucket kept between backwards."""
     root = [b for b in buckets if b.is_root]
     units = [b for b in buckets if not b.is_root]
+    busiest = busiest_ragged_rank(buckets)
     root_gathered = sum(b.gathered_bytes for b in root)
     root_grads = sum(b.unsharded_grad_bytes for b in root)
     blocks_seen: list[int] = []  # index of each unit's last block in this stage's order
@@ -126,10 +145,10 @@ def step_moments(
         gathered = root_gathered + resident + b.gathered_bytes + prefetched
         gathered += kept_grads if accumulating else root_grads + grads
         done = back[: max(0, i - MAX_PENDING_REDUCTIONS)]  # reduced: sharded gradients
-        reduced = sum(sharded_grad_bytes(units[j]) for j in done)
+        reduced = sum(sharded_grad_bytes(units[j], busiest) for j in done)
         activations = held + act.backward(blocks_seen[k])
         out.append(Moment(f"backward of {b.name}", gathered, reduced, activations))
-    all_grads = sum(sharded_grad_bytes(b) for b in buckets)
+    all_grads = sum(sharded_grad_bytes(b, busiest) for b in buckets)
     temporaries = optimizer_temporaries(buckets, foreach)
     out.append(Moment("optimizer step", 0, all_grads, 0, temporaries))
     return out

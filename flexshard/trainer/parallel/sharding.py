@@ -128,10 +128,13 @@ def _outer_patterns(module: nn.Module) -> list[str]:
 
 
 def block_placement(cfg: Config) -> Policy:
-    """``parallelism.placement`` for every block; under Muon, SOAP or Shampoo (per-head
-    matrices), q/k/v in whole heads."""
+    """``parallelism.placement`` for every block; under SOAP or Shampoo (per-head
+    matrices MatrixOptimizer steps only where stored whole), q/k/v in whole heads. Muon
+    keeps the placement as named: DistMuon redistributes the heads it cuts, so
+    ``shard0`` is FSDP2's layout with a redistributing DistMuon, with no padding of
+    heads fewer than the ranks (the ``muon`` placement is the communication-free one)."""
     placement = named_placement(cfg.parallelism.placement, cfg)
-    if cfg.training.optimizer != "adamw":  # per-head matrices stored in whole heads
+    if cfg.training.optimizer in ("soap", "shampoo"):
         placement = muon_head_placement(placement, cfg.model)
     return placement
 
@@ -179,7 +182,13 @@ def bucket_specs(
         assert experts_mesh is not None
         excluded = [f"{fqn}.*" for fqn in expert_fqns]
         specs = muon_buckets(module, dp_shard, row_blocks=rows, exclude=excluded)
-        return _expert_specs(module, expert_fqns, experts_mesh) + specs
+        experts = _expert_specs(module, expert_fqns, experts_mesh)
+        # in forward order: each block's bucket, then the experts inside it
+        ordered = []
+        for spec in specs:
+            ordered.append(spec)
+            ordered += [e for e in experts if str(e.name).startswith(f"{spec.name}.")]
+        return ordered
     placement = block_placement(cfg)
     specs = [
         fs.BucketSpec(f"layers.{name}.*", placement, name=f"layers.{name}")
