@@ -134,8 +134,20 @@ def config_from_dict(table: dict[str, Any]) -> Config:
     _fill(cfg, _model_from_folder(table), "")
     _vocab_from_tokenizer(cfg, table)
     _check_activation_checkpoint(cfg.activation_checkpoint)
+    _resolve_placement(cfg)
     validate(cfg)
     return cfg
+
+
+def _resolve_placement(cfg: Config) -> None:
+    """``placement = "auto"``: the matrix optimizers' communication-free layout where it
+    applies (the flexshard backend without explicit buckets), FSDP2's rows otherwise."""
+    par = cfg.parallelism
+    if par.placement != "auto":
+        return
+    matrices = cfg.training.optimizer in ("muon", "soap", "shampoo")
+    owned = matrices and par.dp_backend == "flexshard" and not par.buckets
+    par.placement = "muon" if owned else "shard0"
 
 
 def _model_from_folder(table: dict[str, Any]) -> dict[str, Any]:

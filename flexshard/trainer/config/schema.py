@@ -132,8 +132,10 @@ class ParallelismConfig:
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     pp_microbatches: int = 0  # 0: pp (one microbatch per stage)
     pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b)
-    # flexshard buckets: one per block plus one outer bucket, all with this placement
-    placement: Literal["shard0", "flat", "owned", "block", "mixed", "muon"] = "shard0"
+    # flexshard buckets: one per block plus one outer bucket, all with this placement;
+    # "auto": "muon" under Muon, SOAP or Shampoo on the flexshard backend (matrices whole
+    # on balanced owners: the optimizer's step moves no byte), else "shard0"
+    placement: Literal["auto", "shard0", "flat", "owned", "block", "mixed", "muon"] = "auto"
     block: list[int] = field(default_factory=lambda: [16, 16])  # BlockShard tile (R, C)
     reshard_after_forward: bool = True
     # explicit buckets replace the defaults: [{patterns=[..], placement="owned", name=".."}]
