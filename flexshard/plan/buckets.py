@@ -39,7 +39,6 @@ class BucketInfo:
     #: per parameter, the whole matrix's shape (a tensor-parallel piece's is larger
     #: than its layout's); empty: the layout's shapes
     full_shapes: tuple[tuple[int, ...], ...] = ()
-    rank: int = 0  # the planned rank's place in the shard group (a ragged bucket's bytes)
 
     def full_shape(self, index: int) -> tuple[int, ...]:
         return self.full_shapes[index] if self.full_shapes else self.layout.params[index].shape
@@ -81,16 +80,6 @@ class BucketInfo:
         total = self.layout.wire_numel
         return 0.0 if self.layout.replicated or not total else 1 - self.numel / total
 
-    def sent_numels(self) -> tuple[int, int]:
-        """Elements the planned rank sends per all-gather and per reduce-scatter, as
-        ``comm_stats`` counts them: (W - 1) padded shards each, or when ragged (W - 1)
-        copies of its own extent and everyone else's share of the gradients."""
-        layout = self.layout
-        if not layout.ragged:
-            sent = (self.world - 1) * layout.shard_numel
-            return sent, sent
-        own = layout.extent(self.rank)
-        return (self.world - 1) * own, layout.wire_numel - own
 
     def storage_numels(self) -> list[int]:
         """Elements of each rank's storage buffer: the padded shard everywhere, or each
@@ -159,7 +148,6 @@ def flexshard_buckets(modules: list[nn.Module]) -> list[BucketInfo]:
                         tuple(p.tp_spec.shape) if p.tp_spec is not None else laid.shape
                         for p, laid in zip(bucket.params, bucket.layout.params)
                     ),
-                    rank=bucket.store.rank,
                 )
             )
     return found

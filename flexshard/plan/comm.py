@@ -1,6 +1,7 @@
 """Bytes one rank sends per optimizer step, per bucket, counted as the runtime's
 ``comm_stats`` counts them ((W - 1) shards per all-gather or reduce-scatter,
-2 (R - 1) / R of the buffer per all-reduce), and the matrix optimizer's work per rank."""
+2 (R - 1) / R of the buffer per all-reduce; a ragged bucket's: the mean over its ranks,
+whose own counts follow their shares), and the matrix optimizer's work per rank."""
 
 from __future__ import annotations
 
@@ -53,12 +54,12 @@ def bucket_comm(info: BucketInfo, microbatches: int, keep_between_micro: bool) -
     gathers = 1 + (microbatches if info.reshard_after_forward else 0)
     if not keep_between_micro:
         gathers = per_pass * microbatches
-    gathered, reduced = info.sent_numels()
-    ag = gathers * gathered * info.gather_itemsize
-    rs = reduced * info.reduce_itemsize
+    # a ragged bucket: the ranks' mean ((W - 1) / W of the bucket, what each ring link
+    # carries); one rank's own count (comm_stats) follows its share
+    ag = gathers * (w - 1) * info.shard_numel * info.gather_itemsize
+    rs = (w - 1) * info.shard_numel * info.reduce_itemsize
     r = info.replicas
-    own = info.layout.extent(info.rank)
-    ar = 2 * (r - 1) * own * info.reduce_itemsize // r if r > 1 else 0
+    ar = 2 * (r - 1) * info.shard_numel * info.reduce_itemsize // r if r > 1 else 0
     return BucketComm(info.name, ag, gathers, rs, ar, info.padding)
 
 
