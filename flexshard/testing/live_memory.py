@@ -33,13 +33,15 @@ MB = 1024 * 1024
 
 
 class _Entry:
-    """One storage: its bytes now and what it is (a phase, or a name given later)."""
+    """One storage: its bytes now, what it is (a phase, or a name given later) and the
+    watched set it counts in, if any."""
 
-    __slots__ = ("nbytes", "category")
+    __slots__ = ("nbytes", "category", "watched")
 
     def __init__(self, nbytes: int, category: str) -> None:
         self.nbytes = nbytes
         self.category = category
+        self.watched: str | None = None
 
 
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
@@ -61,7 +63,9 @@ def _is_tensor(obj: object) -> bool:
 class LiveTensors(TorchDispatchMode):
     """``with LiveTensors() as live:`` a step; ``live.phase = ...`` between its parts;
     ``live.name(tensors, what)`` for storages to be named; then ``live.peak_bytes`` and
-    ``live.breakdown()`` (bytes per name at the peak)."""
+    ``live.breakdown()`` (bytes per name at the peak). ``live.watch(tensors, what)``:
+    storages whose own running peak is wanted (``watched_peaks[what]``), e.g. buffers
+    that are resized in place all step long (all-gather outputs)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -72,12 +76,22 @@ class LiveTensors(TorchDispatchMode):
         self.peak_phase = "before"
         self.phase_peaks: dict[str, int] = {}  # the largest bytes alive in each phase
         self._at_peak: list[tuple[_Entry, int]] = []
+        self.watched_now: dict[str, int] = {}
+        self.watched_peaks: dict[str, int] = {}
         self._resize = torch.UntypedStorage.resize_
 
     # ------------------------------------------------------------ tracking
     def _dead(self, entry: _Entry, _ref: weakref.ref) -> None:
         self.current -= entry.nbytes
+        self._watched_change(entry, -entry.nbytes)
         entry.nbytes = 0
+
+    def _watched_change(self, entry: _Entry, delta: int) -> None:
+        if entry.watched is None or not delta:
+            return
+        now = self.watched_now[entry.watched] = self.watched_now[entry.watched] + delta
+        if now > self.watched_peaks[entry.watched]:
+            self.watched_peaks[entry.watched] = now
 
     def _track(self, storage: torch.UntypedStorage) -> None:
         found = self._entries.get(storage)
@@ -89,6 +103,7 @@ class LiveTensors(TorchDispatchMode):
         else:
             entry = found[0]
             self.current += size - entry.nbytes
+            self._watched_change(entry, size - entry.nbytes)
             entry.nbytes = size
         if self.current > self.phase_peaks.get(self.phase, 0):
             self.phase_peaks[self.phase] = self.current
@@ -140,6 +155,22 @@ class LiveTensors(TorchDispatchMode):
             found = None if storage is None else self._entries.get(storage)
             if found is not None:
                 found[0].category = what
+
+    def watch(self, tensors: Iterable[torch.Tensor | None], what: str) -> None:
+        """Count the storages of ``tensors`` (alive now, of any size, 0 included) in the
+        set ``what``: its bytes alive now and its running peak from here on."""
+        self.watched_now.setdefault(what, 0)
+        for tensor in tensors:
+            storage = None if tensor is None else _storage(tensor)
+            if storage is None:
+                continue
+            self._track(storage)  # known from here on, if it was not yet
+            entry = self._entries[storage][0]
+            if entry.watched is None:
+                entry.watched = what
+                self.watched_now[what] += entry.nbytes
+        peak = max(self.watched_peaks.get(what, 0), self.watched_now[what])
+        self.watched_peaks[what] = peak
 
     def bytes_now(self) -> int:
         return self.current

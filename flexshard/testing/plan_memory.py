@@ -110,12 +110,19 @@ def measure_rank(rank: int, world: int, folder: str, case: str) -> dict[str, Any
     job = setup(case_config(f"{folder}/{case}", case))
     for step in range(2):
         train_step(job, step)
+    return measured_step(job, 2, LiveTensors())
+
+
+def measured_step(job: Any, step: int, live: LiveTensors) -> dict[str, Any]:
+    """Run ``train_step(job, step)`` under ``live`` (a fresh ``LiveTensors``, maybe
+    watching storages already): the peak counts the model's state and what the step
+    allocates, not the other storages alive."""
     model_state = _storage_bytes(model_state_tensors(job.model, job.optimizer))
-    with LiveTensors() as live:
+    with live:
         other = live.bytes_now() - model_state  # alive before the step, not the model's
         handles = _phases(job, live)
         try:
-            train_step(job, 2)
+            loss = train_step(job, step)[0]
         finally:
             for h in handles:
                 h.remove()
@@ -124,6 +131,7 @@ def measure_rank(rank: int, world: int, folder: str, case: str) -> dict[str, Any
         "peak_phase": live.peak_phase,
         "phase_peaks": {k: v - other for k, v in live.phase_peaks.items()},
         "model_state_bytes": model_state,
+        "loss": loss,
     }
 
 
