@@ -111,7 +111,10 @@ def _backend_plan(
     worst: dict[str, Any] | None = None
     for index, buckets in enumerate(stages):
         notes: list[str] = []
-        muon = muon_work(buckets, muon_row_blocks(cfg.model))
+        muon = None
+        # an AdamW plan shows Muon's balance where it is one group's (data parallel alone)
+        if t.optimizer == "muon" or (len({b.world for b in buckets}) == 1 and dims.tp == 1):
+            muon = muon_work(buckets, muon_row_blocks(cfg.model))
         moments = step_moments(
             buckets,
             timeline_,
