@@ -13,7 +13,8 @@ Inside a block every optimizer matrix is ``Owned(rank=r)`` and every expert of a
 assignment over the whole model that keeps each rank's total storage (elements over
 every bucket) under ``STORAGE_SLACK`` x the mean and its Newton–Schulz work near level:
 units by size, largest first, each to the least-busy rank it still fits on. A matrix
-that fits on no rank is stored ``Shard(0)`` and the optimizer redistributes that one
+that fits on no rank is stored ``FlatShard`` (an even split however few its rows) and
+the optimizer redistributes that one
 matrix in its step (one owner gathers it; per-head ``row_blocks`` matrices too): at
 more ranks than matrices most are, and the plan degrades to FSDP2's storage with a
 redistributing optimizer, never worse. An expert stack with an expert that fits
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..fsdp.api import BucketSpec
-from ..placements import BlockShard, Owned, Placement, Shard
+from ..placements import BlockShard, FlatShard, Owned, Placement, Shard
 from ..placements.owned import lpt_owners
 from .matrix_units import preconditioner_flops
 from .muon_adamw import full_shape, split_named_params
@@ -77,7 +78,7 @@ class MuonBalance:
     """Per rank under a plan: the optimizer's work each step (``flops``: Newton–Schulz
     FLOPs for Muon; a split matrix counts on the rank the optimizer's step picks as its
     owner) and the elements it stores over every bucket (``storage``, padding of Shard
-    slots included). ``split``: the matrices too large to own (stored Shard(0) and
+    slots included). ``split``: the matrices too large to own (stored FlatShard and
     redistributed each step; expert stacks Shard(0) in whole experts)."""
 
     flops: tuple[float, ...]
@@ -170,9 +171,9 @@ def _fixed(param: _Param, split: set[str]) -> Placement | None:
         # (a scalar cannot be sharded: Owned, as small as it gets)
         return Shard(0) if param.shape else None
     if param.name in split:
-        # the optimizer's step redistributes it (an expert stack's rows are whole
-        # experts, so its Shard(0) pieces need no redistribution at all)
-        return Shard(0)
+        # the optimizer's step redistributes it; flat ranges split it evenly however few
+        # its rows (an expert stack's Shard(0) rows are whole experts: stepped in place)
+        return Shard(0) if param.experts else FlatShard()
     return None
 
 
@@ -210,9 +211,12 @@ def _loads(
     """Per rank, the elements it stores (Shard(0) slots padded, as the runtime lays
     them out) and the work on the matrices it holds whole (split ones are not local)."""
     storage, work = [0] * world_size, [0.0] * world_size
+    flat: dict[str, int] = {}  # per bucket, its FlatShard elements (split evenly)
     for p in params:
         placement = table.get(p.name)
-        if isinstance(placement, Owned):
+        if isinstance(placement, FlatShard):
+            flat[p.bucket] = flat.get(p.bucket, 0) + p.numel
+        elif isinstance(placement, Owned):
             assert placement.rank is not None
             storage[placement.rank] += p.numel
             work[placement.rank] += _work(p, p.shape, cost)
@@ -229,6 +233,10 @@ def _loads(
                 for rank in range(world_size):
                     count = min(per_rank, max(0, p.shape[0] - rank * per_rank))
                     work[rank] += count * cost(p.shape[-2:])
+    for total in flat.values():
+        chunk = -(-total // world_size)
+        for rank in range(world_size):
+            storage[rank] += min(chunk, max(0, total - rank * chunk))
     return storage, work
 
 
@@ -296,7 +304,7 @@ def _balance(
     # the optimizer's step picks owners of split matrices by LPT over the whole ones' work
     by_bucket: dict[str, list[_Param]] = {}
     for p in params:
-        if p.matrix and not p.experts and isinstance(table[p.name], Shard):
+        if p.matrix and isinstance(table[p.name], FlatShard):
             by_bucket.setdefault(p.bucket, []).append(p)
     for ps in by_bucket.values():
         costs = [_work(p, p.shape, cost) for p in ps]
@@ -393,7 +401,7 @@ def matrix_buckets(
     """Buckets for :class:`MatrixOptimizer` over every trainable parameter of ``model``:
     one ragged bucket per block plus ``outer``, each parameter ``Owned`` (owners pinned
     over the whole model, balanced on ``cost(shape)`` under a storage cap), 3-D stacks
-    ``BlockShard`` one tile per expert, a parameter that fits on no rank ``Shard(0)``
+    ``BlockShard`` one tile per expert, a parameter that fits on no rank ``FlatShard``
     (redistributed in the step). ``cost`` is the optimizer's work on one matrix:
     :func:`preconditioner_flops` for Shampoo/SOAP, ``lambda s: ns_flops(s, 5)`` for
     Muon. Call it on the unsharded model; :func:`matrix_balance` reports the plan."""
@@ -424,7 +432,7 @@ def muon_buckets(
     block (``layers.3``) plus ``outer``. Muon's matrices are ``Owned`` with owners pinned
     over the whole model (storage level within ``STORAGE_SLACK``, Newton–Schulz FLOPs
     near level), expert stacks ``BlockShard`` one tile per expert, and a matrix that fits
-    on no rank ``Shard(0)``, which DistMuon redistributes; AdamW's parameters (embeddings,
+    on no rank ``FlatShard``, which DistMuon redistributes; AdamW's parameters (embeddings,
     LM head, norms, biases, as ``split_muon_params`` decides) ``Shard(0)``.
     ``row_blocks`` (globs -> rows, e.g. ``{"*.wq.weight": head_dim}``) makes each block of
     rows a matrix of its own; pass the same to ``muon_and_adamw``. ``exclude`` (FQN
