@@ -168,7 +168,8 @@ def test_planner_buckets() -> None:
     qkv = block.placement("layers.0.qkv.weight", None)
     assert isinstance(qkv, fs.Owned) and qkv.rank is not None  # whole, per head locally
     outer = by_name["outer"]
-    assert outer.placement("experts", None) == fs.BlockShard((18, 29))  # one tile per expert
+    experts = outer.placement("experts", None)  # one tile per expert, each pinned
+    assert experts.block == (18, 29) and len(experts.owners) == _tied().experts.shape[0]
     assert outer.placement("embed.weight", None) == fs.Shard(0)
     assert "embed.weight" in outer.pattern_list  # the tied head: one parameter, by name
     assert block.placement("layers.0.up.bias", None) == fs.Shard(0)
@@ -183,7 +184,7 @@ def test_planner_buckets() -> None:
     for name, placement in owned.items():
         bucket = by_name[name.rsplit(".", 2)[0]] if name.startswith("layers.") else outer
         assert f"'{name}': Owned(rank={placement.rank})" in repr(bucket), name
-    assert "'experts': BlockShard(block=(18, 29))" in repr(outer)
+    assert f"'experts': BlockShard(block=(18, 29), owners={experts.owners})" in repr(outer)
     with pytest.raises(KeyError, match="'embed.weight'"):
         block.placement("embed.weight", None)
 

@@ -87,12 +87,20 @@ def check_cases(names: tuple[str, ...]) -> None:
             cfg = planning_config(_config(name, folder))
             _, (buckets,) = build_stages(cfg, W, 0)
             accum = cfg.training.grad_accum
-            predicted = {}
+            predicted, ragged = {}, set()
             for info in buckets:
                 c = bucket_comm(info, accum, keep_between_micro=False)
                 predicted[info.name] = c.all_gather + c.reduce_scatter + c.all_reduce
-            for rank in range(W):
-                assert measured[rank][name]["bytes"] == predicted, (name, rank)
+                if info.layout.ragged:
+                    ragged.add(info.name)
+            for rank in range(W):  # every rank sends its padded shards
+                got = measured[rank][name]["bytes"]
+                assert {b: n for b, n in got.items() if b not in ragged} == {
+                    b: n for b, n in predicted.items() if b not in ragged
+                }, (name, rank)
+            for bucket in ragged:  # each rank its own extent: the plan counts their mean
+                mean = sum(m[name]["bytes"][bucket] for m in measured) / W
+                assert abs(mean - predicted[bucket]) <= 8, (name, bucket, mean, predicted)
             memory = rank_memory(buckets, cfg.training.optimizer, 0)
             assert memory.grads == max(m[name]["grads"] for m in measured), name
             # Muon keeps one momentum buffer per matrix, AdamW two moments per element
