@@ -80,7 +80,6 @@ class BucketInfo:
         total = self.layout.wire_numel
         return 0.0 if self.layout.replicated or not total else 1 - self.numel / total
 
-
     def storage_numels(self) -> list[int]:
         """Elements of each rank's storage buffer: the padded shard everywhere, or each
         rank's own extent when ragged."""

@@ -70,6 +70,8 @@ class MatrixWork:
 
     flops: tuple[float, ...]
     all_to_all_bytes: int
+    owned: int = 0  # matrices (each expert one) stepped where they are stored
+    moved: int = 0  # matrices redistributed to an owner and back
 
     @property
     def imbalance(self) -> float:
@@ -111,6 +113,7 @@ def muon_work(buckets: list[BucketInfo], row_blocks: Mapping[str, int] | None = 
     row_blocks = row_blocks or {}
     loads: dict[int, list[float]] = {}
     sent = 0.0  # bytes per rank, averaged over each group's ranks
+    owned = 0
     # every rank's work on what it holds whole comes first: owners of the split
     # matrices are then picked bucket by bucket on top of it (DistMuon's plan)
     moved_by_bucket: list[tuple[int, list[tuple[float, int]]]] = []
@@ -143,6 +146,7 @@ def muon_work(buckets: list[BucketInfo], row_blocks: Mapping[str, int] | None = 
                     for r in regions:
                         count = r.sizes[0] if len(r.sizes) == 3 else 1
                         load[rank] += count * _matrix_flops(r.sizes[-2:], rows)
+                owned += math.prod(param.shape[:-2])
                 continue
             experts = math.prod(param.shape[:-2])
             matrix = param.shape[-2:]
@@ -163,7 +167,8 @@ def muon_work(buckets: list[BucketInfo], row_blocks: Mapping[str, int] | None = 
     widest = max(loads)
     busiest = [max(load) for w, load in loads.items() if w != widest]
     flops = tuple(x + sum(busiest) for x in loads[widest])
-    return MatrixWork(flops, int(sent))
+    moved = sum(len(m) for _, m in moved_by_bucket)
+    return MatrixWork(flops, int(sent), owned, moved)
 
 
 def gather_all_muon(buckets: list[BucketInfo]) -> MatrixWork:

@@ -115,6 +115,11 @@ def _backend_plan(
         # an AdamW plan shows Muon's balance where it is one group's (data parallel alone)
         if t.optimizer == "muon" or (len({b.world for b in buckets}) == 1 and dims.tp == 1):
             muon = muon_work(buckets, muon_row_blocks(cfg.model))
+        if t.optimizer == "muon" and muon is not None and muon.moved:
+            notes.append(
+                f"Muon: {muon.owned:,} matrices stepped where stored, {muon.moved:,} too "
+                "large to own (or split by this placement) redistributed each step"
+            )
         moments = step_moments(
             buckets,
             timeline_,

@@ -112,3 +112,31 @@ def test_bad_arguments_are_one_line(args: list[str], named: str) -> None:
     assert "Traceback" not in run.stderr + run.stdout
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and named in lines[0], run.stderr
+
+
+def test_a_plan_that_does_not_fit_says_so_first(tmp_path, capsys) -> None:
+    """The device's memory in the profile: a plan above it is marked in its first line,
+    for each backend, and one within it is not."""
+    profile = tmp_path / "small.json"
+    assert main([DEBUG, "--world", "8", "--json", str(tmp_path / "plan.json")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("world 8"), first
+    hardware = json.loads((tmp_path / "plan.json").read_text())["hardware"]
+    profile.write_text(json.dumps({**hardware, "name": "small", "memory_gib": 0.001}))
+    assert main([DEBUG, "--world", "8", "--hardware", str(profile)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("DOES NOT FIT: flexshard needs"), lines[0]
+    assert lines[1].startswith("DOES NOT FIT: fsdp2 needs"), lines[1]
+    assert "(0.001 GiB)" in lines[0]
+
+
+def test_muon_plan_names_what_it_redistributes(capsys) -> None:
+    """Under Muon the trainer's default layout owns what it can; the plan says how many
+    matrices its step moves, and the FSDP2 column moves them all."""
+    assert main(["configs/llama3_8b.toml", "--world", "64", "--training.optimizer", "muon"]) == 0
+    text = capsys.readouterr().out
+    assert "placement muon" in text.splitlines()[0]
+    ours, fsdp2 = [line for line in text.splitlines() if "note: Muon:" in line]
+    # 7 matrices a block, 32 blocks: what fits under the storage cap is owned
+    assert "192 matrices stepped where stored, 32 too large" in ours, ours
+    assert "0 matrices stepped where stored, 224 too large" in fsdp2, fsdp2
