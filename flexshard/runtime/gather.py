@@ -223,9 +223,6 @@ class RaggedGather(ShardedCollective):
         )
         self._copy_out: tuple[tuple, list[torch.Tensor], list[torch.Tensor]] | None = None
 
-    def _extents(self, layout: BucketLayout) -> list[int]:
-        return [layout.extent(rank) for rank in range(layout.world_size)]
-
     def gather_buffer(self) -> torch.Tensor | None:
         store = self.store
         return torch.empty(
@@ -253,7 +250,7 @@ class RaggedGather(ShardedCollective):
         self, comm: BucketComm, out: torch.Tensor, local: torch.Tensor, prefetch: bool
     ) -> Pending:
         layout = self.store.storage_layout
-        return comm.all_gather_ragged(out, local, self._extents(layout), prefetch)
+        return comm.all_gather_ragged(out, local, layout.extents, prefetch)
 
     def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
         assert gathered is not None
@@ -276,11 +273,11 @@ class RaggedGather(ShardedCollective):
         store, layout = self.store, self.store.storage_layout
         device = store.buffer.device
         wire = torch.empty(layout.wire_numel, dtype=store.dtype, device=device)
-        comm.all_gather_ragged(wire, store.buffer, self._extents(layout)).wait()
+        comm.all_gather_ragged(wire, store.buffer, layout.extents).wait()
         padded = torch.zeros(
             layout.world_size, layout.shard_numel, dtype=store.dtype, device=device
         )
-        for rank, (start, extent) in enumerate(zip(layout.rank_starts, self._extents(layout))):
+        for rank, (start, extent) in enumerate(zip(layout.rank_starts, layout.extents)):
             padded[rank, :extent] = wire[start : start + extent]
         return padded
 
@@ -302,7 +299,7 @@ class RaggedGather(ShardedCollective):
         runtime.protect(full, stream)
         with runtime.on(stream):
             out = torch.empty(layout.extent(self.store.rank), dtype=dtype, device=device)
-            return comm.reduce_scatter_ragged(out, full, self._extents(layout), op), out
+            return comm.reduce_scatter_ragged(out, full, layout.extents, op), out
 
 
 def _rank_rows(layout: BucketLayout, wire: torch.Tensor) -> list[torch.Tensor]:
