@@ -192,12 +192,13 @@ def unpack(
 
 
 def gathered_alias(layout: BucketLayout, index: int, gathered: torch.Tensor) -> torch.Tensor | None:
-    """The full parameter as a view of the flat gathered buffer, when its pieces sit
-    there contiguously and in order (FlatShard, Owned, W = 1); otherwise None."""
+    """The full parameter as a view of the flat gathered buffer (W padded shards, or a
+    ragged bucket's extents back to back), when its pieces sit there contiguously and
+    in order (FlatShard, Owned, W = 1); otherwise None."""
     param = layout.params[index]
     pieces = []  # (position in the gathered buffer, first flat element of the param, numel)
-    for rank in range(layout.world_size):
-        position = rank * layout.shard_numel + param.offsets[rank]
+    for rank, start in enumerate(layout.rank_starts):
+        position = start + param.offsets[rank]
         for region in param.regions[rank]:
             if region.flat:
                 pieces.append((position, region.offsets[0], region.numel))

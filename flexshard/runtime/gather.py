@@ -210,15 +210,15 @@ class RaggedGather(ShardedCollective):
     extent and the collectives move per-rank sizes (collectives.py, [Note: collectives
     of per-rank sizes]), so the gathered buffer is the bucket's parameters back to back
     with no padding. When every parameter's pieces sit there in order (whole Owned
-    matrices, rows on consecutive ranks) the parameters are views of it; otherwise all
-    are copied out and the buffer freed, as ``PlainGather`` does."""
+    matrices, flat ranges) the parameters are views of it; otherwise all are copied out
+    and the buffer freed, as ``PlainGather`` does."""
 
     def __init__(self, store: BucketStorage) -> None:
         super().__init__(store)
         layout = store.storage_layout
         probe = torch.empty(layout.wire_numel, device="meta")
         self.aliases = len(set(store.full_dtypes)) == 1 and all(
-            param.numel == 0 or ragged_alias(layout, i, probe) is not None
+            param.numel == 0 or gathered_alias(layout, i, probe) is not None
             for i, param in enumerate(layout.params)
         )
         self._copy_out: tuple[tuple, list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -233,7 +233,7 @@ class RaggedGather(ShardedCollective):
         assert gathered is not None
         if not self.aliases:
             return None
-        return ragged_alias(self.store.storage_layout, index, gathered)
+        return gathered_alias(self.store.storage_layout, index, gathered)
 
     def payload(self, version: object, gathered: torch.Tensor | None) -> torch.Tensor:
         store = self.store
@@ -326,39 +326,6 @@ def ragged_views(
         dsts += d
         srcs += s
     return dsts, srcs
-
-
-def ragged_alias(layout: BucketLayout, index: int, wire: torch.Tensor) -> torch.Tensor | None:
-    """Parameter ``index`` as a view of a ragged wire buffer, when its pieces sit
-    there contiguously and in order (a whole Owned matrix; row blocks on consecutive
-    ranks, each at the end of one rank's storage and the start of the next's)."""
-    param = layout.params[index]
-    pieces = []  # (position in the wire buffer, first flat element, numel)
-    for rank, start in enumerate(layout.rank_starts):
-        position = start + param.offsets[rank]
-        for region in param.regions[rank]:
-            if not region.numel:
-                continue
-            if region.flat:
-                first = region.offsets[0]
-            elif region.numel == param.numel:
-                first = 0
-            elif tuple(region.sizes[1:]) == tuple(param.shape[1:]):  # whole rows
-                first = region.offsets[0] * (param.numel // param.shape[0])
-            else:
-                return None  # a box smaller than whole rows is strided in the parameter
-            pieces.append((position, first, region.numel))
-            position += region.numel
-    if not pieces:
-        return None
-    begin, covered = pieces[0][0], 0
-    for position, first, numel in pieces:
-        if first != covered or position != begin + covered:
-            return None
-        covered += numel
-    if covered != param.numel:
-        return None
-    return wire.view(-1)[begin : begin + param.numel].view(param.shape)
 
 
 class ReplicatedGather:

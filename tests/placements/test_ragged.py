@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import flexshard as fs
 from flexshard.placements.layout import plan_bucket
+from flexshard.placements.packing import gathered_alias
 from flexshard.quant import FP8Blockwise
-from flexshard.runtime.gather import ragged_alias
 from flexshard.runtime.module import own_buckets
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
@@ -138,10 +138,10 @@ def test_ragged_layout_arithmetic():
     assert ragged.wire_numel == sum(extents) < padded.wire_numel == 3 * padded.shard_numel
     assert ragged.rank_starts == (0, extents[0], extents[0] + extents[1])
     wire = torch.arange(ragged.wire_numel, dtype=torch.float32)
-    whole = ragged_alias(ragged, 0, wire)  # Owned on rank 2: one contiguous piece
+    whole = gathered_alias(ragged, 0, wire)  # Owned on rank 2: one contiguous piece
     assert whole is not None and whole.shape == (17, 8)
     assert int(whole[0, 0]) == ragged.rank_starts[2] + ragged.params[0].offsets[2]
-    assert ragged_alias(ragged, 3, wire) is None  # rows of ranks 0..2 with others between
+    assert gathered_alias(ragged, 3, wire) is None  # rows of ranks 0..2 with others between
 
 
 def len_rows(layout, fqn: str, rank: int) -> int:
