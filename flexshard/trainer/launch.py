@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
 import textwrap
+import time
 from multiprocessing.queues import SimpleQueue
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -37,6 +40,19 @@ def one_line(err: ConfigError) -> str:
     """The line ``flexshard-train`` prints for a problem with the job's input."""
     what = getattr(err, "what", "config error")
     return f"flexshard-train: {what}: {str(err).replace(chr(10), ' ')}"
+
+
+def exit_on_config_error(err: ConfigError, say: bool) -> NoReturn:
+    """Exit with status 1, printing the one line if ``say``. Under torchrun every rank
+    also leaves it in its error file: the rank that fails first may be one that does not
+    print, and torchrun stops the others before they can; its failure summary then names
+    the first failure's line, whichever rank that is."""
+    line = one_line(err)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        record = {"message": line, "timestamp": int(time.time())}
+        Path(error_file).write_text(json.dumps(record))
+    sys.exit(line if say else 1)
 
 
 def _rank_main(local_rank: int, nproc: int, port: int, table: dict, errors: SimpleQueue) -> None:
@@ -150,9 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         check_before_start(cfg, local)
     except ConfigError as err:
         # under torchrun every rank checks its machine; one line per machine is enough
-        if not under_torchrun or os.environ.get("LOCAL_RANK", "0") == "0":
-            sys.exit(one_line(err))  # to stderr, exit status 1
-        sys.exit(1)
+        exit_on_config_error(err, not under_torchrun or os.environ.get("LOCAL_RANK", "0") == "0")
     if not under_torchrun:
         spawn(cfg, args.nproc or 1)  # a plain `python -m flexshard.trainer`: one local rank
         return
@@ -160,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         run(cfg)
         leave_together()
     except ConfigError as err:  # the ranks meet the same input: rank 0 says it
-        sys.exit(one_line(err) if os.environ["RANK"] == "0" else 1)
+        exit_on_config_error(err, os.environ["RANK"] == "0")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

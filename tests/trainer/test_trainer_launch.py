@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from flexshard.trainer.launch import main
+from flexshard.trainer.config import ConfigError
+from flexshard.trainer.launch import exit_on_config_error, main
 
 ROOT = Path(__file__).resolve().parents[2]
 QUIET = ["--job.tensorboard", "false"]
@@ -94,3 +96,29 @@ def test_cli_config_errors_are_one_clear_line():
         with pytest.raises(SystemExit) as exit_info:
             main(["--config", str(ROOT / "configs/debug.toml"), *args])
         assert message in str(exit_info.value.code), exit_info.value.code
+
+
+def test_a_config_error_reaches_torchruns_summary_from_any_rank(tmp_path, monkeypatch):
+    """A rank that fails without printing leaves its line where torchrun's failure
+    summary reads it (torch's own reader), so the line shows whichever rank fails first."""
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(SystemExit) as exit_info:
+        exit_on_config_error(ConfigError("data.paths: 'x/train.txt' matches no file"), False)
+    assert exit_info.value.code == 1
+    failure = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file=str(error_file))
+    assert (
+        failure.message
+        == "flexshard-train: config error: data.paths: 'x/train.txt' matches no file"
+    )
+
+
+def test_torchrun_names_a_missing_data_file(tmp_path):
+    done = _train(
+        "--config", "configs/debug.toml", "--data.source", "files",
+        "--data.paths", f'["{tmp_path}/missing/train.txt"]',
+        "--job.dump_folder", str(tmp_path / "out"), *QUIET,
+        torchrun=2,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "missing/train.txt' matches no file" in done.stderr + done.stdout
