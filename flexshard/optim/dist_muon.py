@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from ..runtime.dtensor import local_of
+from ..runtime.dtensor.tensor_parallel import local_of
 from .matrices import Kind, Rules, Shape, Target, classify, rank_work
 from .newton_schulz import NS_COEFFICIENTS, adjust_lr, ns_flops, zeropower, zeropower_batched
 from .redistribute import (

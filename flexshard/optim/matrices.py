@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..fsdp.api import check_not_replaced
+from ..fsdp.replaced import check_not_replaced
 from ..placements import Region
 from ..runtime.bucket import Bucket, slot_of
-from ..runtime.dtensor import local_of, tp_frame
+from ..runtime.dtensor.tensor_parallel import local_of, tp_frame
 from .tp_matrices import is_tp_matrix, whole_row_blocks
 
 Shape = tuple[int, ...]

@@ -20,7 +20,7 @@ import torch
 
 from ..placements import Region
 from ..runtime.bucket import Bucket
-from ..runtime.dtensor import local_of
+from ..runtime.dtensor.tensor_parallel import local_of
 from .matrices import Block, Kind, Rules, Target, classify, rank_work
 from .units import matrices, pieces
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..fsdp.api import BucketSpec
+from ..fsdp.arguments import BucketSpec
 from ..placements import BlockShard, FlatShard, Owned, Placement, Shard
 from ..placements.owned import lpt_owners
 from .matrix_units import preconditioner_flops
