@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.serialization import get_unsafe_globals_in_checkpoint, safe_globals
 
-from ..optim.matrix_units import MatrixState
+from ..optim.matrix_proxies import MatrixState
 from ..torch_internals import (
     DCPMemoryFormat,
     DCPStorageInfo,
