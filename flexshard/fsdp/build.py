@@ -164,6 +164,8 @@ def bucket_layout(
     pack_as_bytes: bool = False,
     ragged: bool = False,
 ) -> BucketLayout:
+    """The bucket's layout over ``world_size`` ranks, once its parameters' dtypes are
+    known to share one storage (one dtype, or bytes without a casting ``param_dtype``)."""
     dtypes: dict[torch.dtype, str] = {}
     for param, fqns in members:
         dtypes.setdefault(param.dtype, fqns[0])

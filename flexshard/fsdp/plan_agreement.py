@@ -17,6 +17,7 @@ from ..placements import Placement
 from ..runtime.collectives import DEFAULT_TIMEOUT, MeshGroups, Pending, check_timeout
 from ..torch_internals import all_gather_single
 
+#: (bucket name, its (parameter, FQNs) members, their placements)
 Plan = tuple[str, Sequence[tuple[nn.Parameter, list[str]]], Sequence[Placement]]
 
 
