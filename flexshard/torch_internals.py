@@ -298,7 +298,7 @@ def placement_mesh(result: object) -> PlacementMesh | None:
 # Public replacement: none (DTensor.from_local builds one, at a cost and with checks).
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
 
-# the pending placement of a norm's partial result (runtime.dtensor's norms reduce
+# the pending placement of a norm's partial result (RegionDTensor's norms reduce
 # as torch's own do). Public replacement: none.
 from torch.distributed.tensor._ops._math_ops import _NormPartial as NormPartial  # noqa: E402
 

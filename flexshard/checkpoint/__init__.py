@@ -3,7 +3,7 @@ state, each rank writing the chunks it stores; saved atomically with a manifest,
 checked before loading."""
 
 from ..fsdp.state_dict import install_state_dict_hooks
-from ..runtime.dtensor import RegionTensor
+from ..runtime.dtensor.chunks import RegionTensor
 from .hf_safetensors import export_safetensors
 from .io import load, load_state, save, save_state
 from .state import load_optimizer_state_dict, optimizer_state_dict

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ..runtime.dtensor import Box, RegionTensor, chunks_of
+from ..runtime.dtensor.chunks import Box, RegionTensor, chunks_of
 from ..torch_internals import (
     consolidate_safetensors_files,
     consolidate_safetensors_files_on_every_rank,

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.serialization import get_unsafe_globals_in_checkpoint, safe_globals
 
-from ..optim.matrix_units import MatrixState
+from ..optim.matrix_proxies import MatrixState
 from ..torch_internals import (
     DCPMemoryFormat,
     DCPStorageInfo,
@@ -101,6 +101,11 @@ _METADATA_GLOBALS: dict[str, Any] = {
 #: non-tensor values flexshard itself saves besides plain data: a per-matrix
 #: optimizer's state (a dataclass of the inner optimizer's state dict)
 DATA_TYPES: tuple[type, ...] = (MatrixState,)
+#: the names checkpoints on disk may give those types: a pickle keeps the module path its
+#: type had when it was saved, so a type's earlier module path stays loadable
+SAVED_NAMES: tuple[tuple[type, str], ...] = (
+    (MatrixState, "flexshard.optim.matrix_units.MatrixState"),
+)
 
 
 class _MetadataUnpickler(pickle._Unpickler):
@@ -164,7 +169,7 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
 
 @contextmanager
 def _allowed() -> Iterator[None]:
-    with safe_globals(list(DATA_TYPES)):
+    with safe_globals([*DATA_TYPES, *SAVED_NAMES]):
         yield
 
 

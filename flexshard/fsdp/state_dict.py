@@ -21,15 +21,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..runtime.bucket import Bucket
-from ..runtime.dtensor import (
-    RegionTensor,
-    global_tensor,
-    local_boxes,
-    local_piece,
-    shifted,
-    tp_frame,
-    wrap,
-)
+from ..runtime.dtensor.chunks import RegionTensor, local_boxes, shifted
+from ..runtime.dtensor.region_dtensor import wrap
+from ..runtime.dtensor.tensor_parallel import global_tensor, local_piece, tp_frame
 from ..runtime.module import own_buckets, subtree_buckets
 
 

@@ -17,7 +17,7 @@ import flexshard as fs
 from flexshard import checkpoint as ckpt
 from flexshard.checkpoint import RegionTensor
 from flexshard.optim import muon_and_adamw
-from flexshard.runtime.dtensor import chunks_of
+from flexshard.runtime.dtensor.chunks import chunks_of
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
 from ..helpers.reference import mixed_placement, train_steps

@@ -41,7 +41,7 @@ from flexshard.checkpoint.hf_safetensors import (
     save_hf_safetensors,
     write_safetensors,
 )
-from flexshard.checkpoint.stages import Model
+from flexshard.checkpoint.logical_model import Model
 
 from ..config.hf_config import check_matches, hf_config
 from ..config.schema import Config
