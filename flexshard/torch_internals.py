@@ -718,20 +718,22 @@ def backend_group_options(backend: str, timeout: Any) -> Any:
 # thousands of ranks from one CPU). Public replacement: none.
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
-# W ranks in one process: the store of the ``fake`` process-group backend (every
-# collective a no-op). Public replacement: none (it comes with torch's test utilities).
-from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
-
 if TYPE_CHECKING:  # the names of _LAZY, for type checkers
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed._tools.mem_tracker import _MemRefType as MemRefType
     from torch.distributed._tools.mem_tracker import _ModState as ModState
+    from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.utils._runtime_estimation import _IGNORE_OPS as IGNORE_OPS
     from torch.utils._runtime_estimation import get_num_bytes
 
 #: items whose torch modules take seconds to import (every ``import flexshard`` would
 #: pay), loaded when first read (``__getattr__`` below): name -> (module, torch's name)
 _LAZY: dict[str, tuple[str, str]] = {
+    # W ranks in one process: the store of the ``fake`` process-group backend (every
+    # collective a no-op; importing its module registers the backend). Lazy, as torch's
+    # test utilities are no part of ``import flexshard``.
+    # Public replacement: none (it comes with torch's test utilities).
+    "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
     # the bytes a model's forward saves for backward and backward's temporaries, by
     # module state and reference type (the planner's activations).
     # Public replacement: none (torch.cuda.memory's snapshots need a GPU and storage).

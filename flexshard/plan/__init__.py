@@ -1,9 +1,11 @@
 """``flexshard-plan``: per-rank memory, bytes, balance and step time of a run of
-thousands of ranks, from one CPU (torch's fake process group, meta tensors)."""
+thousands of ranks, from one CPU (torch's fake process group, meta tensors).
+
+The package front holds the hardware profiles only (no torch, so ``flexshard-plan
+--help`` prints at once); the planner itself is ``flexshard.plan.report.make_plan``."""
 
 from .hardware import H100, H200, Hardware, Profile, load_hardware, load_profile
 from .host_costs import NO_HOST_COSTS, HostCosts
-from .report import make_plan
 
 __all__ = [
     "H100",
@@ -14,5 +16,4 @@ __all__ = [
     "Profile",
     "load_hardware",
     "load_profile",
-    "make_plan",
 ]

@@ -1,6 +1,9 @@
 """``flexshard-plan CONFIG --world W [--section.key value ...]``: a run of W ranks
 planned from one CPU (torch's fake process group, meta tensors). Unrecognised
-``--section.key value`` arguments are trainer config overrides."""
+``--section.key value`` arguments are trainer config overrides.
+
+The planner (torch, the trainer's models) is imported after the arguments are parsed,
+so ``--help`` prints without it."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from pathlib import Path
 from flexshard.trainer.config import ConfigError, load_config
 
 from .hardware import load_profile
-from .report import BACKENDS, make_plan
+from .host_costs import BACKENDS
 from .table import render, render_summary
 
 
@@ -97,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as err:
         print(f"flexshard-plan: {err}", file=sys.stderr)
         return 2
+    from .report import make_plan
+
     backends = BACKENDS if args.dp_backend == "both" else (args.dp_backend,)
     if args.suggest:
         from .suggest import suggest

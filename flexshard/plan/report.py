@@ -19,7 +19,7 @@ from .activations import dense_equivalent, tp_share
 from .buckets import BucketInfo, flexshard_buckets, fsdp2_equivalent
 from .comm import bucket_comm, muon_work
 from .hardware import Hardware, Profile
-from .host_costs import NO_HOST_COSTS, HostCosts
+from .host_costs import BACKENDS, NO_HOST_COSTS, HostCosts
 from .memory import rank_memory
 from .peak import step_moments
 from .recompute import kept_collective_bytes, op_level, recomputed_share
@@ -28,7 +28,6 @@ from .timeline import ActivationTimeline, mix, timeline
 from .world import build_rank, fake_world, stage_ranks
 
 GiB = 2**30
-BACKENDS = ("flexshard", "fsdp2")
 
 
 def planning_config(cfg: Config) -> Config:

@@ -22,7 +22,14 @@ import torch.multiprocessing as mp
 #: started with (the first launch's), not the parent's at each launch.
 START_METHOD_ENV = "FLEXSHARD_START_METHOD"
 START_METHODS = ("spawn", "forkserver")
-PRELOAD = ["torch", "torch.distributed", "flexshard", "flexshard.trainer"]
+#: the modules themselves: the packages' fronts import nothing (flexshard/__init__.py)
+PRELOAD = [
+    "torch.distributed",
+    "flexshard.fsdp.api",
+    "flexshard.checkpoint",
+    "flexshard.optim",
+    "flexshard.trainer.train",
+]
 
 
 def start_context() -> Any:

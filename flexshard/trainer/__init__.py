@@ -2,10 +2,7 @@
 TOML config, data parallelism through flexshard or torch FSDP2, metrics, checkpoints.
 
     flexshard-train --nproc 3 --config configs/debug.toml --training.steps 20
+
+The package imports nothing itself, so its command lines (``launch``, ``generate``)
+print ``--help`` without importing torch; ``flexshard.trainer.train.run`` runs a job.
 """
-
-from .config import Config, ConfigError, load_config
-from .models.model import Transformer
-from .train import run
-
-__all__ = ["Config", "ConfigError", "Transformer", "load_config", "run"]

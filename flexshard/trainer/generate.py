@@ -1,15 +1,7 @@
-"""Text out: ``flexshard-generate --checkpoint <hf folder | dcp step folder> --prompt "..."``
-(greedy with ``--temperature 0``, else sampled with ``--top-k``), with a KV cache: the
-prompt runs once, then one token per forward.
-
-One process holds the whole model; with ``--nproc N`` (or under ``torchrun``) the model
-is sharded over the ranks as in training (flexshard, Shard(0) buckets: one per block and
-the outer one), every rank reads only its regions of the checkpoint, and each bucket is
-gathered for its part of a forward and freed after it, by the same hooks as in
-training. Rank 0's token is the one every rank takes.
-
-A Hugging Face folder brings its config.json and tokenizer; a DCP checkpoint of the
-trainer (``checkpoint/step-N``) needs the run's ``--config`` for the model's sizes."""
+"""Text from a model with a KV cache: the prompt runs once, then one token per forward;
+whole on one process (``load_model``) or sharded over the ranks as in training
+(``load_sharded``). ``run_command`` runs ``flexshard-generate``'s parsed arguments
+(the command line: ``generate_cli``)."""
 
 from __future__ import annotations
 
@@ -160,23 +152,9 @@ def _spawned(rank: int, nproc: int, port: int, args: argparse.Namespace) -> None
     _sharded_main(args)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="flexshard-generate",
-        description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--checkpoint", required=True, help="HF folder or DCP step folder")
-    parser.add_argument("--config", help="the run's TOML (DCP checkpoints only)")
-    parser.add_argument("--prompt", default="", help="text to continue (empty: a newline)")
-    parser.add_argument("--max-new-tokens", type=int, default=100, help="tokens to add")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0: the whole vocabulary")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument(
-        "--nproc", type=int, help="shard the model over this many local ranks (gloo)"
-    )
-    args = parser.parse_args(argv)
+def run_command(args: argparse.Namespace) -> None:
+    """``flexshard-generate``'s parsed arguments: one process, spawned ranks or this
+    torchrun rank; a bad input exits with one line."""
     try:
         run_config(args.checkpoint, args.config)  # a bad folder or config: say so once
         if args.nproc is not None and args.nproc < 1:
@@ -191,7 +169,3 @@ def main(argv: list[str] | None = None) -> None:
             _write_sample(args, *load_model(args.checkpoint, args.config))
     except (ConfigError, ValueError) as err:
         sys.exit(f"flexshard-generate: {err}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,9 @@
 """Command line: ``flexshard-train --nproc N --config configs/debug.toml [--training.steps 20]``
 spawns N local ranks itself (gloo on CPU); under ``torchrun`` (``python -m
-flexshard.trainer``) every process runs the job as torchrun describes it."""
+flexshard.trainer``) every process runs the job as torchrun describes it.
+
+torch and the job's modules are imported inside the functions that run a job, so
+``--help`` (every config key, from the schema) prints without them."""
 
 from __future__ import annotations
 
@@ -16,22 +19,15 @@ from multiprocessing.queues import SimpleQueue
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.distributed.elastic.utils.distributed import get_free_port
-from torch.multiprocessing.spawn import ProcessException
-
-from .checkpointing.preflight import check_before_start
 from .config import Config, ConfigError, config_from_dict, load_config
-from .parallel.dims import ParallelDims
-from .train import run
 
 
 def leave_together() -> None:
     """Every rank done before any tears gloo down: a rank that exits while its peers
     still talk to it now and then aborts at exit ("terminate called without an active
     exception"; torch's own fully_shard alike)."""
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.barrier()
 
@@ -58,6 +54,11 @@ def exit_on_config_error(err: ConfigError, say: bool) -> NoReturn:
 def _rank_main(local_rank: int, nproc: int, port: int, table: dict, errors: SimpleQueue) -> None:
     """One spawned rank: the environment torchrun would give it, then the job; a
     ConfigError goes to the parent as its line (printed once there), not a traceback."""
+    import torch
+    import torch.distributed as dist
+
+    from .train import run
+
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
@@ -83,6 +84,10 @@ def spawn(cfg: Config, nproc: int) -> None:
     """Run the job on ``nproc`` local processes. A rank's ConfigError (a checkpoint that
     does not fit, a text too short) exits with its one line; any other failure raises
     the rank's traceback."""
+    import torch.multiprocessing as mp
+    from torch.distributed.elastic.utils.distributed import get_free_port
+    from torch.multiprocessing.spawn import ProcessException
+
     errors = mp.get_context("spawn").SimpleQueue()
     args = (nproc, get_free_port(), cfg.to_dict(), errors)
     # its "Terminating process ..." warning names the ranks stopped after the first
@@ -155,6 +160,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     args, overrides = parse_args(argv)
+    import torch.distributed as dist
+
+    from .checkpointing.preflight import check_before_start
+    from .parallel.dims import ParallelDims
+    from .train import run
+
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         cfg = load_config(args.config, overrides)

@@ -358,17 +358,17 @@ def _exit_line(main: Any, argv: list[str]) -> str:
 def test_planted_checkpoint_is_refused_by_generate(trainer, tmp_path, capsys):
     """``flexshard-generate --checkpoint <step folder>``: the clean step generates, the
     planted one is refused in one line."""
-    from flexshard.trainer import generate
+    from flexshard.trainer import generate_cli
 
     root, _ = trainer
     clean = f"{root}/run/checkpoint/step-2"
     args = ["--config", DEBUG, "--prompt", "Hi", "--max-new-tokens", "2"]
-    generate.main(["--checkpoint", clean, *args])
+    generate_cli.main(["--checkpoint", clean, *args])
     assert capsys.readouterr().out.strip()
     step = tmp_path / "step-2"
     shutil.copytree(clean, step)
     plant_metadata(str(step), str(tmp_path / "marker"))
-    line = _exit_line(generate.main, ["--checkpoint", str(step), *args])
+    line = _exit_line(generate_cli.main, ["--checkpoint", str(step), *args])
     _check(("UnsafeCheckpointError", line, (tmp_path / "marker").exists(), f"{step}/.metadata"))
     assert line.startswith("flexshard-generate: refusing to load "), line
 

@@ -240,7 +240,7 @@ def test_generation_from_the_folder_matches_transformers(family, tmp_path):
 def test_sharded_generation_of_a_tied_folder(tmp_path, capfd):
     """``flexshard-generate --nproc 2`` on a tied Qwen3 folder (the table sharded once,
     serving as embedding and output) prints what one process prints."""
-    from flexshard.trainer.generate import main as generate_main
+    from flexshard.trainer.generate_cli import main as generate_main
 
     hf_model(tmp_path / "hf", "qwen3")
     args = ["--checkpoint", str(tmp_path / "hf"), "--prompt", "MENENIUS:", "--max-new-tokens", "8"]

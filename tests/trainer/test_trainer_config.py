@@ -340,7 +340,7 @@ def test_train_help_lists_every_key_resuming_and_the_docs(capsys):
 
 
 def test_generate_help_shows_the_defaults(capsys):
-    from flexshard.trainer.generate import main
+    from flexshard.trainer.generate_cli import main
 
     with pytest.raises(SystemExit):
         main(["--help"])

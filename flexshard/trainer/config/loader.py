@@ -10,7 +10,6 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from ..data.tokenizer import open_tokenizer, padded_vocab_size
 from .hf_config import model_fields, read_config
 from .schema import (
     ActivationCheckpointConfig,
@@ -174,6 +173,10 @@ def _vocab_from_tokenizer(cfg: Config, table: dict[str, Any]) -> None:
         raise ConfigError(f"model.vocab_multiple = {m.vocab_multiple}: must be at least 1")
     if m.tokenizer == "bytes" or "vocab_size" in table.get("model", {}):
         return
+    # here, not at the top: the tokenizers import torch, which the command lines' --help
+    # (reading the schema through this package) must not pay for
+    from ..data.tokenizer import open_tokenizer, padded_vocab_size
+
     m.vocab_size = padded_vocab_size(m, open_tokenizer(m.tokenizer))
 
 

@@ -1,26 +1,27 @@
-"""Train a small transformer on N local gloo ranks with flexshard and show what moves.
-
-    python -m flexshard.demo [--nproc 3] [--steps 30] [--placement mixed|shard0|owned|block|flat]
-
-Every rank builds the same model, shards it into one bucket per layer plus an outer
-bucket (embedding, final norm, head), and trains it with AdamW on its own slice of a
-synthetic data set. Rank 0 prints one line per step; the parent prints what each
-bucket communicated and how far the loss fell.
-"""
+"""The demo's ranks: each builds the same model, shards it into one bucket per layer plus
+an outer bucket (embedding, final norm, head), and trains it with AdamW on its own slice
+of a synthetic data set; rank 0 prints one line per step, the parent what each bucket
+communicated and how far the loss fell. The command line is ``flexshard.demo.cli``."""
 
 from __future__ import annotations
 
-import argparse
+import json
+import os
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 import flexshard as fs
-from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
+
+from .model import TinyTransformer, TransformerConfig, make_batches
 
 CFG = TransformerConfig(vocab=61, dim=48, heads=4, hidden=97, layers=4, seq=32)
 BATCH = 8  # sequences per rank per step
@@ -121,23 +122,26 @@ def print_summary(results: list[dict[str, object]], placement: str, seconds: flo
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=3, help="local gloo ranks (default 3)")
-    parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
-    parser.add_argument("--placement", choices=sorted(PLACEMENTS), default="mixed")
-    args = parser.parse_args(argv)
-    if args.nproc < 1 or args.steps < 1:
-        parser.error("--nproc and --steps must be at least 1")
-    print(
-        f"flexshard demo: {args.nproc} gloo ranks, placement '{args.placement}', "
-        f"{CFG.layers + 1} buckets ({CFG.layers} layers + outer), {args.steps} steps",
-        flush=True,
+def _rank(rank: int, world_size: int, port: int, placement: str, steps: int, out: str) -> None:
+    """One spawned rank: a gloo group on this machine, the training, its results to a
+    file (a file, not a queue: nothing to drain before the parent joins the ranks)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)  # the ranks share this machine's cores
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
-    start = time.perf_counter()
-    results = run_distributed(train, args.nproc, args.placement, args.steps)
-    print_summary(results, args.placement, time.perf_counter() - start)
+    try:
+        result = train(rank, world_size, placement, steps)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # rank 0 holds the group's store: leave together
+    finally:
+        dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    main()
+def run_ranks(world_size: int, placement: str, steps: int) -> list[dict[str, object]]:
+    """``train`` on ``world_size`` local gloo processes; a rank's failure raises its
+    traceback here."""
+    with tempfile.TemporaryDirectory() as out:
+        args = (world_size, get_free_port(), placement, steps, out)
+        mp.spawn(_rank, args=args, nprocs=world_size, join=True)
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]

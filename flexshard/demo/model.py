@@ -1,4 +1,5 @@
-"""A small decoder-only transformer with shapes that do not divide the world size."""
+"""A small decoder-only transformer with shapes that do not divide the world size (the
+demo trains it; the tests share it)."""
 
 from __future__ import annotations
 
