@@ -15,11 +15,13 @@ import os
 import sys
 import textwrap
 import time
-from multiprocessing.queues import SimpleQueue
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .config import Config, ConfigError, config_from_dict, load_config
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import SimpleQueue
 
 
 def leave_together() -> None:
