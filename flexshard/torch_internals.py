@@ -621,16 +621,6 @@ def patch_full_state_dict_distribute(
     utils._flexshard_regions = True  # type: ignore[attr-defined]
 
 
-# Hugging Face safetensors: merging the per-rank shards into model files, and torch's
-# file-name scheme for them. Public replacement: none (torch's writer's consolidation
-# runs on rank 0 only, with no per-rank variant).
-from torch.distributed.checkpoint._consolidate_hf_safetensors import (  # noqa: E402
-    consolidate_safetensors_files,
-    consolidate_safetensors_files_on_every_rank,
-)
-from torch.distributed.checkpoint._hf_utils import _gen_file_name as hf_file_name  # noqa: E402
-
-
 def saved_metadata(returned: Any, read: Callable[[], Any]) -> Any:
     """The metadata of the checkpoint ``dcp.save`` just wrote, with every chunk's
     storage: what it returned where that has it (every rank from torch 2.13 on), else
@@ -651,16 +641,8 @@ def single_process_dcp(no_dist: bool) -> Iterator[None]:
         yield
 
 
-# DCP's .metadata pickle names these private classes and helper (torch 2.11 to 2.15
-# write the same names), and DefaultLoadPlanner.load_bytes places a non-tensor value it
-# read in the nested state dict with set_element: a safe reader allows exactly those
-# names and places values as torch does. Public replacement: none (DCP reads the file
-# with pickle.load and the values with torch.load(weights_only=False)).
-from torch.distributed.checkpoint._traverse import set_element as set_nested  # noqa: E402
-from torch.distributed.checkpoint.filesystem import _StorageInfo as DCPStorageInfo  # noqa: E402
-from torch.distributed.checkpoint.metadata import (  # noqa: E402
-    _MEM_FORMAT_ENCODING as DCPMemoryFormat,
-)
+# DCP's .metadata pickle names private classes and a helper (torch 2.11 to 2.15 write
+# the same names): :data:`_LAZY`'s ``DCPStorageInfo``, ``DCPMemoryFormat``, ``set_nested``.
 from torch.serialization import _get_layout as layout_by_name  # noqa: E402
 
 
@@ -722,6 +704,14 @@ if TYPE_CHECKING:  # the names of _LAZY, for type checkers
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed._tools.mem_tracker import _MemRefType as MemRefType
     from torch.distributed._tools.mem_tracker import _ModState as ModState
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+        consolidate_safetensors_files,
+        consolidate_safetensors_files_on_every_rank,
+    )
+    from torch.distributed.checkpoint._hf_utils import _gen_file_name as hf_file_name
+    from torch.distributed.checkpoint._traverse import set_element as set_nested
+    from torch.distributed.checkpoint.filesystem import _StorageInfo as DCPStorageInfo
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as DCPMemoryFormat
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.utils._runtime_estimation import _IGNORE_OPS as IGNORE_OPS
     from torch.utils._runtime_estimation import get_num_bytes
@@ -729,6 +719,27 @@ if TYPE_CHECKING:  # the names of _LAZY, for type checkers
 #: items whose torch modules take seconds to import (every ``import flexshard`` would
 #: pay), loaded when first read (``__getattr__`` below): name -> (module, torch's name)
 _LAZY: dict[str, tuple[str, str]] = {
+    # Hugging Face safetensors: merging the per-rank shards into model files, and torch's
+    # file-name scheme for them. Lazy: torch.distributed.checkpoint is no part of
+    # sharding a model. Public replacement: none (torch's writer's consolidation runs on
+    # rank 0 only, with no per-rank variant).
+    "consolidate_safetensors_files": (
+        "torch.distributed.checkpoint._consolidate_hf_safetensors",
+        "consolidate_safetensors_files",
+    ),
+    "consolidate_safetensors_files_on_every_rank": (
+        "torch.distributed.checkpoint._consolidate_hf_safetensors",
+        "consolidate_safetensors_files_on_every_rank",
+    ),
+    "hf_file_name": ("torch.distributed.checkpoint._hf_utils", "_gen_file_name"),
+    # DCP's .metadata pickle names these private classes (torch 2.11 to 2.15 write the
+    # same names), and DefaultLoadPlanner.load_bytes places a non-tensor value it read in
+    # the nested state dict with set_element: a safe reader allows exactly those names
+    # and places values as torch does. Public replacement: none (DCP reads the file with
+    # pickle.load and the values with torch.load(weights_only=False)).
+    "set_nested": ("torch.distributed.checkpoint._traverse", "set_element"),
+    "DCPStorageInfo": ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    "DCPMemoryFormat": ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
     # W ranks in one process: the store of the ``fake`` process-group backend (every
     # collective a no-op; importing its module registers the backend). Lazy, as torch's
     # test utilities are no part of ``import flexshard``.
