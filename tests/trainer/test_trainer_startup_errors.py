@@ -209,7 +209,10 @@ def test_a_rank_error_is_one_line_from_the_launcher(tmp_path):
 def test_a_checkpoint_that_fails_inside_the_ranks_is_one_line(saved, capsys, monkeypatch):
     """The pre-start check turned off: the ranks' own load fails, the launcher prints
     the loader's message once."""
-    monkeypatch.setattr(launch, "check_before_start", lambda cfg, local: None)
+    from flexshard.trainer.checkpointing import preflight
+
+    # where the launcher imports it from when a job starts
+    monkeypatch.setattr(preflight, "check_before_start", lambda cfg, local: None)
     with pytest.raises(SystemExit) as exit_info:
         launch.main(["--nproc", "2", "--config", DEBUG, "--job.dump_folder", str(saved),
                      "--checkpoint.enable", "true", "--model.ffn_hidden", "192"])  # fmt: skip
