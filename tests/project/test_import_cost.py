@@ -67,3 +67,12 @@ def test_help_prints_without_torch(script: str) -> None:
         "assert out.getvalue().startswith('usage: " + script + "'), out.getvalue()[:200]"
     )
     assert "torch" not in loaded_after(code)
+
+
+def test_sharding_a_model_loads_no_checkpoint_machinery() -> None:
+    """torch.distributed.checkpoint loads when a checkpoint is saved or loaded, not
+    with the sharding API (a state dict's chunks import DCP's types when DCP asks)."""
+    modules = loaded_after("from flexshard import BucketSpec, Shard, flex_shard, fully_shard")
+    assert "flexshard.fsdp.api" in modules
+    assert "torch.distributed.checkpoint" not in modules
+    assert not [m for m in modules if m.startswith(("flexshard.checkpoint", "flexshard.optim"))]

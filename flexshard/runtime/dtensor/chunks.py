@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ...placements import Region
 from ...placements.layout import ParamLayout
 from ...torch_internals import compute_local_shape_and_global_offset
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the full tensor
 
@@ -133,7 +131,16 @@ class RegionTensor(torch.Tensor):
         )
 
     # ---------------------------------------------------------------- DCP protocol
+    # DCP's types are imported by the calls DCP makes: sharding a model loads no
+    # torch.distributed.checkpoint
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
         if not self.writer:
             return []
         return [
@@ -150,6 +157,8 @@ class RegionTensor(torch.Tensor):
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         return [
             ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
             for (offsets, sizes), _ in self.pieces
