@@ -43,7 +43,7 @@ def _table(folder: str, family: str = "llama", **sections: dict) -> dict:
     model = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 168}
     table: dict = {
         "model": {**model, **FAMILIES[family]},
-        "training": {"steps": 2, "seq_len": 16, "lr": 1e-3, "seed": 1},
+        "training": {"steps": 2, "seq_len": 16, "lr": 1e-3, "muon_lr": 1e-3, "seed": 1},
         "job": {"dump_folder": folder, "progress": False, "plot": False, "tensorboard": False},
         "rl": {
             "enable": True,
