@@ -239,7 +239,10 @@ def _check_safetensors_file(path: str) -> None:
     if size < 8:
         raise ValueError(f"'{path}': not a safetensors file ({size} bytes, no header)")
     with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
+        head = f.read(8)
+        if head == b"version ":  # a clone without git-lfs holds the pointer, not the file
+            raise ValueError(f"'{path}': a Git LFS pointer, not the weights (git lfs pull)")
+        (length,) = struct.unpack("<Q", head)
         if 8 + length > size:
             raise ValueError(
                 f"'{path}': truncated or not a safetensors file: its header alone says "

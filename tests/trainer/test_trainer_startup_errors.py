@@ -274,7 +274,8 @@ def _damaged(hf_folder: Path, tmp_path: Path) -> dict[str, tuple[Path, str]]:
             f"truncated: header says {len(whole)} bytes, file has {len(whole) // 2}",
         ),  # fmt: skip
         "header cut": (whole[:100], "truncated or not a safetensors file: its header alone"),
-        "text": (b"version https://git-lfs.github.com/spec/v1\n", "not a safetensors file"),
+        "text": (b"<html>404 Not Found</html>\n", "not a safetensors file"),
+        "lfs pointer": (b"version https://git-lfs.github.com/spec/v1\n", "a Git LFS pointer"),
     }
     out = {}
     for name, (data, message) in cases.items():
