@@ -134,7 +134,7 @@ def summary_table(records: list[dict[str, Any]], header: dict[str, Any]) -> str:
         f"{'peak memory MB':<22} {max(r['peak_memory_mb'] for r in records):.1f}",
         f"{'grad norm last':<22} {records[-1]['grad_norm']:.4f}",
     ]
-    if "reward" in records[0]:  # RL: noisy per step, so the means of the first and last tenth
+    if "reward" in records[0]:  # RL: noisy per step, so the first and last tenth's means
         tenth = max(1, len(records) // 10)
         for key in ("reward", "solved"):
             first = sum(r[key] for r in records[:tenth]) / tenth
