@@ -341,3 +341,20 @@ def test_generate_names_a_damaged_or_missing_checkpoint(hf_folder, saved, tmp_pa
         f"flexshard-generate: '{step / '.metadata'}' is not a readable DCP .metadata file "
         "(truncated: it ends before its pickle does)"
     )
+
+
+def test_console_scripts_print_one_line_for_a_truncated_hf_file(hf_folder, tmp_path):
+    folder = _damaged(hf_folder, tmp_path)["truncated"][0]
+    train = _cli("--nproc", "2", "--config", DEBUG, "--checkpoint.initial_load_in_hf", "true",
+                 "--checkpoint.initial_load_path", str(folder))  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "flexshard.trainer.generate", "--checkpoint", str(folder),
+               "--nproc", "2"]  # fmt: skip
+    generate = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+    )
+    size = (hf_folder / HF_FILE).stat().st_size
+    what = f"'{folder / HF_FILE}': truncated: header says {size} bytes, file has {size // 2}"
+    for done, prog in ((train, "flexshard-train: checkpoint"), (generate, "flexshard-generate")):
+        assert done.returncode == 1
+        assert done.stderr.splitlines() == [f"{prog}: {what}"]
