@@ -212,6 +212,55 @@ def _tensor_spans(path: str) -> dict[str, tuple[int, list[int], str]]:
     }
 
 
+def check_safetensors_folder(path: str | os.PathLike) -> None:
+    """Every ``*.safetensors`` file of a Hugging Face folder is whole: its header parses
+    and its tensors' bytes are all there, and every file its index names exists. A
+    ValueError naming the file and what is wrong otherwise; reads only the headers."""
+    folder = os.fspath(path)
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                named = set(json.load(f)["weight_map"].values())
+        except (ValueError, KeyError, AttributeError) as err:
+            raise ValueError(f"'{index}': not a safetensors index ({err!r})") from None
+        for name in sorted(named):
+            if not os.path.isfile(os.path.join(folder, name)):
+                raise ValueError(f"'{index}' names '{name}', which the folder does not have")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            _check_safetensors_file(os.path.join(folder, name))
+
+
+def _check_safetensors_file(path: str) -> None:
+    """A safetensors file: an 8-byte header length, a JSON header, then the bytes its
+    entries' ``data_offsets`` span, to the end of the file exactly."""
+    size = os.path.getsize(path)
+    if size < 8:
+        raise ValueError(f"'{path}': not a safetensors file ({size} bytes, no header)")
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if head == b"version ":  # a clone without git-lfs holds the pointer, not the file
+            raise ValueError(f"'{path}': a Git LFS pointer, not the weights (git lfs pull)")
+        (length,) = struct.unpack("<Q", head)
+        if 8 + length > size:
+            raise ValueError(
+                f"'{path}': truncated or not a safetensors file: its header alone says "
+                f"{8 + length} bytes, the file has {size}"
+            )
+        try:
+            header = json.loads(f.read(length))
+            end = max(
+                (e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"),
+                default=0,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            raise ValueError(f"'{path}': not a safetensors file (its header is not one)") from None
+    if 8 + length + end != size:
+        what = "truncated" if 8 + length + end > size else "longer than its header says"
+        raise ValueError(f"'{path}': {what}: header says {8 + length + end} bytes, file has {size}")
+
+
 def _permute_in_file(path: str, rope: Mapping[str, int], dtype: torch.dtype) -> None:
     """Rewrite the RoPE projections of one consolidated file in Hugging Face row
     order, in place, one tensor at a time (same bytes, rows moved)."""

@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
+from flexshard.checkpoint.hf_safetensors import check_safetensors_folder, load_hf_safetensors
+from flexshard.checkpoint.safe_load import read_metadata
 from flexshard.runtime.module import own_buckets
 
 from .config import Config, ConfigError, config_from_dict, load_config
@@ -71,12 +72,24 @@ def run_config(checkpoint: str | Path, config: str | None = None) -> tuple[Confi
     """The run's config (from a Hugging Face config.json, or the TOML a DCP checkpoint
     was trained with) and whether its embeddings are tied (HF folders only)."""
     folder = Path(checkpoint)
+    if not folder.is_dir():
+        raise ConfigError(f"--checkpoint '{folder}': no such folder")
     if (folder / "config.json").is_file():
         hf = read_config(folder)
         return config_from_dict({"model": model_fields(hf)}), bool(hf.get("tie_word_embeddings"))
     if config is None:
         raise ConfigError(f"'{folder}' has no config.json: pass the run's --config")
     return load_config(config), False
+
+
+def check_files(checkpoint: str | Path) -> None:
+    """The checkpoint's files readable (a HF folder's safetensors whole, a DCP step's
+    .metadata), or a ValueError naming the file: said once, before any rank starts."""
+    folder = Path(checkpoint)
+    if (folder / "config.json").is_file():
+        check_safetensors_folder(folder)
+    elif (folder / ".metadata").is_file():
+        read_metadata(folder)
 
 
 def folder_tokenizer(folder: Path) -> Tokenizer:
@@ -179,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         run_config(args.checkpoint, args.config)  # a bad folder or config: say so once
+        check_files(args.checkpoint)
         if args.nproc is not None and args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun

@@ -27,7 +27,14 @@ def tiny_config(folder: str, **sections: dict) -> Config:
     do not divide."""
     table: dict = {
         "model": {"dim": 40, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 34},
-        "training": {"steps": STEPS, "seq_len": 32, "batch_size": 2, "lr": 3e-3, "seed": 3},
+        "training": {
+            "steps": STEPS,
+            "seq_len": 32,
+            "batch_size": 2,
+            "lr": 3e-3,
+            "muon_lr": 3e-3,
+            "seed": 3,
+        },
         "job": {"dump_folder": folder, "progress": False, "plot": False, "tensorboard": False},
     }
     for name, values in sections.items():

@@ -112,7 +112,14 @@ def layout_config(folder: str, parallelism: dict, moe: dict | None, **extra: dic
     table: dict = {
         "model": model,
         "parallelism": parallelism,
-        "training": {"steps": STEPS, "seq_len": 16, "batch_size": 2, "lr": 3e-3, "seed": 3},
+        "training": {
+            "steps": STEPS,
+            "seq_len": 16,
+            "batch_size": 2,
+            "lr": 3e-3,
+            "muon_lr": 3e-3,
+            "seed": 3,
+        },
         "job": {"dump_folder": folder, "progress": False, "plot": False, "tensorboard": False},
     }
     for name, values in extra.items():

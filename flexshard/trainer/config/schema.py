@@ -160,6 +160,9 @@ class TrainingConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     # soap/shampoo: pytorch-optimizer's, on every parameter through MatrixOptimizer
     optimizer: Literal["adamw", "muon", "soap", "shampoo"] = "adamw"
+    # Muon's rate for the hidden matrices (lr: AdamW's, for the rest): of a sweep on the
+    # debug configs, the one that beats AdamW at every lr tried on both (docs/muon.md)
+    muon_lr: float = 6e-2
     max_norm: float = 1.0  # 0: no clipping (the norm is still measured)
     mixed_precision: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
