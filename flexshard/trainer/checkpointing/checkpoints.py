@@ -48,7 +48,7 @@ from ..config.schema import Config
 from ..data.dataset import DPSampler, ValidationBatches
 from ..data.tokenizer import Tokenizer
 from ..models.hf_adapter import DTYPES, hf_keys, in_hf
-from ..models.model import Transformer
+from ..models.model import meta_model
 from ..parallel.dims import Meshes, ParallelDims
 from ..parallel.exchange import configured_timeout
 from ..parallel.expert_parallel import expert_frames
@@ -99,11 +99,8 @@ def frames_of(job: Job) -> dict:
 def whole_shapes(job: Job) -> dict[str, torch.Size]:
     """Every parameter of the whole model and its shape, in state-dict order (from a
     meta-built model: no memory, no collective)."""
-    with torch.device("meta"):
-        model = Transformer(job.cfg.model)
-    return {
-        fqn: value.shape for fqn, value in model.state_dict().items() if in_hf(fqn, job.cfg.model)
-    }
+    state = meta_model(job.cfg.model).state_dict()
+    return {fqn: value.shape for fqn, value in state.items() if in_hf(fqn, job.cfg.model)}
 
 
 def world_group(job: Job) -> tuple[dist.ProcessGroup, datetime.timedelta]:
