@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import textwrap
+from collections.abc import Callable
 from multiprocessing.queues import SimpleQueue
 from typing import Any
 
@@ -39,12 +40,12 @@ def one_line(err: ConfigError) -> str:
     return f"flexshard-train: {what}: {str(err).replace(chr(10), ' ')}"
 
 
-def _rank_main(local_rank: int, nproc: int, port: int, table: dict, errors: SimpleQueue) -> None:
-    """One spawned rank: the environment torchrun would give it, then the job; a
-    ConfigError goes to the parent as its line (printed once there), not a traceback."""
+def _as_local_rank(
+    rank: int, fn: Callable[..., None], nproc: int, port: int, args: tuple[Any, ...]
+) -> None:
     os.environ.update(
-        RANK=str(local_rank),
-        LOCAL_RANK=str(local_rank),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
         WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -52,6 +53,38 @@ def _rank_main(local_rank: int, nproc: int, port: int, table: dict, errors: Simp
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # N ranks share this machine's cores: one thread each unless there are cores to spare
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    fn(rank, *args)
+
+
+def spawn_local(
+    fn: Callable[..., None],
+    nproc: int,
+    args: tuple[Any, ...] = (),
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = "spawn",
+) -> mp.ProcessContext | None:
+    """Run ``fn(rank, *args)`` (a module-level function) on ``nproc`` local processes,
+    each in the environment torchrun gives a rank (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR`` / ``MASTER_PORT`` on 127.0.0.1 at a free port, gloo
+    on the loopback), the machine's cores shared between them: ``init_process_group``
+    needs no other argument. The one local launcher of flexshard-train,
+    flexshard-generate and the tests. ``join``: wait for all, raising the first failed
+    rank's error (torch's ``ProcessException``); else return the started processes."""
+    port = get_free_port()
+    return mp.start_processes(
+        _as_local_rank,
+        args=(fn, nproc, port, args),
+        nprocs=nproc,
+        join=join,
+        daemon=daemon,
+        start_method=start_method,
+    )
+
+
+def _rank_main(local_rank: int, table: dict, errors: SimpleQueue) -> None:
+    """One spawned rank of the job; a ConfigError goes to the parent as its line
+    (printed once there), not a traceback."""
     try:
         run(config_from_dict(table))
         leave_together()
@@ -68,12 +101,11 @@ def spawn(cfg: Config, nproc: int) -> None:
     does not fit, a text too short) exits with its one line; any other failure raises
     the rank's traceback."""
     errors = mp.get_context("spawn").SimpleQueue()
-    args = (nproc, get_free_port(), cfg.to_dict(), errors)
     # its "Terminating process ..." warning names the ranks stopped after the first
     # failure: a consequence, not the cause the line or traceback below gives
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
-        mp.spawn(_rank_main, args=args, nprocs=nproc, join=True)
+        spawn_local(_rank_main, nproc, (cfg.to_dict(), errors))
     except ProcessException:
         # the other ranks fail too once one leaves (their collectives break): the
         # ConfigError is the cause, whichever rank the join saw first
