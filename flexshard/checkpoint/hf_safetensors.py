@@ -191,10 +191,17 @@ class _ChunkFileWriter(HuggingFaceStorageWriter):
         return self._write_data(planner, file_queue)
 
 
-def _export_chunks(value: torch.Tensor, dtype: torch.dtype) -> RegionTensor:
-    """This rank's chunks in the export dtype, on the CPU (the writer's requirement)."""
+def _export_chunks(value: torch.Tensor, dtype: torch.dtype, seen: set[tuple]) -> RegionTensor:
+    """This rank's chunks in the export dtype, on the CPU (the writer's requirement).
+    safetensors refuses two names for the same memory (tied weights, one tensor under
+    two keys): a view ``seen`` before is written from a copy."""
     chunks = _chunks(value)
-    pieces = [(box, t.detach().to("cpu", dtype)) for box, t in chunks.pieces]
+    pieces = []
+    for box, t in chunks.pieces:
+        t = t.detach().to("cpu", dtype)
+        view = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())
+        pieces.append((box, t.clone() if view in seen else t))
+        seen.add(view)
     return RegionTensor(chunks.shape, pieces, chunks.writer, dtype, torch.device("cpu"))
 
 
@@ -278,8 +285,9 @@ def export_safetensors(
         os.makedirs(sharded)
     if not no_dist:
         dist.barrier(process_group)
+    seen: set[tuple] = set()
     export = {
-        name: _export_chunks(chunks, dtype)
+        name: _export_chunks(chunks, dtype, seen)
         for fqn, value in state.items()
         for name, chunks in _by_name(_framed_chunks(fqn, value, frames), keys[fqn]).items()
     }
