@@ -130,8 +130,9 @@ def export(
     ``checkpoint.export_dtype``. ``hf``: a Hugging Face folder (``dump_folder/hf`` by
     default) that ``from_pretrained`` loads: Hugging Face names, its config.json, and
     the tokenizer's files when the run used a tokenizer.json. Else the trainer's own
-    state dict under its own names (MTP and balance biases included), as
-    ``model.safetensors`` in the dump folder by default. Every rank calls it."""
+    state dict under its own names (MTP and balance biases included), in the dump
+    folder by default (``model.safetensors`` up to ``max_shard_bytes``). Every rank
+    calls it; returns the folder."""
     cfg = job.cfg
     folder = folder or (job.folder / HF_FOLDER if hf else job.folder)
     dtype = cfg.checkpoint.export_dtype
@@ -157,8 +158,7 @@ def export(
             config.update(tokenizer.special_ids())
             tokenizer.save(folder)
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    with in_flight(f"barrier after the {what}", str(folder), group, timeout):
-        dist.barrier(group=group)
+    _barrier(job, f"barrier after the {what}", folder)
     return folder
 
 
