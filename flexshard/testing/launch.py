@@ -6,7 +6,6 @@ import datetime
 import os
 import pickle
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -36,12 +35,6 @@ def start_context() -> Any:
     if method == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)
     return ctx
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_for_the_others() -> None:

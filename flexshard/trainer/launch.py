@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
 import sys
 import textwrap
 from collections.abc import Callable
@@ -17,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.multiprocessing.spawn import ProcessException
 
 from .checkpointing.preflight import check_before_start
@@ -38,6 +38,14 @@ def one_line(err: ConfigError) -> str:
     """The line ``flexshard-train`` prints for a problem with the job's input."""
     what = getattr(err, "what", "config error")
     return f"flexshard-train: {what}: {str(err).replace(chr(10), ' ')}"
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, where the ranks meet (not reserved: the first rank
+    binds it moments later)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _as_local_rank(
@@ -71,7 +79,7 @@ def spawn_local(
     needs no other argument. The one local launcher of flexshard-train,
     flexshard-generate and the tests. ``join``: wait for all, raising the first failed
     rank's error (torch's ``ProcessException``); else return the started processes."""
-    port = get_free_port()
+    port = free_port()
     return mp.start_processes(
         _as_local_rank,
         args=(fn, nproc, port, args),
