@@ -244,10 +244,12 @@ def test_save_killed_half_way_leaves_nothing_that_looks_complete(tmp_path, point
 def test_a_damaged_safetensors_folder_is_named_before_loading(tmp_path):
     """What a download cut short, a Git LFS pointer or a stale index look like: one
     ValueError naming the file and what is wrong, from the headers alone."""
-    from flexshard.checkpoint.hf_safetensors import check_safetensors_folder, write_safetensors
+    from safetensors.torch import save_file
+
+    from flexshard.checkpoint.hf_safetensors import check_safetensors_folder
 
     name = "model-00001-of-00002.safetensors"
-    write_safetensors({"w": torch.ones(4, 4), "b": torch.zeros(4)}, tmp_path / name)
+    save_file({"w": torch.ones(4, 4), "b": torch.zeros(4)}, tmp_path / name)
     check_safetensors_folder(tmp_path)
     whole = (tmp_path / name).read_bytes()
     cases = [

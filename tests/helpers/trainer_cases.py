@@ -7,9 +7,10 @@ import torch
 from flexshard.trainer.config import Config, TrainingConfig, config_from_dict
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, load_tokens
 from flexshard.trainer.lr_schedule import lr_factor
-from flexshard.trainer.models.model import Transformer, init_weights
+from flexshard.trainer.models.model import Transformer, init_weights, meta_model
 from flexshard.trainer.optimizers import build_optimizer
-from flexshard.trainer.train import loss_fn
+from flexshard.trainer.parallel.parallelize import full_model_state
+from flexshard.trainer.train import Job, loss_fn
 
 STEPS = 20
 
@@ -20,6 +21,14 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, t: TrainingConfig) -> No
     for group in optimizer.param_groups:
         group.setdefault("base_lr", group["lr"])
         group["lr"] = group["base_lr"] * lr_factor(step, t)
+
+
+def whole_parameters(job: Job) -> dict[str, torch.Tensor]:
+    """The whole model's parameters (its buffers left out), gathered on every rank by
+    the trainer's one path (every rank calls it)."""
+    names = {name for name, _ in meta_model(job.cfg.model).named_parameters()}
+    state = full_model_state(job.parallel, job.meshes)
+    return {name: value for name, value in state.items() if name in names}
 
 
 def tiny_config(folder: str, **sections: dict) -> Config:

@@ -128,11 +128,9 @@ def check_hf_files(path: Path) -> None:
 
 def model_shapes(cfg: Config) -> dict[str, torch.Size]:
     """Every parameter's whole shape, by FQN, from a model built on meta (no memory)."""
-    from ..models.model import Transformer
+    from ..models.model import meta_model
 
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    return {fqn: p.shape for fqn, p in model.named_parameters()}
+    return {fqn: p.shape for fqn, p in meta_model(cfg.model).named_parameters()}
 
 
 def check_checkpoint_shapes(cfg: Config, path: Path, fix: str) -> None:

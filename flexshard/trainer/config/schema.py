@@ -195,7 +195,7 @@ class CheckpointConfig:
     interval: int = 10  # steps between saves
     folder: str = "checkpoint"  # under dump_folder
     resume: bool = True  # continue from the latest checkpoint in folder, if any
-    export_safetensors: bool = False  # final model as model.safetensors in dump_folder
+    export_safetensors: bool = False  # final model, trainer names: dump_folder/model.safetensors
     initial_load_path: str = ""  # start (when not resuming) from this DCP or HF folder
     initial_load_in_hf: bool = False  # initial_load_path is a Hugging Face model folder
     last_save_in_hf: bool = False  # final model as a Hugging Face folder, dump_folder/hf
