@@ -142,8 +142,12 @@ def read_metadata_file(file: IO[bytes], path: str) -> Metadata:
         metadata = _MetadataUnpickler(file, where).load()
     except UnsafeCheckpointError:
         raise
-    except Exception as err:  # truncated or not a pickle: name the file
-        raise ValueError(f"'{path}' is not a readable DCP .metadata file ({err})") from None
+    except Exception as err:  # truncated or not a pickle: name the file and the reason
+        # a pickle cut short fails at the end of the file, in many ways (EOFError with
+        # no message at all): the position says it where the message does not
+        cut = isinstance(err, EOFError) or file.read(1) == b""
+        reason = "truncated: it ends before its pickle does" if cut else str(err)
+        raise ValueError(f"'{path}' is not a readable DCP .metadata file ({reason})") from None
     if not isinstance(metadata, Metadata):
         raise ValueError(f"'{path}' holds a {type(metadata).__name__}, not DCP metadata")
     return metadata

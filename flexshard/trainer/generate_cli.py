@@ -3,10 +3,11 @@
 prompt runs once, then one token per forward.
 
 One process holds the whole model; with ``--nproc N`` (or under ``torchrun``) the model
-is sharded over the ranks as in training (flexshard, Shard(0) buckets: one per block and
-the outer one), every rank reads only its regions of the checkpoint, and each bucket is
-gathered for its part of a forward and freed after it, by the same hooks as in
-training. Rank 0's token is the one every rank takes.
+is sharded over the ranks by the trainer's ``parallelize`` with the default parallelism
+(flexshard, Shard(0) buckets: one per block and the outer one), every rank reads only
+its regions of the checkpoint, and each bucket is gathered for its part of a forward
+and freed after it, by the same hooks as in training. Rank 0's token is the one every
+rank takes.
 
 A Hugging Face folder brings its config.json and tokenizer; a DCP checkpoint of the
 trainer (``checkpoint/step-N``) needs the run's ``--config`` for the model's sizes."""

@@ -12,9 +12,11 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -22,6 +24,8 @@ from .config import Config, ConfigError, config_from_dict, load_config
 
 if TYPE_CHECKING:
     from multiprocessing.queues import SimpleQueue
+
+    import torch.multiprocessing as mp
 
 
 def leave_together() -> None:
@@ -48,22 +52,28 @@ def exit_on_config_error(err: ConfigError, say: bool) -> NoReturn:
     line = one_line(err)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
-        record = {"message": line, "timestamp": int(time.time())}
-        Path(error_file).write_text(json.dumps(record))
+        # torch's own record format (ErrorHandler.record_exception), the line as the trace
+        info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+        Path(error_file).write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
     sys.exit(line if say else 1)
 
 
-def _rank_main(local_rank: int, nproc: int, port: int, table: dict, errors: SimpleQueue) -> None:
-    """One spawned rank: the environment torchrun would give it, then the job; a
-    ConfigError goes to the parent as its line (printed once there), not a traceback."""
-    import torch
-    import torch.distributed as dist
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, where the ranks meet (not reserved: the first rank
+    binds it moments later)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
-    from .train import run
+
+def _as_local_rank(
+    rank: int, fn: Callable[..., None], nproc: int, port: int, args: tuple[Any, ...]
+) -> None:
+    import torch
 
     os.environ.update(
-        RANK=str(local_rank),
-        LOCAL_RANK=str(local_rank),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
         WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -71,6 +81,44 @@ def _rank_main(local_rank: int, nproc: int, port: int, table: dict, errors: Simp
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # N ranks share this machine's cores: one thread each unless there are cores to spare
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    fn(rank, *args)
+
+
+def spawn_local(
+    fn: Callable[..., None],
+    nproc: int,
+    args: tuple[Any, ...] = (),
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = "spawn",
+) -> mp.ProcessContext | None:
+    """Run ``fn(rank, *args)`` (a module-level function) on ``nproc`` local processes,
+    each in the environment torchrun gives a rank (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR`` / ``MASTER_PORT`` on 127.0.0.1 at a free port, gloo
+    on the loopback), the machine's cores shared between them: ``init_process_group``
+    needs no other argument. The one local launcher of flexshard-train,
+    flexshard-generate and the tests. ``join``: wait for all, raising the first failed
+    rank's error (torch's ``ProcessException``); else return the started processes."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    return mp.start_processes(
+        _as_local_rank,
+        args=(fn, nproc, port, args),
+        nprocs=nproc,
+        join=join,
+        daemon=daemon,
+        start_method=start_method,
+    )
+
+
+def _rank_main(local_rank: int, table: dict, errors: SimpleQueue) -> None:
+    """One spawned rank of the job; a ConfigError goes to the parent as its line
+    (printed once there), not a traceback."""
+    import torch.distributed as dist
+
+    from .train import run
+
     try:
         run(config_from_dict(table))
         leave_together()
@@ -87,16 +135,14 @@ def spawn(cfg: Config, nproc: int) -> None:
     does not fit, a text too short) exits with its one line; any other failure raises
     the rank's traceback."""
     import torch.multiprocessing as mp
-    from torch.distributed.elastic.utils.distributed import get_free_port
     from torch.multiprocessing.spawn import ProcessException
 
     errors = mp.get_context("spawn").SimpleQueue()
-    args = (nproc, get_free_port(), cfg.to_dict(), errors)
     # its "Terminating process ..." warning names the ranks stopped after the first
     # failure: a consequence, not the cause the line or traceback below gives
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
-        mp.spawn(_rank_main, args=args, nprocs=nproc, join=True)
+        spawn_local(_rank_main, nproc, (cfg.to_dict(), errors))
     except ProcessException:
         # the other ranks fail too once one leaves (their collectives break): the
         # ConfigError is the cause, whichever rank the join saw first
