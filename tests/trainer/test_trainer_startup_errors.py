@@ -356,7 +356,7 @@ def test_console_scripts_print_one_line_for_a_truncated_hf_file(hf_folder, tmp_p
     train = _cli("--nproc", "2", "--config", DEBUG, "--checkpoint.initial_load_in_hf", "true",
                  "--checkpoint.initial_load_path", str(folder))  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "flexshard.trainer.generate", "--checkpoint", str(folder),
+    command = [sys.executable, "-m", "flexshard.trainer.generate_cli", "--checkpoint", str(folder),
                "--nproc", "2"]  # fmt: skip
     generate = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
