@@ -6,7 +6,6 @@ communicated and how far the loss fell. The command line is ``flexshard.demo.cli
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -14,12 +13,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.elastic.utils.distributed import get_free_port
 
 import flexshard as fs
+from flexshard.trainer.launch import spawn_local
 
 from .model import TinyTransformer, TransformerConfig, make_batches
 
@@ -122,14 +120,10 @@ def print_summary(results: list[dict[str, object]], placement: str, seconds: flo
     )
 
 
-def _rank(rank: int, world_size: int, port: int, placement: str, steps: int, out: str) -> None:
+def _rank(rank: int, world_size: int, placement: str, steps: int, out: str) -> None:
     """One spawned rank: a gloo group on this machine, the training, its results to a
     file (a file, not a queue: nothing to drain before the parent joins the ranks)."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)  # the ranks share this machine's cores
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group("gloo")  # the environment spawn_local gives every rank
     try:
         result = train(rank, world_size, placement, steps)
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
@@ -142,6 +136,5 @@ def run_ranks(world_size: int, placement: str, steps: int) -> list[dict[str, obj
     """``train`` on ``world_size`` local gloo processes; a rank's failure raises its
     traceback here."""
     with tempfile.TemporaryDirectory() as out:
-        args = (world_size, get_free_port(), placement, steps, out)
-        mp.spawn(_rank, args=args, nprocs=world_size, join=True)
+        spawn_local(_rank, world_size, (world_size, placement, steps, out))
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]

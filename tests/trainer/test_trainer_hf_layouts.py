@@ -8,7 +8,8 @@ no shared expert) under ep1 and ep2: logits within 1e-5 of transformers', the ex
 bit for bit the original per-expert tensors. After two steps the layouts' losses and
 exports agree within the layout tests' tolerances. MoE configs with no Hugging Face
 twin are ConfigErrors at start-up. Slow, on 4 ranks: dp2 x pp2 (flexshard and FSDP2),
-tp2 x pp2 and interleaved stages from a folder with tied embeddings; dp2 x pp2 x ep2,
+tp2 x pp2 and interleaved stages; a folder with tied embeddings under dp and tp (pp
+refuses it: tests/trainer/test_model_families.py); dp2 x pp2 x ep2,
 tp2 x ep2, ep4 and FSDP2's ep2; and ``run``'s own path under dp2 x pp2 x ep2.
 """
 
@@ -160,9 +161,8 @@ def _hf_loss(model: torch.nn.Module, cfg) -> float:
 def _check(tmp_path: Path, reference, results: list[dict], moe: bool, tied: bool = False) -> None:
     transformers = _transformers()
     auto = transformers.MixtralForCausalLM if moe else transformers.LlamaForCausalLM
-    original = _files(tmp_path / ("tied" if tied else "hf"))  # as transformers saved them
-    if tied:  # the trainer's output projection is its own tensor, written as lm_head
-        original["lm_head.weight"] = original["model.embed_tokens.weight"]
+    # as transformers saved them (a tied folder: no lm_head, the export neither)
+    original = _files(tmp_path / ("tied" if tied else "hf"))
     names = list(results[0])
     with torch.no_grad():
         expected = reference(probe_tokens()).logits
@@ -242,6 +242,7 @@ SLOW_PP = {
         "pp_virtual_stages": 2,
     },
 }
+SLOW_TIED = {"dp4": {"dp_shard": 4}, "dp2xtp2": {"dp_shard": 2, "tp": 2}}
 SLOW_EP = {
     "ep1": {"dp_shard": 4},
     "dp2xpp2xep2": {"dp_shard": 2, "pp": 2, "ep": 2},
@@ -252,11 +253,10 @@ SLOW_EP = {
 
 
 @pytest.mark.slow
-def test_hf_folder_under_pp_layouts_with_tied_embeddings(tmp_path):
-    """A tied folder (lm_head read from the embedding): stage 0 and the last stage
-    read the same HF tensor."""
+def test_hf_folder_with_tied_embeddings_under_dp_and_tp(tmp_path):
+    """A tied folder: the output projection read from the embedding's tensor."""
     reference = hf_model(tmp_path / "tied", moe=False, tied=True)
-    results = run_distributed(_layouts, 4, str(tmp_path), SLOW_PP, False, True, timeout=900)
+    results = run_distributed(_layouts, 4, str(tmp_path), SLOW_TIED, False, True, timeout=900)
     _check(tmp_path, reference, results, moe=False, tied=True)
 
 
