@@ -27,7 +27,12 @@ find_python() {  # python3, or python$1 from PATH or pyenv's versions
 }
 
 setup_venv() {
-  if ! { [ -x $VENV/bin/flexshard-train ] && [ -x $VENV/bin/flexshard-generate ] &&
+  # the console scripts run (--help imports no torch): an older install's entry points
+  # may name modules that moved
+  if ! { $VENV/bin/flexshard-train --help >/dev/null 2>&1 &&
+         $VENV/bin/flexshard-generate --help >/dev/null 2>&1 &&
+         $VENV/bin/flexshard-demo --help >/dev/null 2>&1 &&
+         $VENV/bin/flexshard-plan --help >/dev/null 2>&1 &&
          [ -x $VENV/bin/ruff ] && [ -x $VENV/bin/lint-imports ] && $VENV/bin/python -c \
            'import sys, torch, flexshard, pytest, hypothesis, matplotlib, safetensors, transformers
 import tokenizers, tqdm, tiktoken, accelerate, lightning, pytorch_optimizer, heavyball, expecttest
