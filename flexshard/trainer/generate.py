@@ -28,7 +28,7 @@ from flexshard.runtime.module import own_buckets
 
 from .config import Config, ConfigError, config_from_dict, load_config
 from .config.hf_config import model_fields, read_config
-from .data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, open_tokenizer
+from .config.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, open_tokenizer
 from .models.hf_adapter import hf_keys
 from .models.layers import KVCache
 from .models.model import Transformer

@@ -18,9 +18,9 @@ from .checkpointing.checkpoints import Job
 from .checkpointing.preflight import load_errors
 from .config import Config, ConfigError
 from .data.dataset import DPSampler, ValidationBatches, load_tokens, split_tokens
-from .data.tokenizer import load_tokenizer
-from .lr_schedule import build_lr_scheduler, current_lr
-from .metrics import (
+from .config.tokenizer import load_tokenizer
+from .components.lr_schedule import build_lr_scheduler, current_lr
+from .components.metrics import (
     MetricsWriter,
     ProgressBar,
     peak_flops_per_rank,
@@ -33,7 +33,7 @@ from .models.layers import loss_fn
 from .models.model import count_params, flops_per_token
 from .models.moe import step_balance, tokens_per_expert
 from .models.mtp import take_step_loss
-from .optimizers import build_optimizer
+from .components.optimizers import build_optimizer
 from .parallel import bounded_waits
 from .parallel.dims import ParallelDims, init_distributed, pick_device
 from .parallel.exchange import configured_timeout, exchange_bytes

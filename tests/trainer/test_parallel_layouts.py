@@ -17,7 +17,7 @@ from flexshard.testing import run_distributed
 from flexshard.trainer.config import Config, ConfigError, config_from_dict, load_config
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, load_tokens
 from flexshard.trainer.models.model import Transformer, init_weights
-from flexshard.trainer.optimizers import build_optimizer
+from flexshard.trainer.components.optimizers import build_optimizer
 from flexshard.trainer.parallel.dims import ParallelDims
 from flexshard.trainer.parallel.parallelize import full_parameters
 from flexshard.trainer.train import Job, loss_fn, run, setup, train_step

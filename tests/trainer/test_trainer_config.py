@@ -17,7 +17,7 @@ from flexshard.trainer.config import (
 )
 from flexshard.trainer.config.validation import hf_format
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, builtin_corpus
-from flexshard.trainer.lr_schedule import lr_factor
+from flexshard.trainer.components.lr_schedule import lr_factor
 from flexshard.trainer.models.model import Transformer, count_params, init_weights
 from flexshard.trainer.parallel.dims import ParallelDims
 
@@ -185,7 +185,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 
 @pytest.mark.parametrize("decay", ["cosine", "linear", "none"])
 def test_lr_scheduler_gives_the_closed_form_and_resumes(decay):
-    from flexshard.trainer.lr_schedule import build_lr_scheduler
+    from flexshard.trainer.components.lr_schedule import build_lr_scheduler
 
     cfg = TrainingConfig(steps=11, warmup_steps=3, min_lr_ratio=0.1, decay=decay)
     weight = torch.nn.Parameter(torch.ones(3))
@@ -223,7 +223,7 @@ def _record(step: int, loss: float) -> dict:
 
 
 def test_metrics_jsonl_summary_plot_and_tensorboard(tmp_path, monkeypatch):
-    from flexshard.trainer import metrics
+    from flexshard.trainer.components import metrics
 
     writer = metrics.MetricsWriter(tmp_path, tensorboard=True, append=False)
     for step, loss in [(1, 5.0), (2, 4.0), (3, 3.5)]:
@@ -258,7 +258,7 @@ def test_metrics_jsonl_summary_plot_and_tensorboard(tmp_path, monkeypatch):
 def test_progress_bar_is_tqdm_with_loss_and_rate():
     import io
 
-    from flexshard.trainer.metrics import ProgressBar
+    from flexshard.trainer.components.metrics import ProgressBar
 
     stream = io.StringIO()
     bar = ProgressBar(4, initial=1, stream=stream)  # resumed after step 1

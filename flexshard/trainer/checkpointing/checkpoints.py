@@ -46,7 +46,7 @@ from flexshard.checkpoint.stages import Model
 from ..config.hf_config import check_matches, hf_config
 from ..config.schema import Config
 from ..data.dataset import DPSampler, ValidationBatches
-from ..data.tokenizer import Tokenizer
+from ..config.tokenizer import Tokenizer
 from ..models.hf_adapter import DTYPES, hf_keys, in_hf
 from ..models.model import Transformer
 from ..parallel.dims import Meshes, ParallelDims

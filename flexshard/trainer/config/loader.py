@@ -10,7 +10,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from ..data.tokenizer import open_tokenizer, padded_vocab_size
+from .tokenizer import open_tokenizer, padded_vocab_size
 from .hf_config import model_fields, read_config
 from .schema import (
     ActivationCheckpointConfig,

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flexshard.torch_internals import backend_group_options, clear_sharding_prop_cache
 
-from ..checkpointing.attempt_store import attempt_store, uses_agent_store
+from .attempt_store import attempt_store, uses_agent_store
 from ..config import ConfigError, ParallelismConfig
 from ..config.validation import check_ep_ranks
 

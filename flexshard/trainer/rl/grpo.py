@@ -23,8 +23,8 @@ from torch import nn
 from ..checkpointing import checkpoints as checkpointing
 from ..checkpointing.checkpoints import Job
 from ..config import ConfigError
-from ..lr_schedule import current_lr
-from ..metrics import peak_memory_mb
+from ..components.lr_schedule import current_lr
+from ..components.metrics import peak_memory_mb
 from ..models.moe import step_balance, tokens_per_expert
 from ..parallel.exchange import configured_timeout
 from ..parallel.parallelize import parallelize
