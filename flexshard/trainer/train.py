@@ -154,7 +154,11 @@ def train_step(job: Job, step: int) -> tuple[float, float, float]:
             local_loss += loss.detach()
     grad_norm = clip_gradients(job)
     job.optimizer.step()
-    step_balance(job.parallel.modules, job.meshes.dp.get_all_groups(), timeout)  # MoE load
+    dp_groups = job.meshes.dp.get_all_groups()
+    step_balance(
+        job.parallel.modules,
+        bounded_waits.all_reduce_over(dp_groups, "MoE load all-reduce", timeout),
+    )
     job.lr_scheduler.step()
     job.optimizer.zero_grad(set_to_none=True)
     # the global batch's loss: mean over all ranks; tp and pp ranks hold the same value

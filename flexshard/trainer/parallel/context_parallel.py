@@ -164,6 +164,13 @@ class ContextParallel:
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         return local_positions(local_len, self.rank, self.size, device)
 
+    def ring_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+    ) -> torch.Tensor:
+        """``ring_attention`` over this layer's CP exchange: the model's attention calls
+        it through the object ``apply_cp`` gave it, without importing this file."""
+        return ring_attention(q, k, v, self.exchange, scale)
+
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [b, local, kv_heads, d] of the whole sequence, global order."""
         return (

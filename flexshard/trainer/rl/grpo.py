@@ -26,6 +26,7 @@ from ..config import ConfigError
 from ..components.lr_schedule import current_lr
 from ..components.metrics import peak_memory_mb
 from ..models.moe import step_balance, tokens_per_expert
+from ..parallel.bounded_waits import all_reduce_over
 from ..parallel.exchange import configured_timeout
 from ..parallel.parallelize import parallelize
 from . import task
@@ -186,7 +187,11 @@ class GRPO:
             lr = current_lr(job.lr_scheduler)
             grad_norm = self.clip(job)
             job.optimizer.step()
-            step_balance(job.parallel.modules, job.meshes.dp.get_all_groups(), timeout)
+            dp_groups = job.meshes.dp.get_all_groups()
+            step_balance(
+                job.parallel.modules,
+                all_reduce_over(dp_groups, "MoE load all-reduce", timeout),
+            )
             job.lr_scheduler.step()
             job.optimizer.zero_grad(set_to_none=True)
         train_seconds = time.perf_counter() - train_begin
