@@ -47,7 +47,7 @@ def planning_config(cfg: Config) -> Config:
 
 def build_stages(cfg: Config, world: int, rank: int | None) -> tuple[ParallelDims, list[list]]:
     """Buckets of ``rank`` (or of the first rank of every pipeline stage)."""
-    dims = ParallelDims.from_config(cfg.parallelism, world)
+    dims = ParallelDims.from_config(cfg, world)
     ranks = [rank] if rank is not None else stage_ranks(dims)
     stages = []
     for r in ranks:

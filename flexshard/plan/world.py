@@ -17,7 +17,6 @@ from flexshard.torch_internals import FakeStore
 from flexshard.trainer.config import Config
 from flexshard.trainer.parallel import parallelize as trainer_parallelize
 from flexshard.trainer.parallel.dims import Meshes, ParallelDims
-from flexshard.trainer.train import check_backend_options
 
 META = torch.device("meta")
 
@@ -58,8 +57,7 @@ def _no_init(*args: object, **kwargs: object) -> None:
 def build_rank(cfg: Config, world_size: int, rank: int) -> RankBuild:
     """The trainer's model for ``rank``, sharded as ``setup`` would shard it, on meta.
     Call inside :func:`fake_world`."""
-    check_backend_options(cfg)
-    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    dims = ParallelDims.from_config(cfg, world_size)
     mesh = dims.build_mesh("cpu")
     meshes = dims.meshes(mesh)
     with (

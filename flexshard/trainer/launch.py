@@ -22,6 +22,7 @@ from torch.multiprocessing.spawn import ProcessException
 from .checkpointing.preflight import check_before_start
 from .config import Config, ConfigError, config_from_dict, load_config
 from .parallel.dims import ParallelDims
+from .rl.grpo import check_rl
 from .train import run
 
 
@@ -39,7 +40,9 @@ def one_line(err: ConfigError) -> str:
     return f"flexshard-train: {what}: {str(err).replace(chr(10), ' ')}"
 
 
-def _rank_main(local_rank: int, nproc: int, port: int, table: dict, errors: SimpleQueue) -> None:
+def _rank_main(
+    local_rank: int, nproc: int, port: int, table: dict, dims: ParallelDims, errors: SimpleQueue
+) -> None:
     """One spawned rank: the environment torchrun would give it, then the job; a
     ConfigError goes to the parent as its line (printed once there), not a traceback."""
     os.environ.update(
@@ -53,7 +56,7 @@ def _rank_main(local_rank: int, nproc: int, port: int, table: dict, errors: Simp
     # N ranks share this machine's cores: one thread each unless there are cores to spare
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     try:
-        run(config_from_dict(table))
+        run(config_from_dict(table), dims)
         leave_together()
     except ConfigError as err:
         errors.put(one_line(err))
@@ -63,12 +66,12 @@ def _rank_main(local_rank: int, nproc: int, port: int, table: dict, errors: Simp
             dist.destroy_process_group()
 
 
-def spawn(cfg: Config, nproc: int) -> None:
+def spawn(cfg: Config, dims: ParallelDims, nproc: int) -> None:
     """Run the job on ``nproc`` local processes. A rank's ConfigError (a checkpoint that
     does not fit, a text too short) exits with its one line; any other failure raises
     the rank's traceback."""
     errors = mp.get_context("spawn").SimpleQueue()
-    args = (nproc, get_free_port(), cfg.to_dict(), errors)
+    args = (nproc, get_free_port(), cfg.to_dict(), dims, errors)
     # its "Terminating process ..." warning names the ranks stopped after the first
     # failure: a consequence, not the cause the line or traceback below gives
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.nproc is not None and args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
         world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc or 1
-        ParallelDims.from_config(cfg.parallelism, world_size)  # a layout that fits, or say so
+        dims = ParallelDims.from_config(cfg, world_size)  # a layout that fits, or say so
+        check_rl(cfg, dims)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_torchrun else world_size
         check_before_start(cfg, local)
     except ConfigError as err:
@@ -154,10 +158,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(one_line(err))  # to stderr, exit status 1
         sys.exit(1)
     if not under_torchrun:
-        spawn(cfg, args.nproc or 1)  # a plain `python -m flexshard.trainer`: one local rank
+        spawn(cfg, dims, args.nproc or 1)  # a plain `python -m flexshard.trainer`: one local rank
         return
     try:
-        run(cfg)
+        run(cfg, dims)
         leave_together()
     except ConfigError as err:  # the ranks meet the same input: rank 0 says it
         sys.exit(one_line(err) if os.environ["RANK"] == "0" else 1)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from flexshard.trainer.components.lr_schedule import lr_factor
+from flexshard.trainer.components.optimizers import build_optimizer
 from flexshard.trainer.config import Config, TrainingConfig, config_from_dict
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, load_tokens
-from flexshard.trainer.components.lr_schedule import lr_factor
 from flexshard.trainer.models.model import Transformer, init_weights
-from flexshard.trainer.components.optimizers import build_optimizer
 from flexshard.trainer.train import loss_fn
 
 STEPS = 20

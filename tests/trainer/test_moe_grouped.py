@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from flexshard.testing import run_distributed
-from flexshard.trainer.config import ConfigError, config_from_dict
 from flexshard.trainer.components.metrics import summary_table
+from flexshard.trainer.config import ConfigError, config_from_dict
 from flexshard.trainer.models.model import MoE, Transformer, init_weights
 from flexshard.trainer.models.moe import (
     GROUP_ALIGN,

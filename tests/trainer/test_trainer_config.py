@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flexshard.trainer.components.lr_schedule import lr_factor
 from flexshard.trainer.config import (
     ConfigError,
     TrainingConfig,
@@ -17,7 +18,6 @@ from flexshard.trainer.config import (
 )
 from flexshard.trainer.config.validation import hf_format
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, builtin_corpus
-from flexshard.trainer.components.lr_schedule import lr_factor
 from flexshard.trainer.models.model import Transformer, count_params, init_weights
 from flexshard.trainer.parallel.dims import ParallelDims
 
@@ -104,13 +104,13 @@ def test_bad_file_and_world_size_errors(tmp_path):
     with pytest.raises(ConfigError, match="'model' is a section"):
         load_config(section)
     par = load_config(None, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"])
-    assert ParallelDims.from_config(par.parallelism, 4).dp_size == 4
+    assert ParallelDims.from_config(par, 4).dp_size == 4
     with pytest.raises(ConfigError, match="multiply to 4 .* world size is 3"):
-        ParallelDims.from_config(par.parallelism, 3)
+        ParallelDims.from_config(par, 3)
     auto = load_config(None, ["--parallelism.dp_replicate", "2"])
-    assert ParallelDims.from_config(auto.parallelism, 6).dp_shard == 3
+    assert ParallelDims.from_config(auto, 6).dp_shard == 3
     with pytest.raises(ConfigError, match="not divisible by dp_replicate"):
-        ParallelDims.from_config(auto.parallelism, 3)
+        ParallelDims.from_config(auto, 3)
 
 
 def test_tokenizer_round_trips_the_shipped_corpus():

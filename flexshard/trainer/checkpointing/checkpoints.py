@@ -45,8 +45,8 @@ from flexshard.checkpoint.stages import Model
 
 from ..config.hf_config import check_matches, hf_config
 from ..config.schema import Config
-from ..data.dataset import DPSampler, ValidationBatches
 from ..config.tokenizer import Tokenizer
+from ..data.dataset import DPSampler, ValidationBatches
 from ..models.hf_adapter import DTYPES, hf_keys, in_hf
 from ..models.model import Transformer
 from ..parallel.dims import Meshes, ParallelDims

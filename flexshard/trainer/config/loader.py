@@ -10,13 +10,13 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from .tokenizer import open_tokenizer, padded_vocab_size
 from .hf_config import model_fields, read_config
 from .schema import (
     ActivationCheckpointConfig,
     Config,
     ConfigError,
 )
+from .tokenizer import open_tokenizer, padded_vocab_size
 from .validation import validate
 
 

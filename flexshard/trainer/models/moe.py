@@ -21,7 +21,8 @@
 
 Every mode counts the tokens routed to each expert in training; ``step_balance``
 (called by the trainer after each optimizer step) sums them over the data-parallel
-ranks with the all-reduce the trainer passes in (the model imports no parallelism), updates the biases and keeps the counts for the metrics; ``tokens_per_expert``
+ranks with the all-reduce the trainer passes in (the model imports no parallelism),
+updates the biases and keeps the counts for the metrics; ``tokens_per_expert``
 gathers them over the pipeline stages, so the metrics cover every MoE layer.
 
 SwiGLU experts over token groups in one call per projection:
