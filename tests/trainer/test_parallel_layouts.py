@@ -22,7 +22,7 @@ from flexshard.trainer.parallel.dims import ParallelDims
 from flexshard.trainer.parallel.parallelize import full_parameters
 from flexshard.trainer.train import Job, loss_fn, run, setup, train_step
 
-from ..helpers.trainer_cases import set_lr
+from ..helpers.trainer_cases import launch_dims, set_lr
 
 STEPS = 10
 # measured worst (4 and 2 ranks): loss 1.6e-7 (dp2xcp2), norm 3.6e-7 (dp2xtp2), final
@@ -320,7 +320,7 @@ def test_bad_layouts_are_config_errors(override, message, tmp_path):
         "[training]\nseq_len = 16\nbatch_size = 2\n"
     )
     with pytest.raises(ConfigError, match=message):
-        load_config(base, override)
+        launch_dims(load_config(base, override))
 
 
 def test_world_size_must_be_the_product_of_the_degrees():

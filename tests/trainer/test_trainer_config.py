@@ -21,6 +21,8 @@ from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, builtin_cor
 from flexshard.trainer.models.model import Transformer, count_params, init_weights
 from flexshard.trainer.parallel.dims import ParallelDims
 
+from ..helpers.trainer_cases import launch_dims
+
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
@@ -74,13 +76,13 @@ def test_overrides_parse_like_toml_and_win_over_the_file():
         (["--training.steps", "0"], "training.steps = 0: must be at least 1"),
         (["--training.optimizer", "sgd"], "must be one of 'adamw', 'muon'"),
         (["--parallelism.dp_backend", "ddp"], "must be one of 'flexshard', 'fsdp2'"),
-        (["--parallelism.tp", "3"], "parallelism.tp = 3 must divide model.n_heads"),
-        (["--parallelism.ep", "2"], "parallelism.ep = 2"),
         (["--model.n_kv_heads", "3"], "not a multiple of model.n_kv_heads = 3"),
         (["--model.moe.top_k", "9", "--model.moe.num_experts", "4"], "model.moe.top_k = 9"),
         (["--training.steps"], "has no value"),
         (["steps", "3"], "expected an override like --training.steps 20"),
         (["--data.source", "files"], "needs data.paths"),
+        (["--data.paths", '["a.txt"]'], 'data.paths is set but data.source = "builtin"'),
+        (["--data.hf_path", "ds"], 'data.hf_path is set but data.source = "builtin"'),
         (["--model.vocab_size", "100"], "the byte tokenizer needs 256"),
         (["--parallelism.buckets", '[{patterns = "x", placement = "diag"}]'], "buckets[0].place"),
         (["--parallelism.buckets", '[{patterns = "x", owner = 1}]'], "unknown keys ['owner']"),
@@ -90,6 +92,20 @@ def test_overrides_parse_like_toml_and_win_over_the_file():
 def test_bad_config_raises_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_config(CONFIGS / "debug.toml", overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--parallelism.tp", "3"], "parallelism.tp = 3 must divide model.n_heads"),
+        (["--parallelism.ep", "2"], "parallelism.ep = 2"),
+        (["--parallelism.dp_backend", "fsdp2", "--parallelism.placement", "owned"], "apply to"),
+    ],
+)
+def test_bad_layout_raises_before_any_rank_naming_the_key(overrides, message):
+    cfg = load_config(CONFIGS / "debug.toml", overrides)
+    with pytest.raises(ConfigError, match=message):
+        launch_dims(cfg)
 
 
 def test_bad_file_and_world_size_errors(tmp_path):
@@ -272,7 +288,7 @@ def test_progress_bar_is_tqdm_with_loss_and_rate():
 
 def test_own_text_files_and_backend_option_errors(tmp_path):
     from flexshard.trainer.data.dataset import load_tokens
-    from flexshard.trainer.train import check_backend_options
+    from flexshard.trainer.parallel.sharding import check_backend_options
 
     (tmp_path / "a.txt").write_text("hello ")
     (tmp_path / "b.txt").write_text("world")
