@@ -57,7 +57,7 @@ def _no_init(*args: object, **kwargs: object) -> None:
 def build_rank(cfg: Config, world_size: int, rank: int) -> RankBuild:
     """The trainer's model for ``rank``, sharded as ``setup`` would shard it, on meta.
     Call inside :func:`fake_world`."""
-    dims = ParallelDims.from_config(cfg, world_size)
+    dims = trainer_parallelize.checked_dims(cfg, world_size)
     mesh = dims.build_mesh("cpu")
     meshes = dims.meshes(mesh)
     with (

@@ -22,6 +22,7 @@ from torch.multiprocessing.spawn import ProcessException
 from .checkpointing.preflight import check_before_start
 from .config import Config, ConfigError, config_from_dict, load_config
 from .parallel.dims import ParallelDims
+from .parallel.parallelize import checked_dims
 from .rl.grpo import check_rl
 from .train import run
 
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.nproc is not None and args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
         world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc or 1
-        dims = ParallelDims.from_config(cfg, world_size)  # a layout that fits, or say so
+        dims = checked_dims(cfg, world_size)  # a layout that fits, or say so
         check_rl(cfg, dims)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_torchrun else world_size
         check_before_start(cfg, local)

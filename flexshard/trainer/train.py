@@ -37,7 +37,7 @@ from .models.mtp import take_step_loss
 from .parallel import bounded_waits
 from .parallel.dims import ParallelDims, init_distributed, pick_device
 from .parallel.exchange import configured_timeout, exchange_bytes
-from .parallel.parallelize import Parallelized, local_batch, parallelize
+from .parallel.parallelize import Parallelized, checked_dims, local_batch, parallelize
 
 
 def clip_gradients(job: Job) -> float:
@@ -70,7 +70,7 @@ def setup(cfg: Config, dims: ParallelDims | None = None) -> Job:
     device = pick_device(cfg.training.device)
     init_distributed(device, cfg.parallelism.timeout_s)  # the world's waits bounded too
     if dims is None:
-        dims = ParallelDims.from_config(cfg, dist.get_world_size())
+        dims = checked_dims(cfg, dist.get_world_size())
     mesh = dims.build_mesh(device.type)
     meshes, dp_rank = dims.meshes(mesh), dims.dp_rank(mesh)
     t = cfg.training

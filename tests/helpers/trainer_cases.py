@@ -10,6 +10,7 @@ from flexshard.trainer.config import Config, TrainingConfig, config_from_dict
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, load_tokens
 from flexshard.trainer.models.model import Transformer, init_weights
 from flexshard.trainer.parallel.dims import ParallelDims
+from flexshard.trainer.parallel.parallelize import checked_dims
 from flexshard.trainer.train import loss_fn
 
 STEPS = 20
@@ -20,7 +21,7 @@ def launch_dims(cfg: Config) -> ParallelDims:
     its degrees make (``dp_shard = -1``: one)."""
     p = cfg.parallelism
     world = p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp * p.pp
-    return ParallelDims.from_config(cfg, world)
+    return checked_dims(cfg, world)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, step: int, t: TrainingConfig) -> None:

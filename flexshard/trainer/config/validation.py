@@ -9,7 +9,7 @@ without importing the model and the adapter (models/hf_adapter.py).
 
 The checks that belong to a layer above live beside the code they guard, each run
 once before any rank starts: every parallelism's in its own module, run together by
-``ParallelDims.from_config`` (parallel/dims.py); GRPO's in ``rl/grpo.py``
+``checked_dims`` (parallel/parallelize.py); GRPO's in ``rl/grpo.py``
 (``check_rl``); the files and folders a run reads in ``checkpointing/preflight.py``."""
 
 from __future__ import annotations

@@ -30,11 +30,6 @@ from flexshard.torch_internals import backend_group_options, clear_sharding_prop
 
 from ..config import Config, ConfigError
 from .attempt_store import attempt_store, uses_agent_store
-from .context_parallel import check_cp
-from .expert_parallel import check_ep
-from .pipeline import check_pipeline
-from .sharding import check_backend_options
-from .tensor_parallel import check_tp
 
 # outermost first, as torchtitan orders them: pipeline stages are the slowest links,
 # tensor parallel ranks the fastest
@@ -56,8 +51,8 @@ class ParallelDims:
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
         """The degrees of ``cfg.parallelism`` on ``world_size`` ranks (``dp_shard = -1``:
-        what the others leave), every parallelism's check run on them: built once,
-        before any rank starts, and handed to the ranks."""
+        what the others leave); ``parallelize.checked_dims`` adds every parallelism's
+        check."""
         p = cfg.parallelism
         for dim in ("tp", "pp", "cp", "ep", "pp_virtual_stages"):
             if getattr(p, dim) < 1:
@@ -79,7 +74,6 @@ class ParallelDims:
                 f"dp_shard={dp_shard} x cp={p.cp} x tp={p.tp} x pp={p.pp}) but the world "
                 f"size is {world_size}; make them equal"
             )
-        check_layout(cfg, dims)
         return dims
 
     def degree(self, name: str) -> int:
@@ -168,50 +162,6 @@ class ParallelDims:
         if self.dp_replicate > 1:
             return mesh.get_local_rank("dp_replicate") * self.dp_shard + shard
         return shard
-
-
-def check_layout(cfg: Config, dims: ParallelDims) -> None:
-    """Each parallelism's check (beside its code) and what they ask of each other, of
-    the model and of the batch."""
-    m, t, p = cfg.model, cfg.training, cfg.parallelism
-    if p.pp_microbatches < 0:
-        raise ConfigError(f"parallelism.pp_microbatches = {p.pp_microbatches}: must be >= 0")
-    check_tp(m, p.tp)
-    micro = p.pp_microbatches or p.pp
-    check_pipeline(m.n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, micro)
-    if p.pp > 1 and t.batch_size % micro:
-        raise ConfigError(
-            f"training.batch_size = {t.batch_size} is not divisible by "
-            f"parallelism.pp_microbatches = {micro}"
-        )
-    if p.pp > 1 and m.tie_embeddings:
-        raise ConfigError(
-            f"model.tie_embeddings = true with parallelism.pp = {p.pp}: the embedding (first "
-            "stage) and the output projection (last stage) would be one parameter on two "
-            "stages; untie them or set parallelism.pp = 1"
-        )
-    if p.pp > 1 and t.grad_accum != 1:
-        raise ConfigError(
-            "training.grad_accum must be 1 with parallelism.pp > 1: the pipeline's "
-            "microbatches (parallelism.pp_microbatches) accumulate instead"
-        )
-    check_cp(t.seq_len, p.cp)
-    if m.mtp_layers and (p.tp > 1 or p.pp > 1 or p.cp > 1):
-        raise ConfigError(
-            f"model.mtp_layers = {m.mtp_layers} runs with data and expert parallelism only: "
-            "set parallelism.tp, pp and cp to 1 (the MTP depths share the embedding and the "
-            "head, which pp puts on different stages, and read the tokens ahead, which cp "
-            "puts on other ranks)"
-        )
-    # sequence parallelism cuts each rank's sequence across tp, and pipeline stages
-    # send those shards
-    if p.tp > 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
-        raise ConfigError(
-            f"training.seq_len / cp = {t.seq_len // p.cp} is not divisible by parallelism.tp "
-            f"= {p.tp}: sequence parallelism splits each rank's sequence across tp"
-        )
-    check_ep(m.moe.num_experts, p.ep, dims.dp_shard * dims.cp)
-    check_backend_options(cfg)
 
 
 @dataclass

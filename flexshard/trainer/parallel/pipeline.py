@@ -119,7 +119,7 @@ def check_pipeline(
     n_layers: int, pp: int, virtual: int, schedule: str, n_microbatches: int
 ) -> None:
     """The stages, the schedule and the microbatches fit together (run once, before
-    any rank starts, by ``ParallelDims.from_config``)."""
+    any rank starts, by ``checked_dims``)."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"pipeline schedule '{schedule}': must be one of {', '.join(SCHEDULES)}")
     for name, value in (

@@ -34,7 +34,7 @@ Policy = fs.Placement | Callable[[str, nn.Parameter], fs.Placement]
 def check_backend_options(cfg: Config) -> None:
     """Options of the flexshard backend refused under torch FSDP2, and explicit buckets
     refused beside tp, pp or ep (run once, before any rank starts, by
-    ``ParallelDims.from_config``)."""
+    ``checked_dims``)."""
     par = cfg.parallelism
     if par.dp_backend == "fsdp2":
         if par.placement != "shard0" or par.buckets:

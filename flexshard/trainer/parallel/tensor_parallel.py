@@ -109,7 +109,7 @@ def _mla_plan(attention: MLA, split: Shard | Replicate) -> dict[str, object]:
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """Every tp rank must hold whole attention heads (MLA: no kv heads of its own); run
-    once, before any rank starts, by ``ParallelDims.from_config``."""
+    once, before any rank starts, by ``checked_dims``."""
     parts = [("n_heads", cfg.n_heads, "attention heads")]
     if cfg.attention == "gqa":
         parts.append(("n_kv_heads", cfg.n_kv_heads, "key/value heads"))
