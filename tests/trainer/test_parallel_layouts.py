@@ -19,7 +19,7 @@ from flexshard.trainer.config import Config, ConfigError, config_from_dict, load
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, load_tokens
 from flexshard.trainer.models.model import Transformer, init_weights
 from flexshard.trainer.parallel.dims import ParallelDims
-from flexshard.trainer.parallel.parallelize import full_parameters
+from flexshard.trainer.parallel.parallelize import checked_dims, full_parameters
 from flexshard.trainer.train import Job, loss_fn, run, setup, train_step
 
 from ..helpers.trainer_cases import launch_dims, set_lr
@@ -329,5 +329,5 @@ def test_world_size_must_be_the_product_of_the_degrees():
         ParallelDims.from_config(cfg, 4)
     cfg = layout_config("-", {"cp": 2, "ep": 4}, {**MOE, "num_experts": 8})
     with pytest.raises(ConfigError, match="parallelism.ep = 4 must divide dp_shard \\* cp = 2"):
-        ParallelDims.from_config(cfg, 2)  # dp_shard inferred as 1
+        checked_dims(cfg, 2)  # dp_shard inferred as 1
     assert ParallelDims.from_config(cfg, 4).dp_shard == 2
