@@ -219,6 +219,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("checkpoint.initial_load_in_hf needs checkpoint.initial_load_path")
     if not 0 < p.timeout_s < float("inf"):  # also rejects NaN
         raise ConfigError(f"parallelism.timeout_s = {p.timeout_s}: must be a positive number")
+    for dim in ("tp", "pp", "cp", "ep", "pp_virtual_stages"):
+        if getattr(p, dim) < 1:
+            raise ConfigError(f"parallelism.{dim} = {getattr(p, dim)}: must be at least 1")
+    if p.pp_microbatches < 0:
+        raise ConfigError(f"parallelism.pp_microbatches = {p.pp_microbatches}: must be >= 0")
     if p.dp_shard < 1 and p.dp_shard != -1:
         raise ConfigError(f"parallelism.dp_shard = {p.dp_shard}: must be -1 (auto) or >= 1")
     if m.attention == "mla":

@@ -54,9 +54,6 @@ class ParallelDims:
         what the others leave); ``parallelize.checked_dims`` adds every parallelism's
         check."""
         p = cfg.parallelism
-        for dim in ("tp", "pp", "cp", "ep", "pp_virtual_stages"):
-            if getattr(p, dim) < 1:
-                raise ConfigError(f"parallelism.{dim} = {getattr(p, dim)}: must be at least 1")
         others = p.dp_replicate * p.cp * p.tp * p.pp
         dp_shard = p.dp_shard
         if dp_shard == -1:

@@ -28,7 +28,7 @@ from .activation_checkpoint import apply_ac
 from .context_parallel import apply_cp, check_cp, split_sequence
 from .dims import Meshes, ParallelDims
 from .exchange import configured_timeout
-from .expert_parallel import apply_ep, check_ep
+from .expert_parallel import apply_ep, check_ep, check_ep_ranks
 from .pipeline import PipelineRunner, build_pipeline, check_pipeline, init_stage_params
 from .sharding import apply_dp, check_backend_options, mp_policy
 from .tensor_parallel import apply_tp, check_tp
@@ -158,18 +158,18 @@ def full_parameters(parallel: Parallelized, meshes: Meshes) -> dict[str, torch.T
 
 def checked_dims(cfg: Config, world_size: int) -> ParallelDims:
     """The layout of ``cfg`` on ``world_size`` ranks with every parallelism's check run
-    on it: built once, before any rank starts, and handed to the ranks."""
+    on it: built once, before any rank starts, and handed to the ranks. The checks of
+    the config come first, the world size after, as the user reads them."""
+    check_layout(cfg)
     dims = ParallelDims.from_config(cfg, world_size)
-    check_layout(cfg, dims)
+    check_ep_ranks(dims.ep, dims.dp_shard * dims.cp)  # dp_shard may be inferred only now
     return dims
 
 
-def check_layout(cfg: Config, dims: ParallelDims) -> None:
+def check_layout(cfg: Config) -> None:
     """Each parallelism's check (beside its code) and what they ask of each other, of
     the model and of the batch."""
     m, t, p = cfg.model, cfg.training, cfg.parallelism
-    if p.pp_microbatches < 0:
-        raise ConfigError(f"parallelism.pp_microbatches = {p.pp_microbatches}: must be >= 0")
     check_tp(m, p.tp)
     micro = p.pp_microbatches or p.pp
     check_pipeline(m.n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, micro)
@@ -204,5 +204,5 @@ def check_layout(cfg: Config, dims: ParallelDims) -> None:
             f"training.seq_len / cp = {t.seq_len // p.cp} is not divisible by parallelism.tp "
             f"= {p.tp}: sequence parallelism splits each rank's sequence across tp"
         )
-    check_ep(m.moe.num_experts, p.ep, dims.dp_shard * dims.cp)
+    check_ep(m.moe.num_experts, p.ep, None)  # its ranks: once the world sizes dp_shard
     check_backend_options(cfg)
