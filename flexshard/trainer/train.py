@@ -27,7 +27,7 @@ from .components.metrics import (
     summary_table,
 )
 from .components.optimizers import build_optimizer
-from .config import Config, ConfigError
+from .config import Config
 from .config.tokenizer import load_tokenizer
 from .data.dataset import DPSampler, ValidationBatches, load_tokens, split_tokens
 from .models.layers import loss_fn
@@ -82,8 +82,6 @@ def setup(cfg: Config, dims: ParallelDims | None = None) -> Job:
     else:
         tokens, validation = load_tokens(cfg.data, tokenizer), None
     if cfg.validation.enable:
-        if dims.pp > 1:
-            raise ConfigError("validation.enable: not wired with parallelism.pp > 1 yet")
         tokens, held_out = split_tokens(tokens, cfg.validation.fraction)
         validation = ValidationBatches(held_out, t.seq_len, t.batch_size, dp_rank, dims.dp_size)
     sampler = DPSampler(

@@ -215,6 +215,8 @@ def validate(cfg: Config) -> None:
     v = cfg.validation
     if v.enable and (v.freq < 1 or v.steps < 1 or not 0 < v.fraction < 1):
         raise ConfigError("validation.freq and steps must be >= 1, validation.fraction in (0, 1)")
+    if v.enable and p.pp > 1:
+        raise ConfigError("validation.enable: not wired with parallelism.pp > 1 yet")
     if cfg.checkpoint.initial_load_in_hf and not cfg.checkpoint.initial_load_path:
         raise ConfigError("checkpoint.initial_load_in_hf needs checkpoint.initial_load_path")
     if not 0 < p.timeout_s < float("inf"):  # also rejects NaN
