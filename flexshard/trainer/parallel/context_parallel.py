@@ -106,6 +106,9 @@ def split_sequence(tensor: torch.Tensor, cp_mesh: Group, dim: int = 1) -> torch.
     """This CP rank's zig-zag part of a full-length batch (inputs, targets, ...)."""
     group = as_group(cp_mesh)
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    # the tensor's length, not the config's (that was checked before the ranks started):
+    # uneven chunks would silently misplace tokens
+    check_cp(tensor.shape[dim], cp)
     chunks = tensor.chunk(2 * cp, dim=dim)
     first, second = zigzag_chunks(rank, cp)
     return torch.cat([chunks[first], chunks[second]], dim=dim)
