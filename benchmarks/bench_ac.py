@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     text = "\n".join(lines) + "\n"
     meta = {"command": command, "world": args.world, "backend": args.backend, "steps": steps}
-    write_results(RESULTS, "ac_bench", meta, [{"mode": m, **r} for m, r in rows.items()], text)
+    stem = "ac_bench_quick" if args.quick else "ac_bench"  # a smoke run keeps the real results
+    write_results(RESULTS, stem, meta, [{"mode": m, **r} for m, r in rows.items()], text)
     print(text)
     return 0
 

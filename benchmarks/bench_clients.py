@@ -377,6 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m benchmarks.bench_clients " + " ".join(argv or sys.argv[1:])
     text = markdown(command.strip(), rows)
     name = "clients_bench" + (f"_{args.only}" if args.only else "")
+    name += "_quick" if args.quick else ""  # a smoke run keeps the real results
     write_results(args.out, name, {"command": command.strip()}, rows, text)
     print(text)
 

@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import flexshard as fs
 from flexshard.optim import MatrixOptimizer, matrix_buckets, ns_flops, preconditioner_flops
 from flexshard.runtime.bucket import slot_of
-from flexshard.runtime.dtensor import wrap
+from flexshard.runtime.dtensor.region_dtensor import wrap
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import record_collectives
 from flexshard.testing.stats import RULE, alternating, cell, paired_ratios, range_cell, summary

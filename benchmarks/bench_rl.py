@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         **args,
     }
     out = Path(opts.out)
-    png = out / "rl_reward.png"
+    quick = "_quick" if opts.quick else ""  # a smoke run keeps the real results
+    png = out / f"rl_reward{quick}.png"
     out.mkdir(parents=True, exist_ok=True)
     plot(curves, png, f"GRPO, sort letters, W = {opts.world} (batch-invariant)")
     every = [r for curve in curves.values() for r in curve]  # the control's too
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         "",
     ]
     rows = [{"curves": curves, "learned": learned, "costs": costs, "cost_ratio": cost}]
-    write_results(out, "rl_bench", meta, rows, "\n".join(lines))
+    write_results(out, f"rl_bench{quick}", meta, rows, "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -52,8 +52,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flexshard as fs
 from flexshard.quant import MXFP8, FP8Blockwise, dequantize, quantize
 from flexshard.runtime.module import own_buckets
-from flexshard.testing.launch import free_port
 from flexshard.trainer.config import ModelConfig
+from flexshard.trainer.launch import free_port
 from flexshard.trainer.models.model import Transformer, init_weights
 
 from .common import write_results

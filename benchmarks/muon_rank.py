@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import flexshard as fs
 from flexshard.optim import DistMuon, muon_buckets
 from flexshard.runtime.bucket import slot_of
-from flexshard.runtime.dtensor import wrap
+from flexshard.runtime.dtensor.region_dtensor import wrap
 from flexshard.testing.stats import alternating, centred
 
 from .muon_gather import GatherMuon

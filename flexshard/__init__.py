@@ -11,12 +11,13 @@ from torch.distributed.fsdp import (
 )
 
 from . import checkpoint, optim  # noqa: F401  (fs.checkpoint.save, fs.optim.DistMuon, ...)
-from .fsdp.api import BucketSpec, flex_shard, fully_shard, share_comm_ctx
+from .fsdp.api import flex_shard, fully_shard, share_comm_ctx
+from .fsdp.arguments import BucketSpec
 from .fsdp.clip import clip_grad_norm_
 from .fsdp.state_dict import full_state_dict, init_params, load_full_state_dict
 from .placements import BlockShard, FlatShard, Owned, Placement, Replicate, Shard
 from .runtime.collectives import CollectiveError
-from .runtime.dtensor import distribute_tensor
+from .runtime.dtensor.distribute import distribute_tensor
 from .runtime.module import FlexShardModule
 
 # torch's own where torch has them (DataParallelMeshDims from 2.13, GradientReductionHandle

@@ -56,6 +56,7 @@ from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 __all__ = [
+    "ALL_GATHER_SINGLE",
     "DOCS",
     "IGNORE_OPS",
     "STATE_KEY",
@@ -76,6 +77,7 @@ __all__ = [
     "ModState",
     "NormPartial",
     "PlacementMesh",
+    "REDUCE_SCATTER_SINGLE",
     "ShardPlacementResult",
     "StridedShard",
     "TensorMeta",
@@ -162,12 +164,23 @@ if _WARNING is not None:  # once: a module body runs once per process
 # named all_gather_single / reduce_scatter_single from torch 2.13 on, where the older
 # all_gather_into_tensor / reduce_scatter_tensor became deprecated aliases of them; the
 # same collective with the same arguments on every release. Public API either way.
-all_gather_single: Callable[..., Any] = getattr(
-    dist, "all_gather_single", dist.all_gather_into_tensor
+# Looked up on torch.distributed at each call, as FSDP2 does, so whatever patches
+# torch.distributed's function (torch's own FSDP2 test helpers, a user's profiler) sees
+# flexshard's collectives too.
+ALL_GATHER_SINGLE = (
+    "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 )
-reduce_scatter_single: Callable[..., Any] = getattr(
-    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
+REDUCE_SCATTER_SINGLE = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 )
+
+
+def all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    return getattr(dist, ALL_GATHER_SINGLE)(*args, **kwargs)
+
+
+def reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
+    return getattr(dist, REDUCE_SCATTER_SINGLE)(*args, **kwargs)
 
 
 # ------------------------------------------------------------------ FSDP2's API
@@ -285,7 +298,7 @@ def placement_mesh(result: object) -> PlacementMesh | None:
 # Public replacement: none (DTensor.from_local builds one, at a cost and with checks).
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
 
-# the pending placement of a norm's partial result (runtime.dtensor's norms reduce
+# the pending placement of a norm's partial result (RegionDTensor's norms reduce
 # as torch's own do). Public replacement: none.
 from torch.distributed.tensor._ops._math_ops import _NormPartial as NormPartial  # noqa: E402
 

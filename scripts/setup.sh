@@ -30,7 +30,7 @@ setup_venv() {
   if ! { [ -x $VENV/bin/flexshard-train ] && [ -x $VENV/bin/flexshard-generate ] &&
          [ -x $VENV/bin/ruff ] && [ -x $VENV/bin/lint-imports ] && $VENV/bin/python -c \
            'import sys, torch, flexshard, pytest, hypothesis, matplotlib, safetensors, transformers
-import tokenizers, tqdm, tiktoken, accelerate, lightning, pytorch_optimizer, heavyball
+import tokenizers, tqdm, tiktoken, accelerate, lightning, pytorch_optimizer, heavyball, expecttest
 sys.exit(torch.__version__.split("+")[0] != sys.argv[1])' "$TORCH" 2>/dev/null; }; then
     [ -x $VENV/bin/python ] || "$(find_python "$PYVER")" -m venv $VENV
     # torch pinned in every install, so that installing flexshard never pulls another build

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch.distributed as dist
 
-from flexshard.testing.launch import START_METHOD_ENV, free_port
+from flexshard.testing.launch import START_METHOD_ENV
+from flexshard.trainer.launch import free_port
 
 os.environ.setdefault(START_METHOD_ENV, "forkserver")
 

@@ -39,11 +39,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..torch_internals import drop_cached_save_plans
 from .bounded import Ranks
+from .chunk_stager import ChunkStager, can_pin
 from .frames import Frames, framed_state
 from .io import _extra_file, _move_into_place
+from .logical_model import Model
 from .manifest import Entry, chunk_entries, digest, share, write_manifest
-from .stages import Model
-from .staging import ChunkStager, can_pin
 from .state import gathers, group_params, state_dict, union_groups, with_groups
 
 AsyncMode = Literal["async", "async_with_pinned_mem"]

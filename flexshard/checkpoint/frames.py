@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..runtime.dtensor import RegionTensor, chunks_of, shifted
+from ..runtime.dtensor.chunks import RegionTensor, chunks_of, shifted
 
 Frame = tuple[Sequence[int], Sequence[int]]
 Frames = Mapping[str, Frame]

@@ -19,9 +19,7 @@ A rank may hold part of the model only: pipeline stages (``shapes`` names the wh
 model, so every rank plans the same files) and expert slices (``frames``: a slice's
 offset in the whole ``[E, ...]`` stack, as ``frames.py``). An ``HFKey`` with
 ``experts`` stores such a stack as one tensor per expert (Mixtral's
-``experts.{e}.w1.weight``): each expert's chunks are views of the stack's.
-
-Export the full model as one Hugging Face safetensors file."""
+``experts.{e}.w1.weight``): each expert's chunks are views of the stack's."""
 
 from __future__ import annotations
 
@@ -43,7 +41,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ..runtime.dtensor import Box, RegionTensor, chunks_of
+from ..runtime.dtensor.chunks import Box, RegionTensor, chunks_of
 from ..torch_internals import (
     consolidate_safetensors_files,
     consolidate_safetensors_files_on_every_rank,
@@ -56,6 +54,7 @@ from .safe_load import dcp_load
 
 SHARDED_DIR = "sharded"  # per-rank chunk files, removed once consolidated
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -192,10 +191,17 @@ class _ChunkFileWriter(HuggingFaceStorageWriter):
         return self._write_data(planner, file_queue)
 
 
-def _export_chunks(value: torch.Tensor, dtype: torch.dtype) -> RegionTensor:
-    """This rank's chunks in the export dtype, on the CPU (the writer's requirement)."""
+def _export_chunks(value: torch.Tensor, dtype: torch.dtype, seen: set[tuple]) -> RegionTensor:
+    """This rank's chunks in the export dtype, on the CPU (the writer's requirement).
+    safetensors refuses two names for the same memory (tied weights, one tensor under
+    two keys): a view ``seen`` before is written from a copy."""
     chunks = _chunks(value)
-    pieces = [(box, t.detach().to("cpu", dtype)) for box, t in chunks.pieces]
+    pieces = []
+    for box, t in chunks.pieces:
+        t = t.detach().to("cpu", dtype)
+        view = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())
+        pieces.append((box, t.clone() if view in seen else t))
+        seen.add(view)
     return RegionTensor(chunks.shape, pieces, chunks.writer, dtype, torch.device("cpu"))
 
 
@@ -210,6 +216,55 @@ def _tensor_spans(path: str) -> dict[str, tuple[int, list[int], str]]:
         for name, entry in header.items()
         if name != "__metadata__"
     }
+
+
+def check_safetensors_folder(path: str | os.PathLike) -> None:
+    """Every ``*.safetensors`` file of a Hugging Face folder is whole: its header parses
+    and its tensors' bytes are all there, and every file its index names exists. A
+    ValueError naming the file and what is wrong otherwise; reads only the headers."""
+    folder = os.fspath(path)
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                named = set(json.load(f)["weight_map"].values())
+        except (ValueError, KeyError, AttributeError) as err:
+            raise ValueError(f"'{index}': not a safetensors index ({err!r})") from None
+        for name in sorted(named):
+            if not os.path.isfile(os.path.join(folder, name)):
+                raise ValueError(f"'{index}' names '{name}', which the folder does not have")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            _check_safetensors_file(os.path.join(folder, name))
+
+
+def _check_safetensors_file(path: str) -> None:
+    """A safetensors file: an 8-byte header length, a JSON header, then the bytes its
+    entries' ``data_offsets`` span, to the end of the file exactly."""
+    size = os.path.getsize(path)
+    if size < 8:
+        raise ValueError(f"'{path}': not a safetensors file ({size} bytes, no header)")
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if head == b"version ":  # a clone without git-lfs holds the pointer, not the file
+            raise ValueError(f"'{path}': a Git LFS pointer, not the weights (git lfs pull)")
+        (length,) = struct.unpack("<Q", head)
+        if 8 + length > size:
+            raise ValueError(
+                f"'{path}': truncated or not a safetensors file: its header alone says "
+                f"{8 + length} bytes, the file has {size}"
+            )
+        try:
+            header = json.loads(f.read(length))
+            end = max(
+                (e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"),
+                default=0,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            raise ValueError(f"'{path}': not a safetensors file (its header is not one)") from None
+    if 8 + length + end != size:
+        what = "truncated" if 8 + length + end > size else "longer than its header says"
+        raise ValueError(f"'{path}': {what}: header says {8 + length + end} bytes, file has {size}")
 
 
 def _permute_in_file(path: str, rope: Mapping[str, int], dtype: torch.dtype) -> None:
@@ -228,30 +283,42 @@ def _permute_in_file(path: str, rope: Mapping[str, int], dtype: torch.dtype) -> 
             f.write(interleaved_to_half(rows, rope[name]).contiguous().view(torch.uint8).numpy())
 
 
-def save_hf_safetensors(
+def export_safetensors(
+    model: nn.Module | Mapping[str, torch.Tensor],
     path: str | os.PathLike,
-    state: Mapping[str, torch.Tensor],
-    keys: Mapping[str, HFKey],
+    keys: Mapping[str, HFKey] | None = None,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 2**31,
     process_group: dist.ProcessGroup | None = None,
     shapes: Mapping[str, Sequence[int]] | None = None,
     frames: Frames | None = None,
 ) -> dict[str, int]:
-    """Write ``state`` (a sharded ``model.state_dict()``: DTensors of any placement,
-    or plain tensors in one process) as ``model-0000i-of-0000N.safetensors`` plus
-    ``model.safetensors.index.json`` under ``path``, keys renamed by ``keys``. Every
-    rank calls it; returns the HF name -> file index map.
+    """Write the whole model as the tensors of a Hugging Face folder under ``path``:
+    ``model.safetensors`` when they fit in ``max_shard_bytes``, else
+    ``model-0000i-of-0000N.safetensors`` files (each at most ``max_shard_bytes``, a
+    larger tensor alone) and ``model.safetensors.index.json`` (what ``save_pretrained``
+    writes and ``from_pretrained`` reads; no config.json, which is the caller's). Every
+    tensor is written whole, in ``dtype``, under its Hugging Face name: ``keys[fqn]``
+    (RoPE projections in Hugging Face's row order, expert stacks as one tensor per
+    expert), or, without ``keys``, the state-dict key itself (a transformers model's
+    names are Hugging Face's). Returns the name -> file index map.
 
-    ``shapes``: every FQN of the whole model and its whole shape, in file order, when
-    ``state`` is this rank's part (pipeline stages; the same on every rank; ``keys``
-    names them all). ``frames``: FQN -> (whole shape, offset) of values that are
-    slices of a larger tensor (expert parallelism)."""
+    ``model``: a sharded module (its ``state_dict()``: DTensors of any placement) or
+    such a state dict (plain tensors in one process). Nothing is gathered: every rank
+    of ``process_group`` calls it and writes the chunks it stores, then the ranks
+    consolidate the files between them. ``shapes``: every FQN of the whole model and
+    its whole shape, in file order, when ``model`` is this rank's part (pipeline
+    stages; the same on every rank; ``keys`` names them all). ``frames``: FQN ->
+    (whole shape, offset) of values that are slices of a larger tensor (expert
+    parallelism)."""
+    state = model.state_dict() if isinstance(model, nn.Module) else model
     if shapes is None:
         shapes = {
             fqn: frames[fqn][0] if frames and fqn in frames else tuple(v.shape)
             for fqn, v in state.items()
         }
+    if keys is None:
+        keys = {fqn: HFKey(fqn) for fqn in shapes}
     missing = [fqn for fqn in list(state) + list(shapes) if fqn not in keys]
     if missing:
         raise KeyError(f"no Hugging Face name for state-dict key(s) {missing[:5]}")
@@ -267,8 +334,9 @@ def save_hf_safetensors(
         os.makedirs(sharded)
     if not no_dist:
         dist.barrier(process_group)
+    seen: set[tuple] = set()
     export = {
-        name: _export_chunks(chunks, dtype)
+        name: _export_chunks(chunks, dtype, seen)
         for fqn, value in state.items()
         for name, chunks in _by_name(_framed_chunks(fqn, value, frames), keys[fqn]).items()
     }
@@ -290,6 +358,11 @@ def save_hf_safetensors(
         dist.barrier(process_group)
     if rank == 0:
         shutil.rmtree(sharded)
+        if last == 1:  # one file: named as save_pretrained names it, no index
+            os.replace(os.path.join(root, hf_file_name(1, 1)), os.path.join(root, SINGLE_FILE))
+            os.remove(os.path.join(root, INDEX_FILE))
+    if not no_dist:  # the files in place before any rank returns
+        dist.barrier(process_group)
     return mapping
 
 
@@ -403,37 +476,3 @@ def load_hf_safetensors(
             if heads and target is not None:
                 with torch.no_grad():
                     _fill_from_rope(chunks, target, heads)
-
-
-def export_safetensors(model: nn.Module, path: str | os.PathLike, rank: int | None = None) -> None:
-    """Write the unsharded ``model.state_dict()`` to ``path`` (safetensors), readable
-    by ``safetensors.torch.load_file``. Every rank of a sharded model calls it (one
-    all-gather per bucket); only global rank 0 writes, atomically (temp file, rename)."""
-    from ..fsdp.state_dict import full_state_dict
-
-    state = full_state_dict(model)
-    if rank is None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        write_safetensors(state, path)
-
-
-def write_safetensors(state: Mapping[str, torch.Tensor], path: str | os.PathLike) -> None:
-    """Write a full state dict (``fs.full_state_dict``, or torch's full
-    ``get_model_state_dict``) to ``path`` atomically (temp file, rename), on the CPU.
-    Called by the one rank that writes."""
-    from safetensors.torch import save_file
-
-    # safetensors refuses tensors that share memory (tied weights): give each its own
-    seen: set[int] = set()
-    tensors = {}
-    for key, value in state.items():
-        value = value.detach().cpu().contiguous()
-        if value.untyped_storage().data_ptr() in seen:
-            value = value.clone()
-        seen.add(value.untyped_storage().data_ptr())
-        tensors[key] = value
-    final = os.fspath(path)
-    partial = final + ".partial"
-    save_file(tensors, partial, metadata={"format": "pt"})
-    os.replace(partial, final)

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ..torch_internals import single_process_dcp
 from .bounded import Ranks, model_timeout
 from .frames import Frames, framed_state, unframed
+from .logical_model import Model, modules_of
 from .manifest import (
     MANIFEST,
     Entry,
@@ -41,7 +42,6 @@ from .manifest import (
     write_manifest,
 )
 from .safe_load import dcp_load, load_data, read_metadata
-from .stages import Model, modules_of
 from .state import (
     apply,
     fresh,

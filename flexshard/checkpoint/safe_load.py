@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.serialization import get_unsafe_globals_in_checkpoint, safe_globals
 
-from ..optim.matrix_units import MatrixState
+from ..optim.matrix_proxies import MatrixState
 from ..torch_internals import (
     DCPMemoryFormat,
     DCPStorageInfo,
@@ -101,6 +101,11 @@ _METADATA_GLOBALS: dict[str, Any] = {
 #: non-tensor values flexshard itself saves besides plain data: a per-matrix
 #: optimizer's state (a dataclass of the inner optimizer's state dict)
 DATA_TYPES: tuple[type, ...] = (MatrixState,)
+#: the names checkpoints on disk may give those types: a pickle keeps the module path its
+#: type had when it was saved, so a type's earlier module path stays loadable
+SAVED_NAMES: tuple[tuple[type, str], ...] = (
+    (MatrixState, "flexshard.optim.matrix_units.MatrixState"),
+)
 
 
 class _MetadataUnpickler(pickle._Unpickler):
@@ -137,8 +142,12 @@ def read_metadata_file(file: IO[bytes], path: str) -> Metadata:
         metadata = _MetadataUnpickler(file, where).load()
     except UnsafeCheckpointError:
         raise
-    except Exception as err:  # truncated or not a pickle: name the file
-        raise ValueError(f"'{path}' is not a readable DCP .metadata file ({err})") from None
+    except Exception as err:  # truncated or not a pickle: name the file and the reason
+        # a pickle cut short fails at the end of the file, in many ways (EOFError with
+        # no message at all): the position says it where the message does not
+        cut = isinstance(err, EOFError) or file.read(1) == b""
+        reason = "truncated: it ends before its pickle does" if cut else str(err)
+        raise ValueError(f"'{path}' is not a readable DCP .metadata file ({reason})") from None
     if not isinstance(metadata, Metadata):
         raise ValueError(f"'{path}' holds a {type(metadata).__name__}, not DCP metadata")
     return metadata
@@ -164,7 +173,7 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
 
 @contextmanager
 def _allowed() -> Iterator[None]:
-    with safe_globals(list(DATA_TYPES)):
+    with safe_globals([*DATA_TYPES, *SAVED_NAMES]):
         yield
 
 

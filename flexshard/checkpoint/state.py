@@ -7,7 +7,7 @@ chunks this rank stores), an optimizer's state is placed like its parameter (or 
 per-matrix ``MatrixState`` that DCP pickles once), so ``dcp.save`` writes each chunk
 once and ``dcp.load`` reshards. What this module adds to torch's API:
 
-* one root over several modules of one logical model (``stages.logical_root``);
+* one root over several modules of one logical model (``logical_model.logical_root``);
 * param groups naming every rank's parameters (``gathers``): the nested form lists a
   rank's own and DCP keeps one rank's list of each group, so ranks holding different
   parameters (pipeline stages) save the union;
@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..runtime.module import subtree_buckets
 from .bounded import Ranks
-from .stages import Model, logical_root, modules_of
+from .logical_model import Model, logical_root, modules_of
 
 State = dict[str, Any]
 

@@ -1,22 +1,6 @@
 """The public entry points: ``flex_shard`` (buckets by pattern) and ``fully_shard``
 (FSDP2's signature, one bucket per call).
 
-Argument checks of the public entry points: run before any collective, so a bad
-argument raises on the rank that passed it instead of hanging the others.
-
-Detect bucket specs that differ across ranks before they can hang a collective.
-
-From BucketSpecs to built buckets, shared by ``flex_shard`` and ``fully_shard``:
-which parameters each bucket takes (patterns, tied and TP parameters), their
-placements and quantization checked, one plan agreed by every rank, then the
-buckets built on the device.
-
-Parameters that sharding replaced. ``flex_shard`` and ``fully_shard`` set new
-parameter objects (DTensors over bucket storage) on the modules, as FSDP2 does; a
-parameter collected before sharding is no longer the model's and would silently never
-be trained. flexshard marks the replaced objects so its optimizers can refuse them,
-naming the parameter, at construction.
-
 ``share_comm_ctx``: torch 2.13's FSDP2 lets several roots (pipeline stages' model
 chunks) share one set of CUDA streams, so their buffers do not fragment memory across
 streams. flexshard always shares them: every bucket of a process on one CUDA device
@@ -28,13 +12,9 @@ from __future__ import annotations
 import datetime
 import fnmatch
 import functools
-import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -44,19 +24,8 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
 )
 
-from ..placements import BlockShard, Placement, Shard
-from ..placements.layout import BucketLayout, plan_bucket
-from ..quant import QuantFormat
-from ..runtime.bucket import Bucket, slot_of
-from ..runtime.collectives import (
-    DEFAULT_TIMEOUT,
-    BucketComm,
-    MeshGroups,
-    Pending,
-    check_timeout,
-    resolve_mesh,
-)
-from ..runtime.dtensor import SpmdDims, check_tp_param, local_of, spec_of
+from ..runtime.collectives import DEFAULT_TIMEOUT, MeshGroups, check_timeout, resolve_mesh
+from ..runtime.dtensor.tensor_parallel import SpmdDims
 from ..runtime.hooks import (
     StepState,
     install_bucket_hooks,
@@ -64,465 +33,21 @@ from ..runtime.hooks import (
     install_root_hooks,
 )
 from ..runtime.module import FlexShardModule, make_flexshard_class
-from ..runtime.storage import BucketParam
-from ..torch_internals import (
-    DataParallelMeshDims,
-    PlacementMesh,
-    all_gather_single,
-    grad_dtype_override,
-    placement_mesh,
-    resolved_param_dtype,
+from ..torch_internals import DataParallelMeshDims, PlacementMesh, placement_mesh
+from .arguments import BucketSpec, check_module, check_options
+from .build import (
+    BucketPlan,
+    bucket_layout,
+    build_buckets,
+    check_quant,
+    modules_to_hook,
+    parameter_locations,
+    resolve_placement,
 )
 from .dp_mesh_dims import check_spmd_param, dp_mesh, result_spmd_dims
 from .state_dict import install_state_dict_hooks
 
-
-def check_bucket_spec(spec: Any) -> None:
-    """Field types of a BucketSpec."""
-    where = f"BucketSpec({spec.patterns!r})"
-    patterns = spec.patterns
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    if not isinstance(patterns, Sequence) or not all(isinstance(p, str) for p in patterns):
-        raise TypeError(f"{where}: patterns must be a str or a sequence of str")
-    if not patterns:
-        raise ValueError(f"{where}: patterns is empty; give at least one FQN glob")
-    if spec.name is not None and not isinstance(spec.name, str):
-        raise TypeError(f"{where}: name must be a str or None, got {spec.name!r}")
-    if not (isinstance(spec.placement, Placement) or callable(spec.placement)):
-        raise TypeError(
-            f"{where}: placement must be a Placement or a callable (fqn, param) -> "
-            f"Placement, got {spec.placement!r}"
-        )
-    check_options(where, spec.mp_policy, spec.reshard_after_forward, allow_none_policy=True)
-    if not isinstance(spec.pack_as_bytes, bool):
-        raise TypeError(f"{where}: pack_as_bytes must be a bool, got {spec.pack_as_bytes!r}")
-    if spec.quant is not None and not isinstance(spec.quant, QuantFormat):
-        raise TypeError(
-            f"{where}: quant must be a QuantFormat (FP8Blockwise, MXFP8) or None, "
-            f"got {spec.quant!r}"
-        )
-    if not isinstance(spec.ragged, bool):
-        raise TypeError(f"{where}: ragged must be a bool, got {spec.ragged!r}")
-    if spec.ragged and (spec.quant is not None or spec.pack_as_bytes):
-        raise ValueError(
-            f"{where}: ragged=True moves one dtype's elements per rank; a quantized or "
-            "byte-packed bucket sends its own wire format: give it ragged=False"
-        )
-
-
-def check_options(
-    where: str,
-    mp_policy: object,
-    reshard_after_forward: object,
-    allow_none_policy: bool,
-) -> None:
-    """Argument types shared by BucketSpec, flex_shard and fully_shard."""
-    if not (
-        isinstance(mp_policy, MixedPrecisionPolicy) or (mp_policy is None and allow_none_policy)
-    ):
-        raise TypeError(
-            f"{where}: mp_policy must be a torch MixedPrecisionPolicy, got {mp_policy!r}"
-        )
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise TypeError(
-            f"{where}: reshard_after_forward must be a bool or None, got {reshard_after_forward!r}"
-        )
-
-
-def check_module(where: str, module: object) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{where}: module must be a torch.nn.Module, got {type(module).__name__}")
-
-
-Plan = tuple[str, Sequence[tuple[nn.Parameter, list[str]]], Sequence[Placement]]
-
-
-def _digest(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
-
-
-def _bucket_digest(
-    name: str, members: Sequence[tuple[nn.Parameter, list[str]]], placements: Sequence[Placement]
-) -> int:
-    described = [
-        (fqns, tuple(p.shape), str(p.dtype), repr(pl)) for (p, fqns), pl in zip(members, placements)
-    ]
-    return _digest(repr((name, described)))
-
-
-def _gather(
-    values: list[int],
-    group: dist.ProcessGroup,
-    device: torch.device,
-    timeout: datetime.timedelta,
-    buckets: list[str],
-) -> torch.Tensor:
-    """Bounded by ``timeout``: a rank that never reaches set-up makes the others raise."""
-    local = torch.tensor(values, dtype=torch.int64, device=device)
-    out = torch.empty(dist.get_world_size(group) * len(values), dtype=torch.int64, device=device)
-    Pending.launch(
-        lambda: all_gather_single(out, local, group=group, async_op=True),
-        "set-up agreement all-gather",
-        ", ".join(buckets) or "(none planned on this rank)",
-        timeout,
-        group,
-    ).wait()
-    return out.view(dist.get_world_size(group), len(values)).cpu()
-
-
-#: buckets whose own digest travels in the one exchange, so a mismatch can be named
-NAMED_BUCKETS = 16
-#: bytes of a failing rank's error message that travel with it
-MESSAGE_BYTES = 512
-
-
-def _encode(message: str) -> list[int]:
-    raw = message.encode()[:MESSAGE_BYTES].ljust(MESSAGE_BYTES, b"\0")
-    return [int.from_bytes(raw[i : i + 7], "little") for i in range(0, MESSAGE_BYTES, 7)]
-
-
-def _decode(values: list[int]) -> str:
-    raw = b"".join(int(v).to_bytes(7, "little") for v in values)
-    return raw.rstrip(b"\0").decode(errors="replace")
-
-
-def check_same_plan(
-    groups: MeshGroups,
-    plans: Sequence[Plan],
-    local_error: Exception | None = None,
-    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-) -> None:
-    """One small fixed-size all-gather per group, all of them before anything is
-    raised: every rank must plan the same buckets with the same parameters, shapes,
-    dtypes and placements, and none may have failed validation. Raises on every rank;
-    a rank whose own validation failed raises its own error, the others quote it."""
-    check_timeout(timeout)
-    digests = [_bucket_digest(*plan) for plan in plans]
-    named = (digests + [0] * NAMED_BUCKETS)[:NAMED_BUCKETS]
-    message = _encode(str(local_error) if local_error is not None else "")
-    mine = [int(local_error is not None), len(digests), _digest(repr(digests)), *named, *message]
-    names = [name for name, _, _ in plans]
-    summaries = [
-        (group, _gather(mine, group, groups.device, timeout, names))
-        for group in (groups.shard, groups.replicate)
-        if group is not None and dist.get_world_size(group) > 1
-    ]
-    if local_error is not None:
-        raise local_error
-    for group, summary in summaries:
-        ranks = dist.get_process_group_ranks(group)
-        failed = [r for r in range(len(ranks)) if summary[r, 0]]
-        if failed:
-            first = _decode(summary[failed[0], 3 + NAMED_BUCKETS :].tolist())
-            raise ValueError(
-                f"flexshard input failed validation on ranks {[ranks[r] for r in failed]}; "
-                f"rank {ranks[failed[0]]}: {first}"
-            )
-        if (summary[:, : 3 + NAMED_BUCKETS] == summary[0, : 3 + NAMED_BUCKETS]).all():
-            continue
-        counts = summary[:, 1].tolist()
-        if len(set(counts)) > 1:
-            raise ValueError(
-                f"bucket specs differ across ranks: ranks {ranks} plan {counts} buckets; "
-                f"this rank's are {names}"
-            )
-        for b, name in enumerate(names[:NAMED_BUCKETS]):
-            column = summary[:, 3 + b]
-            if not (column == column[0]).all():
-                differ = [ranks[r] for r in range(len(ranks)) if column[r] != column[0]]
-                raise ValueError(
-                    f"bucket '{name}' is specified differently on ranks {differ} than on rank "
-                    f"{ranks[0]} (parameters, shapes, dtypes or placements differ)"
-                )
-        raise ValueError(f"bucket specs differ across ranks {ranks} (a bucket past the first 16)")
-
-
-PlacementFn = Callable[[str, nn.Parameter], Placement]
-
-
-@dataclass(frozen=True)
-class BucketSpec:
-    """A named group of parameters, chosen by FQN glob patterns, that shares one
-    placement policy (a Placement, or ``placement(fqn, param) -> Placement``)."""
-
-    patterns: str | Sequence[str]
-    placement: Placement | PlacementFn = Shard(0)
-    name: str | None = None
-    mp_policy: MixedPrecisionPolicy | None = None
-    reshard_after_forward: bool | None = None
-    #: let parameters of several dtypes share the bucket: one uint8 storage and one
-    #: all-gather of bytes; gradients reduce in the widest dtype (or mp reduce_dtype)
-    pack_as_bytes: bool = False
-    #: all-gather block-quantized (FP8Blockwise or MXFP8): BlockShard tiles that are
-    #: multiples of the format's block, each rank quantizing its own tiles
-    quant: QuantFormat | None = None
-    #: the bucket's own mesh, 1-D (shard) or 2-D (replicate, shard); None: flex_shard's.
-    #: FSDP2 says the same with a shard_placement_fn's ShardPlacementResult
-    mesh: DeviceMesh | None = None
-    #: each rank stores, sends and receives only its own share: the all-gather and the
-    #: gradient reduction move per-rank sizes instead of W shards padded to the largest
-    #: (Owned / BlockShard buckets whose ranks hold unequal shares, such as a block's
-    #: whole matrices over more ranks than it has matrices; docs/placements.md)
-    ragged: bool = False
-
-    def __post_init__(self) -> None:
-        check_bucket_spec(self)
-        if self.mesh is not None and not isinstance(self.mesh, DeviceMesh):
-            raise TypeError(
-                f"BucketSpec({self.patterns!r}): mesh must be a DeviceMesh or None, "
-                f"got {self.mesh!r}"
-            )
-
-    @property
-    def pattern_list(self) -> list[str]:
-        return [self.patterns] if isinstance(self.patterns, str) else list(self.patterns)
-
-
-def _parameter_locations(module: nn.Module) -> dict[int, list[str]]:
-    """Every FQN under which each not-yet-sharded parameter is reachable (ties share one).
-    A parameter an earlier call sharded, still reachable here, is tied across two
-    buckets: refused, as FSDP2 refuses it (each bucket would train its own copy)."""
-    locations: dict[int, list[str]] = {}
-    for fqn, param in module.named_parameters(remove_duplicate=False):
-        taken = getattr(param, "_flexshard_sharded_in", None)
-        if taken is not None:
-            raise ValueError(
-                f"parameter '{fqn}' is shared with a parameter already sharded in bucket "
-                f"'{taken}'; shard the modules that share it in one call "
-                "(fully_shard([a, b]), or their common parent)"
-            )
-        if slot_of(param) is None:
-            locations.setdefault(id(param), []).append(fqn)
-    return locations
-
-
-def _owner(module: nn.Module, fqn: str) -> tuple[nn.Module, str]:
-    prefix, _, attr = fqn.rpartition(".")
-    return module.get_submodule(prefix), attr
-
-
-def _hook_modules(root: nn.Module, fqns: Sequence[str]) -> list[nn.Module]:
-    """The called modules that run the bucket's parameters: their deepest common
-    parent, or, when that is a container without a forward (ModuleList, ModuleDict),
-    each of its children that holds some of them (``layers.*``: every layer)."""
-    paths = [fqn.split(".")[:-1] for fqn in fqns]
-    common: list[str] = []
-    for parts in zip(*paths):
-        if any(p != parts[0] for p in parts):
-            break
-        common.append(parts[0])
-    parent = root.get_submodule(".".join(common))
-    containers = (nn.ModuleList, nn.ModuleDict)
-    if isinstance(parent, containers) and all(len(p) > len(common) for p in paths):
-        names = {p[len(common)] for p in paths}
-        children = [m for name, m in parent.named_children() if name in names]
-        if not any(isinstance(m, containers) for m in children):
-            return children
-    while common and isinstance(root.get_submodule(".".join(common)), containers):
-        common.pop()
-    return [root.get_submodule(".".join(common))]
-
-
-def _resolve_placement(
-    spec_placement: object, fqn: str, param: nn.Parameter, bucket: str
-) -> Placement:
-    check_tp_param(param, fqn, bucket)
-    placement = (
-        spec_placement(fqn, param)
-        if callable(spec_placement) and not isinstance(spec_placement, Placement)
-        else spec_placement
-    )
-    if placement is None:
-        placement = Shard(0)
-    if not isinstance(placement, Placement):
-        placement = _from_torch_placement(placement, fqn, bucket)
-    return placement
-
-
-def _from_torch_placement(placement: object, fqn: str, bucket: str) -> Placement:
-    """Accept torch's own ``Shard(dim)`` from an FSDP2 ``shard_placement_fn``."""
-    from torch.distributed.tensor import Shard as TorchShard
-
-    if isinstance(placement, TorchShard):
-        return Shard(placement.dim)
-    raise TypeError(
-        f"bucket '{bucket}': placement for parameter '{fqn}' must be a flexshard Placement, "
-        f"got {placement!r}"
-    )
-
-
-@dataclass
-class _Plan:
-    """One bucket, validated and laid out; nothing built or communicated yet."""
-
-    name: str
-    members: list[tuple[nn.Parameter, list[str]]]
-    placements: list[Placement]
-    layout: BucketLayout
-    hook_modules: list[nn.Module]
-    mp_policy: MixedPrecisionPolicy
-    reshard_after_forward: bool | None
-    quant: QuantFormat | None = None
-    #: the bucket's own process groups and mesh (None: those of the call)
-    groups: MeshGroups | None = None
-    #: per member, its ``param_dtype`` (``param_dtype_override_fn`` resolved)
-    param_dtypes: list[torch.dtype | None] = field(init=False)
-
-    def __post_init__(self) -> None:
-        # resolved while planning, so a refusal is agreed by every rank (FSDP2 calls the
-        # function once per parameter when it shards)
-        self.param_dtypes = [resolved_param_dtype(self.mp_policy, p) for p, _ in self.members]
-        if self.quant is not None and len(set(self.param_dtypes)) > 1:
-            raise ValueError(
-                f"bucket '{self.name}' (quant={self.quant}): param_dtype_override_fn gives "
-                "its parameters several dtypes; a quantized bucket gathers one"
-            )
-
-
-def _check_quant(
-    name: str,
-    members: list[tuple[nn.Parameter, list[str]]],
-    placements: list[Placement],
-    quant: QuantFormat,
-) -> None:
-    """A quantized bucket needs whole format blocks inside every tile: then each rank
-    quantizes its own tiles exactly as quantizing the full weight would."""
-    r, c = quant.block
-    if len({param.dtype for param, _ in members}) > 1:
-        raise ValueError(f"bucket '{name}' (quant={quant}): parameters must share one dtype")
-    for (param, fqns), placement in zip(members, placements):
-        where = f"bucket '{name}' (quant={quant}): parameter '{fqns[0]}'"
-        if not isinstance(placement, BlockShard) or param.ndim < 2:
-            raise ValueError(
-                f"{where} must be a 2-D or batched weight placed with BlockShard, got "
-                f"{placement} on shape {tuple(param.shape)}"
-            )
-        rows, cols = placement.block
-        if rows % r or cols % c:
-            raise ValueError(
-                f"{where} has BlockShard tiles {placement.block} that are not multiples of "
-                f"the format's block {quant.block}"
-            )
-        if not param.dtype.is_floating_point:
-            raise ValueError(f"{where} is {param.dtype}; only floating weights quantize")
-
-
-def _plan(
-    name: str,
-    members: list[tuple[nn.Parameter, list[str]]],
-    placements: list[Placement],
-    world_size: int,
-    first_rank: int,
-    mp_policy: MixedPrecisionPolicy,
-    pack_as_bytes: bool = False,
-    ragged: bool = False,
-) -> BucketLayout:
-    dtypes: dict[torch.dtype, str] = {}
-    for param, fqns in members:
-        dtypes.setdefault(param.dtype, fqns[0])
-    listed = ", ".join(f"'{fqn}' is {dtype}" for dtype, fqn in dtypes.items())
-    if len(dtypes) > 1 and not pack_as_bytes:
-        raise ValueError(
-            f"bucket '{name}': parameters of different dtypes cannot share a bucket ({listed}); "
-            "split them into buckets of one dtype, or pack them as bytes "
-            "(BucketSpec(..., pack_as_bytes=True))"
-        )
-    if len(dtypes) > 1 and mp_policy.param_dtype is not None:
-        raise ValueError(
-            f"bucket '{name}' packs parameters of several dtypes as bytes ({listed}) and "
-            f"gathers each in its own dtype; its mp_policy's param_dtype "
-            f"{mp_policy.param_dtype} would cast them all: give the bucket one or the other"
-        )
-    return plan_bucket(
-        [(fqns[0], tuple(local_of(p).shape), pl) for (p, fqns), pl in zip(members, placements)],
-        world_size,
-        bucket=name,
-        first_rank=first_rank,
-        ragged=ragged,
-    )
-
-
-def _agree_and_build(
-    root: nn.Module,
-    plan_fn: Callable[[], list[_Plan]],
-    groups: MeshGroups,
-    timeout: datetime.timedelta,
-) -> list[tuple[Bucket, list[nn.Module]]]:
-    """Validate locally, agree with the other ranks in one small all-gather (so a
-    rank whose input is bad, or differs, makes every rank raise instead of hang),
-    then build the buckets."""
-    try:
-        plans, error = plan_fn(), None
-    except (ValueError, TypeError) as err:
-        plans, error = [], err
-    check_same_plan(groups, [(p.name, p.members, p.placements) for p in plans], error, timeout)
-    built = []
-    call_groups = groups
-    for plan in plans:
-        groups = plan.groups or call_groups
-        params = [
-            BucketParam(
-                fqns[0],
-                param.requires_grad,
-                [_owner(root, f) for f in fqns],
-                spec_of(param),
-                placement,
-                param_dtype,
-                grad_dtype_override(param),
-            )
-            for (param, fqns), placement, param_dtype in zip(
-                plan.members, plan.placements, plan.param_dtypes
-            )
-        ]
-        initial = [_on_device(param, groups.device) for param, _ in plan.members]
-        comm = BucketComm(plan.name, groups.shard, groups.replicate, timeout)
-        bucket = Bucket(
-            plan.name,
-            plan.layout,
-            params,
-            initial,
-            comm,
-            groups.rank,
-            plan.mp_policy,
-            plan.reshard_after_forward,
-            plan.quant,
-            groups.mesh,
-        )
-        for param, _ in plan.members:  # a tie left outside the bucket is refused later
-            param._flexshard_sharded_in = plan.name
-        built.append((bucket, plan.hook_modules))
-    return built
-
-
-def _on_device(param: nn.Parameter, device: torch.device) -> torch.Tensor:
-    param = local_of(param)  # a TP DTensor: its local piece is what flexshard shards
-    if param.device.type in ("meta", device.type):
-        return param.detach()
-    return param.detach().to(device)
-
-
-_MARK = "_flexshard_replaced_by"
-
-
-def mark_replaced(members: list[tuple[nn.Parameter, list[str]]], bucket: str, call: str) -> None:
-    """Mark the pre-sharding parameters of one bucket (called once it is built)."""
-    for param, fqns in members:
-        setattr(param, _MARK, f"'{fqns[0]}' (replaced by {call}, bucket '{bucket}')")
-
-
-def check_not_replaced(param: torch.Tensor, who: str) -> None:
-    """Raise naming ``param`` if sharding replaced it: it is not the model's anymore."""
-    where = getattr(param, _MARK, None)
-    if where is not None:
-        raise ValueError(
-            f"{who}: parameter {where} was collected before sharding; the model holds a "
-            "new parameter now and this one would never be trained. Build the optimizer "
-            "after flex_shard / fully_shard, from model.parameters()"
-        )
-
-
-__all__ = ["BucketSpec", "flex_shard", "fully_shard"]
+__all__ = ["flex_shard", "fully_shard", "share_comm_ctx"]
 
 
 def flex_shard(
@@ -553,7 +78,7 @@ def flex_shard(
     check_timeout(timeout)
     groups = resolve_mesh(mesh)
     plan = functools.partial(_plan_flex, module, buckets, groups, mp_policy, reshard_after_forward)
-    built = _build_marked(module, plan, groups, timeout, "flex_shard")
+    built = build_buckets(module, plan, groups, timeout, "flex_shard")
     make_flexshard_class(module)
     install_state_dict_hooks(module)
     module._flexshard_buckets = [b for b, _ in built]
@@ -570,12 +95,12 @@ def _plan_flex(
     call_groups: MeshGroups,
     mp_policy: MixedPrecisionPolicy | None,
     reshard_after_forward: bool | None,
-) -> list[_Plan]:
+) -> list[BucketPlan]:
     if any(isinstance(m, FlexShardModule) for m in module.modules()):
         raise ValueError(f"{type(module).__name__} is already sharded by flexshard; wrap it once")
     if not buckets:
         raise ValueError("flex_shard needs at least one BucketSpec")
-    locations = _parameter_locations(module)
+    locations = parameter_locations(module)
     param_of = {id(p): p for p in module.parameters()}
     names = [spec.name or f"bucket{i}" for i, spec in enumerate(buckets)]
     if len(set(names)) != len(names):
@@ -610,14 +135,14 @@ def _plan_flex(
     for b, spec in enumerate(buckets):
         members = [(param_of[pid], locations[pid]) for pid in locations if chosen[pid] == b]
         placements = [
-            _resolve_placement(spec.placement, fqns[0], p, names[b]) for p, fqns in members
+            resolve_placement(spec.placement, fqns[0], p, names[b]) for p, fqns in members
         ]
         # a bucket on its own mesh (the ranks agree on the plan over flex_shard's mesh)
         groups = resolve_mesh(spec.mesh) if spec.mesh is not None else call_groups
         world_size = groups.shard_size
         # successive buckets start LPT ties on successive ranks, spreading Owned params
         policy = spec.mp_policy or mp_policy or MixedPrecisionPolicy()
-        layout = _plan(
+        layout = bucket_layout(
             names[b],
             members,
             placements,
@@ -628,14 +153,14 @@ def _plan_flex(
             spec.ragged,
         )
         if spec.quant is not None:
-            _check_quant(names[b], members, placements, spec.quant)
+            check_quant(names[b], members, placements, spec.quant)
         plans.append(
-            _Plan(
+            BucketPlan(
                 names[b],
                 members,
                 placements,
                 layout,
-                _hook_modules(module, [f for _, fqns in members for f in fqns]),
+                modules_to_hook(module, [f for _, fqns in members for f in fqns]),
                 policy,
                 spec.reshard_after_forward
                 if spec.reshard_after_forward is not None
@@ -719,7 +244,7 @@ def fully_shard(
     _offload_option(offload_policy, groups.device)
     reshard = _reshard_option(reshard_after_forward, groups.shard_size)
 
-    def plan() -> list[_Plan]:
+    def plan() -> list[BucketPlan]:
         locations: dict[int, list[str]] = {}
         param_of: dict[int, nn.Parameter] = {}
         for m in modules:
@@ -728,7 +253,7 @@ def fully_shard(
                     f"{type(m).__name__} is already sharded by flexshard; wrap it once"
                 )
             prefix = _common_prefix(modules, m)
-            for pid, fqns in _parameter_locations(m).items():
+            for pid, fqns in parameter_locations(m).items():
                 if pid not in ignored:  # a tie between the modules: every name kept
                     locations.setdefault(pid, []).extend(prefix + f for f in fqns)
             param_of.update({id(p): p for p in m.parameters()})
@@ -744,25 +269,25 @@ def fully_shard(
             for param, fqns in group if group_spmd is not None else ():
                 check_spmd_param(param, fqns[0], group_spmd)
             placements = [
-                _resolve_placement(c, fqns[0], p, name) for (p, fqns), c in zip(group, chosen)
+                resolve_placement(c, fqns[0], p, name) for (p, fqns), c in zip(group, chosen)
             ]
             # frozen parameters of other dtypes (fp8 or fp64 weights beside trainable ones,
             # as FSDP2 takes them) travel packed as bytes, each in its own dtype; trainable
-            # ones of several dtypes are refused (by _plan), as FSDP2 refuses them
+            # ones of several dtypes are refused (by bucket_layout), as FSDP2 refuses them
             trained = {p.dtype for p, _ in group if p.requires_grad}
             packed = len({p.dtype for p, _ in group}) > 1 and len(trained) <= 1
             size = mesh_groups.shard_size
-            layout = _plan(name, group, placements, size, 0, mp_policy, packed)
+            layout = bucket_layout(name, group, placements, size, 0, mp_policy, packed)
             own = mesh_groups if mesh_groups is not groups else None
             group_reshard = reshard if own is None else _reshard_option(reshard_after_forward, size)
             plans.append(
-                _Plan(
+                BucketPlan(
                     name, group, placements, layout, modules, mp_policy, group_reshard, groups=own
                 )
             )
         return plans
 
-    built = _build_marked(_root_of(modules), plan, groups, timeout, "fully_shard")
+    built = build_buckets(_root_of(modules), plan, groups, timeout, "fully_shard")
     for bucket, _ in built:  # FSDP2's collectives exactly (set_agree_on_unused_params)
         bucket.reduction.agree_on_unused = False
     for m in modules:
@@ -859,22 +384,6 @@ def _mesh_groups(
             "build its mesh info from dp_mesh_dims too (torch's _get_mesh_info(mesh, dims))"
         )
     return resolve_mesh(read.mesh), None
-
-
-def _build_marked(
-    root: nn.Module,
-    plan: Callable[[], list[_Plan]],
-    groups: MeshGroups,
-    timeout: datetime.timedelta,
-    call: str,
-) -> list[tuple[Bucket, list[nn.Module]]]:
-    """Build the planned buckets, then mark the parameters they replaced, so flexshard's
-    optimizers refuse them by name (a build that fails marks nothing)."""
-    planned: list[_Plan] = []
-    built = _agree_and_build(root, lambda: planned.extend(plan()) or planned, groups, timeout)
-    for p in planned:
-        mark_replaced(p.members, p.name, call)
-    return built
 
 
 def _common_prefix(modules: list[nn.Module], module: nn.Module) -> str:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..runtime.dtensor import SpmdDims, register_spmd_mesh
+from ..runtime.dtensor.tensor_parallel import SpmdDims, register_spmd_mesh
 from ..torch_internals import DataParallelMeshDims, concatenate_meshes
 
 WHO = "fully_shard(dp_mesh_dims=...)"

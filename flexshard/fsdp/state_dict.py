@@ -21,15 +21,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..runtime.bucket import Bucket
-from ..runtime.dtensor import (
-    RegionTensor,
-    global_tensor,
-    local_boxes,
-    local_piece,
-    shifted,
-    tp_frame,
-    wrap,
-)
+from ..runtime.dtensor.chunks import RegionTensor, local_boxes, shifted
+from ..runtime.dtensor.region_dtensor import wrap
+from ..runtime.dtensor.tensor_parallel import global_tensor, local_piece, tp_frame
 from ..runtime.module import own_buckets, subtree_buckets
 
 
@@ -42,16 +36,27 @@ def param_index(module: nn.Module) -> dict[int, tuple[Bucket, int]]:
     return index
 
 
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+#: ``full_state_dict``'s hook: this rank's gathered state in, the whole model's out
+Assemble = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def full_state_dict(module: nn.Module, assemble: Assemble | None = None) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` as the unsharded model would give it. Every rank of the
-    shard groups must call it (one all-gather per bucket); every rank gets it all."""
+    shard groups must call it (one all-gather per bucket; a DTensor no bucket stores,
+    such as FSDP2's, through its ``full_tensor``); every rank gets it all.
+
+    ``assemble``: for a module that is one part of a larger model (expert slices of
+    expert parallelism, a pipeline stage), called with the gathered state on every
+    rank; what it returns, the whole model's tensors by name, is the result. It may
+    communicate: every rank calls it."""
     index = param_index(module)
     gathered: dict[int, list[torch.Tensor]] = {}
     out = {}
     for key, value in module.state_dict(keep_vars=True).items():
         entry = index.get(id(value))
         if entry is None:
-            out[key] = value.detach()
+            value = value.detach()
+            out[key] = value.full_tensor() if isinstance(value, DTensor) else value
             continue
         bucket, i = entry
         if id(bucket) not in gathered:
@@ -60,7 +65,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         full = gathered[id(bucket)][i]
         # a TP parameter: the gathered tensor is this tp rank's piece; join the pieces
         out[key] = full if spec is None else global_tensor(full, spec)
-    return out
+    return out if assemble is None else assemble(out)
 
 
 def load_full_state_dict(

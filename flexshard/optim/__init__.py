@@ -4,7 +4,7 @@ communication-free."""
 
 from .dist_muon import DistMuon
 from .matrix_optimizer import MatrixOptimizer
-from .matrix_units import MatrixState, preconditioner_flops
+from .matrix_proxies import MatrixState, preconditioner_flops
 from .muon_adamw import MuonAdamW, muon_and_adamw, split_muon_params
 from .newton_schulz import adjust_lr, ns_flops, zeropower, zeropower_batched
 from .planner import MuonBalance, matrix_balance, matrix_buckets, muon_balance, muon_buckets

@@ -46,8 +46,17 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from ..runtime.dtensor import local_of
-from .matrices import Kind, Rules, Shape, Target, classify, rank_work
+from ..runtime.dtensor.tensor_parallel import local_of
+from .matrices import (
+    Kind,
+    Rules,
+    Shape,
+    Target,
+    block_runs,
+    classify,
+    rank_work,
+    row_block_shapes,
+)
 from .newton_schulz import NS_COEFFICIENTS, adjust_lr, ns_flops, zeropower, zeropower_batched
 from .redistribute import (
     CommCounter,
@@ -61,7 +70,6 @@ from .redistribute import (
 )
 from .tp_matrices import gather_matrix, own_part
 from .tp_owners import TpCounter, TpExchange, owner_plannable, plan_tp, step_tp
-from .units import block_runs, row_block_shapes
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 

@@ -43,11 +43,10 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from ..runtime.dtensor import local_of
+from ..runtime.dtensor.tensor_parallel import local_of
 from ..torch_internals import full_state_dict_call
 from .matrix_calls import check_steps_per_call
-from .matrix_state_dict import full_state, saved_matrix
-from .matrix_units import (
+from .matrix_proxies import (
     Cost,
     MatrixState,
     Resolved,
@@ -56,6 +55,7 @@ from .matrix_units import (
     resolve_param,
     state_key,
 )
+from .matrix_state_dict import full_state, saved_matrix
 from .redistribute import (
     CommCounter,
     Exchange,

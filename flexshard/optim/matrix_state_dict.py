@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from .matrix_units import MatrixState
+from .matrix_proxies import MatrixState
 
 
 def plain(state: MatrixState, device: torch.device | None = None) -> dict[str, Any]:

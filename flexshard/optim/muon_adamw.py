@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fsdp.api import check_not_replaced
+from ..fsdp.replaced import check_not_replaced
 from ..runtime.bucket import slot_of
 from .dist_muon import DistMuon
 from .newton_schulz import NS_COEFFICIENTS

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..fsdp.api import BucketSpec
+from ..fsdp.arguments import BucketSpec
 from ..placements import BlockShard, FlatShard, Owned, Placement, Shard
 from ..placements.owned import lpt_owners
-from .matrix_units import preconditioner_flops
+from .matrix_proxies import preconditioner_flops
 from .muon_adamw import full_shape, split_named_params
 from .newton_schulz import ns_flops
 

@@ -15,8 +15,7 @@ import torch.distributed as dist
 
 from ..placements.owned import lpt_owners
 from ..runtime.collectives import Pending
-from .matrices import Target
-from .units import Piece, matrices, pieces
+from .matrices import Piece, Target, pieces, units_of
 
 #: the wire format: Newton–Schulz starts by casting to bf16 and returns bf16, so
 #: sending bf16 both ways changes no bit of the result and halves fp32's bytes
@@ -108,7 +107,7 @@ def plan_exchanges(
         assert bucket is not None
         w = bucket.layout.world_size
         load = loads.setdefault(w, [0.0] * w)
-        items = [(t, e, shape) for t in members for e, shape in matrices(t.shape)]
+        items = [(t, e, shape) for t in members for e, shape in units_of(t.shape)]
         costs = [cost(t, shape) for t, _, shape in items]
         owners = lpt_owners(costs, w, loads=load)
         units = []

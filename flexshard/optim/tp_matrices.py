@@ -19,7 +19,8 @@ from torch.distributed.tensor import Shard
 
 from ..runtime.bucket import Bucket
 from ..runtime.collectives import Pending
-from ..runtime.dtensor import global_tensor, local_boxes, local_piece, tp_sharded
+from ..runtime.dtensor.chunks import local_boxes
+from ..runtime.dtensor.tensor_parallel import global_tensor, local_piece, tp_sharded
 from ..torch_internals import all_gather_single
 
 

@@ -32,7 +32,7 @@ from torch.distributed.tensor import Shard
 
 from ..placements.owned import lpt_owners
 from ..runtime.bucket import Bucket
-from ..runtime.dtensor import tp_group
+from ..runtime.dtensor.tensor_parallel import tp_group
 from .matrices import Target
 from .redistribute import WIRE_DTYPE, CommCounter, Exchange, Transfer
 from .tp_matrices import dp_part, gather_groups, gather_pieces, gather_widths

@@ -63,7 +63,6 @@ import io
 import re
 import shlex
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -78,7 +77,12 @@ from flexshard.torch_internals import fsdp_param_group
 from flexshard.trainer.config import Config
 from flexshard.trainer.models.model import Transformer
 
-from ..torch_internals import all_gather_single, reduce_scatter_single
+from ..torch_internals import (
+    ALL_GATHER_SINGLE,
+    REDUCE_SCATTER_SINGLE,
+    all_gather_single,
+    reduce_scatter_single,
+)
 
 WINDOW_REPS = 3  # op windows per rank (the median is kept)
 
@@ -230,11 +234,10 @@ def _timed_collectives(timers: dict[str, float]) -> Callable[[], None]:
     issues them async and waits at launch; FSDP2 on CPU calls them synchronously)
     and count them."""
     names = ("all_gather_single", "reduce_scatter_single")
-    # torch's functions under this release's names (all_gather_into_tensor before 2.13)
-    originals = {
-        "all_gather_single": all_gather_single,
-        "reduce_scatter_single": reduce_scatter_single,
-    }
+    # torch's functions under this release's names (all_gather_into_tensor before 2.13):
+    # FSDP2 and flexshard both look them up on torch.distributed at each call
+    released = dict(zip(names, (ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE)))
+    originals = {name: getattr(dist, attr) for name, attr in released.items()}
     timers.update(dict.fromkeys(("collective", "numel", *names), 0.0))
 
     def timed(name: str, original: Callable) -> Callable:
@@ -253,19 +256,12 @@ def _timed_collectives(timers: dict[str, float]) -> Callable[[], None]:
 
         return call
 
-    # wrapped wherever bound: torch.distributed (FSDP2's calls) and every module that
-    # imported the function under its own name (flexshard's, through torch_internals)
-    wrapped = {id(fn): timed(name, fn) for name, fn in originals.items()}
-    patched = []
-    for module in list(sys.modules.values()):
-        for attr, value in list(getattr(module, "__dict__", {}).items()):
-            if any(value is fn for fn in originals.values()):
-                patched.append((module, attr, value))
-                setattr(module, attr, wrapped[id(value)])
+    for name, original in originals.items():
+        setattr(dist, released[name], timed(name, original))
 
     def undo() -> None:
-        for module, attr, value in patched:
-            setattr(module, attr, value)
+        for name, original in originals.items():
+            setattr(dist, released[name], original)
 
     return undo
 

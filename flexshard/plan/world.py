@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -15,8 +14,8 @@ from torch import nn
 
 from flexshard.torch_internals import FakeStore
 from flexshard.trainer.config import Config
-from flexshard.trainer.parallel import parallelize as trainer_parallelize
 from flexshard.trainer.parallel.dims import Meshes, ParallelDims
+from flexshard.trainer.parallel.parallelize import checked_dims, parallelize
 
 META = torch.device("meta")
 
@@ -49,25 +48,16 @@ class RankBuild:
     expert_fqns: list[str]
 
 
-def _no_init(*args: object, **kwargs: object) -> None:
-    """Weights do not exist on meta: initialising them would only walk every rank's
-    copy plan (minutes at W = 8192) to write nothing."""
-
-
 def build_rank(cfg: Config, world_size: int, rank: int) -> RankBuild:
     """The trainer's model for ``rank``, sharded as ``setup`` would shard it, on meta.
     Call inside :func:`fake_world`."""
-    dims = trainer_parallelize.checked_dims(cfg, world_size)
+    dims = checked_dims(cfg, world_size)
     mesh = dims.build_mesh("cpu")
     meshes = dims.meshes(mesh)
-    with (
-        mock.patch.object(trainer_parallelize.fs, "init_params", _no_init),
-        mock.patch.object(trainer_parallelize, "init_stage_params", _no_init),
-        mock.patch.object(trainer_parallelize, "init_weights", _no_init),
-    ):
-        parallel = trainer_parallelize.parallelize(cfg, dims, meshes, META)
-        modules, experts = list(parallel.modules), list(parallel.expert_fqns)
-    return RankBuild(cfg, dims, meshes, rank, modules, experts)
+    # weights do not exist on meta: initialising them would only walk every rank's
+    # copy plan (minutes at W = 8192) to write nothing
+    parallel = parallelize(cfg, dims, meshes, META, init=False)
+    return RankBuild(cfg, dims, meshes, rank, list(parallel.modules), list(parallel.expert_fqns))
 
 
 def stage_ranks(dims: ParallelDims) -> list[int]:

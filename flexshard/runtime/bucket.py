@@ -39,7 +39,9 @@ from ..torch_internals import (
 )
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime, device_runtime
-from .dtensor import local_of, sharded_spec, wrap
+from .dtensor.region_dtensor import wrap
+from .dtensor.sharded_spec import sharded_spec
+from .dtensor.tensor_parallel import local_of
 from .gather import FullParams
 from .quantized import QuantizedGather, optimizer_steps
 from .reduce import GradAccumulator, GradReduction

@@ -21,7 +21,7 @@ from ..placements.layout import BucketLayout
 from ..placements.packing import copy_views, gathered_alias, pack_all, pack_rank
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime
-from .dtensor import full_parameter, local_of
+from .dtensor.tensor_parallel import full_parameter, local_of
 from .storage import BucketParam, BucketStorage, alloc, free, own_version_counter
 
 

@@ -17,7 +17,8 @@ from ..placements.layout import BucketLayout, trainable_layout
 from ..torch_internals import DTensorSpec, post_accumulate_grad_hooks
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime
-from .dtensor import local_grad, local_of, wrap
+from .dtensor.region_dtensor import wrap
+from .dtensor.tensor_parallel import local_grad, local_of
 from .gather import Collective
 
 

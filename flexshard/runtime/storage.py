@@ -1,7 +1,7 @@
 """A bucket's storage: one flat buffer per rank, its layouts and dtypes, views into it.
 
 ``BucketParam``: what a bucket holds per parameter (FQN, module locations, placement,
-TP spec), named by the bucket's parts and by the code that builds buckets (fsdp/api.py).
+TP spec), named by the bucket's parts and by the code that builds buckets (fsdp/build.py).
 
 ``ParamDtypes``: one parameter's dtypes under a mixed-precision policy, as this torch
 release's FSDP2 gives them (pure dtype rules; the bucket applies them).
@@ -30,7 +30,7 @@ from ..placements.bytes import as_bytes, byte_view
 from ..placements.layout import BucketLayout
 from ..placements.packing import pack_rank
 from ..torch_internals import FOLLOWS_GRAD_DTYPE, DTensorSpec, grad_reduce_dtype
-from .dtensor import spmd_dims
+from .dtensor.tensor_parallel import spmd_dims
 
 
 @dataclass

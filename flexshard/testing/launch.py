@@ -6,7 +6,6 @@ import datetime
 import os
 import pickle
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from flexshard.trainer.launch import spawn_local
 
 #: how the ranks start: "spawn" (a fresh interpreter each; the default) or "forkserver"
 #: (forked from one server process that imported ``PRELOAD`` once: the same fresh
@@ -36,12 +37,6 @@ def start_context() -> Any:
     return ctx
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _wait_for_the_others() -> None:
     """Rank 0's process holds the group's store: leaving before the other ranks are
     done with it (a rank still making a group) resets their connections."""
@@ -51,13 +46,10 @@ def _wait_for_the_others() -> None:
         pass
 
 
-def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
+def _child(rank: int, fn: Callable, world_size: int, args: tuple, results: Any) -> None:
     try:
         torch.set_num_threads(1)  # W processes share two cores
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-        )
+        dist.init_process_group("gloo")  # spawn_local's environment names the group
         try:
             # by value: a tensor put as is travels as a file descriptor its process
             # must still be alive to hand over, and the rank exits right after this
@@ -74,14 +66,16 @@ def start_ranks(fn: Callable, world_size: int, args: tuple) -> tuple[list[Any], 
     ``(rank, "ok" | "error", value)`` on the returned queue."""
     ctx = start_context()
     results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_child, args=(fn, rank, world_size, port, args, results), daemon=True)
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    return procs, results
+    started = spawn_local(
+        _child,
+        world_size,
+        (fn, world_size, args, results),
+        join=False,
+        daemon=True,
+        start_method=ctx.get_start_method(),
+    )
+    assert started is not None  # join=False: the processes, still running
+    return started.processes, results
 
 
 def next_result(results: Any, timeout: float) -> tuple[int, str, Any]:

@@ -65,7 +65,7 @@ MOE = {
     },
 }
 MODELS: dict[str, dict[str, Any]] = {"llama": LLAMA, "moe": MOE}
-TRAINING = {"seq_len": 64, "batch_size": 2, "lr": 1e-3, "optimizer": "muon"}
+TRAINING = {"seq_len": 64, "batch_size": 2, "lr": 1e-3, "muon_lr": 1e-3, "optimizer": "muon"}
 SIDES = ("muon", "shard0")
 MEASURED_STEP = 2  # the third: momentum buffers and DistMuon's plan exist
 

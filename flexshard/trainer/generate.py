@@ -3,10 +3,11 @@
 prompt runs once, then one token per forward.
 
 One process holds the whole model; with ``--nproc N`` (or under ``torchrun``) the model
-is sharded over the ranks as in training (flexshard, Shard(0) buckets: one per block and
-the outer one), every rank reads only its regions of the checkpoint, and each bucket is
-gathered for its part of a forward and freed after it, by the same hooks as in
-training. Rank 0's token is the one every rank takes.
+is sharded over the ranks by the trainer's ``parallelize`` with the default parallelism
+(flexshard, Shard(0) buckets: one per block and the outer one), every rank reads only
+its regions of the checkpoint, and each bucket is gathered for its part of a forward
+and freed after it, by the same hooks as in training. Rank 0's token is the one every
+rank takes.
 
 A Hugging Face folder brings its config.json and tokenizer; a DCP checkpoint of the
 trainer (``checkpoint/step-N``) needs the run's ``--config`` for the model's sizes."""
@@ -20,20 +21,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
+from flexshard.checkpoint.hf_safetensors import check_safetensors_folder, load_hf_safetensors
+from flexshard.checkpoint.safe_load import read_metadata
 from flexshard.runtime.module import own_buckets
 
 from .config import Config, ConfigError, config_from_dict, load_config
-from .config.hf_config import model_fields, read_config
+from .config.hf_config import folder_fields
 from .config.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, open_tokenizer
 from .models.hf_adapter import hf_keys
 from .models.layers import KVCache
 from .models.model import Transformer
-from .parallel.dims import Meshes
-from .parallel.sharding import apply_dp
+from .parallel.parallelize import checked_dims, parallelize
 
 
 @torch.no_grad()
@@ -67,16 +67,27 @@ def generate(
     return torch.cat([prompt, torch.tensor(out, dtype=prompt.dtype)])
 
 
-def run_config(checkpoint: str | Path, config: str | None = None) -> tuple[Config, bool]:
-    """The run's config (from a Hugging Face config.json, or the TOML a DCP checkpoint
-    was trained with) and whether its embeddings are tied (HF folders only)."""
+def run_config(checkpoint: str | Path, config: str | None = None) -> Config:
+    """The run's config: from a Hugging Face config.json, or the TOML a DCP checkpoint
+    was trained with."""
     folder = Path(checkpoint)
+    if not folder.is_dir():
+        raise ConfigError(f"--checkpoint '{folder}': no such folder")
     if (folder / "config.json").is_file():
-        hf = read_config(folder)
-        return config_from_dict({"model": model_fields(hf)}), bool(hf.get("tie_word_embeddings"))
+        return config_from_dict({"model": folder_fields(folder)})
     if config is None:
         raise ConfigError(f"'{folder}' has no config.json: pass the run's --config")
-    return load_config(config), False
+    return load_config(config)
+
+
+def check_files(checkpoint: str | Path) -> None:
+    """The checkpoint's files readable (a HF folder's safetensors whole, a DCP step's
+    .metadata), or a ValueError naming the file: said once, before any rank starts."""
+    folder = Path(checkpoint)
+    if (folder / "config.json").is_file():
+        check_safetensors_folder(folder)
+    elif (folder / ".metadata").is_file():
+        read_metadata(folder)
 
 
 def folder_tokenizer(folder: Path) -> Tokenizer:
@@ -88,13 +99,14 @@ def folder_tokenizer(folder: Path) -> Tokenizer:
     return ByteTokenizer()
 
 
-def load_weights(model: nn.Module, cfg: Config, tied: bool, checkpoint: str | Path) -> None:
+def load_weights(model: nn.Module, cfg: Config, checkpoint: str | Path) -> None:
     """A HF folder's or a DCP checkpoint's weights into ``model`` (whole or sharded:
     every rank reads what it stores)."""
     folder = Path(checkpoint)
     if (folder / "config.json").is_file():
         state = model.state_dict()
-        load_hf_safetensors(folder, state, hf_keys(list(state), cfg.model, tied))
+        keys = hf_keys(list(state), cfg.model, cfg.model.tie_embeddings)
+        load_hf_safetensors(folder, state, keys)
     else:
         import flexshard.checkpoint as ckpt
 
@@ -103,9 +115,9 @@ def load_weights(model: nn.Module, cfg: Config, tied: bool, checkpoint: str | Pa
 
 def load_model(checkpoint: str | Path, config: str | None = None) -> tuple[Transformer, Tokenizer]:
     """The whole model and the tokenizer of a Hugging Face folder or a DCP checkpoint."""
-    cfg, tied = run_config(checkpoint, config)
+    cfg = run_config(checkpoint, config)
     model = Transformer(cfg.model)
-    load_weights(model, cfg, tied, checkpoint)
+    load_weights(model, cfg, checkpoint)
     folder = Path(checkpoint)
     if (folder / "config.json").is_file():
         return model.eval(), folder_tokenizer(folder)
@@ -113,18 +125,15 @@ def load_model(checkpoint: str | Path, config: str | None = None) -> tuple[Trans
 
 
 def load_sharded(checkpoint: str | Path, config: str | None = None) -> tuple[nn.Module, Tokenizer]:
-    """The model sharded over the default process group as in training (flexshard,
-    ``placement = "shard0"``), built on meta: no rank holds it whole."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    cfg, tied = run_config(checkpoint, config)
+    """The model sharded over the default process group by the trainer's
+    ``parallelize`` with the default parallelism (flexshard, ``placement = "shard0"``),
+    built on meta and left uninitialised for the checkpoint: no rank holds it whole."""
+    cfg = run_config(checkpoint, config)
     cfg = config_from_dict({"model": cfg.to_dict()["model"]})  # default parallelism
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    model = apply_dp(model, cfg, Meshes(mesh, mesh, mesh))
-    model.to_empty(device="cpu")
-    load_weights(model, cfg, tied, checkpoint)
+    dims = checked_dims(cfg, dist.get_world_size())
+    meshes = dims.meshes(dims.build_mesh("cpu"))
+    (model,) = parallelize(cfg, dims, meshes, torch.device("cpu"), init=False).modules
+    load_weights(model, cfg, checkpoint)
     folder = Path(checkpoint)
     if (folder / "config.json").is_file():
         return model.eval(), folder_tokenizer(folder)
@@ -151,12 +160,7 @@ def _sharded_main(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def _spawned(rank: int, nproc: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+def _spawned(rank: int, args: argparse.Namespace) -> None:
     _sharded_main(args)
 
 
@@ -179,14 +183,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         run_config(args.checkpoint, args.config)  # a bad folder or config: say so once
+        check_files(args.checkpoint)
         if args.nproc is not None and args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
             _sharded_main(args)
         elif args.nproc is not None:
-            from torch.distributed.elastic.utils.distributed import get_free_port
+            from .launch import spawn_local
 
-            mp.spawn(_spawned, args=(args.nproc, get_free_port(), args), nprocs=args.nproc)
+            spawn_local(_spawned, args.nproc, (args,))
         else:
             _write_sample(args, *load_model(args.checkpoint, args.config))
     except (ConfigError, ValueError) as err:

@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
+import socket
 import sys
 import textwrap
+import time
+from collections.abc import Callable
 from multiprocessing.queues import SimpleQueue
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.multiprocessing.spawn import ProcessException
 
 from .checkpointing.preflight import check_before_start
@@ -41,14 +45,34 @@ def one_line(err: ConfigError) -> str:
     return f"flexshard-train: {what}: {str(err).replace(chr(10), ' ')}"
 
 
-def _rank_main(
-    local_rank: int, nproc: int, port: int, table: dict, dims: ParallelDims, errors: SimpleQueue
+def exit_on_config_error(err: ConfigError, say: bool) -> NoReturn:
+    """Exit with status 1, printing the one line if ``say``. Under torchrun every rank
+    also leaves it in its error file: the rank that fails first may be one that does not
+    print, and torchrun stops the others before they can; its failure summary then names
+    the first failure's line, whichever rank that is."""
+    line = one_line(err)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        # torch's own record format (ErrorHandler.record_exception), the line as the trace
+        info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+        Path(error_file).write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
+    sys.exit(line if say else 1)
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, where the ranks meet (not reserved: the first rank
+    binds it moments later)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _as_local_rank(
+    rank: int, fn: Callable[..., None], nproc: int, port: int, args: tuple[Any, ...]
 ) -> None:
-    """One spawned rank: the environment torchrun would give it, then the job; a
-    ConfigError goes to the parent as its line (printed once there), not a traceback."""
     os.environ.update(
-        RANK=str(local_rank),
-        LOCAL_RANK=str(local_rank),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
         WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -56,6 +80,38 @@ def _rank_main(
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # N ranks share this machine's cores: one thread each unless there are cores to spare
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    fn(rank, *args)
+
+
+def spawn_local(
+    fn: Callable[..., None],
+    nproc: int,
+    args: tuple[Any, ...] = (),
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = "spawn",
+) -> mp.ProcessContext | None:
+    """Run ``fn(rank, *args)`` (a module-level function) on ``nproc`` local processes,
+    each in the environment torchrun gives a rank (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR`` / ``MASTER_PORT`` on 127.0.0.1 at a free port, gloo
+    on the loopback), the machine's cores shared between them: ``init_process_group``
+    needs no other argument. The one local launcher of flexshard-train,
+    flexshard-generate and the tests. ``join``: wait for all, raising the first failed
+    rank's error (torch's ``ProcessException``); else return the started processes."""
+    port = free_port()
+    return mp.start_processes(
+        _as_local_rank,
+        args=(fn, nproc, port, args),
+        nprocs=nproc,
+        join=join,
+        daemon=daemon,
+        start_method=start_method,
+    )
+
+
+def _rank_main(local_rank: int, table: dict, dims: ParallelDims, errors: SimpleQueue) -> None:
+    """One spawned rank of the job; a ConfigError goes to the parent as its line
+    (printed once there), not a traceback."""
     try:
         run(config_from_dict(table), dims)
         leave_together()
@@ -72,12 +128,11 @@ def spawn(cfg: Config, dims: ParallelDims, nproc: int) -> None:
     does not fit, a text too short) exits with its one line; any other failure raises
     the rank's traceback."""
     errors = mp.get_context("spawn").SimpleQueue()
-    args = (nproc, get_free_port(), cfg.to_dict(), dims, errors)
     # its "Terminating process ..." warning names the ranks stopped after the first
     # failure: a consequence, not the cause the line or traceback below gives
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
-        mp.spawn(_rank_main, args=args, nprocs=nproc, join=True)
+        spawn_local(_rank_main, nproc, (cfg.to_dict(), dims, errors))
     except ProcessException:
         # the other ranks fail too once one leaves (their collectives break): the
         # ConfigError is the cause, whichever rank the join saw first
@@ -155,9 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         check_before_start(cfg, local)
     except ConfigError as err:
         # under torchrun every rank checks its machine; one line per machine is enough
-        if not under_torchrun or os.environ.get("LOCAL_RANK", "0") == "0":
-            sys.exit(one_line(err))  # to stderr, exit status 1
-        sys.exit(1)
+        exit_on_config_error(err, not under_torchrun or os.environ.get("LOCAL_RANK", "0") == "0")
     if not under_torchrun:
         spawn(cfg, dims, args.nproc or 1)  # a plain `python -m flexshard.trainer`: one local rank
         return
@@ -165,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         run(cfg, dims)
         leave_together()
     except ConfigError as err:  # the ranks meet the same input: rank 0 says it
-        sys.exit(one_line(err) if os.environ["RANK"] == "0" else 1)
+        exit_on_config_error(err, os.environ["RANK"] == "0")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

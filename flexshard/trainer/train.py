@@ -237,11 +237,9 @@ def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict[str, Any]]:
     if progress is not None:
         progress.close()
     if cfg.checkpoint.export_safetensors:
-        checkpointing.export(job)
+        checkpointing.export(job, hf=False)
     if cfg.checkpoint.last_save_in_hf:
-        from .checkpointing.checkpoints import export_hf
-
-        path = export_hf(job)
+        path = checkpointing.export(job)
         if leader:
             print(f"Hugging Face model: {path}", flush=True)
     if writer is not None:

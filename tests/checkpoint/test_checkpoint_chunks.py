@@ -15,7 +15,12 @@ from hypothesis import strategies as st
 
 from flexshard.placements import BlockShard
 from flexshard.placements.layout import plan_bucket
-from flexshard.runtime.dtensor import RegionTensor, flat_range_boxes, local_boxes, region_tensor
+from flexshard.runtime.dtensor.chunks import (
+    RegionTensor,
+    flat_range_boxes,
+    local_boxes,
+    region_tensor,
+)
 
 from ..helpers.placement_cases import ALL_BUCKETS, PROPERTY, distinct_fulls, shapes
 

@@ -239,3 +239,32 @@ def test_save_killed_half_way_leaves_nothing_that_looks_complete(tmp_path, point
     ckpt.load(path, model)
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
     assert not os.path.exists(path + ".partial")
+
+
+def test_a_damaged_safetensors_folder_is_named_before_loading(tmp_path):
+    """What a download cut short, a Git LFS pointer or a stale index look like: one
+    ValueError naming the file and what is wrong, from the headers alone."""
+    from safetensors.torch import save_file
+
+    from flexshard.checkpoint.hf_safetensors import check_safetensors_folder
+
+    name = "model-00001-of-00002.safetensors"
+    save_file({"w": torch.ones(4, 4), "b": torch.zeros(4)}, tmp_path / name)
+    check_safetensors_folder(tmp_path)
+    whole = (tmp_path / name).read_bytes()
+    cases = [
+        (whole[:-1], f"truncated: header says {len(whole)} bytes, file has {len(whole) - 1}"),
+        (whole + b"\0", f"longer than its header says: header says {len(whole)} bytes"),
+        (whole[:5], "not a safetensors file (5 bytes, no header)"),
+        (b"version https://git-lfs.github.com/spec/v1\n", "a Git LFS pointer, not the weights"),
+        (whole[:8] + b"{not json" + whole[17:], "not a safetensors file (its header is not one)"),
+    ]
+    for data, message in cases:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=re.escape(f"'{tmp_path / name}': {message}")):
+            check_safetensors_folder(tmp_path)
+    (tmp_path / name).write_bytes(whole)
+    index = {"weight_map": {"w": name, "b": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="names 'model-00002-of-00002.safetensors', which"):
+        check_safetensors_folder(tmp_path)

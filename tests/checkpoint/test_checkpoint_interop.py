@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 import flexshard as fs
 from flexshard import checkpoint as ckpt
-from flexshard.runtime.dtensor import RegionTensor, chunks_of
+from flexshard.runtime.dtensor.chunks import RegionTensor, chunks_of
 from flexshard.testing import TinyTransformer, make_batches, run_distributed
 
 from ..helpers.reference import train_steps

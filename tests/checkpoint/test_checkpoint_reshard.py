@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import flexshard as fs
-from flexshard.runtime.dtensor import chunks_of
+from flexshard.runtime.dtensor.chunks import chunks_of
 from flexshard.testing import run_distributed
 
 

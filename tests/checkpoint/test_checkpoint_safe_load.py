@@ -419,6 +419,34 @@ class Custom:
     value: int
 
 
+def test_matrix_state_loads_under_each_module_path_it_was_saved_under() -> None:
+    """A MatrixOptimizer state saved when its type lived in another module loads."""
+    from flexshard.checkpoint.safe_load import load_data
+
+    value = {"s": fs.optim.MatrixState({"exp_avg": torch.arange(3.0)})}
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    module = fs.optim.MatrixState.__module__.encode()
+    for earlier in (module, b"flexshard.optim.matrix_units"):
+        saved = _renamed_in_pickle(buf.getvalue(), module, earlier)
+        loaded = load_data(io.BytesIO(saved), "old.distcp")
+        assert torch.equal(loaded["s"].state["exp_avg"], torch.arange(3.0))
+
+
+def _renamed_in_pickle(raw: bytes, old: bytes, new: bytes) -> bytes:
+    """A ``torch.save`` zip whose pickle names module ``new`` where it named ``old``."""
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(raw)) as zin, zipfile.ZipFile(out, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            if item.filename.endswith("data.pkl"):
+                data = data.replace(old, new)
+            zout.writestr(item, data)
+    return out.getvalue()
+
+
 def test_a_users_own_type_loads_once_allowed_through_torch(tmp_path) -> None:
     """Entries go through torch's weights_only unpickler: a type the user allows with
     ``torch.serialization.safe_globals`` / ``add_safe_globals`` loads, no other."""

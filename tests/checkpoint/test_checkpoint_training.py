@@ -17,7 +17,7 @@ import flexshard as fs
 from flexshard import checkpoint as ckpt
 from flexshard.checkpoint import RegionTensor
 from flexshard.optim import muon_and_adamw
-from flexshard.runtime.dtensor import chunks_of
+from flexshard.runtime.dtensor.chunks import chunks_of
 from flexshard.testing import TinyTransformer, TransformerConfig, make_batches, run_distributed
 
 from ..helpers.reference import mixed_placement, train_steps
@@ -71,7 +71,7 @@ def _first_run(rank: int, world: int, root: str) -> dict:
         ckpt.save(f"{root}/{kind}", model, opt, extra=extra)
         out[f"{kind} rng draw"] = torch.rand(3).tolist()
         if kind == "adamw":
-            ckpt.export_safetensors(model, f"{root}/model.safetensors")
+            ckpt.export_safetensors(model, f"{root}/export")  # one file: model.safetensors
             out["full"] = _numpy(fs.full_state_dict(model))
     return out
 
@@ -236,7 +236,7 @@ def test_resume_reshard_and_export(tmp_path):
     # the exported file is the full model, read by safetensors itself
     from safetensors.torch import load_file
 
-    exported = load_file(f"{root}/model.safetensors")
+    exported = load_file(f"{root}/export/model.safetensors")
     assert exported.keys() == first[0]["full"].keys()
     for key, value in exported.items():
         assert np.array_equal(value.numpy(), first[0]["full"][key]), key

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+import flexshard as fs
 from tests.helpers import fsdp2_state as st
 from tests.helpers.fsdp2_state import (
     MLP,
@@ -184,11 +185,16 @@ def s_sd_full_on_rank0(rank, world, shard, ctx) -> dict:
         k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()
     }
     want = ref.state_dict()
+    gathered = fs.full_state_dict(model)  # on torch's fully_shard too: its DTensors
     return {
         "keys": list(full),
         "ref_keys_equal": list(full) == list(want),
         "values_equal": [torch.equal(full[k], want[k]) for k in want if k in full],
         "full": full if rank == 0 else {},
+        "fs_full_state_dict_equal": [
+            list(gathered) == list(want),
+            *(torch.equal(gathered[k], want[k]) for k in want if k in gathered),
+        ],
     }
 
 

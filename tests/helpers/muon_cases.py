@@ -8,7 +8,7 @@ from torch import nn
 
 import flexshard as fs
 from flexshard.runtime.bucket import slot_of
-from flexshard.runtime.dtensor import wrap
+from flexshard.runtime.dtensor.region_dtensor import wrap
 from flexshard.testing.collectives import forbid_collectives
 
 LR = 0.02

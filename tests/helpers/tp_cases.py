@@ -147,7 +147,7 @@ def trainer_muon(mesh: DeviceMesh | None, steps: int) -> list[float]:
     cfg = config_from_dict(
         {
             "model": {"vocab_size": 256, "dim": 32, "n_heads": 4, "n_kv_heads": 2},
-            "training": {"optimizer": "muon", "lr": 0.01},
+            "training": {"optimizer": "muon", "lr": 0.01, "muon_lr": 0.01},
             "parallelism": {"placement": "muon"},
         }
     )

@@ -8,10 +8,10 @@ from flexshard.trainer.components.lr_schedule import lr_factor
 from flexshard.trainer.components.optimizers import build_optimizer
 from flexshard.trainer.config import Config, TrainingConfig, config_from_dict
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, load_tokens
-from flexshard.trainer.models.model import Transformer, init_weights
+from flexshard.trainer.models.model import Transformer, init_weights, meta_model
 from flexshard.trainer.parallel.dims import ParallelDims
-from flexshard.trainer.parallel.parallelize import checked_dims
-from flexshard.trainer.train import loss_fn
+from flexshard.trainer.parallel.parallelize import checked_dims, full_model_state
+from flexshard.trainer.train import Job, loss_fn
 
 STEPS = 20
 
@@ -32,12 +32,27 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, t: TrainingConfig) -> No
         group["lr"] = group["base_lr"] * lr_factor(step, t)
 
 
+def whole_parameters(job: Job) -> dict[str, torch.Tensor]:
+    """The whole model's parameters (its buffers left out), gathered on every rank by
+    the trainer's one path (every rank calls it)."""
+    names = {name for name, _ in meta_model(job.cfg.model).named_parameters()}
+    state = full_model_state(job.parallel, job.meshes)
+    return {name: value for name, value in state.items() if name in names}
+
+
 def tiny_config(folder: str, **sections: dict) -> Config:
     """Seconds per run: dim 40 (head dim 10), ffn 34 and kv rows 20, which W = 3 and 4
     do not divide."""
     table: dict = {
         "model": {"dim": 40, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 34},
-        "training": {"steps": STEPS, "seq_len": 32, "batch_size": 2, "lr": 3e-3, "seed": 3},
+        "training": {
+            "steps": STEPS,
+            "seq_len": 32,
+            "batch_size": 2,
+            "lr": 3e-3,
+            "muon_lr": 3e-3,
+            "seed": 3,
+        },
         "job": {"dump_folder": folder, "progress": False, "plot": False, "tensorboard": False},
     }
     for name, values in sections.items():

@@ -232,7 +232,7 @@ def test_bad_parameters_named() -> None:
 def test_expert_pieces_rebuild_every_expert(placement) -> None:
     """Cut experts are redistributed one by one: the pieces every rank holds of each
     expert, read from its local shard, rebuild that expert exactly."""
-    from flexshard.optim.units import matrices, pieces
+    from flexshard.optim.matrices import pieces, units_of
     from flexshard.placements.layout import plan_bucket
 
     shape = (3, 17, 10)
@@ -243,7 +243,7 @@ def test_expert_pieces_rebuild_every_expert(placement) -> None:
             torch.cat([r.view_of(full).reshape(-1) for r in regions] or [full.new_empty(0)])
             for regions in layout.regions
         ]
-        for expert, matrix_shape in matrices(shape):
+        for expert, matrix_shape in units_of(shape):
             rebuilt = torch.full(matrix_shape, -1.0)
             for local, regions in zip(locals_, layout.regions):
                 for piece in pieces(regions, shape, expert):

@@ -18,6 +18,7 @@ from flexshard.plan.oprecord import Meta, record_model, recorded_flops
 from flexshard.plan.report import build_stages, planning_config
 from flexshard.plan.steptime import attention_flops, step_time
 from flexshard.trainer.config import load_config
+from flexshard.trainer.models.model import meta_model
 
 TINY = ["--model.dim", "32", "--model.n_layers", "2", "--training.seq_len", "24"]
 TINY += ["--training.batch_size", "3", "--model.ffn_hidden", "40"]
@@ -43,19 +44,12 @@ def test_recorded_flops_are_the_planners() -> None:
     tokens, m = 3 * 24, cfg.model
     weights = sum(
         p.numel()
-        for name, p in _meta_model(cfg).named_parameters()
+        for name, p in meta_model(cfg.model).named_parameters()
         if p.dim() >= 2 and "tok_embeddings" not in name
     )
     assert flops["gemm"] == 3 * 2 * weights * tokens
     per_layer = 4.0 * m.dim * 24 / 2 * tokens
     assert flops["attention"] == pytest.approx(3 * m.n_layers * per_layer)
-
-
-def _meta_model(cfg):  # type: ignore[no-untyped-def]
-    from flexshard.trainer.models.model import Transformer
-
-    with torch.device("meta"):
-        return Transformer(cfg.model)
 
 
 def test_weighted_fit_keeps_the_sum() -> None:

@@ -124,7 +124,7 @@ def test_dtensor_spec_local_tensor_and_set_local_tensor() -> None:
         meta = ti.TensorMeta(torch.Size((8, 3)), (3, 1), torch.float32)
         spec = ti.DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
         local = torch.arange(6.0).view(2, 3)
-        dt = DTensor(local, spec, requires_grad=False)  # what runtime.dtensor.wrap builds
+        dt = DTensor(local, spec, requires_grad=False)  # what region_dtensor.wrap builds
         assert ti.dtensor_spec(dt) is spec and ti.local_tensor(dt) is local
         assert dt.shape == (8, 3) and dt.placements == (Shard(0),)
         view = torch.zeros(6).view(2, 3)

@@ -45,6 +45,9 @@ W = 3
 VICTIM = 2
 TIMEOUT = datetime.timedelta(seconds=2)
 STALL = 3.0  # seconds the victim sleeps: past the survivors' timeout
+# where no rank stalls: long enough that a loaded machine's slow step is not a failure
+# (a killed rank is noticed by gloo's closed connection, or by this)
+SLOW_MACHINE_TIMEOUT = datetime.timedelta(seconds=30)
 BUCKETS = [
     fs.BucketSpec("layers.0.*", name="layer0"),
     fs.BucketSpec("layers.1.*", placement=fs.Owned(), name="layer1"),
@@ -259,7 +262,9 @@ def _killed_mid_step(rank: int, world_size: int, how: str, where: str) -> dict:
     cfg = TransformerConfig()
     batches = make_batches(cfg, 2 * W, batch=2, seed=3)
     torch.manual_seed(0)
-    model = fs.flex_shard(TinyTransformer(cfg), mesh=None, buckets=BUCKETS, timeout=TIMEOUT)
+    model = fs.flex_shard(
+        TinyTransformer(cfg), mesh=None, buckets=BUCKETS, timeout=SLOW_MACHINE_TIMEOUT
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     die = {"sigkill": lambda: os.kill(os.getpid(), signal.SIGKILL), "exit": lambda: os._exit(3)}
     arm = functools.partial(_arm, model, where, die[how]) if rank == VICTIM else (lambda: None)
@@ -392,7 +397,9 @@ def _finite_check_cases(rank: int, world_size: int) -> dict:
     models, logs, losses = {}, {}, {}
     for check in (False, True):
         torch.manual_seed(0)
-        model = fs.flex_shard(TinyTransformer(cfg), mesh=None, buckets=BUCKETS, timeout=TIMEOUT)
+        model = fs.flex_shard(
+            TinyTransformer(cfg), mesh=None, buckets=BUCKETS, timeout=SLOW_MACHINE_TIMEOUT
+        )
         model.set_check_finite_grads(check)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses[check] = []

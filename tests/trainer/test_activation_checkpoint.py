@@ -23,9 +23,9 @@ from flexshard.runtime.bucket import Bucket
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import record_collectives
 from flexshard.trainer.models.model import Attention
-from flexshard.trainer.parallel.parallelize import full_parameters
 from flexshard.trainer.train import setup, train_step
 
+from ..helpers.trainer_cases import whole_parameters
 from .test_parallel_layouts import MOE, layout_config
 
 STEPS = 3
@@ -158,7 +158,7 @@ def _train(folder: str, name: str, mode: str) -> dict[str, Any]:
                 "attention_calls": calls[0],
             }
         )
-    params = full_parameters(job.parallel, job.meshes)
+    params = whole_parameters(job)
     return {
         "steps": steps,
         "grads": grads,

@@ -6,6 +6,8 @@ dp_shard_mod_ep), with bad inputs rejected before any collective."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,8 +27,8 @@ from flexshard.trainer.parallel.context_parallel import (
 from flexshard.trainer.parallel.expert_parallel import (
     apply_ep,
     check_ep,
-    gather_expert_weights,
     slice_expert_weights,
+    whole_experts,
 )
 from flexshard.trainer.train import loss_fn
 
@@ -323,7 +325,7 @@ def ep_dp_training(rank: int) -> dict[str, float]:
 
     losses, norms = _train(model, batch_of, STEPS, clip)
     # the full model: other layers from flexshard, the experts gathered across EP ranks
-    params = gather_expert_weights(model, fs.full_state_dict(model))
+    params = fs.full_state_dict(model, functools.partial(whole_experts, model))
     result = _compare("dp4_ep2", losses, norms, params, expected)
     # and back: the single-process state dict, sliced to this rank's experts, loads
     # into the sharded EP model and gives the same (local) state dict

@@ -22,7 +22,7 @@ from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
 from flexshard.testing import run_distributed
 from flexshard.trainer.checkpointing.checkpoints import latest_step
 from flexshard.trainer.config import ConfigError, config_from_dict, load_config
-from flexshard.trainer.config.hf_config import hf_config, model_fields, read_config
+from flexshard.trainer.config.hf_config import folder_fields, hf_config, model_fields
 from flexshard.trainer.generate import generate, load_model
 from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.layers import KVCache
@@ -126,7 +126,7 @@ def probe_tokens() -> torch.Tensor:
 def load_trainer_model(folder: Path) -> Transformer:
     """The trainer's model of a Hugging Face folder: [model] from config.json, weights
     through the adapter's keys."""
-    cfg = config_from_dict({"model": model_fields(read_config(folder))}).model
+    cfg = config_from_dict({"model": folder_fields(folder)}).model
     model = Transformer(cfg).eval()
     state = model.state_dict()
     load_hf_safetensors(folder, state, hf_keys(list(state), cfg))
@@ -154,7 +154,7 @@ def test_config_json_both_ways(tmp_path):
     """config.json -> [model] -> config.json keeps every field transformers reads (the
     export says no MTP depth: it holds no MTP weights)."""
     hf_deepseek(tmp_path, 24)
-    original = read_config(tmp_path)
+    original = json.loads((tmp_path / "config.json").read_text())
     cfg = config_from_dict({"model": model_fields(original)}).model
     written = hf_config(cfg, "float32", original["max_position_embeddings"])
     for key, value in written.items():

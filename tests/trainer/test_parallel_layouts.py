@@ -19,10 +19,10 @@ from flexshard.trainer.config import Config, ConfigError, config_from_dict, load
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, load_tokens
 from flexshard.trainer.models.model import Transformer, init_weights
 from flexshard.trainer.parallel.dims import ParallelDims
-from flexshard.trainer.parallel.parallelize import checked_dims, full_parameters
+from flexshard.trainer.parallel.parallelize import checked_dims
 from flexshard.trainer.train import Job, loss_fn, run, setup, train_step
 
-from ..helpers.trainer_cases import launch_dims, set_lr
+from ..helpers.trainer_cases import launch_dims, set_lr, whole_parameters
 
 STEPS = 10
 # measured worst (4 and 2 ranks): loss 1.6e-7 (dp2xcp2), norm 3.6e-7 (dp2xtp2), final
@@ -112,7 +112,14 @@ def layout_config(folder: str, parallelism: dict, moe: dict | None, **extra: dic
     table: dict = {
         "model": model,
         "parallelism": parallelism,
-        "training": {"steps": STEPS, "seq_len": 16, "batch_size": 2, "lr": 3e-3, "seed": 3},
+        "training": {
+            "steps": STEPS,
+            "seq_len": 16,
+            "batch_size": 2,
+            "lr": 3e-3,
+            "muon_lr": 3e-3,
+            "seed": 3,
+        },
         "job": {"dump_folder": folder, "progress": False, "plot": False, "tensorboard": False},
     }
     for name, values in extra.items():
@@ -150,7 +157,7 @@ def trained(job: Job, steps: int = STEPS) -> dict:
         loss, norm, _ = train_step(job, step)
         losses.append(loss)
         norms.append(norm)
-    params = full_parameters(job.parallel, job.meshes)
+    params = whole_parameters(job)
     return {"losses": losses, "norms": norms, "params": {k: v.numpy() for k, v in params.items()}}
 
 

@@ -22,6 +22,7 @@ import torch
 
 from flexshard.testing import run_distributed
 from flexshard.trainer.checkpointing.checkpoints import latest_step
+from flexshard.trainer.components.metrics import summary_table
 from flexshard.trainer.config import ConfigError, config_from_dict, load_config
 from flexshard.trainer.rl import task
 from flexshard.trainer.rl.batch_invariant import OPS
@@ -44,7 +45,7 @@ def _table(folder: str, family: str = "llama", **sections: dict) -> dict:
     model = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 168}
     table: dict = {
         "model": {**model, **FAMILIES[family]},
-        "training": {"steps": 2, "seq_len": 16, "lr": 1e-3, "seed": 1},
+        "training": {"steps": 2, "seq_len": 16, "lr": 1e-3, "muon_lr": 1e-3, "seed": 1},
         "job": {"dump_folder": folder, "progress": False, "plot": False, "tensorboard": False},
         "rl": {
             "enable": True,
@@ -306,3 +307,16 @@ def test_native_kernels_differ(tmp_path, starts, family, op, world):
     )
     records = run_distributed(_without, world, table, op, timeout=600)[0]
     assert max(r["logprob_max_abs_diff"] for r in records) > 0.0, op
+
+
+def test_summary_reports_reward_and_solved_over_the_first_and_last_tenth():
+    records = [
+        {"step": s, "loss": 0.1, "tokens_per_s": 1.0, "mfu": 0.0, "peak_memory_mb": 1.0,
+         "grad_norm": 1.0, "reward": s / 20, "solved": 1.0 if s > 18 else 0.0}
+        for s in range(1, 21)
+    ]  # fmt: skip
+    table = summary_table(records, {"run": "rl"})
+    assert "reward first -> last   0.075 -> 0.975  (means of 2 steps each)" in table
+    assert "solved first -> last   0.000 -> 1.000  (means of 2 steps each)" in table
+    plain = [{k: v for k, v in r.items() if k not in ("reward", "solved")} for r in records]
+    assert "reward" not in summary_table(plain, {"run": "pre-training"})

@@ -14,12 +14,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from flexshard.testing import run_distributed
 from flexshard.trainer.config import ConfigError, load_config
 from flexshard.trainer.models.model import Transformer
-from flexshard.trainer.parallel.parallelize import full_parameters
 from flexshard.trainer.parallel.pipeline import build_pipeline
 from flexshard.trainer.parallel.tensor_parallel import apply_tp
 from flexshard.trainer.train import loss_fn, setup, train_step
 
-from ..helpers.trainer_cases import launch_dims
+from ..helpers.trainer_cases import launch_dims, whole_parameters
 from .test_parallel_layouts import (
     LOSS_RTOL,
     NORM_RTOL,
@@ -52,7 +51,7 @@ def _train(folder: str, sequence_parallel: bool) -> dict:
         norms.append(norm)
     runner = job.parallel.runner
     assert runner is not None
-    params = full_parameters(job.parallel, job.meshes)
+    params = whole_parameters(job)
     return {
         "losses": losses,
         "norms": norms,

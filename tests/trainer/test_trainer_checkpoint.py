@@ -48,11 +48,11 @@ def _keep_trained(folder: str) -> None:
     parameters are saved (rank 0) to ``trained.pt``, for the parent to compare with."""
     real = checkpointing.export
 
-    def export(job):
+    def export(job, *args, **kwargs):
         trained = _gathered(job.model)
         if dist.get_rank() == 0:
             torch.save(trained, f"{folder}/trained.pt")
-        return real(job)
+        return real(job, *args, **kwargs)
 
     checkpointing.export = export
 

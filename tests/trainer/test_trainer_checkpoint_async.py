@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
 from flexshard.checkpoint import async_save
 from flexshard.checkpoint.async_save import SaveError
+from flexshard.checkpoint.chunk_stager import ChunkStager
 from flexshard.checkpoint.manifest import read_manifest
-from flexshard.checkpoint.staging import ChunkStager
 from flexshard.testing import run_distributed
 from flexshard.testing.collectives import record_collectives
 from flexshard.trainer.checkpointing import checkpoints as checkpointing

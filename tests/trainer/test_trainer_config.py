@@ -3,7 +3,10 @@ the byte tokenizer and corpus, the data-parallel sampler, the model, the lr sche
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ import torch
 
 from flexshard.trainer.components.lr_schedule import lr_factor
 from flexshard.trainer.config import (
+    Config,
     ConfigError,
     TrainingConfig,
     load_config,
@@ -23,7 +27,8 @@ from flexshard.trainer.parallel.dims import ParallelDims
 
 from ..helpers.trainer_cases import launch_dims
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "configs"
 
 
 @pytest.mark.parametrize("name", ["debug", "moe_debug", "llama3_8b", "moe"])
@@ -328,9 +333,6 @@ def test_hf_dataset_saved_to_disk(tmp_path):
 
 
 def test_train_help_lists_every_key_resuming_and_the_docs(capsys):
-    import dataclasses
-
-    from flexshard.trainer.config import Config
     from flexshard.trainer.launch import parse_args
 
     with pytest.raises(SystemExit):
@@ -363,3 +365,73 @@ def test_generate_help_shows_the_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for default in ("tokens to add (default: 100)", "0: greedy (default: 0.0)", "(default: 0)"):
         assert default in text, default
+
+
+# ------------------------------------------------------- docs/trainer.md's key tables
+ROW = re.compile(r"^\| `\[([\w.]+)\]` \| (.*) \|$", re.M)
+# a key as the tables write it: `name`, or `name = "a" \| "b"` (its values) / `name = [R, C]`
+KEY = re.compile(r"^([a-z_][a-z0-9_]*)(?: = (.*))?$")
+
+
+def schema_keys() -> dict[str, tuple[str, ...]]:
+    """Every config key, dotted, with its allowed values (a Literal's; else ())."""
+    keys: dict[str, tuple[str, ...]] = {}
+
+    def walk(section: object, prefix: str) -> None:
+        hints = typing.get_type_hints(type(section))
+        for f in dataclasses.fields(section):  # type: ignore[arg-type]
+            value = getattr(section, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+            else:
+                literal = typing.get_origin(hints[f.name]) is typing.Literal
+                keys[prefix + f.name] = typing.get_args(hints[f.name]) if literal else ()
+
+    walk(Config(), "")
+    return keys
+
+
+def documented_keys(text: str) -> dict[str, tuple[str, ...]]:
+    """The keys of a markdown page's `| `[section]` | keys |` rows, with the quoted
+    values each lists (() where it lists none)."""
+    keys = {}
+    for section, cell in ROW.findall(text):
+        for span in re.findall(r"`([^`]+)`", cell):
+            m = KEY.match(span)
+            if m:
+                values = re.findall(r'"([^"]*)"', m.group(2) or "")
+                keys[f"{section}.{m.group(1)}"] = tuple(values)
+    return keys
+
+
+def differences(text: str) -> list[str]:
+    schema, docs = schema_keys(), documented_keys(text)
+    wrong = [f"{k}: not in docs/trainer.md's tables" for k in schema if k not in docs]
+    wrong += [f"{k}: documented, not a config key" for k in docs if k not in schema]
+    wrong += [
+        f"{k}: docs list {docs[k]}, the schema allows {values}"
+        for k, values in schema.items()
+        if values and k in docs and set(docs[k]) != set(values)
+    ]
+    return wrong
+
+
+def test_trainer_docs_tables_name_every_config_key_and_value():
+    """What ``--help`` sends the reader to: every key (and a choice's every value) in a
+    table of docs/trainer.md, and no key that does not exist."""
+    assert differences((ROOT / "docs" / "trainer.md").read_text()) == []
+
+
+def test_the_key_table_check_sees_a_missing_a_stale_and_a_wrong_key():
+    text = (ROOT / "docs" / "trainer.md").read_text()
+    edited = (
+        text.replace("`task_min_len`, ", "")
+        .replace("`enable`, `freq`", "`enable`, `frequency`, `freq`")
+        .replace(' \\| "rl_task"', "")
+    )
+    assert differences(edited) == [
+        "rl.task_min_len: not in docs/trainer.md's tables",
+        "validation.frequency: documented, not a config key",
+        "data.source: docs list ('builtin', 'files', 'hf_disk'), "
+        "the schema allows ('builtin', 'files', 'hf_disk', 'rl_task')",
+    ]

@@ -2,8 +2,8 @@
 (``save_pretrained``, several safetensors shards) loads into the sharded trainer at
 W = 1, 2 and 3 under several placements and gives the same logits; the trainer's HF
 export of it is the same tensors and ``from_pretrained`` loads it; RoPE rows change
-order both ways; the trainer's ``model.safetensors`` of a tied-embedding model loads
-tied."""
+order both ways; ``fs.checkpoint.export_safetensors`` of a sharded tied-embedding
+model loads tied."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from flexshard.checkpoint.hf_safetensors import (
 )
 from flexshard.testing import run_distributed
 from flexshard.trainer.checkpointing import checkpoints as checkpointing
-from flexshard.trainer.checkpointing.checkpoints import export_hf
+from flexshard.trainer.checkpointing.checkpoints import export
 from flexshard.trainer.components.optimizers import build_optimizer
 from flexshard.trainer.config.tokenizer import ByteTokenizer
 from flexshard.trainer.data.dataset import DPSampler, ValidationBatches, load_tokens, split_tokens
@@ -98,7 +98,7 @@ def _load_and_export(rank: int, world_size: int, folder: str, case: int) -> dict
         checkpointing.initial_load(job)
         with torch.no_grad():
             out[name] = job.model(probe_tokens()).numpy()  # tensors die with the child
-        export_hf(job, Path(folder) / name / "hf", max_shard_bytes=30_000)
+        export(job, Path(folder) / name / "hf", max_shard_bytes=30_000)
     return out
 
 
@@ -211,9 +211,7 @@ def test_hf_train_hf_round_trip(tmp_path):
 
 
 def _export_tied(rank: int, world_size: int, folder: str, backend: str) -> None:
-    """The trainer's ``model.safetensors`` export of a sharded tied-embedding model."""
-    from types import SimpleNamespace
-
+    """The ``model.safetensors`` export of a sharded tied-embedding model."""
     import transformers
     from torch.distributed.fsdp import fully_shard
 
@@ -224,16 +222,7 @@ def _export_tied(rank: int, world_size: int, folder: str, backend: str) -> None:
     for layer in model.model.layers:
         shard(layer)
     shard(model)
-    out = Path(folder) / backend
-    out.mkdir(exist_ok=True)
-    job = SimpleNamespace(
-        folder=out,
-        rank=rank,
-        parallel=SimpleNamespace(modules=[model], expert_fqns=()),
-        meshes=SimpleNamespace(ep=None, pp=None),
-        cfg=SimpleNamespace(parallelism=SimpleNamespace(timeout_s=120)),
-    )
-    checkpointing.export(job)  # type: ignore[arg-type]
+    fs.checkpoint.export_safetensors(model, Path(folder) / backend)
 
 
 @pytest.mark.parametrize("backend", ["flexshard", "fsdp2"])

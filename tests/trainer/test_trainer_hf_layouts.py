@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from flexshard.testing import run_distributed
 from flexshard.trainer.checkpointing import checkpoints as checkpointing
-from flexshard.trainer.checkpointing.checkpoints import export_hf
+from flexshard.trainer.checkpointing.checkpoints import export
 from flexshard.trainer.config import ConfigError, load_config
 from flexshard.trainer.config.hf_config import check_matches
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, load_tokens
@@ -113,13 +113,13 @@ def _load_train_export(folder: str, name: str, parallelism: dict, moe: bool, tie
     two steps, export again."""
     job = setup(_config(folder, name, parallelism, moe, tied))
     checkpointing.initial_load(job)
-    export_hf(job, Path(folder) / name / "loaded", max_shard_bytes=SHARD_BYTES)
+    export(job, Path(folder) / name / "loaded", max_shard_bytes=SHARD_BYTES)
     out: dict = {}
     if job.parallel.runner is None and job.dims.tp == 1:  # (SP would cut the probe)
         with torch.no_grad():
             out["logits"] = job.model(probe_tokens()).numpy()
     out["losses"] = [train_step(job, step)[0] for step in range(STEPS)]
-    export_hf(job, Path(folder) / name / "trained", max_shard_bytes=SHARD_BYTES)
+    export(job, Path(folder) / name / "trained", max_shard_bytes=SHARD_BYTES)
     return out
 
 
@@ -350,7 +350,7 @@ def test_folder_of_another_model_names_the_keys(tmp_path):
         check_matches(moe_cfg, tmp_path / "llama")
     with pytest.raises(ConfigError, match=r"--model.moe.num_experts 4"):
         check_matches(dense_cfg, tmp_path / "mixtral")
-    assert check_matches(moe_cfg, tmp_path / "mixtral")["model_type"] == "mixtral"
+    assert check_matches(moe_cfg, tmp_path / "mixtral")["moe"]["num_experts"] == 4
     wrong = tiny_config("-", model={**HF_MODEL, "moe": {**MIXTRAL, "expert_hidden": 0}}).model
     with pytest.raises(ConfigError, match=r"moe.expert_hidden \(34 here, 24 there\)"):
         check_matches(wrong, tmp_path / "mixtral")

@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from flexshard.trainer.launch import main
+from flexshard.trainer.config import ConfigError
+from flexshard.trainer.launch import exit_on_config_error, main
 
 ROOT = Path(__file__).resolve().parents[2]
 QUIET = ["--job.tensorboard", "false"]
@@ -94,3 +96,17 @@ def test_cli_config_errors_are_one_clear_line():
         with pytest.raises(SystemExit) as exit_info:
             main(["--config", str(ROOT / "configs/debug.toml"), *args])
         assert message in str(exit_info.value.code), exit_info.value.code
+
+
+def test_a_config_error_reaches_torchruns_summary_from_any_rank(tmp_path, monkeypatch):
+    """A rank that fails without printing leaves its line where torchrun's failure
+    summary reads it (torch's own reader), so the line shows whichever rank fails first."""
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(SystemExit) as exit_info:
+        exit_on_config_error(ConfigError("data.paths: 'x/train.txt' matches no file"), False)
+    assert exit_info.value.code == 1
+    failure = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file=str(error_file))
+    summary = ChildFailedError("flexshard.trainer", {1: failure}).format_msg()
+    line = "flexshard-train: config error: data.paths: 'x/train.txt' matches no file"
+    assert f"traceback : {line}" in summary

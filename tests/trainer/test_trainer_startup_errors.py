@@ -6,8 +6,10 @@ a text too short) come out the same way, once, under the launcher and torchrun."
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -222,8 +224,8 @@ def test_a_checkpoint_that_fails_inside_the_ranks_is_one_line(saved, capsys, mon
 
 def test_torchrun_prints_one_line_per_error(tmp_path):
     """Before the process group (a missing data file): local rank 0 says it; inside the
-    ranks (a text too short): rank 0. The workers print no traceback (torchrun's own
-    summary of the failed workers follows, as for any worker's exit status 1)."""
+    ranks (a text too short): rank 0. The workers print no traceback; torchrun's own
+    summary of the failed workers names the first failure's line, whichever rank it is."""
     text = tmp_path / "tiny.txt"
     text.write_text("tiny text")
     for paths, message in [
@@ -234,6 +236,130 @@ def test_torchrun_prints_one_line_per_error(tmp_path):
                     "--job.dump_folder", str(tmp_path / "out"), *QUIET, torchrun=2)  # fmt: skip
         output = done.stdout + done.stderr
         assert done.returncode != 0
-        lines = [line for line in output.splitlines() if "flexshard-train:" in line]
-        assert len(lines) == 1 and message in lines[0], output[-3000:]
+        # rank 0's line, unless torchrun stopped it first; torchrun's summary of the first
+        # failure names it either way
+        printed = [line for line in output.splitlines() if line.startswith("flexshard-train:")]
+        assert len(printed) <= 1 and all(message in line for line in printed), output[-3000:]
+        summary = [line for line in output.splitlines() if "traceback : flexshard-train:" in line]
+        assert summary and all(message in line for line in summary), output[-3000:]
         assert "[rank0]: Traceback" not in output and "[rank1]: Traceback" not in output
+
+
+# ------------------------------------------------------- damaged files, before any rank
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Hugging Face folder of the debug model (config.json, one safetensors file)."""
+    from safetensors.torch import save_file
+
+    from flexshard.trainer.config.hf_config import hf_config
+    from flexshard.trainer.models.hf_adapter import hf_keys
+    from flexshard.trainer.models.model import Transformer
+
+    folder = tmp_path_factory.mktemp("hf")
+    cfg = load_config(DEBUG)
+    (folder / "config.json").write_text(
+        json.dumps(hf_config(cfg.model, "float32", cfg.training.seq_len))
+    )
+    state = Transformer(cfg.model).state_dict()
+    keys = hf_keys(list(state), cfg.model)
+    save_file({keys[k].name: v.contiguous() for k, v in state.items()}, folder / HF_FILE)
+    return folder
+
+
+HF_FILE = "model-00001-of-00001.safetensors"
+
+
+def _damaged(hf_folder: Path, tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """Copies of the folder whose safetensors file is cut short or not one: the folder
+    and the message's end."""
+    whole = (hf_folder / HF_FILE).read_bytes()
+    cases = {
+        "truncated": (
+            whole[: len(whole) // 2],
+            f"truncated: header says {len(whole)} bytes, file has {len(whole) // 2}",
+        ),  # fmt: skip
+        "header cut": (whole[:100], "truncated or not a safetensors file: its header alone"),
+        "text": (b"<html>404 Not Found</html>\n", "not a safetensors file"),
+        "lfs pointer": (b"version https://git-lfs.github.com/spec/v1\n", "a Git LFS pointer"),
+    }
+    out = {}
+    for name, (data, message) in cases.items():
+        folder = tmp_path / name.replace(" ", "_")
+        shutil.copytree(hf_folder, folder)
+        (folder / HF_FILE).write_bytes(data)
+        out[name] = (folder, message)
+    return out
+
+
+def test_damaged_hf_file_is_one_line_before_start(hf_folder, tmp_path, capsys, no_spawn):
+    for folder, message in _damaged(hf_folder, tmp_path).values():
+        line = _fails(capsys, "--config", DEBUG, "--checkpoint.initial_load_in_hf", "true",
+                      "--checkpoint.initial_load_path", str(folder))  # fmt: skip
+        assert line.startswith(f"flexshard-train: checkpoint: '{folder / HF_FILE}': "), line
+        assert message in line, line
+    # the whole folder passes on to the ranks
+    with pytest.raises(AssertionError, match="a rank was spawned"):
+        launch.main(["--nproc", "2", "--config", DEBUG, "--checkpoint.initial_load_in_hf", "true",
+                     "--checkpoint.initial_load_path", str(hf_folder)])  # fmt: skip
+
+
+def test_truncated_dcp_metadata_names_the_reason(saved, tmp_path, capsys, no_spawn):
+    step = tmp_path / "step-2"
+    shutil.copytree(saved / "checkpoint" / "step-2", step)
+    metadata = step / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:-50])
+    line = _fails(capsys, "--config", DEBUG, "--checkpoint.initial_load_path", str(step))
+    assert line == (
+        f"flexshard-train: checkpoint: '{metadata}' is not a readable DCP .metadata file "
+        "(truncated: it ends before its pickle does)"
+    )
+
+
+def _generate_fails(monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
+    """The one line ``flexshard-generate --nproc 2`` exits with, no rank spawned."""
+    from flexshard.trainer import generate, launch
+
+    def spawn(*_: object, **__: object) -> None:
+        raise AssertionError("a rank was spawned before the error was found")
+
+    monkeypatch.setattr(launch, "spawn_local", spawn)
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(["--nproc", "2", "--max-new-tokens", "1", *args])
+    line = exit_info.value.code
+    assert isinstance(line, str) and "\n" not in line, line
+    return line
+
+
+def test_generate_names_a_damaged_or_missing_checkpoint(hf_folder, saved, tmp_path, monkeypatch):
+    for folder, message in _damaged(hf_folder, tmp_path).values():
+        line = _generate_fails(monkeypatch, "--checkpoint", str(folder))
+        assert line.startswith(f"flexshard-generate: '{folder / HF_FILE}': "), line
+        assert message in line, line
+    missing = tmp_path / "no_such_run"
+    line = _generate_fails(monkeypatch, "--checkpoint", str(missing))
+    assert line == f"flexshard-generate: --checkpoint '{missing}': no such folder"
+    step = tmp_path / "step-2"
+    shutil.copytree(saved / "checkpoint" / "step-2", step)
+    (step / ".metadata").write_bytes((step / ".metadata").read_bytes()[:-50])
+    line = _generate_fails(monkeypatch, "--checkpoint", str(step), "--config", DEBUG)
+    assert line == (
+        f"flexshard-generate: '{step / '.metadata'}' is not a readable DCP .metadata file "
+        "(truncated: it ends before its pickle does)"
+    )
+
+
+def test_console_scripts_print_one_line_for_a_truncated_hf_file(hf_folder, tmp_path):
+    folder = _damaged(hf_folder, tmp_path)["truncated"][0]
+    train = _cli("--nproc", "2", "--config", DEBUG, "--checkpoint.initial_load_in_hf", "true",
+                 "--checkpoint.initial_load_path", str(folder))  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "flexshard.trainer.generate", "--checkpoint", str(folder),
+               "--nproc", "2"]  # fmt: skip
+    generate = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+    )
+    size = (hf_folder / HF_FILE).stat().st_size
+    what = f"'{folder / HF_FILE}': truncated: header says {size} bytes, file has {size // 2}"
+    for done, prog in ((train, "flexshard-train: checkpoint"), (generate, "flexshard-generate")):
+        assert done.returncode == 1
+        assert done.stderr.splitlines() == [f"{prog}: {what}"]

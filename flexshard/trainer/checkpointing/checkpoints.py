@@ -36,23 +36,19 @@ from flexshard.checkpoint import load
 from flexshard.checkpoint import save as save_checkpoint
 from flexshard.checkpoint.async_save import AsyncCheckpointer, SaveError, one_line
 from flexshard.checkpoint.bounded import bounded_group, in_flight
-from flexshard.checkpoint.hf_safetensors import (
-    load_hf_safetensors,
-    save_hf_safetensors,
-    write_safetensors,
-)
-from flexshard.checkpoint.stages import Model
+from flexshard.checkpoint.hf_safetensors import export_safetensors, load_hf_safetensors
+from flexshard.checkpoint.logical_model import Model
 
-from ..config.hf_config import check_matches, hf_config
+from ..config.hf_config import folder_fields, hf_config
 from ..config.schema import Config
 from ..config.tokenizer import Tokenizer
 from ..data.dataset import DPSampler, ValidationBatches
 from ..models.hf_adapter import DTYPES, hf_keys, in_hf
-from ..models.model import Transformer
+from ..models.model import meta_model
 from ..parallel.dims import Meshes, ParallelDims
 from ..parallel.exchange import configured_timeout
 from ..parallel.expert_parallel import expert_frames
-from ..parallel.parallelize import Parallelized, full_model_state
+from ..parallel.parallelize import Parallelized
 from .retention import purge
 
 
@@ -81,13 +77,13 @@ HF_FOLDER = "hf"  # under dump_folder
 MAX_SHARD_BYTES = 2**30  # safetensors files of at most 1 GiB (one larger tensor excepted)
 
 
-def model_state(job: Job) -> dict[str, torch.Tensor]:
-    """This rank's sharded tensors a Hugging Face folder holds, by FQN, over every
-    module it runs."""
+def model_state(job: Job, hf: bool = True) -> dict[str, torch.Tensor]:
+    """This rank's sharded state dict over every module it runs, by FQN (``hf``: the
+    tensors a Hugging Face folder holds)."""
     state: dict[str, torch.Tensor] = {}
     for module in job.parallel.modules:
         state.update(module.state_dict())
-    return {fqn: value for fqn, value in state.items() if in_hf(fqn, job.cfg.model)}
+    return {fqn: value for fqn, value in state.items() if not hf or in_hf(fqn, job.cfg.model)}
 
 
 def frames_of(job: Job) -> dict:
@@ -96,14 +92,12 @@ def frames_of(job: Job) -> dict:
     return {k: v for m in job.parallel.modules for k, v in expert_frames(m).items()}
 
 
-def whole_shapes(job: Job) -> dict[str, torch.Size]:
-    """Every parameter of the whole model and its shape, in state-dict order (from a
-    meta-built model: no memory, no collective)."""
-    with torch.device("meta"):
-        model = Transformer(job.cfg.model)
-    return {
-        fqn: value.shape for fqn, value in model.state_dict().items() if in_hf(fqn, job.cfg.model)
-    }
+def whole_shapes(job: Job, hf: bool = True) -> dict[str, torch.Size]:
+    """Every entry of the whole model's state dict (``hf``: those a Hugging Face folder
+    holds) and its shape, in state-dict order (from a meta-built model: no memory, no
+    collective)."""
+    state = meta_model(job.cfg.model).state_dict()
+    return {fqn: v.shape for fqn, v in state.items() if not hf or in_hf(fqn, job.cfg.model)}
 
 
 def world_group(job: Job) -> tuple[dist.ProcessGroup, datetime.timedelta]:
@@ -116,46 +110,55 @@ def world_group(job: Job) -> tuple[dist.ProcessGroup, datetime.timedelta]:
 
 def load_hf(job: Job, folder: str | Path) -> None:
     """Copy a Hugging Face folder's weights (``config.hf_config.FAMILIES``) into the sharded
-    model, after checking that its config.json describes the model the config
-    builds."""
-    config = check_matches(job.cfg.model, folder)
+    model (its config.json was checked against the config before any rank started:
+    ``preflight``)."""
     state = model_state(job)
-    tied = bool(config.get("tie_word_embeddings", False))
+    tied = folder_fields(folder)["tie_embeddings"]
     keys = hf_keys(list(state), job.cfg.model, tied)
     group, timeout = world_group(job)
     with in_flight("Hugging Face load", str(folder), group, timeout):
         load_hf_safetensors(folder, state, keys, process_group=group, frames=frames_of(job))
 
 
-def export_hf(job: Job, folder: Path | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """The model as a Hugging Face folder (``dump_folder/hf`` by default) that
-    ``from_pretrained`` loads; with the tokenizer's files when the run used a
-    tokenizer.json. Every rank calls it."""
+def export(
+    job: Job,
+    folder: Path | None = None,
+    hf: bool = True,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
+    """The final model through ``flexshard.checkpoint.export_safetensors``, in
+    ``checkpoint.export_dtype``. ``hf``: a Hugging Face folder (``dump_folder/hf`` by
+    default) that ``from_pretrained`` loads: Hugging Face names, its config.json, and
+    the tokenizer's files when the run used a tokenizer.json. Else the trainer's own
+    state dict under its own names (MTP and balance biases included), in the dump
+    folder by default (``model.safetensors`` up to ``max_shard_bytes``). Every rank
+    calls it; returns the folder."""
     cfg = job.cfg
-    folder = folder or job.folder / HF_FOLDER
+    folder = folder or (job.folder / HF_FOLDER if hf else job.folder)
     dtype = cfg.checkpoint.export_dtype
-    config = hf_config(cfg.model, dtype, cfg.training.seq_len)  # refusals first
-    shapes = whole_shapes(job)
+    config = hf_config(cfg.model, dtype, cfg.training.seq_len) if hf else {}  # refusals first
+    shapes = whole_shapes(job, hf)
+    keys = hf_keys(list(shapes), cfg.model) if hf else None
     group, timeout = world_group(job)
-    with in_flight("Hugging Face export", str(folder), group, timeout):
-        save_hf_safetensors(
+    what = "Hugging Face export" if hf else "safetensors export"
+    with in_flight(what, str(folder), group, timeout):
+        export_safetensors(
+            model_state(job, hf),
             folder,
-            model_state(job),
-            hf_keys(list(shapes), cfg.model),
+            keys,
             DTYPES[dtype],
             max_shard_bytes,
             process_group=group,
             shapes=shapes,
             frames=frames_of(job),
         )
-    if job.rank == 0:
+    if hf and job.rank == 0:
         tokenizer = getattr(job, "tokenizer", None)
         if tokenizer is not None and hasattr(tokenizer, "save"):
             config.update(tokenizer.special_ids())
             tokenizer.save(folder)
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    with in_flight("barrier after the Hugging Face export", str(folder), group, timeout):
-        dist.barrier(group=group)
+    _barrier(job, f"barrier after the {what}", folder)
     return folder
 
 
@@ -316,13 +319,3 @@ def initial_load(job: Job) -> None:
         load(c.initial_load_path, model, frames=frames, timeout=timeout, require_manifest=False)
     if job.rank == 0:
         print(f"initial weights from {c.initial_load_path}", flush=True)
-
-
-def export(job: Job) -> Path:
-    """The final model, unsharded, as ``model.safetensors`` in the dump folder."""
-    path = job.folder / "model.safetensors"
-    full = full_model_state(job.parallel, job.meshes)
-    if job.rank == 0:
-        write_safetensors(full, path)
-    _barrier(job, "barrier after the export", path)
-    return path

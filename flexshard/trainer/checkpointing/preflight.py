@@ -103,6 +103,7 @@ def check_checkpoints(cfg: Config) -> None:
             check_matches(cfg.model, path)  # config.json against [model], keys named
             if not any(path.glob("*.safetensors")):
                 raise StartupError("checkpoint", f"{key} '{path}': no *.safetensors file")
+            check_hf_files(path)
         elif not (path / ".metadata").is_file():
             raise StartupError(
                 "checkpoint",
@@ -114,13 +115,22 @@ def check_checkpoints(cfg: Config) -> None:
             check_checkpoint_shapes(cfg, path, fix)
 
 
+def check_hf_files(path: Path) -> None:
+    """A Hugging Face folder's safetensors files whole (a truncated download, a file of
+    something else): a StartupError naming the file, before any rank reads it."""
+    from flexshard.checkpoint.hf_safetensors import check_safetensors_folder
+
+    try:
+        check_safetensors_folder(path)
+    except ValueError as err:
+        raise StartupError("checkpoint", str(err)) from None
+
+
 def model_shapes(cfg: Config) -> dict[str, torch.Size]:
     """Every parameter's whole shape, by FQN, from a model built on meta (no memory)."""
-    from ..models.model import Transformer
+    from ..models.model import meta_model
 
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    return {fqn: p.shape for fqn, p in model.named_parameters()}
+    return {fqn: p.shape for fqn, p in meta_model(cfg.model).named_parameters()}
 
 
 def check_checkpoint_shapes(cfg: Config, path: Path, fix: str) -> None:

@@ -47,5 +47,6 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig) ->
 
 
 def current_lr(scheduler: LambdaLR) -> float:
-    """The first param group's lr for the coming step."""
-    return scheduler.get_last_lr()[0]
+    """``training.lr``'s value for the coming step: the last param group's (under Muon the
+    AdamW group follows the ones at ``muon_lr``)."""
+    return scheduler.get_last_lr()[-1]

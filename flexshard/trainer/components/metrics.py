@@ -134,6 +134,15 @@ def summary_table(records: list[dict[str, Any]], header: dict[str, Any]) -> str:
         f"{'peak memory MB':<22} {max(r['peak_memory_mb'] for r in records):.1f}",
         f"{'grad norm last':<22} {records[-1]['grad_norm']:.4f}",
     ]
+    if "reward" in records[0]:  # RL: noisy per step, so the first and last tenth's means
+        tenth = max(1, len(records) // 10)
+        for key in ("reward", "solved"):
+            first = sum(r[key] for r in records[:tenth]) / tenth
+            last = sum(r[key] for r in records[-tenth:]) / tenth
+            lines.append(
+                f"{key + ' first -> last':<22} {first:.3f} -> {last:.3f}"
+                f"  (means of {tenth} steps each)"
+            )
     validated = [r for r in records if "val_loss" in r]
     if validated:
         last = validated[-1]

@@ -79,7 +79,8 @@ def build_optimizer(
         )
     return muon_and_adamw(
         view,
-        lr=cfg.lr,
+        lr=cfg.muon_lr,
+        adamw_lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         adamw_betas=betas,
         row_blocks=muon_row_blocks(model_cfg),
@@ -87,6 +88,6 @@ def build_optimizer(
         # head would hand its own last matrix to AdamW
         adamw_patterns=("output.weight",),
         detect_head=False,
-        # Moonlight's scaling: Muon's update RMS matches AdamW's, so one lr serves both
+        # Moonlight's scaling: Muon's update RMS matches AdamW's at the same rate
         adjust_lr_fn="match_rms_adamw",
     )

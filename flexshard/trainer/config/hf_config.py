@@ -339,11 +339,14 @@ def model_fields(config: dict[str, Any]) -> dict[str, Any]:
     return FAMILIES[kind].fields(config)
 
 
-def read_config(folder: str | Path) -> dict[str, Any]:
+def folder_fields(folder: str | Path) -> dict[str, Any]:
+    """The ``[model]`` keys of a Hugging Face folder's config.json: the one reading of
+    it, for training (the config loader), generation, the start-up checks and the
+    Hugging Face load."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ConfigError(f"'{folder}' has no config.json: not a Hugging Face model folder")
-    return json.loads(path.read_text())
+    return model_fields(json.loads(path.read_text()))
 
 
 def _have(cfg: ModelConfig, key: str) -> Any:
@@ -362,11 +365,12 @@ _LAYER_CHOICE = ("moe.first_dense_layers", "moe.decoder_sparse_step", "moe.mlp_o
 
 
 def check_matches(cfg: ModelConfig, folder: str | Path) -> dict[str, Any]:
-    """The folder's config.json, or a ConfigError listing the ``[model]`` keys that
-    differ (with the overrides that would make them match). A tied folder loads into an
-    untied model too (the output starts as a copy of the embedding)."""
-    config = read_config(folder)
-    wanted = model_fields(config)
+    """The folder's ``[model]`` keys (``folder_fields``), or a ConfigError listing the
+    ones that differ from ``cfg`` (with the overrides that would make them match). A
+    tied folder loads into an untied model too (the output starts as a copy of the
+    embedding)."""
+    fields = folder_fields(folder)
+    wanted = dict(fields)
     moe = wanted.pop("moe")
     wanted.update({f"moe.{k}": v for k, v in moe.items()})
     rope = wanted.pop("rope_scaling", {})
@@ -387,4 +391,4 @@ def check_matches(cfg: ModelConfig, folder: str | Path) -> dict[str, Any]:
             f"{', '.join(f'{k} ({_have(cfg, k)} here, {v} there)' for k, v in wrong.items())}"
             f"; set them: {fix}"
         )
-    return config
+    return fields

@@ -10,7 +10,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from .hf_config import model_fields, read_config
+from .hf_config import folder_fields
 from .schema import (
     ActivationCheckpointConfig,
     Config,
@@ -163,7 +163,7 @@ def _model_from_folder(table: dict[str, Any]) -> dict[str, Any]:
         return table
     if not Path(path).is_dir():
         return table
-    return {**table, "model": _merge(model_fields(read_config(path)), given)}
+    return {**table, "model": _merge(folder_fields(path), given)}
 
 
 def _vocab_from_tokenizer(cfg: Config, table: dict[str, Any]) -> None:

@@ -160,6 +160,9 @@ class TrainingConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     # soap/shampoo: pytorch-optimizer's, on every parameter through MatrixOptimizer
     optimizer: Literal["adamw", "muon", "soap", "shampoo"] = "adamw"
+    # Muon's rate for the hidden matrices (lr: AdamW's, for the rest): of a sweep on the
+    # debug configs, the one that beats AdamW at every lr tried on both (docs/muon.md)
+    muon_lr: float = 6e-2
     max_norm: float = 1.0  # 0: no clipping (the norm is still measured)
     mixed_precision: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -192,7 +195,7 @@ class CheckpointConfig:
     interval: int = 10  # steps between saves
     folder: str = "checkpoint"  # under dump_folder
     resume: bool = True  # continue from the latest checkpoint in folder, if any
-    export_safetensors: bool = False  # final model as model.safetensors in dump_folder
+    export_safetensors: bool = False  # final model, trainer names: dump_folder/model.safetensors
     initial_load_path: str = ""  # start (when not resuming) from this DCP or HF folder
     initial_load_in_hf: bool = False  # initial_load_path is a Hugging Face model folder
     last_save_in_hf: bool = False  # final model as a Hugging Face folder, dump_folder/hf

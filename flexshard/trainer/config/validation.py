@@ -275,8 +275,8 @@ def validate(cfg: Config) -> None:
         _check_routing(m)
     if moe.bias_update_rate < 0 or moe.aux_loss_coef < 0:
         raise ConfigError("model.moe.bias_update_rate and aux_loss_coef must be >= 0")
-    if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
-        raise ConfigError("training.lr must be > 0 and training.min_lr_ratio in [0, 1]")
+    if t.lr <= 0 or t.muon_lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError("training.lr and muon_lr must be > 0 and training.min_lr_ratio in [0, 1]")
     if t.warmup_steps < 0 or t.max_norm < 0 or t.weight_decay < 0:
         raise ConfigError("training.warmup_steps, max_norm and weight_decay must be >= 0")
     if len(t.betas) != 2:

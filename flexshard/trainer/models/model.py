@@ -306,10 +306,16 @@ def init_weights(model: nn.Module, seed: int) -> None:
             init_module(module)
 
 
+def meta_model(cfg: ModelConfig) -> Transformer:
+    """The model built on meta, for its names and shapes: no memory, nothing
+    initialised, no collective."""
+    with torch.device("meta"):
+        return Transformer(cfg)
+
+
 def count_params(cfg: ModelConfig) -> tuple[int, int]:
     """(all parameters, parameters active per token without the embedding table)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    model = meta_model(cfg)
     total = sum(p.numel() for p in model.parameters())
     # the table is looked up, not multiplied, unless it is also the output projection
     active = total - (0 if cfg.tie_embeddings else model.tok_embeddings.weight.numel())

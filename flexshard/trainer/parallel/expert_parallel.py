@@ -221,12 +221,10 @@ def expert_frames(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[in
     return frames
 
 
-def gather_expert_weights(
-    model: nn.Module, state_dict: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """A full state dict (e.g. ``fs.full_state_dict``) of an EP model with every
-    expert weight all-gathered across its EP group: the single-process model's state
-    dict, as a checkpoint for any other layout wants it. Every EP rank must call it."""
+def whole_experts(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``fs.full_state_dict(model)``'s state with every expert weight ``apply_ep`` split
+    all-gathered across its EP group (the ``assemble`` step for EP; unchanged without
+    EP). Every EP rank must call it."""
     out = dict(state_dict)
     for fqn, parallel in _split_experts(model):
         for name in ("w1", "w2", "w3"):

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import flexshard as fs
+from flexshard.fsdp.state_dict import Assemble
 
 from ..config import Config, ConfigError
 from ..models.layers import loss_fn
@@ -28,7 +28,7 @@ from .activation_checkpoint import apply_ac
 from .context_parallel import apply_cp, check_cp, split_sequence
 from .dims import Meshes, ParallelDims
 from .exchange import configured_timeout
-from .expert_parallel import apply_ep, check_ep, check_ep_ranks
+from .expert_parallel import apply_ep, check_ep, check_ep_ranks, whole_experts
 from .pipeline import PipelineRunner, build_pipeline, check_pipeline, init_stage_params
 from .sharding import apply_dp, check_backend_options, mp_policy
 from .tensor_parallel import apply_tp, check_tp
@@ -56,17 +56,19 @@ def apply_compile(module: nn.Module, cfg: Config) -> None:
 
 
 def parallelize(
-    cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device
+    cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device, init: bool = True
 ) -> Parallelized:
     """TP -> EP -> PP split -> CP -> AC -> compile -> DP, every rank ending with the
     single process's seeded weights. flexshard: built on meta and initialised after
     sharding, module by module (no rank ever holds the whole model); FSDP2: built whole
-    on ``device`` first."""
+    on ``device`` first. ``init=False``: the weights are left uninitialised, for a
+    caller that loads them (generation) or only reads the layout (the planner, on
+    meta, where initialising would write nothing)."""
     par = cfg.parallelism
     on_meta = par.dp_backend == "flexshard"
     with torch.device("meta" if on_meta else device):
         model = Transformer(cfg.model)
-    if not on_meta:
+    if init and not on_meta:
         init_weights(model, cfg.training.seed)
     if model.mtp is not None:  # the MTP term follows the loss's division by grad_accum
         model.mtp.loss_scale = 1 / cfg.training.grad_accum
@@ -89,6 +91,7 @@ def parallelize(
         parallel = Parallelized([finish(model)], None, expert_fqns)
         if on_meta:
             parallel.modules[0].to_empty(device=device)
+        if on_meta and init:
             torch.manual_seed(cfg.training.seed)
             fs.init_params(parallel.modules[0], init_module)
         return parallel
@@ -104,9 +107,10 @@ def parallelize(
         activation_dtype=param_dtype or torch.float32,
         sequence_shards=dims.tp if sequence_parallel else 1,
     )
-    if on_meta:  # each stage continues the single process's random stream
+    if on_meta:
         for module in runner.modules:
             module.to_empty(device=device)
+    if on_meta and init:  # each stage continues the single process's random stream
         init_stage_params(runner.modules, cfg.training.seed, init_module)
     return Parallelized(list(runner.modules), runner, expert_fqns)
 
@@ -121,39 +125,31 @@ def local_batch(
 
 
 # ------------------------------------------------------------------ the full model
-def full_model_state(
-    parallel: Parallelized, meshes: Meshes, parameters_only: bool = False
-) -> dict[str, torch.Tensor]:
-    """The whole model's state dict (``parameters_only``: without its buffers), gathered
-    on every rank (tests, export), by name. Each module's through torch's full
-    ``get_model_state_dict``, the FSDP2 contract both backends keep (flexshard's
-    placements and TP's pieces are DTensors it gathers); then EP's experts and PP's
-    stages put back together."""
-    state: dict[str, torch.Tensor] = {}
-    full = StateDictOptions(full_state_dict=True)
-    for module in parallel.modules:
-        names = dict(module.named_parameters()) if parameters_only else None
-        for name, value in get_model_state_dict(module, options=full).items():
-            if names is None or name in names:
-                state[name] = value
-    for name, value in list(state.items()):
-        if meshes.ep is not None and any(name.startswith(f + ".") for f in parallel.expert_fqns):
-            group = meshes.ep.get_group()
-            pieces = [torch.empty_like(value) for _ in range(group.size())]
-            dist.all_gather(pieces, value.contiguous(), group=group)
-            state[name] = torch.cat(pieces)
-    if meshes.pp is not None:
+def whole_model(module: nn.Module, meshes: Meshes) -> Assemble:
+    """``fs.full_state_dict``'s ``assemble`` for ``module``, one of this rank's modules:
+    EP's expert slices gathered across the EP group, then (PP) the stages' states
+    exchanged, so that every rank holds the whole model. Every rank calls it, for each
+    of its modules in turn (every pp rank runs as many)."""
+
+    def assemble(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        state = whole_experts(module, state)
+        if meshes.pp is None:
+            return state
         stages: list[Any] = [None] * meshes.pp.size()
         mine = {k: v.cpu() for k, v in state.items()}
         dist.all_gather_object(stages, mine, group=meshes.pp.get_group())
-        for stage in stages:
-            state.update(stage)
+        return {name: value for stage in stages for name, value in stage.items()}
+
+    return assemble
+
+
+def full_model_state(parallel: Parallelized, meshes: Meshes) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, gathered on every rank (tests), by name: each
+    module's ``fs.full_state_dict``, assembled by ``whole_model``."""
+    state: dict[str, torch.Tensor] = {}
+    for module in parallel.modules:
+        state.update(fs.full_state_dict(module, whole_model(module, meshes)))
     return {name: state[name] for name in sorted(state)}
-
-
-def full_parameters(parallel: Parallelized, meshes: Meshes) -> dict[str, torch.Tensor]:
-    """``full_model_state``'s parameters."""
-    return full_model_state(parallel, meshes, parameters_only=True)
 
 
 def checked_dims(cfg: Config, world_size: int) -> ParallelDims:

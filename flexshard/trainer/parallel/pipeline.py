@@ -349,10 +349,9 @@ def init_stage_params(
     values a single process draws for the whole model after ``torch.manual_seed(seed)``,
     module by module. Modules of other stages consume the random stream on throwaway
     tensors, so each stage continues the stream where the whole model would."""
-    from ..models.model import Transformer
+    from ..models.model import meta_model
 
-    with torch.device("meta"):
-        whole = Transformer(modules[0].cfg)
+    whole = meta_model(modules[0].cfg)
     pending = iter(
         (fqn, sub)
         for fqn, sub in whole.named_modules()

@@ -1,12 +1,12 @@
-"""Which matrices of a parameter an adapted optimizer steps on this rank without
-communication, and which must travel to an owner first. Decided from the bucket layout
-of every rank, so all ranks of a shard group agree.
+"""MatrixOptimizer's parameters as the matrices its inner optimizer steps.
 
 A *matrix* is what a per-matrix optimizer (Shampoo, SOAP, PSGD, Muon) preconditions on
 its own: a 2-D parameter, one expert of a ``[E, R, C]`` stack, or any other tensor
-whole. Storage that holds whole matrices (Owned, whole experts, a plain tensor) is
-stepped in place through *proxies*: plain tensors viewing the local storage, which the
-inner optimizer sees as its parameters.
+whole. Each parameter is resolved (by :func:`.matrices.classify`) into the matrices
+this rank holds whole, stepped in place through *proxies* (plain tensors viewing the
+local storage, which the inner optimizer sees as its parameters), or a target that
+travels to an owner first. Each matrix's inner state is one :class:`MatrixState`
+under a key that names it the same way under any placement.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import torch
 
 from ..placements import Region
 from ..runtime.bucket import Bucket
-from ..runtime.dtensor import local_of
-from .matrices import Block, Kind, Rules, Target, classify, rank_work
-from .units import matrices, pieces
+from ..runtime.dtensor.tensor_parallel import local_of
+from .matrices import Block, Kind, Rules, Target, classify, pieces, rank_work, units_of
 
 Shape = tuple[int, ...]
 Cost = Callable[[Shape], float]
@@ -129,7 +128,7 @@ def resolve_param(
         mine = _regions_here(target)
         experts = [
             LocalMatrix(state_key(e), matrix, piece.local, _view(local, piece.local, matrix))
-            for e, matrix in matrices(shape)
+            for e, matrix in units_of(shape)
             for piece in pieces(mine, shape, e)
         ]
         return Resolved(param, name, experts, None, work)

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from ..runtime.dtensor import RegionTensor, chunks_of
+from ..runtime.dtensor.chunks import RegionTensor, chunks_of
 from ..torch_internals import dtensor_spec, local_tensor
 
 
