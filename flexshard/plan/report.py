@@ -13,6 +13,7 @@ import torch
 from flexshard.trainer.config import Config
 from flexshard.trainer.models.model import count_params
 from flexshard.trainer.parallel.dims import ParallelDims
+from flexshard.trainer.parallel.parallelize import checked_dims
 from flexshard.trainer.parallel.sharding import muon_row_blocks
 
 from .activations import dense_equivalent, tp_share
@@ -46,7 +47,7 @@ def planning_config(cfg: Config) -> Config:
 
 def build_stages(cfg: Config, world: int, rank: int | None) -> tuple[ParallelDims, list[list]]:
     """Buckets of ``rank`` (or of the first rank of every pipeline stage)."""
-    dims = ParallelDims.from_config(cfg.parallelism, world)
+    dims = checked_dims(cfg, world)
     ranks = [rank] if rank is not None else stage_ranks(dims)
     stages = []
     for r in ranks:

@@ -15,8 +15,7 @@ from torch import nn
 from flexshard.torch_internals import FakeStore
 from flexshard.trainer.config import Config
 from flexshard.trainer.parallel.dims import Meshes, ParallelDims
-from flexshard.trainer.parallel.parallelize import parallelize
-from flexshard.trainer.train import check_backend_options
+from flexshard.trainer.parallel.parallelize import checked_dims, parallelize
 
 META = torch.device("meta")
 
@@ -52,8 +51,7 @@ class RankBuild:
 def build_rank(cfg: Config, world_size: int, rank: int) -> RankBuild:
     """The trainer's model for ``rank``, sharded as ``setup`` would shard it, on meta.
     Call inside :func:`fake_world`."""
-    check_backend_options(cfg)
-    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    dims = checked_dims(cfg, world_size)
     mesh = dims.build_mesh("cpu")
     meshes = dims.meshes(mesh)
     # weights do not exist on meta: initialising them would only walk every rank's

@@ -20,12 +20,11 @@ from flexshard.runtime.module import own_buckets
 
 from .config import Config, ConfigError, config_from_dict, load_config
 from .config.hf_config import folder_fields
-from .data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, open_tokenizer
+from .config.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, open_tokenizer
 from .models.hf_adapter import hf_keys
 from .models.layers import KVCache
 from .models.model import Transformer
-from .parallel.dims import ParallelDims
-from .parallel.parallelize import parallelize
+from .parallel.parallelize import checked_dims, parallelize
 
 
 @torch.no_grad()
@@ -122,7 +121,7 @@ def load_sharded(checkpoint: str | Path, config: str | None = None) -> tuple[nn.
     built on meta and left uninitialised for the checkpoint: no rank holds it whole."""
     cfg = run_config(checkpoint, config)
     cfg = config_from_dict({"model": cfg.to_dict()["model"]})  # default parallelism
-    dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
+    dims = checked_dims(cfg, dist.get_world_size())
     meshes = dims.meshes(dims.build_mesh("cpu"))
     (model,) = parallelize(cfg, dims, meshes, torch.device("cpu"), init=False).modules
     load_weights(model, cfg, checkpoint)

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
     import torch.multiprocessing as mp
 
+    from .parallel.dims import ParallelDims
+
 
 def leave_together() -> None:
     """Every rank done before any tears gloo down: a rank that exits while its peers
@@ -112,7 +114,7 @@ def spawn_local(
     )
 
 
-def _rank_main(local_rank: int, table: dict, errors: SimpleQueue) -> None:
+def _rank_main(local_rank: int, table: dict, dims: ParallelDims, errors: SimpleQueue) -> None:
     """One spawned rank of the job; a ConfigError goes to the parent as its line
     (printed once there), not a traceback."""
     import torch.distributed as dist
@@ -120,7 +122,7 @@ def _rank_main(local_rank: int, table: dict, errors: SimpleQueue) -> None:
     from .train import run
 
     try:
-        run(config_from_dict(table))
+        run(config_from_dict(table), dims)
         leave_together()
     except ConfigError as err:
         errors.put(one_line(err))
@@ -130,7 +132,7 @@ def _rank_main(local_rank: int, table: dict, errors: SimpleQueue) -> None:
             dist.destroy_process_group()
 
 
-def spawn(cfg: Config, nproc: int) -> None:
+def spawn(cfg: Config, dims: ParallelDims, nproc: int) -> None:
     """Run the job on ``nproc`` local processes. A rank's ConfigError (a checkpoint that
     does not fit, a text too short) exits with its one line; any other failure raises
     the rank's traceback."""
@@ -142,7 +144,7 @@ def spawn(cfg: Config, nproc: int) -> None:
     # failure: a consequence, not the cause the line or traceback below gives
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
-        spawn_local(_rank_main, nproc, (cfg.to_dict(), errors))
+        spawn_local(_rank_main, nproc, (cfg.to_dict(), dims, errors))
     except ProcessException:
         # the other ranks fail too once one leaves (their collectives break): the
         # ConfigError is the cause, whichever rank the join saw first
@@ -211,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     from .checkpointing.preflight import check_before_start
-    from .parallel.dims import ParallelDims
+    from .parallel.parallelize import checked_dims
+    from .rl.grpo import check_rl
     from .train import run
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -220,17 +223,18 @@ def main(argv: list[str] | None = None) -> None:
         if args.nproc is not None and args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
         world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc or 1
-        ParallelDims.from_config(cfg.parallelism, world_size)  # a layout that fits, or say so
+        dims = checked_dims(cfg, world_size)  # a layout that fits, or say so
+        check_rl(cfg, dims)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_torchrun else world_size
         check_before_start(cfg, local)
     except ConfigError as err:
         # under torchrun every rank checks its machine; one line per machine is enough
         exit_on_config_error(err, not under_torchrun or os.environ.get("LOCAL_RANK", "0") == "0")
     if not under_torchrun:
-        spawn(cfg, args.nproc or 1)  # a plain `python -m flexshard.trainer`: one local rank
+        spawn(cfg, dims, args.nproc or 1)  # a plain `python -m flexshard.trainer`: one local rank
         return
     try:
-        run(cfg)
+        run(cfg, dims)
         leave_together()
     except ConfigError as err:  # the ranks meet the same input: rank 0 says it
         exit_on_config_error(err, os.environ["RANK"] == "0")

@@ -16,11 +16,8 @@ import flexshard as fs
 from .checkpointing import checkpoints as checkpointing
 from .checkpointing.checkpoints import Job
 from .checkpointing.preflight import load_errors
-from .config import Config, ConfigError
-from .data.dataset import DPSampler, ValidationBatches, load_tokens, split_tokens
-from .data.tokenizer import load_tokenizer
-from .lr_schedule import build_lr_scheduler, current_lr
-from .metrics import (
+from .components.lr_schedule import build_lr_scheduler, current_lr
+from .components.metrics import (
     MetricsWriter,
     ProgressBar,
     peak_flops_per_rank,
@@ -29,27 +26,18 @@ from .metrics import (
     read_metrics,
     summary_table,
 )
+from .components.optimizers import build_optimizer
+from .config import Config
+from .config.tokenizer import load_tokenizer
+from .data.dataset import DPSampler, ValidationBatches, load_tokens, split_tokens
 from .models.layers import loss_fn
 from .models.model import count_params, flops_per_token
 from .models.moe import step_balance, tokens_per_expert
 from .models.mtp import take_step_loss
-from .optimizers import build_optimizer
 from .parallel import bounded_waits
 from .parallel.dims import ParallelDims, init_distributed, pick_device
 from .parallel.exchange import configured_timeout, exchange_bytes
-from .parallel.parallelize import Parallelized, local_batch, parallelize
-
-
-def check_backend_options(cfg: Config) -> None:
-    par = cfg.parallelism
-    if par.dp_backend == "fsdp2":
-        if par.placement != "shard0" or par.buckets:
-            raise ConfigError(
-                'parallelism.placement and parallelism.buckets apply to dp_backend = "flexshard";'
-                ' torch FSDP2 always shards dim 0 (use placement = "shard0")'
-            )
-        if cfg.training.optimizer == "muon":
-            raise ConfigError('training.optimizer = "muon" runs on dp_backend = "flexshard" only')
+from .parallel.parallelize import Parallelized, checked_dims, local_batch, parallelize
 
 
 def clip_gradients(job: Job) -> float:
@@ -76,11 +64,13 @@ def clip_gradients(job: Job) -> float:
     return float(norm)
 
 
-def setup(cfg: Config) -> Job:
-    check_backend_options(cfg)
+def setup(cfg: Config, dims: ParallelDims | None = None) -> Job:
+    """Everything the loop needs on this rank. ``dims``: the layout the launcher built
+    and checked before starting the ranks; None: built here for the world joined."""
     device = pick_device(cfg.training.device)
     init_distributed(device, cfg.parallelism.timeout_s)  # the world's waits bounded too
-    dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
+    if dims is None:
+        dims = checked_dims(cfg, dist.get_world_size())
     mesh = dims.build_mesh(device.type)
     meshes, dp_rank = dims.meshes(mesh), dims.dp_rank(mesh)
     t = cfg.training
@@ -92,8 +82,6 @@ def setup(cfg: Config) -> Job:
     else:
         tokens, validation = load_tokens(cfg.data, tokenizer), None
     if cfg.validation.enable:
-        if dims.pp > 1:
-            raise ConfigError("validation.enable: not wired with parallelism.pp > 1 yet")
         tokens, held_out = split_tokens(tokens, cfg.validation.fraction)
         validation = ValidationBatches(held_out, t.seq_len, t.batch_size, dp_rank, dims.dp_size)
     sampler = DPSampler(
@@ -154,7 +142,11 @@ def train_step(job: Job, step: int) -> tuple[float, float, float]:
             local_loss += loss.detach()
     grad_norm = clip_gradients(job)
     job.optimizer.step()
-    step_balance(job.parallel.modules, job.meshes.dp.get_all_groups(), timeout)  # MoE load
+    dp_groups = job.meshes.dp.get_all_groups()
+    step_balance(
+        job.parallel.modules,
+        bounded_waits.all_reduce_over(dp_groups, "MoE load all-reduce", timeout),
+    )
     job.lr_scheduler.step()
     job.optimizer.zero_grad(set_to_none=True)
     # the global batch's loss: mean over all ranks; tp and pp ranks hold the same value
@@ -203,9 +195,9 @@ def _comm_bytes(parallel: Parallelized) -> dict[str, int] | None:
     return sent
 
 
-def run(cfg: Config) -> list[dict[str, Any]]:
+def run(cfg: Config, dims: ParallelDims | None = None) -> list[dict[str, Any]]:
     """Train; return this rank's per-step records (rank 0 also writes them out)."""
-    job = setup(cfg)
+    job = setup(cfg, dims)
     t, leader = cfg.training, job.rank == 0
     with load_errors(cfg):  # one line naming the checkpoint, not a traceback per rank
         start_step = checkpointing.maybe_resume(job)

@@ -140,8 +140,8 @@ def trainer_muon(mesh: DeviceMesh | None, steps: int) -> list[float]:
     """The trainer's Muon recipe (``placement = "muon"`` buckets: per-head BlockShard
     q/k/v, Owned matrices; DistMuon + AdamW with per-head row blocks) under dp x tp,
     or in one process when ``mesh`` is None; returns the global batch's losses."""
+    from flexshard.trainer.components.optimizers import build_optimizer
     from flexshard.trainer.config import config_from_dict
-    from flexshard.trainer.optimizers import build_optimizer
     from flexshard.trainer.parallel.sharding import bucket_specs
 
     cfg = config_from_dict(

@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import torch
 
+from flexshard.trainer.components.lr_schedule import lr_factor
+from flexshard.trainer.components.optimizers import build_optimizer
 from flexshard.trainer.config import Config, TrainingConfig, config_from_dict
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, load_tokens
-from flexshard.trainer.lr_schedule import lr_factor
 from flexshard.trainer.models.model import Transformer, init_weights, meta_model
-from flexshard.trainer.optimizers import build_optimizer
-from flexshard.trainer.parallel.parallelize import full_model_state
+from flexshard.trainer.parallel.dims import ParallelDims
+from flexshard.trainer.parallel.parallelize import checked_dims, full_model_state
 from flexshard.trainer.train import Job, loss_fn
 
 STEPS = 20
+
+
+def launch_dims(cfg: Config) -> ParallelDims:
+    """The layout ``flexshard-train`` builds for ``cfg`` before spawning, on the world
+    its degrees make (``dp_shard = -1``: one)."""
+    p = cfg.parallelism
+    world = p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp * p.pp
+    return checked_dims(cfg, world)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, step: int, t: TrainingConfig) -> None:

@@ -41,6 +41,7 @@ from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.model import Transformer
 from flexshard.trainer.train import run, setup
 
+from ..helpers.trainer_cases import launch_dims
 from .test_parallel_layouts import QWEN3, layout_config
 
 # 6 steps, no clipping (the backends sum the norm in different orders), constant lr
@@ -341,7 +342,7 @@ def test_first_dense_layers_export_as_mlp_only_layers(tmp_path):
 def test_tied_embedding_under_pp_is_refused(tmp_path):
     folder = _write(tmp_path / "hf", {**QWEN3_JSON, "tie_word_embeddings": True})
     with pytest.raises(ConfigError, match="model.tie_embeddings = true with parallelism.pp = 2"):
-        config_from_dict(from_folder(folder, parallelism={"pp": 2}))
+        launch_dims(config_from_dict(from_folder(folder, parallelism={"pp": 2})))
     # untied by the [model] key: the output starts as a copy of the embedding
     cfg = config_from_dict(
         from_folder(folder, parallelism={"pp": 2}, model={"tie_embeddings": False})

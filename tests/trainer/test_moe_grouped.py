@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from flexshard.testing import run_distributed
+from flexshard.trainer.components.metrics import summary_table
 from flexshard.trainer.config import ConfigError, config_from_dict
-from flexshard.trainer.metrics import summary_table
 from flexshard.trainer.models.model import MoE, Transformer, init_weights
 from flexshard.trainer.models.moe import (
     GROUP_ALIGN,
@@ -113,7 +113,7 @@ def test_bias_selects_and_updates():
     weights, chosen = balance.select(scores, 2)
     assert chosen.tolist() == [[0, 1], [1, 2]]
     balance.account(weights, scores, chosen)  # load [1, 2, 1, 0], mean 1
-    balance.step([])
+    balance.step()
     assert balance.last_load == [1, 2, 1, 0]
     assert balance.bias.tolist() == [0.0, -0.5, 0.0, 0.5]
     weights, chosen = balance.select(scores, 2)
@@ -203,7 +203,7 @@ def test_bias_balance_under_ep_matches_one_rank(tmp_path):
 
 def test_step_balance_without_moe_is_a_no_op():
     dense = Transformer(config_from_dict({}).model)
-    step_balance([dense], [])
+    step_balance([dense])
     assert tokens_per_expert([dense]) == {}
 
 
@@ -223,7 +223,7 @@ def test_compiled_moe_matches_eager(dtype):
         for _ in range(2):
             out = run(x)
             out.float().sum().backward()
-            step_balance([moe], [])
+            step_balance([moe])
             steps.append((out.detach(), moe.balance.bias.clone(), moe.balance.last_load))
         runs.append(steps)
     for (out, bias, load), (c_out, c_bias, c_load) in zip(*runs):

@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from flexshard.testing import run_distributed
+from flexshard.trainer.components.optimizers import build_optimizer
 from flexshard.trainer.config import Config, ConfigError, config_from_dict, load_config
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, load_tokens
 from flexshard.trainer.models.model import Transformer, init_weights
-from flexshard.trainer.optimizers import build_optimizer
 from flexshard.trainer.parallel.dims import ParallelDims
+from flexshard.trainer.parallel.parallelize import checked_dims
 from flexshard.trainer.train import Job, loss_fn, run, setup, train_step
 
-from ..helpers.trainer_cases import set_lr, whole_parameters
+from ..helpers.trainer_cases import launch_dims, set_lr, whole_parameters
 
 STEPS = 10
 # measured worst (4 and 2 ranks): loss 1.6e-7 (dp2xcp2), norm 3.6e-7 (dp2xtp2), final
@@ -326,14 +327,14 @@ def test_bad_layouts_are_config_errors(override, message, tmp_path):
         "[training]\nseq_len = 16\nbatch_size = 2\n"
     )
     with pytest.raises(ConfigError, match=message):
-        load_config(base, override)
+        launch_dims(load_config(base, override))
 
 
 def test_world_size_must_be_the_product_of_the_degrees():
     cfg = layout_config("-", {"dp_shard": 2, "tp": 2, "pp": 2}, None)
     with pytest.raises(ConfigError, match="multiply to 8 .* world size is 4"):
-        ParallelDims.from_config(cfg.parallelism, 4)
+        ParallelDims.from_config(cfg, 4)
     cfg = layout_config("-", {"cp": 2, "ep": 4}, {**MOE, "num_experts": 8})
     with pytest.raises(ConfigError, match="parallelism.ep = 4 must divide dp_shard \\* cp = 2"):
-        ParallelDims.from_config(cfg.parallelism, 2)  # dp_shard inferred as 1
-    assert ParallelDims.from_config(cfg.parallelism, 4).dp_shard == 2
+        checked_dims(cfg, 2)  # dp_shard inferred as 1
+    assert ParallelDims.from_config(cfg, 4).dp_shard == 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -21,14 +22,15 @@ import torch
 
 from flexshard.testing import run_distributed
 from flexshard.trainer.checkpointing.checkpoints import latest_step
+from flexshard.trainer.components.metrics import summary_table
 from flexshard.trainer.config import ConfigError, config_from_dict, load_config
-from flexshard.trainer.metrics import summary_table
 from flexshard.trainer.rl import task
 from flexshard.trainer.rl.batch_invariant import OPS
-from flexshard.trainer.rl.grpo import score
+from flexshard.trainer.rl.grpo import check_rl, score
 from flexshard.trainer.rl.rollout import Completion
 from flexshard.trainer.train import run
 
+from ..helpers.trainer_cases import launch_dims
 from .test_deepseek_layouts import DEEPSEEK_MOE
 from .test_rl_batch_invariant import FAMILIES, ROUTING
 
@@ -113,20 +115,47 @@ def start(starts) -> dict:
         ("model", {"moe": {"num_experts": 4, "top_k": 2}}, "model.moe.num_experts"),
     ],
 )
-def test_refused_at_start_up(section, values, names):
+def test_refused_before_any_rank_starts(section, values, names):
     with pytest.raises(ConfigError, match=names.replace(".", r"\.")):
-        config_from_dict(_table("-", **{section: values}))
+        cfg = config_from_dict(_table("-", **{section: values}))  # a missing tokenizer: here
+        check_rl(cfg, launch_dims(cfg))
+
+
+def test_prompts_per_step_must_divide_the_data_parallel_ranks(capsys, monkeypatch, tmp_path):
+    """Before any rank starts (not in the ranks, after an empty metrics.jsonl is
+    written): one line naming the key and the ranks."""
+    from flexshard.trainer import launch
+
+    def spawn(*_: object) -> None:
+        raise AssertionError("a rank was spawned before the error was found")
+
+    monkeypatch.setattr(launch, "spawn", spawn)
+    table = _table(str(tmp_path), rl={"prompts_per_step": 3})
+    overrides = [
+        f"--{section}.{key}={json.dumps(value)}"
+        for section, values in table.items()
+        for key, value in values.items()
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main(["--nproc", "2", *overrides])
+    line = exit_info.value.code
+    assert isinstance(line, str) and "\n" not in line, line
+    assert "rl.prompts_per_step = 3 is not divisible by the 2 data-parallel ranks" in line
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_deepseek_debug_config_names_what_rl_refuses():
     path = Path(__file__).resolve().parents[2] / "configs" / "deepseek_v3_debug.toml"
+
+    def check(overrides: list[str]) -> None:
+        cfg = load_config(path, overrides)
+        check_rl(cfg, launch_dims(cfg))
+
     with pytest.raises(ConfigError, match=r"model\.mtp_layers = 1"):
-        load_config(path, ["--rl.enable", "true"])
+        check(["--rl.enable", "true"])
     with pytest.raises(ConfigError, match=r"model\.moe\.num_experts"):
-        load_config(
-            path, ["--rl.enable", "true", "--model.mtp_layers", "0", "--rl.batch_invariant", "true"]
-        )
-    assert load_config(path, ["--rl.enable", "true", "--model.mtp_layers", "0"]).rl.enable
+        check(["--rl.enable", "true", "--model.mtp_layers", "0", "--rl.batch_invariant", "true"])
+    check(["--rl.enable", "true", "--model.mtp_layers", "0"])
 
 
 def test_odd_completions_are_counted():

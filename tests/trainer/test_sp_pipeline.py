@@ -18,7 +18,7 @@ from flexshard.trainer.parallel.pipeline import build_pipeline
 from flexshard.trainer.parallel.tensor_parallel import apply_tp
 from flexshard.trainer.train import loss_fn, setup, train_step
 
-from ..helpers.trainer_cases import whole_parameters
+from ..helpers.trainer_cases import launch_dims, whole_parameters
 from .test_parallel_layouts import (
     LOSS_RTOL,
     NORM_RTOL,
@@ -137,7 +137,7 @@ def test_sequence_not_divisible_by_tp_under_pp_is_a_config_error(tmp_path):
     )
     layout = ["--parallelism.tp", "4", "--parallelism.pp", "2"]
     with pytest.raises(ConfigError, match="seq_len / cp = 18 is not divisible by parallelism.tp"):
-        load_config(base, layout)
+        launch_dims(load_config(base, layout))
     # without sequence parallelism the stages send whole sequences: nothing to divide
     cfg = load_config(base, [*layout, "--parallelism.sequence_parallel", "false"])
     assert cfg.parallelism.pp == 2 and not cfg.parallelism.sequence_parallel

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flexshard.trainer.components.lr_schedule import lr_factor
 from flexshard.trainer.config import (
     Config,
     ConfigError,
@@ -21,9 +22,10 @@ from flexshard.trainer.config import (
 )
 from flexshard.trainer.config.validation import hf_format
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, builtin_corpus
-from flexshard.trainer.lr_schedule import lr_factor
 from flexshard.trainer.models.model import Transformer, count_params, init_weights
 from flexshard.trainer.parallel.dims import ParallelDims
+
+from ..helpers.trainer_cases import launch_dims
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -79,13 +81,13 @@ def test_overrides_parse_like_toml_and_win_over_the_file():
         (["--training.steps", "0"], "training.steps = 0: must be at least 1"),
         (["--training.optimizer", "sgd"], "must be one of 'adamw', 'muon'"),
         (["--parallelism.dp_backend", "ddp"], "must be one of 'flexshard', 'fsdp2'"),
-        (["--parallelism.tp", "3"], "parallelism.tp = 3 must divide model.n_heads"),
-        (["--parallelism.ep", "2"], "parallelism.ep = 2"),
         (["--model.n_kv_heads", "3"], "not a multiple of model.n_kv_heads = 3"),
         (["--model.moe.top_k", "9", "--model.moe.num_experts", "4"], "model.moe.top_k = 9"),
         (["--training.steps"], "has no value"),
         (["steps", "3"], "expected an override like --training.steps 20"),
         (["--data.source", "files"], "needs data.paths"),
+        (["--data.paths", '["a.txt"]'], 'data.paths is set but data.source = "builtin"'),
+        (["--data.hf_path", "ds"], 'data.hf_path is set but data.source = "builtin"'),
         (["--model.vocab_size", "100"], "the byte tokenizer needs 256"),
         (["--parallelism.buckets", '[{patterns = "x", placement = "diag"}]'], "buckets[0].place"),
         (["--parallelism.buckets", '[{patterns = "x", owner = 1}]'], "unknown keys ['owner']"),
@@ -95,6 +97,20 @@ def test_overrides_parse_like_toml_and_win_over_the_file():
 def test_bad_config_raises_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_config(CONFIGS / "debug.toml", overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--parallelism.tp", "3"], "parallelism.tp = 3 must divide model.n_heads"),
+        (["--parallelism.ep", "2"], "parallelism.ep = 2"),
+        (["--parallelism.dp_backend", "fsdp2", "--parallelism.placement", "owned"], "apply to"),
+    ],
+)
+def test_bad_layout_raises_before_any_rank_naming_the_key(overrides, message):
+    cfg = load_config(CONFIGS / "debug.toml", overrides)
+    with pytest.raises(ConfigError, match=message):
+        launch_dims(cfg)
 
 
 def test_bad_file_and_world_size_errors(tmp_path):
@@ -109,13 +125,13 @@ def test_bad_file_and_world_size_errors(tmp_path):
     with pytest.raises(ConfigError, match="'model' is a section"):
         load_config(section)
     par = load_config(None, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"])
-    assert ParallelDims.from_config(par.parallelism, 4).dp_size == 4
+    assert ParallelDims.from_config(par, 4).dp_size == 4
     with pytest.raises(ConfigError, match="multiply to 4 .* world size is 3"):
-        ParallelDims.from_config(par.parallelism, 3)
+        ParallelDims.from_config(par, 3)
     auto = load_config(None, ["--parallelism.dp_replicate", "2"])
-    assert ParallelDims.from_config(auto.parallelism, 6).dp_shard == 3
+    assert ParallelDims.from_config(auto, 6).dp_shard == 3
     with pytest.raises(ConfigError, match="not divisible by dp_replicate"):
-        ParallelDims.from_config(auto.parallelism, 3)
+        ParallelDims.from_config(auto, 3)
 
 
 def test_tokenizer_round_trips_the_shipped_corpus():
@@ -190,7 +206,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 
 @pytest.mark.parametrize("decay", ["cosine", "linear", "none"])
 def test_lr_scheduler_gives_the_closed_form_and_resumes(decay):
-    from flexshard.trainer.lr_schedule import build_lr_scheduler
+    from flexshard.trainer.components.lr_schedule import build_lr_scheduler
 
     cfg = TrainingConfig(steps=11, warmup_steps=3, min_lr_ratio=0.1, decay=decay)
     weight = torch.nn.Parameter(torch.ones(3))
@@ -228,7 +244,7 @@ def _record(step: int, loss: float) -> dict:
 
 
 def test_metrics_jsonl_summary_plot_and_tensorboard(tmp_path, monkeypatch):
-    from flexshard.trainer import metrics
+    from flexshard.trainer.components import metrics
 
     writer = metrics.MetricsWriter(tmp_path, tensorboard=True, append=False)
     for step, loss in [(1, 5.0), (2, 4.0), (3, 3.5)]:
@@ -263,7 +279,7 @@ def test_metrics_jsonl_summary_plot_and_tensorboard(tmp_path, monkeypatch):
 def test_progress_bar_is_tqdm_with_loss_and_rate():
     import io
 
-    from flexshard.trainer.metrics import ProgressBar
+    from flexshard.trainer.components.metrics import ProgressBar
 
     stream = io.StringIO()
     bar = ProgressBar(4, initial=1, stream=stream)  # resumed after step 1
@@ -277,7 +293,7 @@ def test_progress_bar_is_tqdm_with_loss_and_rate():
 
 def test_own_text_files_and_backend_option_errors(tmp_path):
     from flexshard.trainer.data.dataset import load_tokens
-    from flexshard.trainer.train import check_backend_options
+    from flexshard.trainer.parallel.sharding import check_backend_options
 
     (tmp_path / "a.txt").write_text("hello ")
     (tmp_path / "b.txt").write_text("world")

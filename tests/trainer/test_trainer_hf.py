@@ -23,11 +23,11 @@ from flexshard.checkpoint.hf_safetensors import (
 from flexshard.testing import run_distributed
 from flexshard.trainer.checkpointing import checkpoints as checkpointing
 from flexshard.trainer.checkpointing.checkpoints import export
+from flexshard.trainer.components.optimizers import build_optimizer
+from flexshard.trainer.config.tokenizer import ByteTokenizer
 from flexshard.trainer.data.dataset import DPSampler, ValidationBatches, load_tokens, split_tokens
-from flexshard.trainer.data.tokenizer import ByteTokenizer
 from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.model import Transformer
-from flexshard.trainer.optimizers import build_optimizer
 from flexshard.trainer.train import loss_fn, run, setup
 
 from ..helpers.trainer_cases import set_lr, tiny_config

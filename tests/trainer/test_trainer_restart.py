@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.utils.distributed import get_free_port
 
-from flexshard.trainer.metrics import read_metrics
+from flexshard.trainer.components.metrics import read_metrics
 
 from ..runtime.test_faults import first_error_line
 

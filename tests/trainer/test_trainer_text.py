@@ -12,8 +12,8 @@ import torch
 
 from flexshard.testing import run_distributed
 from flexshard.trainer.config import ConfigError, config_from_dict, load_config
+from flexshard.trainer.config.tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer
 from flexshard.trainer.data.dataset import builtin_corpus
-from flexshard.trainer.data.tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer
 from flexshard.trainer.generate import generate, load_model, load_sharded
 from flexshard.trainer.models.layers import KVCache
 from flexshard.trainer.models.model import Transformer, init_weights

@@ -41,8 +41,8 @@ from flexshard.checkpoint.logical_model import Model
 
 from ..config.hf_config import folder_fields, hf_config
 from ..config.schema import Config
+from ..config.tokenizer import Tokenizer
 from ..data.dataset import DPSampler, ValidationBatches
-from ..data.tokenizer import Tokenizer
 from ..models.hf_adapter import DTYPES, hf_keys, in_hf
 from ..models.model import meta_model
 from ..parallel.dims import Meshes, ParallelDims

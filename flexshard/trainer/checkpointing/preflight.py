@@ -17,8 +17,8 @@ import torch
 
 from ..config import Config, ConfigError
 from ..config.hf_config import check_matches
+from ..config.tokenizer import load_tokenizer
 from ..data.dataset import data_files
-from ..data.tokenizer import load_tokenizer
 
 # what a checkpoint stores per parameter, in fp32 elements: the weight and the
 # optimizer's two moments (AdamW; Muon keeps fewer, SOAP / Shampoo more), as the

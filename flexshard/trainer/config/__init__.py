@@ -1,5 +1,8 @@
 """The trainer's TOML config: the dataclasses per section (``schema``), the loader with
-command-line overrides (``loader``) and every start-up check (``validation``)."""
+command-line overrides (``loader``), what it reads to fill the model (a Hugging Face
+``config.json``: ``hf_config``; the tokenizer's ids: ``tokenizer``) and the checks of
+the config's own values (``validation``). The bottom layer of the trainer: the checks
+that need a parallelism or a component live beside it."""
 
 from .loader import config_from_dict, load_config, parse_overrides
 from .schema import (

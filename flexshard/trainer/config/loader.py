@@ -16,6 +16,7 @@ from .schema import (
     Config,
     ConfigError,
 )
+from .tokenizer import open_tokenizer, padded_vocab_size
 from .validation import validate
 
 

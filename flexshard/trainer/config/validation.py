@@ -1,28 +1,22 @@
-"""The config's values checked beyond their types: sizes, ranges, what needs what, the
-explicit buckets; the layout checks of the tp / pp / cp / ep degrees are below (one
-place for each, shared with the parallel pieces).
+"""The config's own values checked beyond their types, at load: sizes, ranges, what
+needs what, the explicit buckets, the data source's keys, the optimizer and the
+Hugging Face formats against the layout. Each raises a ConfigError (a ValueError)
+naming the keys.
 
-Which Hugging Face architecture a model config maps to, or why none does: a check
-on the config alone, so the start-up validation runs it without importing the model
-and the adapter (models/hf_adapter.py).
+Which Hugging Face architecture a model config maps to, or why none does
+(``hf_format``): a check on the config alone, so the start-up validation runs it
+without importing the model and the adapter (models/hf_adapter.py).
 
-Every layout check of the trainer, written once: tp / pp / cp / ep degrees against the
-model, the batch and each other. The config validation runs them all at start-up
-(``check_parallel_layout``); ``apply_tp``, ``build_pipeline``, ``split_sequence`` and
-``ParallelDims`` call the piece they need, so a library user gets the same message.
-
-Each raises a ConfigError (a ValueError) naming the keys, before any module is cut or
-any collective runs."""
+The checks that belong to a layer above live beside the code they guard, each run
+once before any rank starts: every parallelism's in its own module, run together by
+``checked_dims`` (parallel/parallelize.py); GRPO's in ``rl/grpo.py``
+(``check_rl``); the files and folders a run reads in ``checkpointing/preflight.py``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .schema import Config, ConfigError, ModelConfig
-
-if TYPE_CHECKING:
-    from .schema import Config, ModelConfig
-
+from .schema import Config, ConfigError, DataConfig, ModelConfig
 
 HF_OPTIONS = "checkpoint.initial_load_in_hf / last_save_in_hf"
 
@@ -107,175 +101,6 @@ def hf_format(cfg: ModelConfig, option: str = HF_OPTIONS, export: bool = False) 
             f"ones whose routing matches the trainer's): {'; '.join(problems)}"
         )
     return kind
-
-
-#: the pipeline schedules (``pipeline.SCHEDULES`` maps them to torch's classes)
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
-
-
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Every tp rank must hold whole attention heads (MLA: no kv heads of its own)."""
-    parts = [("n_heads", cfg.n_heads, "attention heads")]
-    if cfg.attention == "gqa":
-        parts.append(("n_kv_heads", cfg.n_kv_heads, "key/value heads"))
-    for key, heads, kind in parts:
-        if heads % tp:
-            raise ConfigError(
-                f"model.{key} = {heads} is not divisible by parallelism.tp = {tp}; "
-                f"parallelism.tp = {tp} must divide model.n_heads = {cfg.n_heads} and "
-                f"model.n_kv_heads = {cfg.n_kv_heads}: tensor parallelism gives every tp "
-                f"rank whole {kind}"
-            )
-
-
-def check_pipeline(
-    n_layers: int, pp: int, virtual: int, schedule: str, n_microbatches: int
-) -> None:
-    """The stages, the schedule and the microbatches fit together."""
-    if schedule not in SCHEDULE_NAMES:
-        raise ConfigError(
-            f"pipeline schedule '{schedule}': must be one of {', '.join(SCHEDULE_NAMES)}"
-        )
-    for name, value in (
-        ("pp", pp),
-        ("virtual_stages", virtual),
-        ("n_microbatches", n_microbatches),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"pipeline: {name} must be a positive int, got {value!r}")
-    if virtual > 1 and schedule != "interleaved_1f1b":
-        raise ConfigError(
-            f"parallelism.pp_virtual_stages = {virtual} needs schedule 'interleaved_1f1b' "
-            f"(parallelism.pp_schedule); '{schedule}' runs one stage per rank"
-        )
-    stages = pp * virtual
-    if n_layers % stages:
-        raise ConfigError(
-            f"model.n_layers = {n_layers} is not divisible by pp * virtual_stages = "
-            f"{pp} * {virtual}: parallelism.pp x pp_virtual_stages = {stages} stages do not "
-            f"divide model.n_layers = {n_layers}"
-        )
-    if schedule == "1f1b" and n_microbatches < pp:
-        raise ConfigError(
-            f"parallelism.pp_microbatches = {n_microbatches}: 1f1b needs at least pp = {pp} "
-            "(n_microbatches >= pp stages)"
-        )
-    if schedule == "interleaved_1f1b":
-        rounds = max(1, n_microbatches // pp)
-        if n_microbatches % rounds:
-            raise ConfigError(
-                f"parallelism.pp_microbatches = {n_microbatches}: interleaved_1f1b needs "
-                f"n_microbatches to be a multiple of its rounds max(1, n_microbatches // pp) "
-                f"= {rounds}"
-            )
-
-
-def check_cp(seq_len: int, cp: int) -> None:
-    """The zig-zag split needs ``2 * cp`` equal chunks."""
-    if cp < 1:
-        raise ConfigError(f"parallelism.cp must be >= 1, got {cp}")
-    if seq_len % (2 * cp):
-        raise ConfigError(
-            f"training.seq_len = {seq_len} is not divisible by 2 * parallelism.cp = {2 * cp}: "
-            "context parallelism splits every sequence into 2 * cp equal zig-zag chunks"
-        )
-
-
-def check_ep_ranks(ep: int, dp_shard_cp: int) -> None:
-    """EP borrows its ranks from the data- and context-parallel ranks."""
-    if dp_shard_cp % ep:
-        raise ConfigError(
-            f"parallelism.ep = {ep} must divide dp_shard * cp = {dp_shard_cp}: expert "
-            "parallelism borrows its ranks from the data-parallel and context-parallel ranks"
-        )
-
-
-def check_ep(num_experts: int, ep: int, dp_shard_cp: int | None) -> None:
-    """An EP degree against the MoE and (when known: dp_shard may be inferred from the
-    world size later) the data-parallel degree."""
-    if ep < 1:
-        raise ConfigError(f"parallelism.ep must be >= 1, got {ep}")
-    if ep == 1:
-        return
-    if num_experts == 0:
-        raise ConfigError(
-            f"parallelism.ep = {ep} needs a mixture-of-experts model (model.moe.num_experts > 0)"
-        )
-    if num_experts % ep:
-        raise ConfigError(
-            f"model.moe.num_experts = {num_experts} is not divisible by parallelism.ep = {ep}: "
-            "every EP rank keeps the same number of whole experts"
-        )
-    if dp_shard_cp is not None:
-        check_ep_ranks(ep, dp_shard_cp)
-
-
-def check_parallel_layout(cfg: Config) -> None:
-    """Start-up errors of the tp / pp / cp / ep degrees against the model and the batch
-    (the world size is checked by ``ParallelDims.from_config``)."""
-    m, t, p = cfg.model, cfg.training, cfg.parallelism
-    for dim in ("tp", "pp", "cp", "ep", "pp_virtual_stages"):
-        if getattr(p, dim) < 1:
-            raise ConfigError(f"parallelism.{dim} = {getattr(p, dim)}: must be at least 1")
-    if p.pp_microbatches < 0:
-        raise ConfigError(f"parallelism.pp_microbatches = {p.pp_microbatches}: must be >= 0")
-    check_tp(m, p.tp)
-    micro = p.pp_microbatches or p.pp
-    check_pipeline(m.n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, micro)
-    if p.pp > 1 and t.batch_size % micro:
-        raise ConfigError(
-            f"training.batch_size = {t.batch_size} is not divisible by "
-            f"parallelism.pp_microbatches = {micro}"
-        )
-    if p.pp > 1 and m.tie_embeddings:
-        raise ConfigError(
-            f"model.tie_embeddings = true with parallelism.pp = {p.pp}: the embedding (first "
-            "stage) and the output projection (last stage) would be one parameter on two "
-            "stages; untie them or set parallelism.pp = 1"
-        )
-    if p.pp > 1 and t.grad_accum != 1:
-        raise ConfigError(
-            "training.grad_accum must be 1 with parallelism.pp > 1: the pipeline's "
-            "microbatches (parallelism.pp_microbatches) accumulate instead"
-        )
-    check_cp(t.seq_len, p.cp)
-    if m.mtp_layers and (p.tp > 1 or p.pp > 1 or p.cp > 1):
-        raise ConfigError(
-            f"model.mtp_layers = {m.mtp_layers} runs with data and expert parallelism only: "
-            "set parallelism.tp, pp and cp to 1 (the MTP depths share the embedding and the "
-            "head, which pp puts on different stages, and read the tokens ahead, which cp "
-            "puts on other ranks)"
-        )
-    # sequence parallelism cuts each rank's sequence across tp, and pipeline stages
-    # send those shards
-    if p.tp > 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
-        raise ConfigError(
-            f"training.seq_len / cp = {t.seq_len // p.cp} is not divisible by parallelism.tp "
-            f"= {p.tp}: sequence parallelism splits each rank's sequence across tp"
-        )
-    check_ep(m.moe.num_experts, p.ep, p.dp_shard * p.cp if p.dp_shard != -1 else None)
-    composed = p.tp * p.pp * p.ep > 1
-    if composed and p.buckets:
-        raise ConfigError(
-            "parallelism.buckets are for data parallelism alone; with tp, pp or ep > 1 use "
-            'a named placement (or "muon")'
-        )
-    # Muon runs on every layout (DistMuon: tp matrices have one owner per tp group,
-    # each pipeline stage its own matrices, experts one matrix each); SOAP/Shampoo's
-    # MatrixOptimizer is not wired with pp stages or EP's expert meshes
-    if composed and t.optimizer not in ("adamw", "muon"):
-        raise ConfigError(
-            f'training.optimizer = "{t.optimizer}" is not wired with tp, pp or ep > 1'
-            ' (use "adamw" or "muon")'
-        )
-    # Hugging Face folders work on every layout; an MoE needs a Mixtral twin (refused
-    # here, not after training)
-    c = cfg.checkpoint
-    if c.initial_load_in_hf or c.last_save_in_hf:
-        if c.initial_load_in_hf:
-            hf_format(m, "checkpoint.initial_load_in_hf")
-        if c.last_save_in_hf:
-            hf_format(m, "checkpoint.last_save_in_hf", export=True)
 
 
 PLACEMENT_NAMES = ("shard0", "flat", "owned", "block", "mixed")
@@ -390,10 +215,17 @@ def validate(cfg: Config) -> None:
     v = cfg.validation
     if v.enable and (v.freq < 1 or v.steps < 1 or not 0 < v.fraction < 1):
         raise ConfigError("validation.freq and steps must be >= 1, validation.fraction in (0, 1)")
+    if v.enable and p.pp > 1:
+        raise ConfigError("validation.enable: not wired with parallelism.pp > 1 yet")
     if cfg.checkpoint.initial_load_in_hf and not cfg.checkpoint.initial_load_path:
         raise ConfigError("checkpoint.initial_load_in_hf needs checkpoint.initial_load_path")
     if not 0 < p.timeout_s < float("inf"):  # also rejects NaN
         raise ConfigError(f"parallelism.timeout_s = {p.timeout_s}: must be a positive number")
+    for dim in ("tp", "pp", "cp", "ep", "pp_virtual_stages"):
+        if getattr(p, dim) < 1:
+            raise ConfigError(f"parallelism.{dim} = {getattr(p, dim)}: must be at least 1")
+    if p.pp_microbatches < 0:
+        raise ConfigError(f"parallelism.pp_microbatches = {p.pp_microbatches}: must be >= 0")
     if p.dp_shard < 1 and p.dp_shard != -1:
         raise ConfigError(f"parallelism.dp_shard = {p.dp_shard}: must be -1 (auto) or >= 1")
     if m.attention == "mla":
@@ -451,81 +283,39 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"training.betas = {t.betas}: must be two numbers")
     if len(p.block) != 2 or min(p.block) < 1:
         raise ConfigError(f"parallelism.block = {p.block}: must be two positive sizes [R, C]")
-    check_parallel_layout(cfg)
+    # Muon runs on every layout (DistMuon: tp matrices have one owner per tp group,
+    # each pipeline stage its own matrices, experts one matrix each); SOAP/Shampoo's
+    # MatrixOptimizer is not wired with pp stages or EP's expert meshes
+    if p.tp * p.pp * p.ep > 1 and t.optimizer not in ("adamw", "muon"):
+        raise ConfigError(
+            f'training.optimizer = "{t.optimizer}" is not wired with tp, pp or ep > 1'
+            ' (use "adamw" or "muon")'
+        )
+    # Hugging Face folders work on every layout; an MoE needs a Mixtral twin (refused
+    # here, not after training)
+    if cfg.checkpoint.initial_load_in_hf:
+        hf_format(m, "checkpoint.initial_load_in_hf")
+    if cfg.checkpoint.last_save_in_hf:
+        hf_format(m, "checkpoint.last_save_in_hf", export=True)
     for i, entry in enumerate(p.buckets):
         _check_bucket_entry(f"parallelism.buckets[{i}]", entry)
-    if cfg.data.source == "files" and not cfg.data.paths:
+    _check_data_source(cfg.data)
+
+
+def _check_data_source(d: DataConfig) -> None:
+    """Each source has the key it reads; a key no source reads is a mistake, not a
+    silent default."""
+    if d.source == "files" and not d.paths:
         raise ConfigError('data.source = "files" needs data.paths (text files or globs)')
-    check_rl(cfg)
-    if cfg.data.source == "hf_disk" and not cfg.data.hf_path:
+    if d.source == "hf_disk" and not d.hf_path:
         raise ConfigError('data.source = "hf_disk" needs data.hf_path (a save_to_disk folder)')
-
-
-def check_rl(cfg: Config) -> None:
-    """What GRPO runs with (trainer/rl), refused at start-up otherwise."""
-    r, p = cfg.rl, cfg.parallelism
-    if not (r.enable or cfg.data.source == "rl_task"):
-        return
-    from ..rl.task import check_task  # the task's own sizes
-
-    check_task(r, cfg.training.seq_len)
-    if cfg.model.tokenizer != "bytes":
+    if d.source != "files" and d.paths:
         raise ConfigError(
-            f"model.tokenizer = {cfg.model.tokenizer!r}: the rl task is written in bytes; "
-            'use model.tokenizer = "bytes"'
+            f'data.paths is set but data.source = "{d.source}" does not read it: set '
+            'data.source = "files" to train on those files, or leave data.paths out'
         )
-    if not r.enable:
-        return
-    for key, value in (
-        ("rl.prompts_per_step", r.prompts_per_step),
-        ("rl.group_size", r.group_size),
-        ("rl.max_new_tokens", r.max_new_tokens),
-    ):
-        if value < 1:
-            raise ConfigError(f"{key} = {value}: must be at least 1")
-    if r.group_size < 2:
+    if d.source != "hf_disk" and d.hf_path:
         raise ConfigError(
-            f"rl.group_size = {r.group_size}: GRPO normalises rewards within a group, "
-            "which needs at least 2 completions per prompt"
-        )
-    if r.micro_batch < 0 or r.kl_coef < 0 or not 0 <= r.clip_low < 1 or r.clip_high < 0:
-        raise ConfigError(
-            "rl.micro_batch and rl.kl_coef must be >= 0, rl.clip_low in [0, 1), rl.clip_high >= 0"
-        )
-    if not r.temperature > 0:
-        raise ConfigError(f"rl.temperature = {r.temperature}: must be > 0")
-    for key, value in (
-        ("parallelism.pp", p.pp),
-        ("parallelism.cp", p.cp),
-        ("parallelism.ep", p.ep),
-    ):
-        if value > 1:
-            raise ConfigError(
-                f"{key} = {value}: rl (GRPO) generates with the model's KV cache, which "
-                "is not wired with pipeline, context or expert parallelism; set it to 1"
-            )
-    if p.tp > 1 and p.sequence_parallel:
-        raise ConfigError(
-            f"parallelism.tp = {p.tp} with sequence_parallel = true: rl decodes one token "
-            "per step, which cannot be split over tp; set parallelism.sequence_parallel = false"
-        )
-    if p.dp_backend != "flexshard":
-        raise ConfigError('rl runs on parallelism.dp_backend = "flexshard"')
-    if cfg.compile.enable or cfg.validation.enable or cfg.training.grad_accum != 1:
-        raise ConfigError(
-            "rl: compile.enable and validation.enable must be false and "
-            "training.grad_accum 1 (rl.micro_batch splits the completions instead)"
-        )
-    if cfg.training.mixed_precision != "fp32" and r.batch_invariant:
-        raise ConfigError('rl.batch_invariant needs training.mixed_precision = "fp32"')
-    if r.batch_invariant and cfg.model.moe.num_experts:
-        raise ConfigError(
-            "rl.batch_invariant: the MoE's grouped expert kernels are not batch-invariant; "
-            "set model.moe.num_experts = 0 or rl.batch_invariant = false"
-        )
-    if cfg.model.mtp_layers:
-        raise ConfigError(
-            f"model.mtp_layers = {cfg.model.mtp_layers}: rl's update would add the "
-            "multi-token prediction loss on the sampled (padded) completions to the policy "
-            "gradient; set model.mtp_layers = 0"
+            f'data.hf_path is set but data.source = "{d.source}" does not read it: set '
+            'data.source = "hf_disk" to train on that dataset, or leave data.hf_path out'
         )

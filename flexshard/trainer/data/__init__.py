@@ -1,1 +1,2 @@
-"""The trainer's data: text sources, batches, samplers and tokenizers."""
+"""The trainer's data: text sources, batches and samplers (the tokenizer, which the
+config reads to size the vocabulary, is ``config.tokenizer``)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, DataConfig
-from .tokenizer import ByteTokenizer, Tokenizer
+from ..config.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
     "ByteTokenizer",

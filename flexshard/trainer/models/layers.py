@@ -12,9 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.context_parallel import ring_attention
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the parallel layer hands its ContextParallel in (apply_cp)
     from ..parallel.context_parallel import ContextParallel
 
 
@@ -104,7 +102,7 @@ def attend(
     SDPA call (``mask``: a KV cache's; None: plain causal)."""
     b, s = q.shape[:2]
     if cp is not None and cp.method == "ring":  # K/V blocks travel the CP ring
-        return ring_attention(q, k, v, cp.exchange, scale).reshape(b, s, -1)
+        return cp.ring_attention(q, k, v, scale).reshape(b, s, -1)
     if cp is not None:  # local queries attend to the whole sequence's keys and values
         k, v = cp.gather_kv(k, v)
         mask = cp.causal_mask(s, q.device)

@@ -21,7 +21,8 @@
 
 Every mode counts the tokens routed to each expert in training; ``step_balance``
 (called by the trainer after each optimizer step) sums them over the data-parallel
-groups, updates the biases and keeps the counts for the metrics; ``tokens_per_expert``
+ranks with the all-reduce the trainer passes in (the model imports no parallelism),
+updates the biases and keeps the counts for the metrics; ``tokens_per_expert``
 gathers them over the pipeline stages, so the metrics cover every MoE layer.
 
 SwiGLU experts over token groups in one call per projection:
@@ -40,7 +41,6 @@ fp16, fp32 under torch.compile, a hidden size of 20 in bf16) the loop runs."""
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -49,9 +49,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from flexshard.runtime.collectives import DEFAULT_TIMEOUT
-
-from ..parallel.bounded_waits import all_reduce
+#: sums a tensor in place over the data-parallel ranks; its str names what is summed
+#: (the MoE layer) in the error of a collective that fails
+SumOverRanks = Callable[[torch.Tensor, str], object]
 
 BALANCE_MODES = ("none", "bias", "aux")
 
@@ -131,18 +131,14 @@ class LoadBalance(nn.Module):
         aux = self.aux_coef * self.num_experts * (fraction * scores.mean(0)).sum()
         return _AddAuxGrad.apply(out, aux)
 
-    def step(
-        self,
-        groups: list[dist.ProcessGroup],
-        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-        layer: str = "",
-    ) -> None:
-        """After an optimizer step: the global load, the bias update, a fresh counter."""
+    def step(self, sum_over_ranks: SumOverRanks | None = None, layer: str = "") -> None:
+        """After an optimizer step: the global load, the bias update, a fresh counter.
+        ``sum_over_ranks`` None: this process holds the whole batch."""
         if self.load is None:
             return
         load = self.load
-        for group in groups:  # e.g. dp_replicate, then dp_shard_cp
-            all_reduce(load, group, "MoE load all-reduce", f"layer '{layer}'", timeout)
+        if sum_over_ranks is not None:
+            sum_over_ranks(load, f"layer '{layer}'")
         self.last_load, self.load = load.tolist(), None
         if self.bias is not None:
             with torch.no_grad():
@@ -167,16 +163,12 @@ def _balances(modules: Iterable[nn.Module]) -> Iterable[tuple[str, LoadBalance]]
                 yield fqn, balance
 
 
-def step_balance(
-    modules: Iterable[nn.Module],
-    groups: list[dist.ProcessGroup],
-    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-) -> None:
-    """Every MoE layer of ``modules``: see ``LoadBalance.step``. Collective over
-    ``groups`` (the data-parallel mesh's groups); every rank of them must call it.
-    Each all-reduce waits at most ``timeout``, then raises a CollectiveError naming it."""
+def step_balance(modules: Iterable[nn.Module], sum_over_ranks: SumOverRanks | None = None) -> None:
+    """Every MoE layer of ``modules``: see ``LoadBalance.step``. ``sum_over_ranks`` is
+    collective (the trainer's bounded all-reduce over the data-parallel mesh's groups):
+    every rank of them must call this."""
     for fqn, balance in _balances(modules):
-        balance.step(groups, timeout, fqn)
+        balance.step(sum_over_ranks, fqn)
 
 
 def tokens_per_expert(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,6 +61,20 @@ def all_reduce(
         afterwards=_AFTERWARDS,
     ).wait()
     return tensor
+
+
+def all_reduce_over(
+    groups: list[dist.ProcessGroup], collective: str, timeout: datetime.timedelta
+) -> Callable[[torch.Tensor, str], None]:
+    """``tensor, of -> None``: ``all_reduce`` (sum) over each of ``groups`` in turn (e.g.
+    dp_replicate, then dp_shard_cp), for a model's code that sums over the ranks without
+    knowing the mesh (the MoE load)."""
+
+    def reduce(tensor: torch.Tensor, of: str) -> None:
+        for group in groups:
+            all_reduce(tensor, group, collective, of, timeout)
+
+    return reduce
 
 
 def _ranks(groups: Mapping[str, dist.ProcessGroup | None]) -> str:

@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from flexshard.runtime.collectives import DEFAULT_TIMEOUT, Pending
 
-from ..config.validation import check_cp
+from ..config import ConfigError
 from .exchange import Exchange
 
 Group = DeviceMesh | dist.ProcessGroup
@@ -91,10 +91,23 @@ def _slot_of_chunk(cp: int) -> list[int]:
     return slots
 
 
+def check_cp(seq_len: int, cp: int) -> None:
+    """The zig-zag split needs ``2 * cp`` equal chunks."""
+    if cp < 1:
+        raise ConfigError(f"parallelism.cp must be >= 1, got {cp}")
+    if seq_len % (2 * cp):
+        raise ConfigError(
+            f"training.seq_len = {seq_len} is not divisible by 2 * parallelism.cp = {2 * cp}: "
+            "context parallelism splits every sequence into 2 * cp equal zig-zag chunks"
+        )
+
+
 def split_sequence(tensor: torch.Tensor, cp_mesh: Group, dim: int = 1) -> torch.Tensor:
     """This CP rank's zig-zag part of a full-length batch (inputs, targets, ...)."""
     group = as_group(cp_mesh)
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    # the tensor's length, not the config's (that was checked before the ranks started):
+    # uneven chunks would silently misplace tokens
     check_cp(tensor.shape[dim], cp)
     chunks = tensor.chunk(2 * cp, dim=dim)
     first, second = zigzag_chunks(rank, cp)
@@ -163,6 +176,13 @@ class ContextParallel:
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         return local_positions(local_len, self.rank, self.size, device)
+
+    def ring_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+    ) -> torch.Tensor:
+        """``ring_attention`` over this layer's CP exchange: the model's attention calls
+        it through the object ``apply_cp`` gave it, without importing this file."""
+        return ring_attention(q, k, v, self.exchange, scale)
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [b, local, kv_heads, d] of the whole sequence, global order."""

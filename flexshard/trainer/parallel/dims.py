@@ -28,9 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flexshard.torch_internals import backend_group_options, clear_sharding_prop_cache
 
-from ..checkpointing.attempt_store import attempt_store, uses_agent_store
-from ..config import ConfigError, ParallelismConfig
-from ..config.validation import check_ep_ranks
+from ..config import Config, ConfigError
+from .attempt_store import attempt_store, uses_agent_store
 
 # outermost first, as torchtitan orders them: pipeline stages are the slowest links,
 # tensor parallel ranks the fastest
@@ -50,9 +49,13 @@ class ParallelDims:
     timeout_s: float | None = None
 
     @classmethod
-    def from_config(cls, cfg: ParallelismConfig, world_size: int) -> ParallelDims:
-        others = cfg.dp_replicate * cfg.cp * cfg.tp * cfg.pp
-        dp_shard = cfg.dp_shard
+    def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
+        """The degrees of ``cfg.parallelism`` on ``world_size`` ranks (``dp_shard = -1``:
+        what the others leave); ``parallelize.checked_dims`` adds every parallelism's
+        check."""
+        p = cfg.parallelism
+        others = p.dp_replicate * p.cp * p.tp * p.pp
+        dp_shard = p.dp_shard
         if dp_shard == -1:
             if world_size % others:
                 raise ConfigError(
@@ -60,17 +63,14 @@ class ParallelDims:
                     f"= {others}; cannot infer parallelism.dp_shard"
                 )
             dp_shard = world_size // others
-        dims = cls(
-            cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.pp, cfg.ep, world_size, cfg.timeout_s
-        )
+        dims = cls(p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, p.ep, world_size, p.timeout_s)
         product = others * dp_shard
         if product != world_size:
             raise ConfigError(
-                f"parallelism degrees multiply to {product} (dp_replicate={cfg.dp_replicate} x "
-                f"dp_shard={dp_shard} x cp={cfg.cp} x tp={cfg.tp} x pp={cfg.pp}) but the world "
+                f"parallelism degrees multiply to {product} (dp_replicate={p.dp_replicate} x "
+                f"dp_shard={dp_shard} x cp={p.cp} x tp={p.tp} x pp={p.pp}) but the world "
                 f"size is {world_size}; make them equal"
             )
-        check_ep_ranks(dims.ep, dims.dp_shard * dims.cp)  # dp_shard may be inferred only now
         return dims
 
     def degree(self, name: str) -> int:

@@ -33,9 +33,38 @@ from torch import nn
 from flexshard.runtime.bucket import slot_of
 from flexshard.runtime.collectives import DEFAULT_TIMEOUT, check_timeout
 
-from ..config.validation import check_ep as check_ep  # re-exported: the start-up check
+from ..config import ConfigError
 from .context_parallel import Group, as_group
 from .exchange import Exchange
+
+
+def check_ep_ranks(ep: int, dp_shard_cp: int) -> None:
+    """EP borrows its ranks from the data- and context-parallel ranks."""
+    if dp_shard_cp % ep:
+        raise ConfigError(
+            f"parallelism.ep = {ep} must divide dp_shard * cp = {dp_shard_cp}: expert "
+            "parallelism borrows its ranks from the data-parallel and context-parallel ranks"
+        )
+
+
+def check_ep(num_experts: int, ep: int, dp_shard_cp: int | None) -> None:
+    """An EP degree against the MoE and (when known: dp_shard may be inferred from the
+    world size later) the data-parallel degree."""
+    if ep < 1:
+        raise ConfigError(f"parallelism.ep must be >= 1, got {ep}")
+    if ep == 1:
+        return
+    if num_experts == 0:
+        raise ConfigError(
+            f"parallelism.ep = {ep} needs a mixture-of-experts model (model.moe.num_experts > 0)"
+        )
+    if num_experts % ep:
+        raise ConfigError(
+            f"model.moe.num_experts = {num_experts} is not divisible by parallelism.ep = {ep}: "
+            "every EP rank keeps the same number of whole experts"
+        )
+    if dp_shard_cp is not None:
+        check_ep_ranks(ep, dp_shard_cp)
 
 
 class _AllToAll(torch.autograd.Function):

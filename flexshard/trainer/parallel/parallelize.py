@@ -21,17 +21,17 @@ from torch import nn
 import flexshard as fs
 from flexshard.fsdp.state_dict import Assemble
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..models.layers import loss_fn
 from ..models.model import Transformer, init_module, init_weights
 from .activation_checkpoint import apply_ac
-from .context_parallel import apply_cp, split_sequence
+from .context_parallel import apply_cp, check_cp, split_sequence
 from .dims import Meshes, ParallelDims
 from .exchange import configured_timeout
-from .expert_parallel import apply_ep, whole_experts
-from .pipeline import PipelineRunner, build_pipeline, init_stage_params
-from .sharding import apply_dp, mp_policy
-from .tensor_parallel import apply_tp
+from .expert_parallel import apply_ep, check_ep, check_ep_ranks, whole_experts
+from .pipeline import PipelineRunner, build_pipeline, check_pipeline, init_stage_params
+from .sharding import apply_dp, check_backend_options, mp_policy
+from .tensor_parallel import apply_tp, check_tp
 
 
 @dataclass
@@ -150,3 +150,55 @@ def full_model_state(parallel: Parallelized, meshes: Meshes) -> dict[str, torch.
     for module in parallel.modules:
         state.update(fs.full_state_dict(module, whole_model(module, meshes)))
     return {name: state[name] for name in sorted(state)}
+
+
+def checked_dims(cfg: Config, world_size: int) -> ParallelDims:
+    """The layout of ``cfg`` on ``world_size`` ranks with every parallelism's check run
+    on it: built once, before any rank starts, and handed to the ranks. The checks of
+    the config come first, the world size after, as the user reads them."""
+    check_layout(cfg)
+    dims = ParallelDims.from_config(cfg, world_size)
+    check_ep_ranks(dims.ep, dims.dp_shard * dims.cp)  # dp_shard may be inferred only now
+    return dims
+
+
+def check_layout(cfg: Config) -> None:
+    """Each parallelism's check (beside its code) and what they ask of each other, of
+    the model and of the batch."""
+    m, t, p = cfg.model, cfg.training, cfg.parallelism
+    check_tp(m, p.tp)
+    micro = p.pp_microbatches or p.pp
+    check_pipeline(m.n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, micro)
+    if p.pp > 1 and t.batch_size % micro:
+        raise ConfigError(
+            f"training.batch_size = {t.batch_size} is not divisible by "
+            f"parallelism.pp_microbatches = {micro}"
+        )
+    if p.pp > 1 and m.tie_embeddings:
+        raise ConfigError(
+            f"model.tie_embeddings = true with parallelism.pp = {p.pp}: the embedding (first "
+            "stage) and the output projection (last stage) would be one parameter on two "
+            "stages; untie them or set parallelism.pp = 1"
+        )
+    if p.pp > 1 and t.grad_accum != 1:
+        raise ConfigError(
+            "training.grad_accum must be 1 with parallelism.pp > 1: the pipeline's "
+            "microbatches (parallelism.pp_microbatches) accumulate instead"
+        )
+    check_cp(t.seq_len, p.cp)
+    if m.mtp_layers and (p.tp > 1 or p.pp > 1 or p.cp > 1):
+        raise ConfigError(
+            f"model.mtp_layers = {m.mtp_layers} runs with data and expert parallelism only: "
+            "set parallelism.tp, pp and cp to 1 (the MTP depths share the embedding and the "
+            "head, which pp puts on different stages, and read the tokens ahead, which cp "
+            "puts on other ranks)"
+        )
+    # sequence parallelism cuts each rank's sequence across tp, and pipeline stages
+    # send those shards
+    if p.tp > 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError(
+            f"training.seq_len / cp = {t.seq_len // p.cp} is not divisible by parallelism.tp "
+            f"= {p.tp}: sequence parallelism splits each rank's sequence across tp"
+        )
+    check_ep(m.moe.num_experts, p.ep, None)  # its ranks: once the world sizes dp_shard
+    check_backend_options(cfg)

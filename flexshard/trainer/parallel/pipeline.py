@@ -33,7 +33,7 @@ from torch.distributed.pipelining import (
 
 import flexshard as fs
 
-from ..config.validation import SCHEDULE_NAMES, check_pipeline
+from ..config import ConfigError
 from .bounded_waits import in_flight
 
 
@@ -113,7 +113,49 @@ SCHEDULES = {
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
 }
-assert tuple(SCHEDULES) == SCHEDULE_NAMES  # checked by name in config.validation
+
+
+def check_pipeline(
+    n_layers: int, pp: int, virtual: int, schedule: str, n_microbatches: int
+) -> None:
+    """The stages, the schedule and the microbatches fit together (run once, before
+    any rank starts, by ``checked_dims``)."""
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"pipeline schedule '{schedule}': must be one of {', '.join(SCHEDULES)}")
+    for name, value in (
+        ("pp", pp),
+        ("virtual_stages", virtual),
+        ("n_microbatches", n_microbatches),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"pipeline: {name} must be a positive int, got {value!r}")
+    if virtual > 1 and schedule != "interleaved_1f1b":
+        raise ConfigError(
+            f"parallelism.pp_virtual_stages = {virtual} needs schedule 'interleaved_1f1b' "
+            f"(parallelism.pp_schedule); '{schedule}' runs one stage per rank"
+        )
+    stages = pp * virtual
+    if n_layers % stages:
+        raise ConfigError(
+            f"model.n_layers = {n_layers} is not divisible by pp * virtual_stages = "
+            f"{pp} * {virtual}: parallelism.pp x pp_virtual_stages = {stages} stages do not "
+            f"divide model.n_layers = {n_layers}"
+        )
+    if schedule == "1f1b" and n_microbatches < pp:
+        raise ConfigError(
+            f"parallelism.pp_microbatches = {n_microbatches}: 1f1b needs at least pp = {pp} "
+            "(n_microbatches >= pp stages)"
+        )
+    if schedule == "interleaved_1f1b":
+        rounds = max(1, n_microbatches // pp)
+        if n_microbatches % rounds:
+            raise ConfigError(
+                f"parallelism.pp_microbatches = {n_microbatches}: interleaved_1f1b needs "
+                f"n_microbatches to be a multiple of its rounds max(1, n_microbatches // pp) "
+                f"= {rounds}"
+            )
+
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -383,7 +425,6 @@ def build_pipeline(
             f"got {activation_dtype!r}"
         )
     pp = pp_mesh.size()
-    check_pipeline(len(model.layers), pp, virtual_stages, schedule, n_microbatches)
     n_stages = pp * virtual_stages
     ids = stage_ids(pp_mesh.get_local_rank(), pp, virtual_stages)
     modules = split_model(model, n_stages, ids)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import fnmatch
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,11 +22,33 @@ from flexshard.optim import matrix_buckets, muon_buckets
 from flexshard.optim.planner import PlacementByName
 
 from ..config import Config, ConfigError, ModelConfig
-from .dims import Meshes
 from .exchange import configured_timeout
+
+if TYPE_CHECKING:  # dims runs this file's check
+    from .dims import Meshes
 
 OUTER_PATTERNS = ["tok_embeddings.*", "norm.*", "output.*"]
 Policy = fs.Placement | Callable[[str, nn.Parameter], fs.Placement]
+
+
+def check_backend_options(cfg: Config) -> None:
+    """Options of the flexshard backend refused under torch FSDP2, and explicit buckets
+    refused beside tp, pp or ep (run once, before any rank starts, by
+    ``checked_dims``)."""
+    par = cfg.parallelism
+    if par.dp_backend == "fsdp2":
+        if par.placement != "shard0" or par.buckets:
+            raise ConfigError(
+                'parallelism.placement and parallelism.buckets apply to dp_backend = "flexshard";'
+                ' torch FSDP2 always shards dim 0 (use placement = "shard0")'
+            )
+        if cfg.training.optimizer == "muon":
+            raise ConfigError('training.optimizer = "muon" runs on dp_backend = "flexshard" only')
+    if par.tp * par.pp * par.ep > 1 and par.buckets:
+        raise ConfigError(
+            "parallelism.buckets are for data parallelism alone; with tp, pp or ep > 1 use "
+            'a named placement (or "muon")'
+        )
 
 
 def muon_row_blocks(model_cfg: ModelConfig) -> dict[str, int]:

@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ..config.validation import check_tp
+from ..config import ConfigError, ModelConfig
 from ..models.mla import MLA
 from ..models.model import Attention, FeedForward, MoE, Transformer
 
@@ -107,13 +107,28 @@ def _mla_plan(attention: MLA, split: Shard | Replicate) -> dict[str, object]:
     }
 
 
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Every tp rank must hold whole attention heads (MLA: no kv heads of its own); run
+    once, before any rank starts, by ``checked_dims``."""
+    parts = [("n_heads", cfg.n_heads, "attention heads")]
+    if cfg.attention == "gqa":
+        parts.append(("n_kv_heads", cfg.n_kv_heads, "key/value heads"))
+    for key, heads, kind in parts:
+        if heads % tp:
+            raise ConfigError(
+                f"model.{key} = {heads} is not divisible by parallelism.tp = {tp}; "
+                f"parallelism.tp = {tp} must divide model.n_heads = {cfg.n_heads} and "
+                f"model.n_kv_heads = {cfg.n_kv_heads}: tensor parallelism gives every tp "
+                f"rank whole {kind}"
+            )
+
+
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
     """Tensor-parallelise ``model`` in place over the 1-D ``tp_mesh`` (before any data
     parallelism). Attention modules then work on their local heads."""
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tp takes a 1-D tp mesh, got {tp_mesh.ndim}-D")
     tp = tp_mesh.size()
-    check_tp(model.cfg, tp)
     split = Shard(1) if sequence_parallel else Replicate()
     outer: dict[str, object] = {
         # vocabulary rows split over tp; the partial sums land sequence-split (SP)

@@ -22,15 +22,92 @@ from torch import nn
 
 from ..checkpointing import checkpoints as checkpointing
 from ..checkpointing.checkpoints import Job
-from ..config import ConfigError
-from ..lr_schedule import current_lr
-from ..metrics import peak_memory_mb
+from ..components.lr_schedule import current_lr
+from ..components.metrics import peak_memory_mb
+from ..config import Config, ConfigError
 from ..models.moe import step_balance, tokens_per_expert
+from ..parallel.bounded_waits import all_reduce_over
+from ..parallel.dims import ParallelDims
 from ..parallel.exchange import configured_timeout
 from ..parallel.parallelize import parallelize
 from . import task
 from .batch_invariant import batch_invariant
 from .rollout import Completion, rollout, token_logprobs
+
+
+def check_rl(cfg: Config, dims: ParallelDims) -> None:
+    """What GRPO (and pre-training on the task) runs with, refused before any rank
+    starts otherwise (``dims``: the layout the launcher built)."""
+    r, p = cfg.rl, cfg.parallelism
+    if not (r.enable or cfg.data.source == "rl_task"):
+        return
+    task.check_task(r, cfg.training.seq_len)
+    if cfg.model.tokenizer != "bytes":
+        raise ConfigError(
+            f"model.tokenizer = {cfg.model.tokenizer!r}: the rl task is written in bytes; "
+            'use model.tokenizer = "bytes"'
+        )
+    if not r.enable:
+        return
+    for key, value in (
+        ("rl.prompts_per_step", r.prompts_per_step),
+        ("rl.group_size", r.group_size),
+        ("rl.max_new_tokens", r.max_new_tokens),
+    ):
+        if value < 1:
+            raise ConfigError(f"{key} = {value}: must be at least 1")
+    if r.prompts_per_step % dims.dp_size:
+        raise ConfigError(
+            f"rl.prompts_per_step = {r.prompts_per_step} is not divisible by the "
+            f"{dims.dp_size} data-parallel ranks (dp_replicate x dp_shard): set it to a "
+            "multiple of them"
+        )
+    if r.group_size < 2:
+        raise ConfigError(
+            f"rl.group_size = {r.group_size}: GRPO normalises rewards within a group, "
+            "which needs at least 2 completions per prompt"
+        )
+    if r.micro_batch < 0 or r.kl_coef < 0 or not 0 <= r.clip_low < 1 or r.clip_high < 0:
+        raise ConfigError(
+            "rl.micro_batch and rl.kl_coef must be >= 0, rl.clip_low in [0, 1), rl.clip_high >= 0"
+        )
+    if not r.temperature > 0:
+        raise ConfigError(f"rl.temperature = {r.temperature}: must be > 0")
+    for key, value in (
+        ("parallelism.pp", p.pp),
+        ("parallelism.cp", p.cp),
+        ("parallelism.ep", p.ep),
+    ):
+        if value > 1:
+            raise ConfigError(
+                f"{key} = {value}: rl (GRPO) generates with the model's KV cache, which "
+                "is not wired with pipeline, context or expert parallelism; set it to 1"
+            )
+    if p.tp > 1 and p.sequence_parallel:
+        raise ConfigError(
+            f"parallelism.tp = {p.tp} with sequence_parallel = true: rl decodes one token "
+            "per step, which cannot be split over tp; set parallelism.sequence_parallel = false"
+        )
+    if p.dp_backend != "flexshard":
+        raise ConfigError('rl runs on parallelism.dp_backend = "flexshard"')
+    if cfg.compile.enable or cfg.validation.enable or cfg.training.grad_accum != 1:
+        raise ConfigError(
+            "rl: compile.enable and validation.enable must be false and "
+            "training.grad_accum 1 (rl.micro_batch splits the completions instead)"
+        )
+    if cfg.training.mixed_precision != "fp32" and r.batch_invariant:
+        raise ConfigError('rl.batch_invariant needs training.mixed_precision = "fp32"')
+    if r.batch_invariant and cfg.model.moe.num_experts:
+        raise ConfigError(
+            "rl.batch_invariant: the MoE's grouped expert kernels are not batch-invariant; "
+            "set model.moe.num_experts = 0 or rl.batch_invariant = false"
+        )
+    if cfg.model.mtp_layers:
+        raise ConfigError(
+            f"model.mtp_layers = {cfg.model.mtp_layers}: rl's update would add the "
+            "multi-token prediction loss on the sampled (padded) completions to the policy "
+            "gradient; set model.mtp_layers = 0"
+        )
 
 
 def reference_model(job: Job) -> nn.Module:
@@ -83,12 +160,7 @@ class GRPO:
     def __init__(self, job: Job, clip: Callable[[Job], float]) -> None:
         """``clip``: the trainer's gradient clipping, returning the full norm (passed in:
         the trainer imports this file)."""
-        r = job.cfg.rl
-        if r.prompts_per_step % job.dims.dp_size:
-            raise ConfigError(
-                f"rl.prompts_per_step = {r.prompts_per_step} is not divisible by the "
-                f"{job.dims.dp_size} data-parallel ranks"
-            )
+        r = job.cfg.rl  # checked before the ranks started: check_rl
         self.job, self.r, self.clip = job, r, clip
         self.eos = int(job.tokenizer.encode(task.EOS)[-1])  # type: ignore[union-attr]
         self.per_rank = r.prompts_per_step // job.dims.dp_size
@@ -186,7 +258,11 @@ class GRPO:
             lr = current_lr(job.lr_scheduler)
             grad_norm = self.clip(job)
             job.optimizer.step()
-            step_balance(job.parallel.modules, job.meshes.dp.get_all_groups(), timeout)
+            dp_groups = job.meshes.dp.get_all_groups()
+            step_balance(
+                job.parallel.modules,
+                all_reduce_over(dp_groups, "MoE load all-reduce", timeout),
+            )
             job.lr_scheduler.step()
             job.optimizer.zero_grad(set_to_none=True)
         train_seconds = time.perf_counter() - train_begin

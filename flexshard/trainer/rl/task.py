@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config.schema import ConfigError, RLConfig  # not the package: validation imports this
+from ..config import ConfigError, RLConfig
 
 LETTERS = "abcdefghij"
 EOS = "\n"

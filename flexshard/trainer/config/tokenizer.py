@@ -2,7 +2,9 @@
 of a Hugging Face ``tokenizer.json`` (the ``tokenizers`` library), whose post-processor
 decides BOS/EOS, or of a tiktoken BPE file (``*.tiktoken`` / ``tokenizer.model``, read
 with ``tiktoken``). The model's vocabulary is the tokenizer's, padded up to
-``model.vocab_multiple``, unless the config names a ``model.vocab_size`` that holds it."""
+``model.vocab_multiple``, unless the config names a ``model.vocab_size`` that holds it:
+the loader reads the tokenizer to fill the model, as it reads a Hugging Face
+config.json, so the tokenizer sits with the config, below every layer that encodes."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from ..config.schema import ConfigError, ModelConfig
+from .schema import ConfigError, ModelConfig
 
 
 class Tokenizer(Protocol):

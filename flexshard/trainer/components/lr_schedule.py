@@ -15,7 +15,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from .config import TrainingConfig
+from ..config import TrainingConfig
 
 
 def lr_factor(step: int, cfg: TrainingConfig) -> float:

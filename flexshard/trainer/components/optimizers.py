@@ -12,8 +12,8 @@ from torch import nn
 
 from flexshard.optim import MatrixOptimizer, muon_and_adamw
 
-from .config import ConfigError, ModelConfig, TrainingConfig
-from .parallel.sharding import muon_row_blocks
+from ..config import ConfigError, ModelConfig, TrainingConfig
+from ..parallel.sharding import muon_row_blocks
 
 
 class StageView(nn.Module):
