@@ -16,7 +16,6 @@ from .schema import (
     Config,
     ConfigError,
 )
-from .tokenizer import open_tokenizer, padded_vocab_size
 from .validation import validate
 
 
@@ -176,7 +175,7 @@ def _vocab_from_tokenizer(cfg: Config, table: dict[str, Any]) -> None:
         return
     # here, not at the top: the tokenizers import torch, which the command lines' --help
     # (reading the schema through this package) must not pay for
-    from ..data.tokenizer import open_tokenizer, padded_vocab_size
+    from .tokenizer import open_tokenizer, padded_vocab_size
 
     m.vocab_size = padded_vocab_size(m, open_tokenizer(m.tokenizer))
 
