@@ -19,7 +19,7 @@ from torch.testing._internal.common_fsdp import patch_all_gather, patch_reduce_s
 
 import flexshard as fs
 from flexshard.testing import run_distributed
-from flexshard.torch_internals import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
+from flexshard.torch_internals import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE, grad_reduce_dtype
 
 DIM = 17
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -84,7 +84,10 @@ def _both(rank: int, world: int, policy_name: str, reshard: bool | int) -> dict:
     [(2, "compute_bf16", True), (2, "reduce_fp32", True), (3, "reduce_bf16", False)],
 )
 def test_fsdp2_test_helpers_see_flexshards_collectives(world, policy, reshard) -> None:
-    expected = POLICIES[policy][1] or POLICIES[policy][0]
+    # with no reduce_dtype set, this release's FSDP2 reduces in param_dtype (before 2.15)
+    # or in the parameters' own fp32 (from 2.15 on)
+    param_dtype, reduce_dtype = POLICIES[policy]
+    expected = grad_reduce_dtype(MixedPrecisionPolicy(param_dtype, reduce_dtype), FP32)
     for rank, out in enumerate(run_distributed(_both, world, policy, reshard)):
         ours, theirs = out["flexshard"], out["fsdp2"]
         assert theirs["reduces"] and set(theirs["reduces"]) == {expected}, f"rank {rank}"
