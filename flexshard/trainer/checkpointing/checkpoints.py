@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
 import re
 import shutil
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from flexshard.checkpoint.bounded import bounded_group, in_flight
 from flexshard.checkpoint.hf_safetensors import export_safetensors, load_hf_safetensors
 from flexshard.checkpoint.logical_model import Model
 
-from ..config.hf_config import folder_fields, hf_config
+from ..config.hf_config import folder_fields
 from ..config.schema import Config
 from ..config.tokenizer import Tokenizer
 from ..data.dataset import DPSampler, ValidationBatches
@@ -49,6 +48,7 @@ from ..parallel.dims import Meshes, ParallelDims
 from ..parallel.exchange import configured_timeout
 from ..parallel.expert_parallel import expert_frames
 from ..parallel.parallelize import Parallelized
+from .hf_export import export_config, source_folder, write_side_files
 from .retention import purge
 
 
@@ -129,14 +129,16 @@ def export(
     """The final model through ``flexshard.checkpoint.export_safetensors``, in
     ``checkpoint.export_dtype``. ``hf``: a Hugging Face folder (``dump_folder/hf`` by
     default) that ``from_pretrained`` loads: Hugging Face names, its config.json, and
-    the tokenizer's files when the run used a tokenizer.json. Else the trainer's own
+    the source folder's generation config and tokenizer files or the run's tokenizer
+    (``hf_export``). Else the trainer's own
     state dict under its own names (MTP and balance biases included), in the dump
     folder by default (``model.safetensors`` up to ``max_shard_bytes``). Every rank
     calls it; returns the folder."""
     cfg = job.cfg
     folder = folder or (job.folder / HF_FOLDER if hf else job.folder)
     dtype = cfg.checkpoint.export_dtype
-    config = hf_config(cfg.model, dtype, cfg.training.seq_len) if hf else {}  # refusals first
+    tokenizer = getattr(job, "tokenizer", None)
+    config = export_config(cfg, tokenizer) if hf else {}  # refusals first
     shapes = whole_shapes(job, hf)
     keys = hf_keys(list(shapes), cfg.model) if hf else None
     group, timeout = world_group(job)
@@ -153,11 +155,14 @@ def export(
             frames=frames_of(job),
         )
     if hf and job.rank == 0:
-        tokenizer = getattr(job, "tokenizer", None)
-        if tokenizer is not None and hasattr(tokenizer, "save"):
-            config.update(tokenizer.special_ids())
-            tokenizer.save(folder)
-        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        c = cfg.checkpoint
+        if c.initial_load_in_hf and source_folder(cfg) is None:
+            print(
+                f"flexshard: checkpoint.initial_load_path '{c.initial_load_path}' has no "
+                "config.json any more: the export's config.json is the run's own",
+                flush=True,
+            )
+        write_side_files(folder, cfg, config, tokenizer)
     _barrier(job, f"barrier after the {what}", folder)
     return folder
 

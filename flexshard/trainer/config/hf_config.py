@@ -313,6 +313,17 @@ FAMILIES = {
 }
 
 
+def context_length(cfg: ModelConfig, trained: int) -> int:
+    """The positions ``max_position_embeddings`` claims for a model with no source
+    folder: YaRN's extended context, ``factor`` times the original (DeepSeek's own
+    convention, which transformers reads the factor back from), else ``trained``, the
+    sequence length it trained at (RoPE sets no limit of its own)."""
+    scaling = cfg.rope_scaling
+    if scaling.type == "yarn":
+        return round(scaling.factor * scaling.original_max_position_embeddings)
+    return trained
+
+
 def hf_config(cfg: ModelConfig, dtype: str, max_positions: int) -> dict[str, Any]:
     """``config.json`` of the transformers model computing what ``Transformer(cfg)`` does."""
     kind = hf_format(cfg, "checkpoint.last_save_in_hf", export=True)
@@ -364,12 +375,10 @@ def _have(cfg: ModelConfig, key: str) -> Any:
 _LAYER_CHOICE = ("moe.first_dense_layers", "moe.decoder_sparse_step", "moe.mlp_only_layers")
 
 
-def check_matches(cfg: ModelConfig, folder: str | Path) -> dict[str, Any]:
-    """The folder's ``[model]`` keys (``folder_fields``), or a ConfigError listing the
-    ones that differ from ``cfg`` (with the overrides that would make them match). A
-    tied folder loads into an untied model too (the output starts as a copy of the
-    embedding)."""
-    fields = folder_fields(folder)
+def _mismatches(cfg: ModelConfig, fields: dict[str, Any], untie: bool) -> dict[str, Any]:
+    """The ``[model]`` keys (``moe.x``, ``rope_scaling.x`` for the sub-tables) whose value
+    in ``fields`` (a config.json's reading) differs from ``cfg``'s, with the fields'
+    value. ``untie``: a tied config.json may describe an untied ``cfg``."""
     wanted = dict(fields)
     moe = wanted.pop("moe")
     wanted.update({f"moe.{k}": v for k, v in moe.items()})
@@ -381,9 +390,18 @@ def check_matches(cfg: ModelConfig, folder: str | Path) -> dict[str, Any]:
             wanted.pop(key, None)
     if moe["num_experts"] and all(theirs):  # no dense layer: its width does not count
         del wanted["ffn_hidden"]
-    if wanted["tie_embeddings"] and not cfg.tie_embeddings:
+    if untie and wanted["tie_embeddings"] and not cfg.tie_embeddings:
         del wanted["tie_embeddings"]
-    wrong = {k: v for k, v in wanted.items() if _have(cfg, k) != v}
+    return {k: v for k, v in wanted.items() if _have(cfg, k) != v}
+
+
+def check_matches(cfg: ModelConfig, folder: str | Path) -> dict[str, Any]:
+    """The folder's ``[model]`` keys (``folder_fields``), or a ConfigError listing the
+    ones that differ from ``cfg`` (with the overrides that would make them match). A
+    tied folder loads into an untied model too (the output starts as a copy of the
+    embedding)."""
+    fields = folder_fields(folder)
+    wrong = _mismatches(cfg, fields, untie=True)
     if wrong:
         fix = " ".join(f"--model.{k} {json.dumps(v)}" for k, v in wrong.items())
         raise ConfigError(
@@ -392,3 +410,42 @@ def check_matches(cfg: ModelConfig, folder: str | Path) -> dict[str, Any]:
             f"; set them: {fix}"
         )
     return fields
+
+
+# config.json keys an export decides whatever the folder it started from said: the
+# head it writes (a tied folder may train untied) and the MTP depths it holds (none)
+_EXPORT_DECIDES = ("tie_word_embeddings", "num_nextn_predict_layers")
+
+
+def exported_config(
+    cfg: ModelConfig,
+    dtype: str,
+    trained: int,
+    source: dict[str, Any] | None = None,
+    token_ids: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """``config.json`` of the exported model. Without a ``source`` (the config.json of
+    the folder the run started from): ``hf_config`` with ``context_length``. With one:
+    ``source`` field for field (context length, window layers, RoPE scaling, token ids,
+    architectures, every key transformers or other readers keep), but for what the run
+    changed: the dtype of the weights written, ``_EXPORT_DECIDES``, and ``token_ids``
+    (a tokenizer of the run's own). A ConfigError if the result would not describe
+    ``cfg``'s model."""
+    run = hf_config(cfg, dtype, context_length(cfg, trained))
+    if source is None:
+        return {**run, **(token_ids or {})}
+    out = dict(source)
+    for key in _EXPORT_DECIDES:
+        if key in run and source.get(key, run[key]) != run[key]:
+            out[key] = run[key]
+    for key in [k for k in ("torch_dtype", "dtype") if k in source] or ["torch_dtype", "dtype"]:
+        out[key] = dtype
+    out.update(token_ids or {})
+    wrong = _mismatches(cfg, model_fields(out), untie=False)
+    if wrong:
+        raise ConfigError(
+            "checkpoint.last_save_in_hf: the config.json of checkpoint.initial_load_path "
+            "does not describe the trained model in "
+            + ", ".join(f"{k} ({_have(cfg, k)} trained, {v} there)" for k, v in wrong.items())
+        )
+    return out

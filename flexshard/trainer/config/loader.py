@@ -130,7 +130,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def config_from_dict(table: dict[str, Any]) -> Config:
     """A Config from a nested dict (as ``Config.to_dict`` gives), validated."""
     cfg = Config()
-    _fill(cfg, _model_from_folder(table), "")
+    table = _model_from_folder(table)  # a folder's vocab_size is given, as if written here
+    _fill(cfg, table, "")
     _vocab_from_tokenizer(cfg, table)
     _check_activation_checkpoint(cfg.activation_checkpoint)
     _resolve_placement(cfg)
