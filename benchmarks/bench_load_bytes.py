@@ -23,13 +23,16 @@ Cases, at W = 4 (the checkpoints written by the trainer, one step of AdamW):
 * reshard 2 -> 4: ``fs.checkpoint.load`` (the trainer's resume) as dp_shard 4 from a
   checkpoint saved at W = 2 (dp_shard 2).
 
-Results: benchmarks/results/load_bytes.{json,md}.
+Each case twice, alternating: ``fs.checkpoint.load`` checking every checksum in a pass
+of its own first (``checksums_first=True``) and the default, each chunk checked on the
+bytes the load reads. Results: benchmarks/results/load_bytes.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import platform
 import shutil
@@ -42,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import flexshard as fs
 from flexshard.testing import run_distributed
 from flexshard.testing.stats import alternating
 from flexshard.trainer import train
@@ -55,6 +59,11 @@ from .common import write_results
 RESULTS = Path(__file__).parent / "results"
 COMMAND = ".venv/bin/python -m benchmarks.bench_load_bytes"
 CASES = ("resume", "initial_load_path", "reshard 2 -> 4")
+#: the two ways ``fs.checkpoint.load`` checks the manifest's checksums
+SIDES = {
+    "checksums first": functools.partial(fs.checkpoint.load, checksums_first=True),
+    "on read": fs.checkpoint.load,
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -126,7 +135,8 @@ def _save_w2(rank: int, world_size: int, args: dict[str, Any]) -> None:
     train.run(_config(args, "w2", 1, 2))
 
 
-def _load(case: str, job: Any) -> None:
+def _load(case: str, side: str, job: Any) -> None:
+    checkpointing.load = SIDES[side]  # what the trainer's loads call
     if case == "initial_load_path":
         checkpointing.initial_load(job)
     else:
@@ -140,17 +150,19 @@ def _measure(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, list
     train.run(_config(args, "w4", 2, 2))
     cfgs = configs(args)
     jobs = {case: train.setup(cfg) for case, cfg in cfgs.items()}
-    out: dict[str, list] = {case: [] for case in CASES}
+    out: dict[str, list] = {f"{case}|{side}": [] for case in CASES for side in SIDES}
     for case in CASES:
-        _load(case, jobs[case])
+        for side in SIDES:
+            _load(case, side, jobs[case])
     for rep in range(args["reps"]):
-        for case in alternating(CASES, rep):
-            dist.barrier()
-            before, begin = rchar(), time.perf_counter()
-            _load(case, jobs[case])
-            read = rchar() - before
-            dist.barrier()
-            out[case].append((read, time.perf_counter() - begin))
+        for case in CASES:
+            for side in alternating(list(SIDES), rep):
+                dist.barrier()
+                before, begin = rchar(), time.perf_counter()
+                _load(case, side, jobs[case])
+                read = rchar() - before
+                dist.barrier()
+                out[f"{case}|{side}"].append((read, time.perf_counter() - begin))
     return out
 
 
@@ -178,16 +190,18 @@ def summarise(
     per_rank: list[dict[str, list]], pre: dict[str, list[int]], sizes: dict[str, int]
 ) -> list[dict[str, Any]]:
     rows = []
-    for case in CASES:
-        reps = len(per_rank[0][case])
-        ranks = [statistics.median(r[case][i][0] for i in range(reps)) for r in per_rank]
-        walls = [max(r[case][i][1] for r in per_rank) for i in range(reps)]
+    for key in per_rank[0]:
+        case, side = key.split("|")
+        reps = len(per_rank[0][key])
+        ranks = [statistics.median(r[key][i][0] for i in range(reps)) for r in per_rank]
+        walls = [max(r[key][i][1] for r in per_rank) for i in range(reps)]
         flight = statistics.median(pre[case]) if case in pre else 0
         total = sum(ranks) + flight
         size = sizes[case]
         rows.append(
             {
                 "case": case,
+                "checksums": side,
                 "checkpoint_mb": size / 1e6,
                 "preflight_mb": flight / 1e6,
                 "ranks_mb": sum(ranks) / 1e6,
@@ -210,14 +224,15 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"AdamW, placement {meta['placement']}, {meta['reps']} loads per case, "
         f"load average {meta['load']}",
         "",
-        "| case | checkpoint on disk MB | pre-flight MB | ranks MB (per rank) | total / "
-        "checkpoint | load wall s (median) |",
-        "|---|---|---|---|---|---|",
+        "| case | checksums | checkpoint on disk MB | pre-flight MB | ranks MB (per rank) | "
+        "total / checkpoint | load wall s (median) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         per = ", ".join(f"{x:.0f}" for x in r["per_rank_mb"])
         lines.append(
-            f"| {r['case']} | {r['checkpoint_mb']:.1f} | {r['preflight_mb']:.2f} | "
+            f"| {r['case']} | {r['checksums']} | {r['checkpoint_mb']:.1f} | "
+            f"{r['preflight_mb']:.2f} | "
             f"{r['ranks_mb']:.1f} ({per}) | {r['ratio']:.2f}x | {r['wall_s']:.2f} |"
         )
     lines += ["", *meta["notes"]]
@@ -230,6 +245,9 @@ NOTES = [
     "checkpoint minus without it. Checkpoint: every file of the folder loaded (chunks,",
     ".metadata, manifest, extras). Wall: barrier to barrier, the slowest rank.",
     "initial_load_path loads model weights only (a third of an AdamW checkpoint).",
+    "Checksums: `fs.checkpoint.load(..., checksums_first=True)` (every checksum in a pass of",
+    "its own before the read) against the default (each chunk checked on the bytes read),",
+    "alternating within each case.",
 ]
 
 
