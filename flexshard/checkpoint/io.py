@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..torch_internals import single_process_dcp
@@ -35,6 +36,7 @@ from .manifest import (
     MANIFEST,
     Entry,
     check_entries,
+    check_extents,
     chunk_entries,
     digest,
     read_manifest,
@@ -54,6 +56,7 @@ from .state import (
     union_groups,
     with_groups,
 )
+from .verified_read import ChecksumError, VerifyingReader
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -234,27 +237,45 @@ def _raise_if_any(problems: list[str], ranks: Ranks, root: str) -> None:
         raise ValueError(f"cannot load checkpoint '{root}': " + "; ".join(found[:5]) + more)
 
 
-def _verified(root: str, ranks: Ranks, require_manifest: bool) -> Metadata:
+def _verified(
+    root: str, ranks: Ranks, require_manifest: bool, on_read: bool = False
+) -> tuple[Metadata, dict[str, str] | None]:
     """The checkpoint's DCP metadata, once its manifest checked out on every rank
     (each rank hashing a share of the files). Without ``require_manifest`` a folder
     DCP finished writing (``.metadata``) without a manifest (torch's own ``dcp.save``)
-    is taken unchecked."""
+    is taken unchecked. ``on_read``: the chunks' checksums are left to the read
+    (``VerifyingReader``), only their extents checked here; their checksums come back
+    (None: nothing left to check)."""
     problems: list[str] = []
+    digests = None
     unchecked = not require_manifest and not os.path.isfile(os.path.join(root, MANIFEST))
     if not (unchecked and os.path.isfile(os.path.join(root, ".metadata"))):
         try:
             entries, digests, _ = read_manifest(root)
-            problems = check_entries(root, share(entries, ranks.rank, ranks.world), digests)
+            mine = share(entries, ranks.rank, ranks.world)
+            chunks = [e for e in mine if on_read and e.length >= 0]
+            whole = [e for e in mine if e not in chunks]
+            problems = check_extents(root, chunks) + check_entries(root, whole, digests)
         except ValueError as err:
             problems = [str(err)]
     _raise_if_any(problems, ranks, root)
-    return read_metadata(root)
+    return read_metadata(root), digests if on_read else None
 
 
-def _read(root: str, state: dict[str, Any], ranks: Ranks) -> Any:
-    """``dcp.load`` into ``state``; this rank's ``extra`` (rank 0's when it had none)."""
+def _read(
+    root: str, state: dict[str, Any], ranks: Ranks, digests: dict[str, str] | None = None
+) -> Any:
+    """``dcp.load`` into ``state`` (with ``digests``: every chunk checked as read); this
+    rank's ``extra`` (rank 0's when it had none)."""
+    reader = VerifyingReader(root, digests) if digests is not None else None
     with ranks.step("dcp.load"), single_process_dcp(ranks.no_dist):
-        dcp_load(state, root, ranks.group, ranks.no_dist)
+        try:
+            dcp_load(state, root, ranks.group, ranks.no_dist, reader=reader)
+        except CheckpointException as err:  # the lowest rank's, the same on every rank
+            for _, (exc, _) in sorted(err.failures.items(), key=lambda item: item[0]):
+                if isinstance(exc, ChecksumError):
+                    raise ValueError(f"cannot load checkpoint '{root}': {exc}") from None
+            raise
     for rank in (ranks.rank, 0):
         extra = os.path.join(root, _extra_file(rank))
         if os.path.isfile(extra):
@@ -277,7 +298,7 @@ def load_state(
     wrote (no manifest: unchecked)."""
     root = os.path.abspath(os.fspath(path))
     ranks = Ranks.of(process_group, root, timeout)
-    metadata = _verified(root, ranks, require_manifest)
+    metadata, _ = _verified(root, ranks, require_manifest)
     _raise_if_any(_mismatches(state, metadata, ranks, set(state)), ranks, root)
     return _read(root, state, ranks)
 
@@ -292,6 +313,7 @@ def load(
     *,
     require_manifest: bool = True,
     entries: dict[str, Any] | None = None,
+    checksums_first: bool = False,
 ) -> Any:
     """Load a checkpoint written by ``save`` (or by torch's ``get_state_dict`` and
     ``dcp.save``, nested or flattened) at any world size and placements into ``model``
@@ -300,10 +322,13 @@ def load(
     truncated, corrupted or mismatched checkpoint, before anything changes. ``model``,
     ``frames`` and ``timeout`` as for ``save``; ``require_manifest`` as for ``load_state``;
     ``entries``: the state saved beside (``save``'s ``entries``), read into these dicts
-    in place, each one required."""
+    in place, each one required. Each chunk's checksum is checked on the bytes the load
+    reads (a damaged chunk raises before anything changes: the read goes into fresh
+    copies); ``checksums_first``: every checksum in a pass of its own before reading, as
+    ``load_state`` does (the whole checkpoint read once more)."""
     root = os.path.abspath(os.fspath(path))
     ranks = Ranks.of(process_group, root, _timeout(model, timeout))
-    metadata = _verified(root, ranks, require_manifest)
+    metadata, digests = _verified(root, ranks, require_manifest, not checksums_first)
     flat = saved_flat(metadata)
     target = fresh(state_dict(model, optimizer, flat=flat))
     entries = entries if entries is not None else {}
@@ -317,7 +342,7 @@ def load(
     mine = None
     if optimizer is not None and not flat:  # before the read puts the saved lists there
         mine = union_groups(group_params(target["optim"]), ranks)
-    extra = _read(root, loaded, ranks)
+    extra = _read(root, loaded, ranks, digests)
     entries.update({name: loaded[name] for name in entries})  # a plain value is replaced
     state = unframed(loaded, target)
     if mine is not None:

@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ..torch_internals import saved_metadata
 from .safe_load import read_metadata
@@ -29,13 +29,17 @@ class Entry:
     length: int  # -1: the whole file
 
 
+def storage_key(index: MetadataIndex) -> str:
+    """The manifest key of the chunk DCP stored under ``index``."""
+    return f"{index.fqn} at offsets {list(index.offset)}" if index.offset else index.fqn
+
+
 def chunk_entries(metadata: Metadata, root: str) -> list[Entry]:
     """One entry per chunk DCP wrote to ``root`` (``metadata``: what dcp.save returned),
     plus its ``.metadata`` file."""
     entries = [Entry(".metadata", ".metadata", 0, -1)]
     for index, info in saved_metadata(metadata, lambda: read_metadata(root)).storage_data.items():
-        where = f"{index.fqn} at offsets {list(index.offset)}" if index.offset else index.fqn
-        entries.append(Entry(where, info.relative_path, info.offset, info.length))
+        entries.append(Entry(storage_key(index), info.relative_path, info.offset, info.length))
     return entries
 
 
@@ -100,6 +104,17 @@ def read_manifest(root: str) -> tuple[list[Entry], dict[str, str], int]:
     if body.get("format") != FORMAT:
         raise ValueError(f"'{root}': unknown checkpoint format {body.get('format')!r}")
     return entries, digests, world
+
+
+def check_extents(root: str, entries: list[Entry]) -> list[str]:
+    """Chunk entries whose file is missing or ends before them, from the files' sizes
+    alone (no byte read); each problem names the key it breaks."""
+    problems = []
+    for entry in entries:
+        path = os.path.join(root, entry.file)
+        if not os.path.isfile(path) or os.path.getsize(path) < entry.offset + entry.length:
+            problems.append(f"'{entry.key}' is missing or truncated in '{entry.file}'")
+    return problems
 
 
 def check_entries(root: str, entries: list[Entry], digests: dict[str, str]) -> list[str]:

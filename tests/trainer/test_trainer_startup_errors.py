@@ -124,6 +124,35 @@ def test_checkpoint_estimate_is_the_saved_tensor_bytes(saved):
     assert preflight.checkpoint_bytes(load_config(DEBUG)) == saved_bytes
 
 
+_OPENED: list[str] | None = None  # the files opened while set (an audit hook stays for good)
+
+
+def _record_open(event: str, args: tuple) -> None:
+    if _OPENED is not None and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        _OPENED.append(os.fsdecode(args[0]))
+
+
+def test_preflight_reads_only_the_checkpoint_metadata(saved, tmp_path):
+    """The launcher's checks open nothing of the checkpoint but its .metadata, resuming
+    and starting from it: the tensor bytes are read once, by the ranks."""
+    global _OPENED
+    step = saved / "checkpoint" / "step-2"
+    resume = load_config(DEBUG, ["--job.dump_folder", str(saved), "--checkpoint.enable", "true"])
+    initial = load_config(DEBUG, ["--job.dump_folder", str(tmp_path),
+                                  "--checkpoint.initial_load_path", str(step)])  # fmt: skip
+    sys.addaudithook(_record_open)
+    for cfg in (resume, initial):
+        _OPENED = []
+        try:
+            preflight.check_before_start(cfg, 2)
+            opened = {Path(p).resolve() for p in _OPENED}
+        finally:
+            _OPENED = None
+        assert {p for p in opened if p.is_relative_to(step.resolve())} == {
+            step.resolve() / ".metadata"
+        }
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 def test_cuda_on_a_cpu_machine(capsys, no_spawn):
     line = _fails(capsys, "--config", DEBUG, "--training.device", "cuda")
