@@ -102,6 +102,60 @@ def _qwen3_moe_fields(config: dict[str, Any]) -> dict[str, Any]:
     return {**_qwen3_fields(config), "moe": moe}
 
 
+_LAYER_KINDS = ("full_attention", "linear_attention")
+
+
+def _qwen3_5_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """A ``Qwen3_5ForCausalLM`` config.json (``qwen3_5_text``): Gated DeltaNet layers and
+    gated full attention as ``layer_types`` says, partial RoPE."""
+    if config.get("vision_config") or config.get("text_config"):
+        raise ConfigError(
+            f"config.json: vision_config / text_config: model_type '{config.get('model_type')}' "
+            "is Qwen3.5 with its vision tower (Qwen3_5ForConditionalGeneration); the trainer "
+            "loads the text-only folder (model_type 'qwen3_5_text', Qwen3_5ForCausalLM)"
+        )
+    for key, ok in _NEEDED.items():
+        if config.get(key, ok) != ok:
+            raise ConfigError(f"config.json: {key} = {config[key]!r}: the trainer needs {ok!r}")
+    layers = config["num_hidden_layers"]
+    kinds = list(config.get("layer_types") or [])
+    if len(kinds) != layers or set(kinds) - set(_LAYER_KINDS):
+        raise ConfigError(
+            f"config.json: layer_types = {kinds}: the trainer needs one of {_LAYER_KINDS} "
+            f"per layer ({layers})"
+        )
+    params = dict(config.get("rope_parameters") or {})
+    factor = float(params.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    # text positions are one row repeated: the multimodal sections rotate as plain RoPE
+    params.pop("mrope_section", None)
+    params.pop("mrope_interleaved", None)
+    heads = config["num_attention_heads"]
+    return {
+        "vocab_size": config["vocab_size"],
+        "dim": config["hidden_size"],
+        "n_layers": layers,
+        "n_heads": heads,
+        "n_kv_heads": config.get("num_key_value_heads") or heads,
+        "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+        "qk_norm": True,
+        "attention": "gated",
+        "partial_rotary_factor": factor,
+        "layer_types": kinds,
+        "linear_attention": {
+            "conv_kernel": config["linear_conv_kernel_dim"],
+            "key_head_dim": config["linear_key_head_dim"],
+            "value_head_dim": config["linear_value_head_dim"],
+            "num_key_heads": config["linear_num_key_heads"],
+            "num_value_heads": config["linear_num_value_heads"],
+        },
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "ffn_hidden": config["intermediate_size"],
+        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "rope_theta": _rope_theta({**config, "rope_parameters": params}),
+        "moe": {"num_experts": 0},
+    }
+
+
 def _base_config(cfg: ModelConfig) -> dict[str, Any]:
     """The config.json keys of every family (Llama's set)."""
     return {
@@ -158,6 +212,22 @@ def _qwen3_moe_config(cfg: ModelConfig) -> dict[str, Any]:
         "norm_topk_prob": moe.norm_topk_prob,
         "decoder_sparse_step": moe.decoder_sparse_step,
         "mlp_only_layers": dense,
+    }
+
+
+def _qwen3_5_config(cfg: ModelConfig) -> dict[str, Any]:
+    la = cfg.linear_attention
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {
+        **_base_config(cfg),
+        "rope_parameters": {**rope, "partial_rotary_factor": cfg.partial_rotary_factor},
+        "attention_dropout": 0.0,
+        "layer_types": list(cfg.layer_types) or ["full_attention"] * cfg.n_layers,
+        "linear_conv_kernel_dim": la.conv_kernel,
+        "linear_key_head_dim": la.key_head_dim,
+        "linear_value_head_dim": la.value_head_dim,
+        "linear_num_key_heads": la.num_key_heads,
+        "linear_num_value_heads": la.num_value_heads,
     }
 
 
@@ -310,7 +380,10 @@ FAMILIES = {
     "mixtral": Family("MixtralForCausalLM", _mixtral_fields, _mixtral_config),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", _qwen3_moe_fields, _qwen3_moe_config),
     "deepseek_v3": Family("DeepseekV3ForCausalLM", _deepseek_v3_fields, _deepseek_v3_config),
+    "qwen3_5_text": Family("Qwen3_5ForCausalLM", _qwen3_5_fields, _qwen3_5_config),
 }
+# the folder of Qwen3.5 with its vision tower: refused by _qwen3_5_fields, naming why
+_READ_ONLY = {"qwen3_5": _qwen3_5_fields}
 
 
 def hf_config(cfg: ModelConfig, dtype: str, max_positions: int) -> dict[str, Any]:
@@ -331,6 +404,8 @@ def model_fields(config: dict[str, Any]) -> dict[str, Any]:
     """The ``[model]`` keys (with ``[model.moe]``) that reproduce a config.json of one of
     ``FAMILIES``; ConfigError for what the trainer's model cannot compute."""
     kind = config.get("model_type")
+    if kind in _READ_ONLY:
+        return _READ_ONLY[kind](config)
     if kind not in FAMILIES:
         raise ConfigError(
             f"config.json: model_type '{kind}': the trainer supports "
@@ -373,8 +448,9 @@ def check_matches(cfg: ModelConfig, folder: str | Path) -> dict[str, Any]:
     wanted = dict(fields)
     moe = wanted.pop("moe")
     wanted.update({f"moe.{k}": v for k, v in moe.items()})
-    rope = wanted.pop("rope_scaling", {})
-    wanted.update({f"rope_scaling.{k}": v for k, v in rope.items()})
+    for table in ("rope_scaling", "linear_attention"):
+        values = wanted.pop(table, {})
+        wanted.update({f"{table}.{k}": v for k, v in values.items()})
     theirs = [MoEConfig(**moe).is_moe_layer(i) for i in range(wanted["n_layers"])]
     if theirs == [cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers)]:
         for key in _LAYER_CHOICE:  # the same layers are MoE, however it is said
