@@ -12,7 +12,8 @@ row order, moves the logits.
   in transformers with every key;
 - ``flexshard-train --nproc 2`` with nothing but the folder trains (AdamW and Muon) and
   exports; under Muon the conv kernels, ``A_log`` and ``dt_bias`` step with AdamW;
-- the vision folder, the MoE and the layouts not built are ConfigErrors naming the key.
+- a folder with the vision tower loads its text model (logits as the whole model's);
+- the MoE and the layouts not built are ConfigErrors naming the key.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from flexshard.trainer.checkpointing import checkpoints as checkpointing
 from flexshard.trainer.checkpointing.checkpoints import export
 from flexshard.trainer.components.optimizers import build_optimizer
 from flexshard.trainer.config import ConfigError, config_from_dict
+from flexshard.trainer.config.hf_config import text_model_prefix
 from flexshard.trainer.launch import main as train_main
 from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.layers import loss_fn
@@ -59,15 +61,22 @@ SHAPE = {
 }
 
 
-def hf_model(folder: Path) -> torch.nn.Module:
-    """A random Qwen3.5 saved in several shards; the zero-centred norms drawn around 0,
-    the gated norms around 1."""
+VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 40, "num_heads": 2}
+VISION.update(out_hidden_size=64, patch_size=4, num_position_embeddings=16)
+
+
+def hf_model(folder: Path, vision: bool = False) -> torch.nn.Module:
+    """A random Qwen3.5 (``vision``: with its vision tower) saved in several shards; the
+    zero-centred norms drawn around 0, the gated norms around 1."""
     torch.manual_seed(0)
-    config = transformers.Qwen3_5TextConfig(**SHAPE)
-    model = transformers.Qwen3_5ForCausalLM(config).eval()
+    if vision:
+        config = transformers.Qwen3_5Config(text_config=SHAPE, vision_config=VISION)
+        model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**SHAPE)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name and "visual" not in name:
                 param.normal_(1.0 if "linear_attn" in name else 0.0, 0.3)
     model.save_pretrained(folder, max_shard_size="20KB")
     return model
@@ -160,9 +169,12 @@ def test_muon_steps_conv_kernels_and_decays_with_adamw(tmp_path):
     assert "layers.3.attention.q_proj.weight" in muon
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=pytest.mark.slow)])
-def test_flexshard_train_with_only_the_folder(optimizer, tmp_path):
-    reference = hf_model(tmp_path / "hf")
+@pytest.mark.parametrize(
+    "optimizer, vision", [("adamw", False), pytest.param("muon", True, marks=pytest.mark.slow)]
+)
+def test_flexshard_train_with_only_the_folder(optimizer, vision, tmp_path, capfd):
+    """Trains and exports the text model (a vision folder's too, saying so in one line)."""
+    reference = hf_model(tmp_path / "hf", vision)
     out = tmp_path / "run"
     train_main(
         ["--nproc", "2", "--checkpoint.initial_load_path", str(tmp_path / "hf")]
@@ -180,6 +192,8 @@ def test_flexshard_train_with_only_the_folder(optimizer, tmp_path):
     assert moved.max().item() > 1e-3  # it trained
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    said = "its text model (model.language_model.*) loaded" in capfd.readouterr().out
+    assert said == vision
 
 
 @pytest.mark.parametrize(
@@ -197,14 +211,30 @@ def test_layouts_not_built_are_refused(parallelism, message, tmp_path):
         launch_dims(cfg)
 
 
-def test_vision_folder_and_moe_are_refused(tmp_path):
-    folder = tmp_path / "vl"
-    folder.mkdir()
-    text = {"model_type": "qwen3_5_text", **SHAPE}
-    vl = {"model_type": "qwen3_5", "text_config": text, "vision_config": {"depth": 2}}
-    (folder / "config.json").write_text(json.dumps(vl))
-    with pytest.raises(ConfigError, match="vision_config"):
-        config_from_dict(from_folder(folder))
+def test_vision_folder_loads_its_text_model(tmp_path):
+    """A ``Qwen3_5ForConditionalGeneration`` folder: its text model's keys read from
+    ``model.language_model.*``, its text logits those of the whole model's."""
+    reference = hf_model(tmp_path, vision=True)
+    m = config_from_dict(from_folder(tmp_path)).model
+    assert (m.attention, m.layer_types) == ("gated", SHAPE_TYPES)
+    assert text_model_prefix(tmp_path) == "model.language_model."
+    model = Transformer(m).eval()
+    state = model.state_dict()
+    keys = hf_keys(list(state), m, m.tie_embeddings, text_model_prefix(tmp_path))
+    load_hf_safetensors(tmp_path, state, keys)
+    with torch.no_grad():
+        gap = (model(tokens()) - reference(tokens()).logits).abs().max().item()
+    assert gap <= 1e-5, gap
+
+
+def test_moe_is_refused():
+    """Qwen3.5-MoE is not built: a gated MoE has no Hugging Face twin here."""
     moe = {"model": {"attention": "gated", "moe": {"num_experts": 4, "num_shared_experts": 0}}}
     with pytest.raises(ConfigError, match="model.moe.num_experts = 4"):
         config_from_dict({**moe, "checkpoint": {"last_save_in_hf": True}})
+
+
+def test_rl_is_refused(tmp_path):
+    hf_model(tmp_path)
+    with pytest.raises(ConfigError, match="rl.enable with model.layer_types"):
+        config_from_dict(from_folder(tmp_path, rl={"enable": True}))

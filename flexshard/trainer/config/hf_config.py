@@ -108,12 +108,6 @@ _LAYER_KINDS = ("full_attention", "linear_attention")
 def _qwen3_5_fields(config: dict[str, Any]) -> dict[str, Any]:
     """A ``Qwen3_5ForCausalLM`` config.json (``qwen3_5_text``): Gated DeltaNet layers and
     gated full attention as ``layer_types`` says, partial RoPE."""
-    if config.get("vision_config") or config.get("text_config"):
-        raise ConfigError(
-            f"config.json: vision_config / text_config: model_type '{config.get('model_type')}' "
-            "is Qwen3.5 with its vision tower (Qwen3_5ForConditionalGeneration); the trainer "
-            "loads the text-only folder (model_type 'qwen3_5_text', Qwen3_5ForCausalLM)"
-        )
     for key, ok in _NEEDED.items():
         if config.get(key, ok) != ok:
             raise ConfigError(f"config.json: {key} = {config[key]!r}: the trainer needs {ok!r}")
@@ -382,8 +376,31 @@ FAMILIES = {
     "deepseek_v3": Family("DeepseekV3ForCausalLM", _deepseek_v3_fields, _deepseek_v3_config),
     "qwen3_5_text": Family("Qwen3_5ForCausalLM", _qwen3_5_fields, _qwen3_5_config),
 }
-# the folder of Qwen3.5 with its vision tower: refused by _qwen3_5_fields, naming why
-_READ_ONLY = {"qwen3_5": _qwen3_5_fields}
+
+
+def _qwen3_5_text_of_vision_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5 with its vision tower (``Qwen3_5ForConditionalGeneration``): its text
+    model's ``[model]`` keys (the tower is not trained; the export is text-only)."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(
+            f"config.json: text_config = {text!r}: a model_type 'qwen3_5' folder keeps its "
+            "text model's sizes there"
+        )
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return _qwen3_5_fields({**text, "tie_word_embeddings": tied})
+
+
+# folders read, never written: their text model is one of FAMILIES
+_READ_ONLY = {"qwen3_5": _qwen3_5_text_of_vision_fields}
+TEXT_MODEL_PREFIX = {"qwen3_5": "model.language_model."}
+
+
+def text_model_prefix(folder: str | Path) -> str:
+    """Where a folder keeps its text model's keys: ``model.``, or, for Qwen3.5 with its
+    vision tower, ``model.language_model.`` (``lm_head.weight`` stays at the top)."""
+    kind = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    return TEXT_MODEL_PREFIX.get(kind, "model.")
 
 
 def hf_config(cfg: ModelConfig, dtype: str, max_positions: int) -> dict[str, Any]:

@@ -288,6 +288,11 @@ def validate(cfg: Config) -> None:
                 'attention = "mla" only'
             )
     _check_layer_types(m)
+    if cfg.rl.enable and "linear_attention" in m.layer_types:
+        raise ConfigError(
+            'rl.enable with model.layer_types "linear_attention": GRPO generates with a '
+            "cache, and the Gated DeltaNet layers keep no generation cache here"
+        )
     if m.mtp_layers < 0 or m.mtp_loss_weight < 0:
         raise ConfigError("model.mtp_layers and model.mtp_loss_weight must be >= 0")
     if m.mtp_layers and t.seq_len < m.mtp_layers + 2:

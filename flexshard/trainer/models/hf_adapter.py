@@ -42,6 +42,7 @@ MiniMax-M2 a sigmoid router.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -199,10 +200,17 @@ def in_hf(fqn: str, cfg: ModelConfig) -> bool:
     return cfg.attention == "mla" or _TRAINER_ONLY.match(fqn) is None
 
 
-def hf_keys(fqns: list[str], cfg: ModelConfig, tied: bool = False) -> dict[str, HFKey]:
+def hf_keys(
+    fqns: list[str], cfg: ModelConfig, tied: bool = False, prefix: str = "model."
+) -> dict[str, HFKey]:
     """``hf_key`` of every FQN; ``tied``: the folder keeps the output projection as the
-    embedding (``tie_word_embeddings``), so ``output.weight`` reads that."""
+    embedding (``tie_word_embeddings``), so ``output.weight`` reads that; ``prefix``:
+    where the folder keeps the text model (``config.hf_config.text_model_prefix``)."""
     keys = {fqn: hf_key(fqn, cfg) for fqn in fqns}
     if tied and "output.weight" in keys:
         keys["output.weight"] = HFKey(_ROOT["tok_embeddings.weight"])
+    if prefix != "model.":
+        for fqn, key in keys.items():
+            if key.name.startswith("model."):
+                keys[fqn] = dataclasses.replace(key, name=prefix + key.name.removeprefix("model."))
     return keys
