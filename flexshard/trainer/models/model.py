@@ -347,4 +347,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     if cfg.attention == "mla":
         head_dims = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
         return 6.0 * active + 6.0 * cfg.n_layers * cfg.n_heads * head_dims * seq_len
-    return 6.0 * active + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_size() * seq_len
+    # Gated DeltaNet layers have no scores over the sequence (their projections are in
+    # the active weights; the delta rule's chunked products are left out)
+    full = cfg.n_layers - sum(cfg.is_linear_attention(i) for i in range(cfg.n_layers))
+    return 6.0 * active + 12.0 * full * cfg.n_heads * cfg.head_size() * seq_len
