@@ -19,7 +19,7 @@ from flexshard.checkpoint.safe_load import read_metadata
 from flexshard.runtime.module import own_buckets
 
 from .config import Config, ConfigError, config_from_dict, load_config
-from .config.hf_config import folder_fields
+from .config.hf_config import folder_fields, text_model_prefix
 from .config.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, open_tokenizer
 from .models.hf_adapter import hf_keys
 from .models.layers import KVCache
@@ -96,7 +96,8 @@ def load_weights(model: nn.Module, cfg: Config, checkpoint: str | Path) -> None:
     folder = Path(checkpoint)
     if (folder / "config.json").is_file():
         state = model.state_dict()
-        keys = hf_keys(list(state), cfg.model, cfg.model.tie_embeddings)
+        prefix = text_model_prefix(folder)
+        keys = hf_keys(list(state), cfg.model, cfg.model.tie_embeddings, prefix)
         load_hf_safetensors(folder, state, keys)
     else:
         import flexshard.checkpoint as ckpt

@@ -38,7 +38,7 @@ from flexshard.checkpoint.bounded import bounded_group, in_flight
 from flexshard.checkpoint.hf_safetensors import export_safetensors, load_hf_safetensors
 from flexshard.checkpoint.logical_model import Model
 
-from ..config.hf_config import folder_fields
+from ..config.hf_config import folder_fields, text_model_prefix
 from ..config.schema import Config
 from ..config.tokenizer import Tokenizer
 from ..data.dataset import DPSampler, ValidationBatches
@@ -114,7 +114,14 @@ def load_hf(job: Job, folder: str | Path) -> None:
     ``preflight``)."""
     state = model_state(job)
     tied = folder_fields(folder)["tie_embeddings"]
-    keys = hf_keys(list(state), job.cfg.model, tied)
+    prefix = text_model_prefix(folder)
+    keys = hf_keys(list(state), job.cfg.model, tied, prefix)
+    if prefix != "model." and job.rank == 0:
+        print(
+            f"{folder}: its text model ({prefix}*) loaded; the vision tower is not "
+            "trained and not exported",
+            flush=True,
+        )
     group, timeout = world_group(job)
     with in_flight("Hugging Face load", str(folder), group, timeout):
         load_hf_safetensors(folder, state, keys, process_group=group, frames=frames_of(job))

@@ -86,7 +86,9 @@ def build_optimizer(
         row_blocks=muon_row_blocks(model_cfg),
         # the LM head by its name, not as the last Linear: a pipeline stage without the
         # head would hand its own last matrix to AdamW
-        adamw_patterns=("output.weight",),
+        # Gated DeltaNet's depthwise conv kernels [channels, 1, taps] are 3-D but no
+        # matrix stack (A_log and dt_bias are vectors: AdamW by their shape)
+        adamw_patterns=("output.weight", "*.conv1d.weight"),
         detect_head=False,
         # Moonlight's scaling: Muon's update RMS matches AdamW's at the same rate
         adjust_lr_fn="match_rms_adamw",

@@ -13,6 +13,7 @@ from .schema import (
     ConfigError,
     DataConfig,
     JobConfig,
+    LinearAttentionConfig,
     ModelConfig,
     MoEConfig,
     ParallelismConfig,
@@ -25,6 +26,7 @@ from .schema import (
 __all__ = [
     "ConfigError",
     "MoEConfig",
+    "LinearAttentionConfig",
     "ModelConfig",
     "RopeScalingConfig",
     "ParallelismConfig",

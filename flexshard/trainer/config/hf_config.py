@@ -102,6 +102,54 @@ def _qwen3_moe_fields(config: dict[str, Any]) -> dict[str, Any]:
     return {**_qwen3_fields(config), "moe": moe}
 
 
+_LAYER_KINDS = ("full_attention", "linear_attention")
+
+
+def _qwen3_5_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """A ``Qwen3_5ForCausalLM`` config.json (``qwen3_5_text``): Gated DeltaNet layers and
+    gated full attention as ``layer_types`` says, partial RoPE."""
+    for key, ok in _NEEDED.items():
+        if config.get(key, ok) != ok:
+            raise ConfigError(f"config.json: {key} = {config[key]!r}: the trainer needs {ok!r}")
+    layers = config["num_hidden_layers"]
+    kinds = list(config.get("layer_types") or [])
+    if len(kinds) != layers or set(kinds) - set(_LAYER_KINDS):
+        raise ConfigError(
+            f"config.json: layer_types = {kinds}: the trainer needs one of {_LAYER_KINDS} "
+            f"per layer ({layers})"
+        )
+    params = dict(config.get("rope_parameters") or {})
+    factor = float(params.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    # text positions are one row repeated: the multimodal sections rotate as plain RoPE
+    params.pop("mrope_section", None)
+    params.pop("mrope_interleaved", None)
+    heads = config["num_attention_heads"]
+    return {
+        "vocab_size": config["vocab_size"],
+        "dim": config["hidden_size"],
+        "n_layers": layers,
+        "n_heads": heads,
+        "n_kv_heads": config.get("num_key_value_heads") or heads,
+        "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+        "qk_norm": True,
+        "attention": "gated",
+        "partial_rotary_factor": factor,
+        "layer_types": kinds,
+        "linear_attention": {
+            "conv_kernel": config["linear_conv_kernel_dim"],
+            "key_head_dim": config["linear_key_head_dim"],
+            "value_head_dim": config["linear_value_head_dim"],
+            "num_key_heads": config["linear_num_key_heads"],
+            "num_value_heads": config["linear_num_value_heads"],
+        },
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "ffn_hidden": config["intermediate_size"],
+        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "rope_theta": _rope_theta({**config, "rope_parameters": params}),
+        "moe": {"num_experts": 0},
+    }
+
+
 def _base_config(cfg: ModelConfig) -> dict[str, Any]:
     """The config.json keys of every family (Llama's set)."""
     return {
@@ -158,6 +206,22 @@ def _qwen3_moe_config(cfg: ModelConfig) -> dict[str, Any]:
         "norm_topk_prob": moe.norm_topk_prob,
         "decoder_sparse_step": moe.decoder_sparse_step,
         "mlp_only_layers": dense,
+    }
+
+
+def _qwen3_5_config(cfg: ModelConfig) -> dict[str, Any]:
+    la = cfg.linear_attention
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {
+        **_base_config(cfg),
+        "rope_parameters": {**rope, "partial_rotary_factor": cfg.partial_rotary_factor},
+        "attention_dropout": 0.0,
+        "layer_types": list(cfg.layer_types) or ["full_attention"] * cfg.n_layers,
+        "linear_conv_kernel_dim": la.conv_kernel,
+        "linear_key_head_dim": la.key_head_dim,
+        "linear_value_head_dim": la.value_head_dim,
+        "linear_num_key_heads": la.num_key_heads,
+        "linear_num_value_heads": la.num_value_heads,
     }
 
 
@@ -310,6 +374,7 @@ FAMILIES = {
     "mixtral": Family("MixtralForCausalLM", _mixtral_fields, _mixtral_config),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", _qwen3_moe_fields, _qwen3_moe_config),
     "deepseek_v3": Family("DeepseekV3ForCausalLM", _deepseek_v3_fields, _deepseek_v3_config),
+    "qwen3_5_text": Family("Qwen3_5ForCausalLM", _qwen3_5_fields, _qwen3_5_config),
 }
 
 
@@ -322,6 +387,37 @@ def context_length(cfg: ModelConfig, trained: int) -> int:
     if scaling.type == "yarn":
         return round(scaling.factor * scaling.original_max_position_embeddings)
     return trained
+
+
+def _qwen3_5_text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5 with its vision tower (``Qwen3_5ForConditionalGeneration``): the
+    config.json of its text model (the tower is not trained; the export is text-only)."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(
+            f"config.json: text_config = {text!r}: a model_type 'qwen3_5' folder keeps its "
+            "text model's sizes there"
+        )
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    family = FAMILIES["qwen3_5_text"]
+    return {
+        **text,
+        "model_type": "qwen3_5_text",
+        "architectures": [family.architecture],
+        "tie_word_embeddings": tied,
+    }
+
+
+# folders read, never written: the config.json of their text model, one of FAMILIES
+_TEXT_MODEL_CONFIG = {"qwen3_5": _qwen3_5_text_config}
+TEXT_MODEL_PREFIX = {"qwen3_5": "model.language_model."}
+
+
+def text_model_prefix(folder: str | Path) -> str:
+    """Where a folder keeps its text model's keys: ``model.``, or, for Qwen3.5 with its
+    vision tower, ``model.language_model.`` (``lm_head.weight`` stays at the top)."""
+    kind = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    return TEXT_MODEL_PREFIX.get(kind, "model.")
 
 
 def hf_config(cfg: ModelConfig, dtype: str, max_positions: int) -> dict[str, Any]:
@@ -342,6 +438,9 @@ def model_fields(config: dict[str, Any]) -> dict[str, Any]:
     """The ``[model]`` keys (with ``[model.moe]``) that reproduce a config.json of one of
     ``FAMILIES``; ConfigError for what the trainer's model cannot compute."""
     kind = config.get("model_type")
+    if kind in _TEXT_MODEL_CONFIG:
+        config = _TEXT_MODEL_CONFIG[kind](config)
+        kind = config["model_type"]
     if kind not in FAMILIES:
         raise ConfigError(
             f"config.json: model_type '{kind}': the trainer supports "
@@ -382,8 +481,9 @@ def _mismatches(cfg: ModelConfig, fields: dict[str, Any], untie: bool) -> dict[s
     wanted = dict(fields)
     moe = wanted.pop("moe")
     wanted.update({f"moe.{k}": v for k, v in moe.items()})
-    rope = wanted.pop("rope_scaling", {})
-    wanted.update({f"rope_scaling.{k}": v for k, v in rope.items()})
+    for table in ("rope_scaling", "linear_attention"):
+        values = wanted.pop(table, {})
+        wanted.update({f"{table}.{k}": v for k, v in values.items()})
     theirs = [MoEConfig(**moe).is_moe_layer(i) for i in range(wanted["n_layers"])]
     if theirs == [cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers)]:
         for key in _LAYER_CHOICE:  # the same layers are MoE, however it is said
@@ -429,11 +529,13 @@ def exported_config(
     ``source`` field for field (context length, window layers, RoPE scaling, token ids,
     architectures, every key transformers or other readers keep), but for what the run
     changed: the dtype of the weights written, ``_EXPORT_DECIDES``, and ``token_ids``
-    (a tokenizer of the run's own). A ConfigError if the result would not describe
-    ``cfg``'s model."""
+    (a tokenizer of the run's own); a folder with a vision tower gives its text model's.
+    A ConfigError if the result would not describe ``cfg``'s model."""
     run = hf_config(cfg, dtype, context_length(cfg, trained))
     if source is None:
         return {**run, **(token_ids or {})}
+    if source.get("model_type") in _TEXT_MODEL_CONFIG:
+        source = _TEXT_MODEL_CONFIG[source["model_type"]](source)
     out = dict(source)
     for key in _EXPORT_DECIDES:
         if key in run and source.get(key, run[key]) != run[key]:

@@ -70,6 +70,20 @@ class RopeScalingConfig:
 
 
 @dataclass
+class LinearAttentionConfig:
+    """Qwen3.5's Gated DeltaNet layers (trainer/models/linear_attention.py): queries and
+    keys of num_key_heads x key_head_dim, values of num_value_heads x value_head_dim
+    (each key head serving num_value_heads / num_key_heads value heads), all three
+    through a causal depthwise convolution of conv_kernel taps."""
+
+    conv_kernel: int = 4
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+    num_key_heads: int = 16
+    num_value_heads: int = 32
+
+
+@dataclass
 class ModelConfig:
     # the byte tokenizer's 256; left out with a tokenizer file: its ids, padded up to
     # vocab_multiple (a tokenizer.json of 32,000 ids and 64: 32,000)
@@ -93,7 +107,16 @@ class ModelConfig:
     # and values come from a kv_lora_rank latent, its queries from a q_lora_rank one
     # (0: a plain q_proj), each head with qk_nope_head_dim + qk_rope_head_dim query/key
     # dims (only the second part rotated) and v_head_dim value dims; n_kv_heads unused
-    attention: Literal["gqa", "mla"] = "gqa"
+    # "gated": Qwen3.5's attention (trainer/models/gated_attention.py): q_proj gives each
+    # head its queries and a sigmoid output gate, q/k norms, RoPE on the first
+    # partial_rotary_factor of each head (Hugging Face's halves layout), and every
+    # RMSNorm of the model but Gated DeltaNet's scales by (1 + weight)
+    attention: Literal["gqa", "mla", "gated"] = "gqa"
+    partial_rotary_factor: float = 1.0
+    # per layer "full_attention" or "linear_attention" (Gated DeltaNet, with
+    # attention = "gated" only); empty: every layer full attention
+    layer_types: list[str] = field(default_factory=list)
+    linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
     q_lora_rank: int = 0
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128
@@ -104,6 +127,15 @@ class ModelConfig:
     # predicting one token further; their mean loss weighted by mtp_loss_weight
     mtp_layers: int = 0
     mtp_loss_weight: float = 0.3
+
+    def is_linear_attention(self, layer: int) -> bool:
+        """Whether block ``layer`` (from 0) is a Gated DeltaNet layer."""
+        kinds = self.layer_types
+        return layer < len(kinds) and kinds[layer] == "linear_attention"
+
+    def rotary_dim(self) -> int:
+        """How many of each head's dims RoPE rotates (Qwen3.5: a quarter)."""
+        return int(self.head_size() * self.partial_rotary_factor)
 
     def head_size(self) -> int:
         """Each attention head's width: ``head_dim``, else the model width split by heads."""

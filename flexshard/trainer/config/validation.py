@@ -52,6 +52,13 @@ def hf_format(cfg: ModelConfig, option: str = HF_OPTIONS, export: bool = False) 
     a tensor to hold it). Multi-token prediction is never exported (no format here
     holds it)."""
     moe = cfg.moe
+    if cfg.attention == "gated":
+        if moe.num_experts:
+            raise ConfigError(
+                f"{option}: model.moe.num_experts = {moe.num_experts} with attention = "
+                '"gated": Qwen3.5-MoE folders are not supported yet (set 0)'
+            )
+        return "qwen3_5_text"
     if cfg.attention == "mla":
         problems = _deepseek_v3_problems(cfg)
         if problems:
@@ -190,6 +197,33 @@ def _check_routing(m: ModelConfig) -> None:
         raise ConfigError("model.moe.routed_scaling_factor must be > 0")
 
 
+def _check_layer_types(m: ModelConfig) -> None:
+    """Gated DeltaNet layers: only beside Qwen3.5's gated attention, with whole heads."""
+    if not m.layer_types:
+        return
+    kinds = ("full_attention", "linear_attention")
+    if len(m.layer_types) != m.n_layers or set(m.layer_types) - set(kinds):
+        raise ConfigError(
+            f"model.layer_types = {m.layer_types}: one of {kinds} per layer "
+            f"(model.n_layers = {m.n_layers})"
+        )
+    if "linear_attention" in m.layer_types and m.attention != "gated":
+        raise ConfigError(
+            'model.layer_types has "linear_attention": Gated DeltaNet layers come with '
+            'attention = "gated" (Qwen3.5)'
+        )
+    la = m.linear_attention
+    sizes = {f"model.linear_attention.{k}": v for k, v in vars(la).items()}
+    small = {k: v for k, v in sizes.items() if v < 1}
+    if small:
+        raise ConfigError(f"{', '.join(f'{k} = {v}' for k, v in small.items())}: must be >= 1")
+    if la.num_value_heads % la.num_key_heads:
+        raise ConfigError(
+            f"model.linear_attention.num_value_heads = {la.num_value_heads} is not a multiple "
+            f"of num_key_heads = {la.num_key_heads}"
+        )
+
+
 def validate(cfg: Config) -> None:
     """Values that type-check but make no sense."""
     m, t, p = cfg.model, cfg.training, cfg.parallelism
@@ -238,8 +272,11 @@ def validate(cfg: Config) -> None:
                 f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads} "
                 "(or set model.head_dim)"
             )
-        if m.head_size() % 2:
-            raise ConfigError(f"head dim {m.head_size()} must be even for RoPE")
+        if m.rotary_dim() % 2 or not 0 < m.partial_rotary_factor <= 1:
+            raise ConfigError(
+                f"model.partial_rotary_factor = {m.partial_rotary_factor} of head dim "
+                f"{m.head_size()}: RoPE needs an even number of rotated dims"
+            )
         if m.n_heads % m.n_kv_heads:
             raise ConfigError(
                 f"model.n_heads = {m.n_heads} is not a multiple of model.n_kv_heads = "
@@ -250,6 +287,12 @@ def validate(cfg: Config) -> None:
                 f'model.rope_scaling.type = "{m.rope_scaling.type}": YaRN is implemented for '
                 'attention = "mla" only'
             )
+    _check_layer_types(m)
+    if cfg.rl.enable and "linear_attention" in m.layer_types:
+        raise ConfigError(
+            'rl.enable with model.layer_types "linear_attention": GRPO generates with a '
+            "cache, and the Gated DeltaNet layers keep no generation cache here"
+        )
     if m.mtp_layers < 0 or m.mtp_loss_weight < 0:
         raise ConfigError("model.mtp_layers and model.mtp_loss_weight must be >= 0")
     if m.mtp_layers and t.seq_len < m.mtp_layers + 2:

@@ -14,6 +14,11 @@ is the config side's (``config/hf_config.py``: ``FAMILIES``, keyed alike).
 - ``qwen3_moe`` (``Qwen3MoeForCausalLM``): Qwen3's attention and the same sparse block
   with the renormalisation optional (``norm_topk_prob``) and dense layers where
   ``decoder_sparse_step`` / ``mlp_only_layers`` say.
+- ``qwen3_5_text`` (``Qwen3_5ForCausalLM``): Gated DeltaNet layers (``linear_attn.*``:
+  the conv kernel, ``A_log``, ``dt_bias``, the gated norm) and gated full attention
+  (``self_attn.*``, ``q_proj`` rows per head: queries then the gate) as ``layer_types``
+  says, under the folder's names and row order (RoPE already in halves: no permutation);
+  every other norm is zero-centred (``1 + weight``), stored as the folder stores it.
 - ``deepseek_v3`` (``DeepseekV3ForCausalLM``): MLA's parameters under transformers'
   names, its rotated rows in DeepSeek's pairwise order (``rope_interleave = true``,
   written on export, required on load: no row moves); DeepSeek's MoE block (``mlp.gate``
@@ -37,6 +42,7 @@ MiniMax-M2 a sigmoid router.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -124,6 +130,21 @@ _DEEPSEEK_V3_MOE = {
 }
 
 
+# Qwen3.5: the full-attention layers' and the Gated DeltaNet layers' names (a block has
+# one kind); both modules keep the folder's own names and row order (RoPE in halves)
+_GATED_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+_DELTA_NET = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
+_QWEN3_5 = {
+    **{f"attention.{name}.weight": f"self_attn.{name}.weight" for name in _GATED_ATTENTION},
+    **{f"attention.{name}.weight": f"linear_attn.{name}.weight" for name in _DELTA_NET},
+    "attention.A_log": "linear_attn.A_log",
+    "attention.dt_bias": "linear_attn.dt_bias",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    **_DENSE,
+}
+
+
 @dataclass(frozen=True)
 class FamilyKeys:
     """One family's state-dict names (``config.hf_config.FAMILIES`` has its config.json)."""
@@ -138,6 +159,7 @@ FAMILY_KEYS = {
     "mixtral": FamilyKeys({**_ATTENTION, **_DENSE}, _MIXTRAL),
     "qwen3_moe": FamilyKeys({**_ATTENTION, **_QK_NORM, **_DENSE}, _QWEN3_MOE),
     "deepseek_v3": FamilyKeys(_DEEPSEEK_V3, _DEEPSEEK_V3_MOE),
+    "qwen3_5_text": FamilyKeys(_QWEN3_5, {}),
 }
 
 
@@ -155,6 +177,8 @@ def hf_key(fqn: str, cfg: ModelConfig) -> HFKey:
     if rest in family.sparse:
         experts = cfg.moe.num_experts if ".experts." in rest else 0
         return HFKey(f"model.layers.{layer}.{family.sparse[rest]}", experts=experts)
+    if cfg.attention == "gated":  # Qwen3.5's modules keep the folder's row order
+        return HFKey(f"model.layers.{layer}.{family.block[rest]}")
     # RoPE's row order within each head: the projections' rows, the norms' one head
     heads = {
         "attention.wq.weight": cfg.n_heads,
@@ -176,10 +200,17 @@ def in_hf(fqn: str, cfg: ModelConfig) -> bool:
     return cfg.attention == "mla" or _TRAINER_ONLY.match(fqn) is None
 
 
-def hf_keys(fqns: list[str], cfg: ModelConfig, tied: bool = False) -> dict[str, HFKey]:
+def hf_keys(
+    fqns: list[str], cfg: ModelConfig, tied: bool = False, prefix: str = "model."
+) -> dict[str, HFKey]:
     """``hf_key`` of every FQN; ``tied``: the folder keeps the output projection as the
-    embedding (``tie_word_embeddings``), so ``output.weight`` reads that."""
+    embedding (``tie_word_embeddings``), so ``output.weight`` reads that; ``prefix``:
+    where the folder keeps the text model (``config.hf_config.text_model_prefix``)."""
     keys = {fqn: hf_key(fqn, cfg) for fqn in fqns}
     if tied and "output.weight" in keys:
         keys["output.weight"] = HFKey(_ROOT["tok_embeddings.weight"])
+    if prefix != "model.":
+        for fqn, key in keys.items():
+            if key.name.startswith("model."):
+                keys[fqn] = dataclasses.replace(key, name=prefix + key.name.removeprefix("model."))
     return keys

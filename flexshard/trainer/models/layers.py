@@ -23,14 +23,19 @@ def _linear(fan_in: int, fan_out: int, std: float) -> nn.Linear:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """``unit_offset``: Qwen3.5's zero-centred norm, scaled by ``1 + weight`` in fp32
+    (the weight starts at zero and is stored so in its folders)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.init_stds = {"weight": None}  # None: ones
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.init_stds = {"weight": "zeros" if unit_offset else None}  # None: ones
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.float())).type_as(x)
         return normed.type_as(x) * self.weight
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .gated_attention import GatedAttention
 from .layers import (
     KVCache,
     LayerCache,
@@ -29,6 +30,7 @@ from .layers import (
     cached_causal_mask,
     rope_tables,
 )
+from .linear_attention import GatedDeltaNet, init_decay
 from .mla import MLA, mla_rope_tables
 from .moe import LoadBalance, _AddAuxGrad, grouped_swiglu, loop_swiglu
 from .mtp import MultiTokenPrediction
@@ -74,7 +76,11 @@ class Attention(nn.Module):
         return self.wo(attend(q, k, v, cp, mask))
 
 
-def _attention(cfg: ModelConfig, out_std: float) -> nn.Module:
+def _attention(cfg: ModelConfig, out_std: float, layer: int) -> nn.Module:
+    if cfg.is_linear_attention(layer):
+        return GatedDeltaNet(cfg, out_std)
+    if cfg.attention == "gated":
+        return GatedAttention(cfg, out_std)
     if cfg.attention == "mla":
         return MLA(cfg, out_std)
     return Attention(cfg, out_std)
@@ -178,9 +184,10 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # residual branches scaled with depth
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = _attention(cfg, out_std)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        unit_offset = cfg.attention == "gated"  # Qwen3.5's norms
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, unit_offset)
+        self.attention = _attention(cfg, out_std, layer)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, unit_offset)
         self.feed_forward: nn.Module = (
             MoE(cfg, out_std)
             if cfg.moe.is_moe_layer(layer)
@@ -220,7 +227,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.tok_embeddings.init_stds = {"weight": 1.0}
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.attention == "gated")
         self.output = _linear(cfg.dim, cfg.vocab_size, cfg.dim**-0.5)
         if cfg.tie_embeddings:
             # one parameter, drawn once, at the output's scale: the embedding's std of 1
@@ -246,7 +253,7 @@ class Transformer(nn.Module):
         if key not in self._rope and self.cfg.attention == "mla":
             self._rope[key] = mla_rope_tables(self.cfg, total, device)
         if key not in self._rope:
-            self._rope[key] = rope_tables(total, self.cfg.head_size(), self.cfg.rope_theta, device)
+            self._rope[key] = rope_tables(total, self.cfg.rotary_dim(), self.cfg.rope_theta, device)
         if cp is not None:  # this rank's tokens sit at zig-zag global positions
             index = cp.positions(seq_len, device)
             return self._rope[key][0][index], self._rope[key][1][index]
@@ -291,6 +298,10 @@ def init_module(module: nn.Module) -> None:
             drawn = param if ep_range is None else param.new_empty(ep_range[1], *param.shape[1:])
             if std is None:
                 drawn.fill_(1.0)
+            elif std == "zeros":
+                drawn.zero_()
+            elif std == "decay":
+                init_decay(drawn)
             else:
                 nn.init.trunc_normal_(drawn, std=std, a=-3 * std, b=3 * std)
             if ep_range is not None:
@@ -336,4 +347,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     if cfg.attention == "mla":
         head_dims = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
         return 6.0 * active + 6.0 * cfg.n_layers * cfg.n_heads * head_dims * seq_len
-    return 6.0 * active + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_size() * seq_len
+    # Gated DeltaNet layers have no scores over the sequence (their projections are in
+    # the active weights; the delta rule's chunked products are left out)
+    full = cfg.n_layers - sum(cfg.is_linear_attention(i) for i in range(cfg.n_layers))
+    return 6.0 * active + 12.0 * full * cfg.n_heads * cfg.head_size() * seq_len

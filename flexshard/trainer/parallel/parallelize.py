@@ -21,7 +21,7 @@ from torch import nn
 import flexshard as fs
 from flexshard.fsdp.state_dict import Assemble
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, ParallelismConfig
 from ..models.layers import loss_fn
 from ..models.model import Transformer, init_module, init_weights
 from .activation_checkpoint import apply_ac
@@ -162,6 +162,24 @@ def checked_dims(cfg: Config, world_size: int) -> ParallelDims:
     return dims
 
 
+def _check_qwen3_5_layout(p: ParallelismConfig) -> None:
+    """Qwen3.5 (gated attention, Gated DeltaNet layers) runs data parallel (every
+    placement, both backends); the other dims are refused rather than run unchecked."""
+    why = {
+        "cp": "Gated DeltaNet layers carry a recurrent state from token to token, which "
+        "context parallelism would have to pass between ranks",
+        "tp": "the gated q_proj (queries and gates per head) and the Gated DeltaNet "
+        "projections have no tensor-parallel plan here",
+        "pp": "pipeline stages of the Qwen3.5 blocks are not tested yet",
+    }
+    for dim, reason in why.items():
+        if getattr(p, dim) > 1:
+            raise ConfigError(
+                f'parallelism.{dim} = {getattr(p, dim)} with model.attention = "gated" '
+                f"(Qwen3.5): {reason}; set parallelism.{dim} = 1"
+            )
+
+
 def check_layout(cfg: Config) -> None:
     """Each parallelism's check (beside its code) and what they ask of each other, of
     the model and of the batch."""
@@ -186,6 +204,8 @@ def check_layout(cfg: Config) -> None:
             "microbatches (parallelism.pp_microbatches) accumulate instead"
         )
     check_cp(t.seq_len, p.cp)
+    if m.attention == "gated":
+        _check_qwen3_5_layout(p)
     if m.mtp_layers and (p.tp > 1 or p.pp > 1 or p.cp > 1):
         raise ConfigError(
             f"model.mtp_layers = {m.mtp_layers} runs with data and expert parallelism only: "

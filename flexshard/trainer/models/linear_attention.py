@@ -1,0 +1,171 @@
+"""Qwen3.5's Gated DeltaNet layer: linear attention whose per-head state S [k, v] is
+decayed by exp(g) and corrected by the delta rule at every token,
+
+    S_t = exp(g_t) S_{t-1} + k_t beta_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,   o_t = S_t^T q_t,
+
+with q, k, v from one projection through a causal depthwise conv1d (SiLU), q and k
+L2-normalised, beta = sigmoid(in_proj_b x), g = -exp(A_log) softplus(in_proj_a x +
+dt_bias), and the output RMS-normalised per head and gated by SiLU(in_proj_z x).
+
+The sequence runs in chunks (``chunk_gated_delta_rule``): within a chunk the delta
+rule's updates are one triangular solve (the UT transform), between chunks the state
+is carried. The arithmetic is transformers' torch path, op for op, so a folder's
+logits match its own. Parameter names are the Hugging Face ones (``linear_attn.*``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .layers import LayerCache, _linear
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output, scaled by ``weight`` and gated by SiLU(gate)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.init_stds = {"weight": None}  # None: ones
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = self.weight * x.to(dtype)
+        return (x * F.silu(gate.float())).to(dtype)
+
+
+def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiLU of each channel of ``x`` [b, channels, seq] convolved with its own kernel
+    ``weight`` [channels, 1, taps] over itself and the taps - 1 tokens before it."""
+    taps = weight.shape[-1]
+    out = F.conv1d(x, weight, padding=taps - 1, groups=x.shape[1])[..., : x.shape[-1]]
+    return F.silu(out)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk: int = 64,
+) -> torch.Tensor:
+    """Outputs [b, s, v_heads, v_dim] of the gated delta rule from a zero state:
+    queries and keys [b, s, k_heads, k_dim] (L2-normalised here; each key head serving
+    v_heads / k_heads consecutive value heads), values [b, s, v_heads, v_dim], the log
+    decay ``g`` and the write strength ``beta`` [b, s, v_heads]. fp32 inside."""
+    dtype = q.dtype
+    b, s, k_heads, _ = k.shape
+    v_heads, v_dim = v.shape[-2:]
+    if k_heads != v_heads:
+        q = q.repeat_interleave(v_heads // k_heads, dim=2)
+        k = k.repeat_interleave(v_heads // k_heads, dim=2)
+    q, k, v, beta, g = (
+        t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        for t in (q, k, v, beta, g)
+    )
+    q, k = _l2norm(q), _l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    pad = (chunk - s % chunk) % chunk  # the tail padded with zeros: no write, no decay
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    beta, g = (F.pad(t, (0, pad)) for t in (beta, g))
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (
+        t.reshape(t.shape[0], t.shape[1], -1, chunk, t.shape[-1]) for t in (q, k, k_beta, v_beta)
+    )
+    g = g.reshape(g.shape[0], g.shape[1], -1, chunk)
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = g.cumsum(dim=3)  # log of the decay from the chunk's start to each token
+    # decay between tokens j <= i of a chunk (masked before exp: no overflow)
+    pairwise = (decay.unsqueeze(4) - decay.unsqueeze(3)).masked_fill(future, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * pairwise
+    within = (q @ k.transpose(-1, -2)) * pairwise
+    decayed_k_beta = k_beta * decay.exp().unsqueeze(-1)
+    # the UT transform: a chunk's sequential delta-rule writes as one unit-lower solve
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_decayed = torch.linalg.solve_triangular(
+        system, decayed_k_beta, upper=False, unitriangular=True
+    )
+    state = torch.zeros(b, v_heads, k.shape[-1], v_dim, dtype=new_values.dtype, device=q.device)
+    out = torch.zeros_like(new_values)
+    q = q * decay.exp().unsqueeze(-1)
+    k = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
+    chunk_decay = decay[..., -1].exp()[..., None, None]
+    for i in range(q.shape[2]):  # the state carried from chunk to chunk
+        correction = new_values[:, :, i] - k_decayed[:, :, i] @ state
+        out[:, :, i] = q[:, :, i] @ state + within[:, :, i] @ correction
+        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ correction
+    out = out.reshape(b, v_heads, -1, v_dim)[:, :, :s]
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+
+
+class GatedDeltaNet(nn.Module):
+    """One Gated DeltaNet token mixer (``linear_attn`` in a Qwen3.5 folder)."""
+
+    def __init__(self, cfg: ModelConfig, out_std: float) -> None:
+        super().__init__()
+        la = cfg.linear_attention
+        self.k_heads, self.v_heads = la.num_key_heads, la.num_value_heads
+        self.k_dim, self.v_dim = la.key_head_dim, la.value_head_dim
+        key_width, value_width = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        self.conv_width = 2 * key_width + value_width
+        self.in_proj_qkv = _linear(cfg.dim, self.conv_width, 0.02)
+        self.in_proj_z = _linear(cfg.dim, value_width, 0.02)
+        self.in_proj_b = _linear(cfg.dim, self.v_heads, 0.02)
+        self.in_proj_a = _linear(cfg.dim, self.v_heads, 0.02)
+        # weight [channels, 1, taps], run by causal_depthwise_conv
+        self.conv1d = nn.Conv1d(
+            self.conv_width, self.conv_width, la.conv_kernel, groups=self.conv_width, bias=False
+        )
+        self.conv1d.init_stds = {"weight": la.conv_kernel**-0.5}
+        # per value head: the decay rate's log and the softplus step's bias; drawn by
+        # init_module as transformers draws them (see init_decay)
+        self.A_log = nn.Parameter(torch.empty(self.v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.v_heads))
+        self.init_stds = {"A_log": "decay", "dt_bias": None}
+        self.norm = GatedRMSNorm(self.v_dim, cfg.norm_eps)
+        self.out_proj = _linear(value_width, cfg.dim, out_std)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        if cache is not None:
+            raise NotImplementedError(
+                "model.layer_types: Gated DeltaNet layers keep no generation cache here "
+                "(their recurrent state); generate with transformers"
+            )
+        b, s, _ = x.shape
+        mixed = causal_depthwise_conv(self.in_proj_qkv(x).transpose(1, 2), self.conv1d.weight)
+        key_width = self.k_heads * self.k_dim
+        widths = [key_width, key_width, self.conv_width - 2 * key_width]
+        q, k, v = torch.split(mixed.transpose(1, 2), widths, dim=-1)
+        q = q.reshape(b, s, -1, self.k_dim)
+        k = k.reshape(b, s, -1, self.k_dim)
+        v = v.reshape(b, s, -1, self.v_dim)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        out = chunk_gated_delta_rule(q, k, v, g, beta)
+        z = self.in_proj_z(x)
+        out = self.norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
+        return self.out_proj(out.reshape(b, s, -1))
+
+
+def init_decay(param: torch.Tensor) -> None:
+    """A_log as transformers draws it: log of uniform(0.01, 16) rates (the lower bound
+    keeps log(A) finite)."""
+    param.copy_(torch.empty_like(param).uniform_(0.01, 16).log_())

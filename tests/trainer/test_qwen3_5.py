@@ -1,0 +1,293 @@
+"""Qwen3.5 (``qwen3_5_text``, ``Qwen3_5ForCausalLM``) from a folder saved by transformers'
+own class: 3 Gated DeltaNet layers and 1 gated full-attention layer, odd sizes (key
+heads of 12, value heads of 10, a 3-tap conv, 88 conv channels), every norm drawn at
+random so that a zero-centred norm read as a plain one, or a norm read in the wrong
+row order, moves the logits.
+
+- the chunked gated delta rule is transformers' torch path bit for bit (sequences over
+  one chunk, grouped value heads) and its recurrent form within fp32 rounding;
+- the folder is the model: logits within 1e-5 of transformers' (over two chunks), the
+  first loss within 1e-4 of transformers' loss on the same batch;
+- the export of the loaded model at W = 2 is the folder's tensors bit for bit and loads
+  in transformers with every key;
+- ``flexshard-train --nproc 2`` with nothing but the folder trains (AdamW and Muon) and
+  exports; under Muon the conv kernels, ``A_log`` and ``dt_bias`` step with AdamW;
+- a folder with the vision tower loads its text model (logits as the whole model's);
+- the MoE and the layouts not built are ConfigErrors naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
+from flexshard.testing import run_distributed
+from flexshard.trainer.checkpointing import checkpoints as checkpointing
+from flexshard.trainer.checkpointing.checkpoints import export
+from flexshard.trainer.components.optimizers import build_optimizer
+from flexshard.trainer.config import ConfigError, config_from_dict
+from flexshard.trainer.config.hf_config import text_model_prefix
+from flexshard.trainer.launch import main as train_main
+from flexshard.trainer.models.hf_adapter import hf_keys
+from flexshard.trainer.models.layers import loss_fn
+from flexshard.trainer.models.linear_attention import chunk_gated_delta_rule
+from flexshard.trainer.models.model import Transformer
+from flexshard.trainer.train import setup
+
+from ..helpers.trainer_cases import launch_dims
+from .test_model_families import _tensors, from_folder
+from .test_parallel_layouts import MUON_RTOL, compare_with_single_process, layout_config, trained
+
+transformers = pytest.importorskip("transformers")
+qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+
+SHAPE = {
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 34,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_conv_kernel_dim": 3,
+    "linear_key_head_dim": 12,
+    "linear_value_head_dim": 10,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
+
+
+VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 40, "num_heads": 2}
+VISION.update(out_hidden_size=64, patch_size=4, num_position_embeddings=16)
+
+
+def hf_model(folder: Path, vision: bool = False) -> torch.nn.Module:
+    """A random Qwen3.5 (``vision``: with its vision tower) saved in several shards; the
+    zero-centred norms drawn around 0, the gated norms around 1."""
+    torch.manual_seed(0)
+    if vision:
+        config = transformers.Qwen3_5Config(text_config=SHAPE, vision_config=VISION)
+        model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**SHAPE)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and "visual" not in name:
+                param.normal_(1.0 if "linear_attn" in name else 0.0, 0.3)
+    model.save_pretrained(folder, max_shard_size="20KB")
+    return model
+
+
+def tokens(seq: int = 70) -> torch.Tensor:
+    return torch.randint(0, 300, (2, seq), generator=torch.Generator().manual_seed(1))
+
+
+def loaded(folder: Path) -> Transformer:
+    m = config_from_dict(from_folder(folder)).model
+    model = Transformer(m).eval()
+    state = model.state_dict()
+    load_hf_safetensors(folder, state, hf_keys(list(state), m, m.tie_embeddings))
+    return model
+
+
+@pytest.mark.parametrize("seq, k_heads", [(70, 2), (17, 4)])
+def test_chunked_delta_rule_is_transformers(seq, k_heads):
+    gen = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(2, seq, k_heads, 12, generator=gen) for _ in range(2))
+    v = torch.randn(2, seq, 4, 10, generator=gen)
+    g = -torch.rand(2, seq, 4, generator=gen)
+    beta = torch.rand(2, seq, 4, generator=gen)
+    ours = chunk_gated_delta_rule(q, k, v, g, beta)
+    theirs, _ = qwen3_5.torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    assert torch.equal(ours, theirs)
+    step, _ = qwen3_5.torch_recurrent_gated_delta_rule(
+        q, k, v, g, beta, use_qk_l2norm_in_kernel=True
+    )
+    assert (ours - step).abs().max().item() < 1e-5
+
+
+def test_folder_is_the_model_logits_and_loss(tmp_path):
+    reference = hf_model(tmp_path)
+    m = config_from_dict(from_folder(tmp_path)).model
+    assert m.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert (m.attention, m.partial_rotary_factor, m.rotary_dim()) == ("gated", 0.25, 4)
+    assert (m.linear_attention.conv_kernel, m.linear_attention.num_value_heads) == (3, 4)
+    model = loaded(tmp_path)
+    batch = tokens()
+    with torch.no_grad():
+        ours = model(batch)
+        out = reference(batch, labels=batch)
+        loss = loss_fn(ours[:, :-1], batch[:, 1:]).item()
+    gap = (ours - out.logits).abs().max().item()
+    print(f"qwen3_5: logits within {gap:.1e}, loss {loss} vs {out.loss.item()}")
+    assert gap <= 1e-5, gap
+    assert abs(loss - out.loss.item()) <= 1e-4
+
+
+def _load_and_export(rank: int, world_size: int, folder: str) -> None:
+    source = Path(folder)
+    cfg = config_from_dict(from_folder(source, job={"dump_folder": f"{source}/run"}))
+    job = setup(cfg)
+    checkpointing.initial_load(job)
+    export(job, source / "export", max_shard_bytes=30_000)
+
+
+def test_export_reloads_exact(tmp_path):
+    reference = hf_model(tmp_path)
+    run_distributed(_load_and_export, 2, str(tmp_path), timeout=300)
+    exported = tmp_path / "export"
+    original, got = _tensors(tmp_path), _tensors(exported)
+    assert set(got) == set(original)
+    assert [k for k, v in original.items() if not torch.equal(got[k], v)] == []
+    config = json.loads((exported / "config.json").read_text())
+    assert (config["model_type"], config["layer_types"]) == ("qwen3_5_text", SHAPE_TYPES)
+    back, info = transformers.Qwen3_5ForCausalLM.from_pretrained(exported, output_loading_info=True)
+    assert all(not v for v in info.values()), info
+    with torch.no_grad():
+        assert torch.equal(back.eval()(tokens()).logits, reference(tokens()).logits)
+
+
+SHAPE_TYPES = ["linear_attention"] * 3 + ["full_attention"]
+
+
+def test_muon_steps_conv_kernels_and_decays_with_adamw(tmp_path):
+    hf_model(tmp_path)
+    cfg = config_from_dict(from_folder(tmp_path, training={"optimizer": "muon"}))
+    model = Transformer(cfg.model)
+    optimizer = build_optimizer(model, cfg.training, cfg.model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    adamw = {names[id(p)] for g in optimizer.param_groups if not g["use_muon"] for p in g["params"]}
+    muon = {names[id(p)] for g in optimizer.param_groups if g["use_muon"] for p in g["params"]}
+    for name in ("conv1d.weight", "A_log", "dt_bias", "attention.norm.weight"):
+        assert f"layers.0.attention.{name.removeprefix('attention.')}" in adamw, name
+    assert "layers.0.attention.in_proj_qkv.weight" in muon
+    assert "layers.0.attention.in_proj_a.weight" in muon
+    assert "layers.3.attention.q_proj.weight" in muon
+
+
+@pytest.mark.parametrize(
+    "optimizer, vision", [("adamw", False), pytest.param("muon", True, marks=pytest.mark.slow)]
+)
+def test_flexshard_train_with_only_the_folder(optimizer, vision, tmp_path, capfd):
+    """Trains and exports the text model (a vision folder's too, saying so in one line)."""
+    reference = hf_model(tmp_path / "hf", vision)
+    out = tmp_path / "run"
+    train_main(
+        ["--nproc", "2", "--checkpoint.initial_load_path", str(tmp_path / "hf")]
+        + ["--checkpoint.initial_load_in_hf", "true", "--checkpoint.last_save_in_hf", "true"]
+        + ["--training.steps", "3", "--training.seq_len", "16", "--job.dump_folder", str(out)]
+        + ["--training.optimizer", optimizer]
+        + ["--job.progress", "false", "--job.plot", "false", "--job.tensorboard", "false"]
+    )
+    trained, info = transformers.Qwen3_5ForCausalLM.from_pretrained(
+        out / "hf", output_loading_info=True
+    )
+    assert all(not v for v in info.values()), info
+    with torch.no_grad():
+        moved = (trained.eval()(tokens()).logits - reference(tokens()).logits).abs()
+    assert moved.max().item() > 1e-3  # it trained
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    said = "its text model (model.language_model.*) loaded" in capfd.readouterr().out
+    assert said == vision
+
+
+@pytest.mark.parametrize(
+    "parallelism, message",
+    [
+        ({"cp": 2}, "parallelism.cp = 2 .*recurrent state"),
+        ({"tp": 2}, "parallelism.tp = 2 .*Qwen3.5"),
+        ({"pp": 2}, "parallelism.pp = 2 .*Qwen3.5"),
+    ],
+)
+def test_layouts_not_built_are_refused(parallelism, message, tmp_path):
+    hf_model(tmp_path)
+    cfg = config_from_dict(from_folder(tmp_path, parallelism=parallelism))
+    with pytest.raises(ConfigError, match=message):
+        launch_dims(cfg)
+
+
+def test_vision_folder_loads_its_text_model(tmp_path):
+    """A ``Qwen3_5ForConditionalGeneration`` folder: its text model's keys read from
+    ``model.language_model.*``, its text logits those of the whole model's."""
+    reference = hf_model(tmp_path, vision=True)
+    m = config_from_dict(from_folder(tmp_path)).model
+    assert (m.attention, m.layer_types) == ("gated", SHAPE_TYPES)
+    assert text_model_prefix(tmp_path) == "model.language_model."
+    model = Transformer(m).eval()
+    state = model.state_dict()
+    keys = hf_keys(list(state), m, m.tie_embeddings, text_model_prefix(tmp_path))
+    load_hf_safetensors(tmp_path, state, keys)
+    with torch.no_grad():
+        gap = (model(tokens()) - reference(tokens()).logits).abs().max().item()
+    assert gap <= 1e-5, gap
+
+
+def test_moe_is_refused():
+    """Qwen3.5-MoE is not built: a gated MoE has no Hugging Face twin here."""
+    moe = {"model": {"attention": "gated", "moe": {"num_experts": 4, "num_shared_experts": 0}}}
+    with pytest.raises(ConfigError, match="model.moe.num_experts = 4"):
+        config_from_dict({**moe, "checkpoint": {"last_save_in_hf": True}})
+
+
+def test_rl_is_refused(tmp_path):
+    hf_model(tmp_path)
+    with pytest.raises(ConfigError, match="rl.enable with model.layer_types"):
+        config_from_dict(from_folder(tmp_path, rl={"enable": True}))
+
+
+# ---------------------------------------------------------------------- layouts
+# Qwen3.5 from [model] keys (drawn by the trainer's own init: zero-centred norms at 0,
+# A_log as transformers draws it), 3 Gated DeltaNet layers and 1 gated attention layer
+QWEN3_5_MODEL = {
+    "attention": "gated",
+    "qk_norm": True,
+    "head_dim": 16,
+    "partial_rotary_factor": 0.25,
+    "layer_types": SHAPE_TYPES,
+    "linear_attention": {
+        "conv_kernel": 3,
+        "key_head_dim": 12,
+        "value_head_dim": 10,
+        "num_key_heads": 2,
+        "num_value_heads": 4,
+    },
+}
+# name: (parallelism, other sections), each at W = 3 against one process
+QWEN3_5_LAYOUTS = {
+    "flat_full_ac": (
+        {"dp_shard": 3, "placement": "flat"},
+        {"activation_checkpoint": {"mode": "full"}},
+    ),
+    "muon": ({"dp_shard": 3}, {"training": {"optimizer": "muon"}}),
+}
+
+
+# the decay path's parameters (A_log, dt_bias, in_proj_a) get the smallest gradients, so
+# AdamW's normalised step turns the ranks' reduction order into the largest parameter
+# gap: measured after 10 steps 2.2e-4 (A_log; loss 8.5e-8, norm 2.2e-7)
+DECAY_ATOL = {"param_atol": 1e-3}
+
+
+def _qwen3_5_config(folder: str, name: str):
+    parallelism, sections = QWEN3_5_LAYOUTS[name]
+    return layout_config(f"{folder}/{name}", parallelism, None, model=QWEN3_5_MODEL, **sections)
+
+
+def _qwen3_5_layouts(rank: int, world_size: int, folder: str) -> dict:
+    return {name: trained(setup(_qwen3_5_config(folder, name))) for name in QWEN3_5_LAYOUTS}
+
+
+@pytest.mark.slow
+def test_data_parallel_layouts_at_w3_match_one_process(tmp_path):
+    results = run_distributed(_qwen3_5_layouts, 3, str(tmp_path), timeout=600)[0]
+    for name, result in results.items():
+        cfg = _qwen3_5_config("-", name)
+        tolerances = MUON_RTOL if name == "muon" else DECAY_ATOL
+        gaps = compare_with_single_process(name, cfg, result, **tolerances)
+        print(f"qwen3_5 {name}: {gaps}")
