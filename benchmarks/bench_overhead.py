@@ -12,6 +12,11 @@ the rank process's (``time.process_time``: every thread, gloo's included), wall 
 step's; ratios are flexshard over FSDP2 per repetition, summarised as median [IQR]
 (flexshard/testing/stats.py). Peak live-tensor bytes of one more step
 (flexshard/testing/live_memory.py) above what was alive before it.
+
+A third side, the floor (benchmarks/overhead_floor.py), issues flexshard's collectives on
+the same buckets with no hooks; it is checked first (same collectives and bytes, losses
+and shards bit for bit). Above the floor: a library's CPU per step minus the floor's,
+per repetition; its ratio is flexshard's over FSDP2's.
 Results: benchmarks/results/overhead_bench.{md,json}.
 """
 
