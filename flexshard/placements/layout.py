@@ -70,7 +70,12 @@ class ParamLayout:
         return math.prod(self.shape)
 
     def local_numel(self, rank: int) -> int:
-        return sum(region.numel for region in self.regions[rank])
+        return self._local_numels[rank]
+
+    @cached_property
+    def _local_numels(self) -> tuple[int, ...]:
+        # read per parameter at every gather and reduction: summed once
+        return tuple(sum(region.numel for region in regions) for regions in self.regions)
 
     @cached_property
     def copy_blocks(self) -> tuple[tuple[CopyBlock, ...], ...]:
@@ -82,10 +87,14 @@ class ParamLayout:
 
     def local_shape(self, rank: int) -> Shape:
         """Shaped like the region when a rank holds one box, flat otherwise."""
-        regions = self.regions[rank]
-        if len(regions) == 1 and not regions[0].flat:
-            return regions[0].sizes
-        return (self.local_numel(rank),)
+        return self._local_shapes[rank]
+
+    @cached_property
+    def _local_shapes(self) -> tuple[Shape, ...]:
+        return tuple(
+            regions[0].sizes if len(regions) == 1 and not regions[0].flat else (numel,)
+            for regions, numel in zip(self.regions, self._local_numels)
+        )
 
 
 @dataclass(frozen=True)

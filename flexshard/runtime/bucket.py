@@ -325,6 +325,8 @@ class Bucket:
     def _follow_ties(self) -> None:
         """A parameter tied since sharding takes the values of the one it is tied to
         (the optimizer steps that one): before they are gathered or read."""
+        if not self.ties:
+            return
         with torch.no_grad():
             for index, source in self.ties.items():
                 self.store.view(index).copy_(self.store.view(source))

@@ -450,6 +450,9 @@ class BucketComm:
         self.world_size = dist.get_world_size(shard_group)
         self.timeout = timeout
         self.stats = CommStats()
+        # gloo's reduce-scatter ignores wait's timeout: waited for on a helper thread
+        self._gloo = dist.get_backend(shard_group) == "gloo"
+        self._landed: dict[tuple[str, int], Pending] = {}  # see ``_done``
 
     def reset_stats(self) -> None:
         self.stats = CommStats()
@@ -497,8 +500,13 @@ class BucketComm:
 
     def _done(self, collective: str, group: dist.ProcessGroup) -> Pending:
         """A collective over a group of one rank: nothing to send, so none is issued
-        (FSDP2 copies instead of calling c10d there too) and none is counted."""
-        return Pending(None, collective, self.bucket, self.timeout, group)
+        (FSDP2 copies instead of calling c10d there too) and none is counted. One
+        landed Pending per kind and group, made once: waiting on it changes nothing."""
+        key = (collective, id(group))
+        done = self._landed.get(key)
+        if done is None or done.bucket != self.bucket:
+            done = self._landed[key] = Pending(None, collective, self.bucket, self.timeout, group)
+        return done
 
     def all_gather(
         self, out: torch.Tensor, local: torch.Tensor, forward_prefetch: bool = False
@@ -532,7 +540,7 @@ class BucketComm:
             "reduce-scatter",
             group,
             out,
-            wait_ignores_timeout=dist.get_backend(group) == "gloo",
+            wait_ignores_timeout=self._gloo,
             keep=(full,),
             overlap=True,
         )

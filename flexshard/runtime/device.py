@@ -28,6 +28,9 @@ import torch.distributed as dist
 
 from ..torch_internals import abort_cuda_backend
 
+#: ``DeviceRuntime.on`` without a stream: made once, entered at no cost
+_HERE = contextlib.nullcontext()
+
 
 class DeviceRuntime:
     """Streams and events of one device (shared by every bucket on it)."""
@@ -43,12 +46,15 @@ class DeviceRuntime:
             self.all_gather_stream = torch.cuda.Stream(device, priority=-1)
             self.reduce_scatter_stream = torch.cuda.Stream(device, priority=-1)
 
-    @contextlib.contextmanager
-    def on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
-        """Run the enclosed ops on ``stream`` after it waited on the compute stream."""
+    def on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+        """Run the enclosed ops on ``stream`` after it waited on the compute stream
+        (none: where they are, at no cost; a bucket enters this several times a step)."""
         if stream is None:
-            yield
-            return
+            return _HERE
+        return self._on(stream)
+
+    @contextlib.contextmanager
+    def _on(self, stream: torch.cuda.Stream) -> Iterator[None]:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             yield
