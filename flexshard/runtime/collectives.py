@@ -503,10 +503,9 @@ class BucketComm:
         (FSDP2 copies instead of calling c10d there too) and none is counted. One
         landed Pending per kind and group, made once: waiting on it changes nothing."""
         key = (collective, id(group))
-        done = self._landed.get(key)
-        if done is None or done.bucket != self.bucket:
-            done = self._landed[key] = Pending(None, collective, self.bucket, self.timeout, group)
-        return done
+        if key not in self._landed:
+            self._landed[key] = Pending(None, collective, self.bucket, self.timeout, group)
+        return self._landed[key]
 
     def all_gather(
         self, out: torch.Tensor, local: torch.Tensor, forward_prefetch: bool = False
