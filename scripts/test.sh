@@ -15,6 +15,9 @@ RELEASE_TESTS=(
   tests/trainer/test_pp.py tests/trainer/test_tp.py tests/trainer/test_cp_ep.py
   tests/trainer/test_trainer_parity.py tests/trainer/test_trainer_checkpoint.py
   tests/trainer/test_trainer_muon_layouts.py tests/trainer/test_moe_grouped.py
+  # long and decided by flexshard's own checks, not the release: the fast suite runs them
+  --ignore=tests/runtime/test_faults.py --ignore=tests/checkpoint/test_checkpoint_errors.py
+  --deselect=tests/checkpoint/test_checkpoint_layouts.py::test_new_families_resume_across_layouts
 )
 SELECTED=()
 while [ $# -gt 0 ]; do
