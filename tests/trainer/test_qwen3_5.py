@@ -102,9 +102,11 @@ def test_chunked_delta_rule_is_transformers(seq, k_heads):
     v = torch.randn(2, seq, 4, 10, generator=gen)
     g = -torch.rand(2, seq, 4, generator=gen)
     beta = torch.rand(2, seq, 4, generator=gen)
-    ours = chunk_gated_delta_rule(q, k, v, g, beta)
-    theirs, _ = qwen3_5.torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
-    assert torch.equal(ours, theirs)
+    ours, state = chunk_gated_delta_rule(q, k, v, g, beta)
+    theirs, final = qwen3_5.torch_chunk_gated_delta_rule(
+        q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=True
+    )
+    assert torch.equal(ours, theirs) and torch.equal(state, final)
     step, _ = qwen3_5.torch_recurrent_gated_delta_rule(
         q, k, v, g, beta, use_qk_l2norm_in_kernel=True
     )
