@@ -16,9 +16,9 @@ Generation keeps, per layer, the conv's last taps - 1 inputs and the state S in 
 layer's ``LayerCache.states``: the prompt runs chunked, each new token through the
 recurrence (``recurrent_gated_delta_rule``). Inside ``token_by_token()`` every forward,
 the trainer's too, runs the conv over its window and the recurrence with per-row
-arithmetic (exp / sigmoid / softplus on whole vectors), so a token's output has the same bits
-whatever the batch, the sequence length or the decode step around it: with the
-batch-invariant kernels, the generator's log-probabilities are the trainer's.
+arithmetic (exp / sigmoid / softplus on whole vectors), so a token's output has the
+same bits whatever the batch, the sequence length or the decode step around it: with
+the batch-invariant kernels, the generator's log-probabilities are the trainer's.
 """
 
 from __future__ import annotations
