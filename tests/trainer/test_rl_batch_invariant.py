@@ -1,10 +1,13 @@
 """Batch-invariant mode: the generator's per-token log-probabilities (decode steps with
 the KV cache, batches of any size) equal the trainer's recomputed ones (full causal
 forward, other micro-batches, right padding) bit for bit, and each swapped op is
-needed: with any one of them back to its native kernel, bits differ."""
+needed: with any one of them back to its native kernel, bits differ. Qwen3.5's Gated
+DeltaNet layers add ``token_by_token()`` (the recurrence in every forward), needed too,
+and its exp / sigmoid / softplus on whole vectors."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -12,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from flexshard.trainer.config import config_from_dict
+from flexshard.trainer.models import linear_attention
 from flexshard.trainer.models.model import Transformer, init_weights
 from flexshard.trainer.rl.batch_invariant import OPS, batch_invariant
 from flexshard.trainer.rl.rollout import generate, token_logprobs
@@ -22,8 +26,28 @@ from .test_parallel_layouts import QWEN3
 EOS = 10
 # the model families' attention variants, beside Llama's (the defaults): Qwen3's q/k
 # norms, wider heads and tied embeddings; DeepSeek-V3's MLA (latent KV cache, YaRN,
-# queries wider than the values)
-FAMILIES: dict[str, dict] = {"llama": {}, "qwen3": QWEN3, "deepseek_v3": MLA_MODEL}
+# queries wider than the values); Qwen3.5's Gated DeltaNet layer (conv window and
+# recurrent state in the cache, grouped value heads) before its gated attention
+QWEN3_5 = {
+    "attention": "gated",
+    "qk_norm": True,
+    "head_dim": 16,
+    "partial_rotary_factor": 0.25,
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_attention": {
+        "conv_kernel": 3,
+        "key_head_dim": 12,
+        "value_head_dim": 10,
+        "num_key_heads": 2,
+        "num_value_heads": 4,
+    },
+}
+FAMILIES: dict[str, dict] = {
+    "llama": {},
+    "qwen3": QWEN3,
+    "deepseek_v3": MLA_MODEL,
+    "qwen3_5": QWEN3_5,
+}
 # sdpa's own entry only routes queries wider than the values (MLA) to the flash kernel
 ROUTING = "scaled_dot_product_attention"
 
@@ -42,12 +66,14 @@ def _model(family: str) -> Transformer:
     return model
 
 
-def _mismatches(model: Transformer, ops: list[str] | None) -> int:
+def _mismatches(model: Transformer, ops: list[str] | None, recurrence: bool = True) -> int:
     """Log-probabilities of generated tokens that differ between the generator and the
     trainer's recompute, over batches of 3 and 5 prompts of 5 and 9 tokens, recomputed
-    whole, one row at a time, and two rows at a time with 3 tokens of right padding."""
+    whole, one row at a time, and two rows at a time with 3 tokens of right padding
+    (``recurrence``: inside ``token_by_token()``, as GRPO runs)."""
     bad = 0
-    with batch_invariant(ops), torch.no_grad():
+    per_token = linear_attention.token_by_token() if recurrence else contextlib.nullcontext()
+    with batch_invariant(ops), per_token, torch.no_grad():
         for rows, length, seed in ((3, 5, 0), (5, 9, 1)):
             gen = torch.Generator().manual_seed(seed)
             prompts = torch.randint(0, 256, (rows, length), generator=gen)
@@ -70,6 +96,16 @@ def _mismatches(model: Transformer, ops: list[str] | None) -> int:
 def test_generator_equals_trainer_bitwise(family):
     assert _mismatches(_model(family), None) == 0
     assert _mismatches(_model(family), []) > 0  # the native kernels: not batch-invariant
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dropped", ["recurrence", "whole_vectors"])
+def test_delta_net_needs_the_recurrence_and_whole_vectors(dropped, monkeypatch):
+    """Qwen3.5: the chunked form in the trainer's forward, or exp / sigmoid / softplus
+    with a scalar tail, and the bits differ."""
+    if dropped == "whole_vectors":
+        monkeypatch.setattr(linear_attention, "whole_vectors", lambda op, x: op(x))
+    assert _mismatches(_model("qwen3_5"), None, recurrence=dropped != "recurrence") > 0
 
 
 def _op_cases() -> list:

@@ -58,16 +58,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LayerCache:
-    """What one attention layer keeps of the tokens already seen (its keys and values),
-    each tensor [batch, seq, ...], grown along the sequence dim: generation runs the
-    prompt once, then one token per forward, through the model's own attention."""
+    """What one token mixer keeps of the tokens already seen: an attention layer its
+    keys and values (``tensors``, each [batch, seq, ...], grown along the sequence dim),
+    a recurrent layer its fixed-size ``states`` after them. Generation runs the prompt
+    once, then one token per forward, through the model's own layers."""
 
     def __init__(self) -> None:
         self.tensors: tuple[torch.Tensor, ...] = ()
+        self.states: tuple[torch.Tensor, ...] = ()
+        self.seen = 0  # tokens folded into ``states``
 
     @property
     def length(self) -> int:
-        return self.tensors[0].shape[1] if self.tensors else 0
+        return self.tensors[0].shape[1] if self.tensors else self.seen
+
+    def carry(self, new_tokens: int, *states: torch.Tensor) -> None:
+        """A recurrent layer's ``states`` after ``new_tokens`` more tokens."""
+        self.states, self.seen = states, self.seen + new_tokens
 
     def extend(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The cached tensors with ``new`` appended (and kept)."""

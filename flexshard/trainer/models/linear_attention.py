@@ -11,9 +11,21 @@ The sequence runs in chunks (``chunk_gated_delta_rule``): within a chunk the del
 rule's updates are one triangular solve (the UT transform), between chunks the state
 is carried. The arithmetic is transformers' torch path, op for op, so a folder's
 logits match its own. Parameter names are the Hugging Face ones (``linear_attn.*``).
+
+Generation keeps, per layer, the conv's last taps - 1 inputs and the state S in the
+layer's ``LayerCache.states``: the prompt runs chunked, each new token through the
+recurrence (``recurrent_gated_delta_rule``). Inside ``token_by_token()`` every forward,
+the trainer's too, runs the conv over its window and the recurrence with per-row
+arithmetic (exp / sigmoid / softplus on whole vectors), so a token's output has the
+same bits whatever the batch, the sequence length or the decode step around it: with
+the batch-invariant kernels, the generator's log-probabilities are the trainer's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +60,40 @@ def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return F.silu(out)
 
 
+_TOKEN_BY_TOKEN: ContextVar[bool] = ContextVar("token_by_token", default=False)
+
+VECTOR_SPAN = 64  # a multiple of aten's vector loop step (2 vectors of 16 floats)
+SERIAL_SPAN = 16384  # elements per call: under aten's parallel grain, one thread, no tail
+
+
+@contextmanager
+def token_by_token() -> Iterator[None]:
+    """Gated DeltaNet layers run the recurrence with per-row arithmetic in every
+    forward for the duration (see the module's docstring)."""
+    mark = _TOKEN_BY_TOKEN.set(True)
+    try:
+        yield
+    finally:
+        _TOKEN_BY_TOKEN.reset(mark)
+
+
+def whole_vectors(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``op`` of every element of ``x`` through aten's vector loop: zero-padded to whole
+    vectors and run in single-thread spans, so no element lands in the scalar tail
+    (whose ``exp`` rounds differently) wherever it sits in the tensor. Differentiable."""
+    flat = x.reshape(-1)
+    flat = F.pad(flat, (0, (-flat.numel()) % VECTOR_SPAN))
+    out = torch.cat([op(part) for part in flat.split(SERIAL_SPAN)])
+    return out[: x.numel()].view(x.shape)
+
+
+def windowed_depthwise_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiLU of the causal depthwise conv at the last ``window.shape[-1] - taps + 1``
+    positions of ``window`` [b, channels, taps - 1 + s] (the taps - 1 inputs before
+    them, then them): transformers' cached conv step."""
+    return F.silu(F.conv1d(window, weight, groups=window.shape[1]))
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
@@ -59,11 +105,12 @@ def chunk_gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     chunk: int = 64,
-) -> torch.Tensor:
-    """Outputs [b, s, v_heads, v_dim] of the gated delta rule from a zero state:
-    queries and keys [b, s, k_heads, k_dim] (L2-normalised here; each key head serving
-    v_heads / k_heads consecutive value heads), values [b, s, v_heads, v_dim], the log
-    decay ``g`` and the write strength ``beta`` [b, s, v_heads]. fp32 inside."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs [b, s, v_heads, v_dim] of the gated delta rule from a zero state, and
+    the state after the last token [b, v_heads, k_dim, v_dim] (fp32): queries and keys
+    [b, s, k_heads, k_dim] (L2-normalised here; each key head serving v_heads / k_heads
+    consecutive value heads), values [b, s, v_heads, v_dim], the log decay ``g`` and
+    the write strength ``beta`` [b, s, v_heads]. fp32 inside."""
     dtype = q.dtype
     b, s, k_heads, _ = k.shape
     v_heads, v_dim = v.shape[-2:]
@@ -107,7 +154,47 @@ def chunk_gated_delta_rule(
         out[:, :, i] = q[:, :, i] @ state + within[:, :, i] @ correction
         state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ correction
     out = out.reshape(b, v_heads, -1, v_dim)[:, :, :s]
-    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+    # the padded tail neither decays nor writes: ``state`` is the last token's
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), state
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None = None,
+    per_row: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunk_gated_delta_rule``'s outputs and final state, one token at a time from
+    ``state`` [b, v_heads, k_dim, v_dim] (None: zeros), transformers' recurrent form.
+    Each op acts on a row alone, elementwise or summed over one head's dims;
+    ``per_row``: the decays' exp on whole vectors too (``whole_vectors``)."""
+    dtype = q.dtype
+    b, s, k_heads, k_dim = k.shape
+    v_heads, v_dim = v.shape[-2:]
+    if k_heads != v_heads:
+        q = q.repeat_interleave(v_heads // k_heads, dim=2)
+        k = k.repeat_interleave(v_heads // k_heads, dim=2)
+    q, k, v, beta, g = (
+        t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        for t in (q, k, v, beta, g)
+    )
+    q, k = _l2norm(q), _l2norm(k)
+    q = q * k_dim**-0.5
+    decay = whole_vectors(torch.exp, g) if per_row else g.exp()
+    if state is None:
+        state = torch.zeros(b, v_heads, k_dim, v_dim, dtype=torch.float32, device=q.device)
+    outs = []
+    for t in range(s):
+        key = k[:, :, t, :, None]
+        state = state * decay[:, :, t, None, None]
+        delta = (v[:, :, t] - (state * key).sum(-2)) * beta[:, :, t, None]
+        state = state + key * delta[:, :, None, :]
+        outs.append((state * q[:, :, t, :, None]).sum(-2))
+    out = torch.stack(outs, dim=1) if outs else v.transpose(1, 2)
+    return out.to(dtype, memory_format=torch.contiguous_format), state
 
 
 class GatedDeltaNet(nn.Module):
@@ -144,22 +231,39 @@ class GatedDeltaNet(nn.Module):
         sin: torch.Tensor,
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        if cache is not None:
-            raise NotImplementedError(
-                "model.layer_types: Gated DeltaNet layers keep no generation cache here "
-                "(their recurrent state); generate with transformers"
-            )
         b, s, _ = x.shape
-        mixed = causal_depthwise_conv(self.in_proj_qkv(x).transpose(1, 2), self.conv1d.weight)
+        per_row = _TOKEN_BY_TOKEN.get()
+        previous = cache.states if cache is not None else ()  # (conv inputs, state S)
+        proj = self.in_proj_qkv(x).transpose(1, 2)
+        taps = self.conv1d.weight.shape[-1]
+        window = proj
+        if per_row or cache is not None:
+            history = previous[0] if previous else proj.new_zeros(b, self.conv_width, taps - 1)
+            window = torch.cat([history, proj], dim=-1)
+        if per_row or previous:
+            mixed = windowed_depthwise_conv(window, self.conv1d.weight)
+        else:  # training and prefill: the folder's own arithmetic
+            mixed = causal_depthwise_conv(proj, self.conv1d.weight)
         key_width = self.k_heads * self.k_dim
         widths = [key_width, key_width, self.conv_width - 2 * key_width]
         q, k, v = torch.split(mixed.transpose(1, 2), widths, dim=-1)
         q = q.reshape(b, s, -1, self.k_dim)
         k = k.reshape(b, s, -1, self.k_dim)
         v = v.reshape(b, s, -1, self.v_dim)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        out = chunk_gated_delta_rule(q, k, v, g, beta)
+        a = self.in_proj_a(x).float() + self.dt_bias
+        if per_row:
+            beta = whole_vectors(torch.sigmoid, self.in_proj_b(x))
+            g = -self.A_log.float().exp() * whole_vectors(F.softplus, a)
+        else:
+            beta = self.in_proj_b(x).sigmoid()
+            g = -self.A_log.float().exp() * F.softplus(a)
+        if per_row or previous:
+            state = previous[1] if previous else None
+            out, state = recurrent_gated_delta_rule(q, k, v, g, beta, state, per_row)
+        else:
+            out, state = chunk_gated_delta_rule(q, k, v, g, beta)
+        if cache is not None:
+            cache.carry(s, window[..., window.shape[-1] - (taps - 1) :], state)
         z = self.in_proj_z(x)
         out = self.norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
         return self.out_proj(out.reshape(b, s, -1))

@@ -25,6 +25,7 @@ from ..checkpointing.checkpoints import Job
 from ..components.lr_schedule import current_lr
 from ..components.metrics import peak_memory_mb
 from ..config import Config, ConfigError
+from ..models.linear_attention import token_by_token
 from ..models.moe import step_balance, tokens_per_expert
 from ..parallel.bounded_waits import all_reduce_over
 from ..parallel.dims import ParallelDims
@@ -169,7 +170,13 @@ class GRPO:
         self.errors_logged = False
 
     def _mode(self) -> contextlib.AbstractContextManager:
-        return batch_invariant() if self.r.batch_invariant else contextlib.nullcontext()
+        """Batch-invariant mode: the swapped kernels, and the Gated DeltaNet layers'
+        recurrence in every forward (the generator's and the trainer's alike)."""
+        mode = contextlib.ExitStack()
+        if self.r.batch_invariant:
+            mode.enter_context(batch_invariant())
+            mode.enter_context(token_by_token())
+        return mode
 
     def _loss(self, rows: list[Completion], adv: list[float], tokens: float) -> dict[str, Any]:
         """Forward and backward of one micro-batch; its per-token statistics."""
