@@ -13,7 +13,8 @@ row order, moves the logits.
 - ``flexshard-train --nproc 2`` with nothing but the folder trains (AdamW and Muon) and
   exports; under Muon the conv kernels, ``A_log`` and ``dt_bias`` step with AdamW;
 - a folder with the vision tower loads its text model (logits as the whole model's);
-- the MoE and the layouts not built are ConfigErrors naming the key.
+- the layouts not built are ConfigErrors naming the key (Qwen3.5-MoE:
+  ``test_qwen3_5_moe``).
 """
 
 from __future__ import annotations
@@ -226,13 +227,6 @@ def test_vision_folder_loads_its_text_model(tmp_path):
     with torch.no_grad():
         gap = (model(tokens()) - reference(tokens()).logits).abs().max().item()
     assert gap <= 1e-5, gap
-
-
-def test_moe_is_refused():
-    """Qwen3.5-MoE is not built: a gated MoE has no Hugging Face twin here."""
-    moe = {"model": {"attention": "gated", "moe": {"num_experts": 4, "num_shared_experts": 0}}}
-    with pytest.raises(ConfigError, match="model.moe.num_experts = 4"):
-        config_from_dict({**moe, "checkpoint": {"last_save_in_hf": True}})
 
 
 def test_rl_is_refused(tmp_path):
