@@ -11,8 +11,8 @@ logits.
   in transformers with every key; ``flexshard-train --nproc 2`` with nothing but the
   folder trains and exports; a folder with the vision tower loads its
   text model;
-- W = 3 (Shard(0), Muon, flat with full AC) and ep = 2 against one process, and a
-  checkpoint of dp2 resumed under dp2 x ep2 (slow);
+- W = 3 (Shard(0), Muon, flat with full AC), W = 2 (owned, block, mixed) and dp2 x ep2
+  against one process, and a checkpoint of dp2 resumed under dp2 x ep2 (slow);
 - under Muon the router and the experts (each expert its own matrix) are Muon matrices,
   the shared expert's gate (one row) steps with AdamW;
 - what has no Qwen3.5-MoE twin, tp, pp, cp and ``rl.enable`` are ConfigErrors naming
@@ -265,6 +265,9 @@ LAYOUTS = {
         {"activation_checkpoint": {"mode": "full"}},
     ),
     "dp2xep2": (2, {"dp_shard": 2, "ep": 2}, {}),
+    "dp2_owned": (2, {"dp_shard": 2, "placement": "owned"}, {}),
+    "dp2_block": (2, {"dp_shard": 2, "placement": "block", "block": [8, 8]}, {}),
+    "dp2_mixed": (2, {"dp_shard": 2, "placement": "mixed"}, {}),
 }
 # the decay path's parameters get the smallest gradients (test_qwen3_5's DECAY_ATOL)
 DECAY_ATOL = {"param_atol": 1e-3}
