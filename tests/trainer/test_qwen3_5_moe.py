@@ -9,8 +9,7 @@ logits.
   first loss within 1e-4 of transformers' loss on the same batch;
 - the export of the loaded model at W = 2 is the folder's tensors bit for bit and loads
   in transformers with every key; ``flexshard-train --nproc 2`` with nothing but the
-  folder trains and exports; a folder with the vision tower loads its
-  text model;
+  folder trains and exports (slow); a folder with the vision tower loads its text model;
 - W = 3 (Shard(0), Muon, flat with full AC), W = 2 (owned, block, mixed) and dp2 x ep2
   against one process, and a checkpoint of dp2 resumed under dp2 x ep2 (slow);
 - under Muon the router and the experts (each expert its own matrix) are Muon matrices,
