@@ -40,7 +40,7 @@ def dense_equivalent(model: ModelConfig) -> ModelConfig:
         return model
     hidden = moe.expert_hidden or model.ffn_hidden_size()
     out = copy.deepcopy(model)
-    out.ffn_hidden = hidden * (moe.top_k + moe.num_shared_experts)
+    out.ffn_hidden = hidden * moe.top_k + moe.shared_width(hidden)
     out.moe.num_experts = 0
     return out
 

@@ -17,7 +17,8 @@ row order, moves the logits.
   state): logits within 1e-6 of the full forward, transformers' greedy tokens;
 - GRPO from the folder (after a short pre-training on the task, exported to a folder)
   at W = 1 and 2: generator and trainer log-probs bit for bit in batch-invariant mode;
-- the MoE and the layouts not built are ConfigErrors naming the key.
+- the layouts not built are ConfigErrors naming the key (Qwen3.5-MoE:
+  ``test_qwen3_5_moe``).
 """
 
 from __future__ import annotations
@@ -259,13 +260,6 @@ def test_vision_folder_loads_its_text_model(tmp_path):
     with torch.no_grad():
         gap = (model(tokens()) - reference(tokens()).logits).abs().max().item()
     assert gap <= 1e-5, gap
-
-
-def test_moe_is_refused():
-    """Qwen3.5-MoE is not built: a gated MoE has no Hugging Face twin here."""
-    moe = {"model": {"attention": "gated", "moe": {"num_experts": 4, "num_shared_experts": 0}}}
-    with pytest.raises(ConfigError, match="model.moe.num_experts = 4"):
-        config_from_dict({**moe, "checkpoint": {"last_save_in_hf": True}})
 
 
 def test_cached_decode_is_the_full_forward_and_transformers_greedy(tmp_path):

@@ -87,8 +87,9 @@ def build_optimizer(
         # the LM head by its name, not as the last Linear: a pipeline stage without the
         # head would hand its own last matrix to AdamW
         # Gated DeltaNet's depthwise conv kernels [channels, 1, taps] are 3-D but no
-        # matrix stack (A_log and dt_bias are vectors: AdamW by their shape)
-        adamw_patterns=("output.weight", "*.conv1d.weight"),
+        # matrix stack (A_log and dt_bias are vectors: AdamW by their shape); Qwen3.5-MoE's
+        # shared-expert gate is one row [1, dim], which Newton-Schulz would only rescale
+        adamw_patterns=("output.weight", "*.conv1d.weight", "*.shared_gate.weight"),
         detect_head=False,
         # Moonlight's scaling: Muon's update RMS matches AdamW's at the same rate
         adjust_lr_fn="match_rms_adamw",

@@ -150,6 +150,33 @@ def _qwen3_5_fields(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _qwen3_5_moe_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """A ``Qwen3_5MoeForCausalLM`` config.json (``qwen3_5_moe_text``): Qwen3.5's layers
+    with an MoE block in every one: softmax top-k routing renormalised, one shared
+    expert of its own width gated by a sigmoid (no dense feed-forward anywhere)."""
+    if config.get("output_router_logits", False):
+        raise ConfigError(
+            "config.json: output_router_logits = true (transformers adds router_aux_loss_coef "
+            "times its load-balancing loss): the trainer needs false (model.moe.balance "
+            '"aux" is its own balance)'
+        )
+    moe = {
+        "num_experts": config["num_experts"],
+        "top_k": config["num_experts_per_tok"],
+        "expert_hidden": config["moe_intermediate_size"],
+        "num_shared_experts": 1,
+        "shared_expert_hidden": config["shared_expert_intermediate_size"],
+        "shared_expert_gate": True,
+        "first_dense_layers": 0,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+    # no dense layer: ffn_hidden is never built (the experts' width stands in)
+    dense = {**config, "intermediate_size": config["moe_intermediate_size"]}
+    return {**_qwen3_5_fields(dense), "moe": moe}
+
+
 def _base_config(cfg: ModelConfig) -> dict[str, Any]:
     """The config.json keys of every family (Llama's set)."""
     return {
@@ -223,6 +250,20 @@ def _qwen3_5_config(cfg: ModelConfig) -> dict[str, Any]:
         "linear_num_key_heads": la.num_key_heads,
         "linear_num_value_heads": la.num_value_heads,
     }
+
+
+def _qwen3_5_moe_config(cfg: ModelConfig) -> dict[str, Any]:
+    moe = cfg.moe
+    hidden = moe.expert_hidden or cfg.ffn_hidden_size()
+    out = {
+        **_qwen3_5_config(cfg),
+        **_moe_sizes(cfg),
+        "moe_intermediate_size": hidden,
+        "shared_expert_intermediate_size": moe.shared_width(hidden),
+        "num_experts": moe.num_experts,
+    }
+    del out["intermediate_size"]  # every layer is MoE: Qwen3.5-MoE has no such key
+    return out
 
 
 def _rope_theta(config: dict[str, Any]) -> float:
@@ -375,6 +416,7 @@ FAMILIES = {
     "qwen3_moe": Family("Qwen3MoeForCausalLM", _qwen3_moe_fields, _qwen3_moe_config),
     "deepseek_v3": Family("DeepseekV3ForCausalLM", _deepseek_v3_fields, _deepseek_v3_config),
     "qwen3_5_text": Family("Qwen3_5ForCausalLM", _qwen3_5_fields, _qwen3_5_config),
+    "qwen3_5_moe_text": Family("Qwen3_5MoeForCausalLM", _qwen3_5_moe_fields, _qwen3_5_moe_config),
 }
 
 
@@ -389,28 +431,31 @@ def context_length(cfg: ModelConfig, trained: int) -> int:
     return trained
 
 
-def _qwen3_5_text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3.5 with its vision tower (``Qwen3_5ForConditionalGeneration``): the
-    config.json of its text model (the tower is not trained; the export is text-only)."""
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5 or Qwen3.5-MoE with its vision tower (``Qwen3_5ForConditionalGeneration``,
+    ``Qwen3_5MoeForConditionalGeneration``): the config.json of its text model (the tower
+    is not trained; the export is text-only)."""
+    kind = config["model_type"]
     text = config.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(
-            f"config.json: text_config = {text!r}: a model_type 'qwen3_5' folder keeps its "
+            f"config.json: text_config = {text!r}: a model_type '{kind}' folder keeps its "
             "text model's sizes there"
         )
     tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    family = FAMILIES["qwen3_5_text"]
+    text_kind = f"{kind}_text"
     return {
         **text,
-        "model_type": "qwen3_5_text",
-        "architectures": [family.architecture],
+        "model_type": text_kind,
+        "architectures": [FAMILIES[text_kind].architecture],
         "tie_word_embeddings": tied,
     }
 
 
-# folders read, never written: the config.json of their text model, one of FAMILIES
-_TEXT_MODEL_CONFIG = {"qwen3_5": _qwen3_5_text_config}
-TEXT_MODEL_PREFIX = {"qwen3_5": "model.language_model."}
+# folders read, never written: the config.json of their text model (``{kind}_text``,
+# one of FAMILIES), whose keys they keep under TEXT_MODEL_PREFIX
+_TEXT_MODEL_CONFIG = {"qwen3_5": _text_config, "qwen3_5_moe": _text_config}
+TEXT_MODEL_PREFIX = dict.fromkeys(_TEXT_MODEL_CONFIG, "model.language_model.")
 
 
 def text_model_prefix(folder: str | Path) -> str:
@@ -467,6 +512,8 @@ def _have(cfg: ModelConfig, key: str) -> Any:
         return cfg.head_size()
     if key == "moe.expert_hidden":
         return cfg.moe.expert_hidden or cfg.ffn_hidden_size()
+    if key == "moe.shared_expert_hidden":
+        return cfg.moe.shared_width(cfg.moe.expert_hidden or cfg.ffn_hidden_size())
     table, _, name = key.rpartition(".")  # "moe.x", "rope_scaling.x": a sub-table's
     return getattr(getattr(cfg, table) if table else cfg, name)
 
@@ -489,7 +536,7 @@ def _mismatches(cfg: ModelConfig, fields: dict[str, Any], untie: bool) -> dict[s
         for key in _LAYER_CHOICE:  # the same layers are MoE, however it is said
             wanted.pop(key, None)
     if moe["num_experts"] and all(theirs):  # no dense layer: its width does not count
-        del wanted["ffn_hidden"]
+        wanted.pop("ffn_hidden", None)
     if untie and wanted["tie_embeddings"] and not cfg.tie_embeddings:
         del wanted["tie_embeddings"]
     return {k: v for k, v in wanted.items() if _have(cfg, k) != v}

@@ -22,6 +22,11 @@ class MoEConfig:
     top_k: int = 2
     num_shared_experts: int = 1
     expert_hidden: int = 0  # 0: the dense ffn_hidden
+    # the shared experts' SwiGLU width; 0: expert_hidden * num_shared_experts
+    shared_expert_hidden: int = 0
+    # Qwen3.5-MoE's shared expert: its output scaled per token by sigmoid(x . w), w a
+    # learned [1, dim] row (shared_gate.weight)
+    shared_expert_gate: bool = False
     first_dense_layers: int = 1  # DeepSeek keeps the first layer(s) dense
     router_bias: bool = False
     # load balancing (trainer/models/moe.py): "bias" = DeepSeek-V3's aux-loss-free bias
@@ -45,6 +50,12 @@ class MoEConfig:
     # (i + 1) % step == 0) except those in mlp_only_layers, which stay dense
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+
+    def shared_width(self, expert_hidden: int) -> int:
+        """The shared experts' SwiGLU width (0: none), experts of ``expert_hidden``."""
+        if not self.num_shared_experts:
+            return 0
+        return self.shared_expert_hidden or expert_hidden * self.num_shared_experts
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block ``layer`` (from 0) has the routed experts, else a dense SwiGLU."""

@@ -38,27 +38,69 @@ def _deepseek_v3_problems(cfg: ModelConfig) -> list[str]:
         )
     if not moe.num_shared_experts:
         problems.append("model.moe.num_shared_experts = 0 (DeepSeek-V3 has shared experts)")
+    hidden = moe.expert_hidden or cfg.ffn_hidden_size()
+    if moe.shared_width(hidden) != hidden * moe.num_shared_experts or moe.shared_expert_gate:
+        problems.append(
+            "model.moe.shared_expert_hidden / shared_expert_gate (DeepSeek-V3's shared "
+            "experts are num_shared_experts ungated experts of expert_hidden): set 0 and false"
+        )
     if cfg.tie_embeddings:
         problems.append("model.tie_embeddings = true (DeepSeek-V3's head is its own)")
+    return problems
+
+
+def _qwen3_5_moe_problems(cfg: ModelConfig, export: bool) -> list[str]:
+    """Why a gated-attention MoE has no ``Qwen3_5MoeForCausalLM`` twin (none: it has)."""
+    moe, problems = cfg.moe, []
+    if moe.score_func != "softmax" or moe.n_group > 1 or moe.routed_scaling_factor != 1.0:
+        problems.append(
+            "model.moe.score_func / n_group / routed_scaling_factor (Qwen3.5-MoE routes by "
+            'the softmax over all experts, unscaled): set "softmax", 1 and 1.0'
+        )
+    if not moe.norm_topk_prob:
+        problems.append(
+            "model.moe.norm_topk_prob = false (Qwen3.5-MoE renormalises the chosen weights)"
+        )
+    if moe.num_shared_experts != 1 or not moe.shared_expert_gate:
+        problems.append(
+            f"model.moe.num_shared_experts = {moe.num_shared_experts}, shared_expert_gate = "
+            f"{str(moe.shared_expert_gate).lower()} (Qwen3.5-MoE has one shared expert, "
+            "gated by a sigmoid): set 1 and true"
+        )
+    dense = [i for i in range(cfg.n_layers) if not moe.is_moe_layer(i)]
+    if dense:
+        problems.append(
+            f"layers {dense} are dense (model.moe.first_dense_layers / decoder_sparse_step / "
+            "mlp_only_layers): every Qwen3.5-MoE layer is MoE; set 0, 1 and []"
+        )
+    if export and moe.balance == "bias":
+        problems.append(
+            'model.moe.balance = "bias" (the learned selection bias picks the experts; '
+            "Qwen3.5-MoE routes by the softmax alone and has no tensor for the bias)"
+        )
     return problems
 
 
 def hf_format(cfg: ModelConfig, option: str = HF_OPTIONS, export: bool = False) -> str:
     """The Hugging Face ``model_type`` computing what the model does: ``"llama"`` /
     ``"qwen3"`` (dense, without / with q/k norms), ``"mixtral"`` / ``"qwen3_moe"`` (MoE,
-    likewise), ``"deepseek_v3"`` (MLA); a ConfigError naming ``option`` and every reason
+    likewise), ``"deepseek_v3"`` (MLA), ``"qwen3_5_text"`` / ``"qwen3_5_moe_text"``
+    (gated attention, dense / MoE); a ConfigError naming ``option`` and every reason
     when the model has no Hugging Face twin. ``export``: the model is written (a
     ``"bias"`` balance changes the routing, and neither MoE format but DeepSeek-V3's has
     a tensor to hold it). Multi-token prediction is never exported (no format here
     holds it)."""
     moe = cfg.moe
     if cfg.attention == "gated":
-        if moe.num_experts:
+        if not moe.num_experts:
+            return "qwen3_5_text"
+        problems = _qwen3_5_moe_problems(cfg, export)
+        if problems:
             raise ConfigError(
-                f"{option}: model.moe.num_experts = {moe.num_experts} with attention = "
-                '"gated": Qwen3.5-MoE folders are not supported yet (set 0)'
+                f"{option}: this gated-attention MoE has no Qwen3_5MoeForCausalLM twin: "
+                + "; ".join(problems)
             )
-        return "qwen3_5_text"
+        return "qwen3_5_moe_text"
     if cfg.attention == "mla":
         problems = _deepseek_v3_problems(cfg)
         if problems:
@@ -316,6 +358,15 @@ def validate(cfg: Config) -> None:
         )
     if moe.num_experts:
         _check_routing(m)
+    if moe.shared_expert_hidden < 0:
+        raise ConfigError(
+            f"model.moe.shared_expert_hidden = {moe.shared_expert_hidden}: must be >= 0"
+        )
+    if moe.shared_expert_gate and not moe.num_shared_experts:
+        raise ConfigError(
+            "model.moe.shared_expert_gate = true with model.moe.num_shared_experts = 0: "
+            "there is no shared expert to gate"
+        )
     if moe.bias_update_rate < 0 or moe.aux_loss_coef < 0:
         raise ConfigError("model.moe.bias_update_rate and aux_loss_coef must be >= 0")
     if t.lr <= 0 or t.muon_lr <= 0 or not 0 <= t.min_lr_ratio <= 1:

@@ -19,6 +19,10 @@ is the config side's (``config/hf_config.py``: ``FAMILIES``, keyed alike).
   (``self_attn.*``, ``q_proj`` rows per head: queries then the gate) as ``layer_types``
   says, under the folder's names and row order (RoPE already in halves: no permutation);
   every other norm is zero-centred (``1 + weight``), stored as the folder stores it.
+- ``qwen3_5_moe_text`` (``Qwen3_5MoeForCausalLM``): Qwen3.5's layers, each with Qwen3-MoE's
+  sparse block (``norm_topk_prob`` always) plus one shared expert of its own width whose
+  output is scaled per token by ``sigmoid(mlp.shared_expert_gate(x))`` (``shared_gate``);
+  routed experts one tensor per expert, as ``save_pretrained`` writes them.
 - ``deepseek_v3`` (``DeepseekV3ForCausalLM``): MLA's parameters under transformers'
   names, its rotated rows in DeepSeek's pairwise order (``rope_interleave = true``,
   written on export, required on load: no row moves); DeepSeek's MoE block (``mlp.gate``
@@ -28,14 +32,14 @@ is the config side's (``config/hf_config.py``: ``FAMILIES``, keyed alike).
   no such weights, and a folder loads with ``mtp_layers = 0``.
 
 The trainer's ``[E, R, C]`` stacks are stored per expert (``...experts.{e}.w1.weight``,
-what ``save_pretrained`` writes; transformers 5 fuses them on load). The MoE twins hold
-only for ``num_shared_experts = 0`` and, on export, a balance other than ``"bias"``
-(``hf_format`` refuses the rest, naming why, rather than write a checkpoint that loads
-but computes something else). RoPE: the trainer rotates adjacent pairs, Hugging Face
+what ``save_pretrained`` writes; transformers 5 fuses them on load). Mixtral's and
+Qwen3-MoE's twins hold only for ``num_shared_experts = 0``, Qwen3.5-MoE's for one gated
+shared expert, and on export all three for a balance other than ``"bias"`` (``hf_format``
+refuses the rest, naming why, rather than write a checkpoint that loads but computes
+something else). RoPE: the trainer rotates adjacent pairs, Hugging Face
 the two halves of each head, so wq / wk rows and the q / k norms' weights (one head of
 ``head_dim``) are permuted on the way (``HFKey(..., rope_heads)``). The other HF MoE
-formats do not match: Qwen2-MoE gates its shared expert with
-``sigmoid(shared_expert_gate(x))`` (never exactly 1, as the trainer adds its own),
+formats do not match: Qwen2-MoE has biased q/k/v projections,
 DeepSeek-V2/V3 use latent (MLA) attention and V3 sigmoid, group-limited routing,
 MiniMax-M2 a sigmoid router.
 """
@@ -145,6 +149,17 @@ _QWEN3_5 = {
 }
 
 
+# Qwen3.5-MoE's sparse block (every layer): Qwen3-MoE's router and experts, one shared
+# expert and its sigmoid gate (a [1, dim] row)
+_QWEN3_5_MOE = {
+    **_QWEN3_MOE,
+    "feed_forward.shared.w1.weight": "mlp.shared_expert.gate_proj.weight",
+    "feed_forward.shared.w3.weight": "mlp.shared_expert.up_proj.weight",
+    "feed_forward.shared.w2.weight": "mlp.shared_expert.down_proj.weight",
+    "feed_forward.shared_gate.weight": "mlp.shared_expert_gate.weight",
+}
+
+
 @dataclass(frozen=True)
 class FamilyKeys:
     """One family's state-dict names (``config.hf_config.FAMILIES`` has its config.json)."""
@@ -160,6 +175,7 @@ FAMILY_KEYS = {
     "qwen3_moe": FamilyKeys({**_ATTENTION, **_QK_NORM, **_DENSE}, _QWEN3_MOE),
     "deepseek_v3": FamilyKeys(_DEEPSEEK_V3, _DEEPSEEK_V3_MOE),
     "qwen3_5_text": FamilyKeys(_QWEN3_5, {}),
+    "qwen3_5_moe_text": FamilyKeys(_QWEN3_5, _QWEN3_5_MOE),
 }
 
 

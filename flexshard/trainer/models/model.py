@@ -154,11 +154,10 @@ class MoE(nn.Module):
         )
         self.router = _linear(cfg.dim, moe.num_experts, 0.02)
         self.experts = GroupedExperts(moe.num_experts, cfg.dim, hidden, out_std)
-        self.shared = (
-            FeedForward(cfg.dim, hidden * moe.num_shared_experts, out_std)
-            if moe.num_shared_experts
-            else None
-        )
+        shared = moe.shared_width(hidden)
+        self.shared = FeedForward(cfg.dim, shared, out_std) if shared else None
+        # Qwen3.5-MoE: the shared output scaled per token by sigmoid(shared_gate(x))
+        self.shared_gate = _linear(cfg.dim, 1, 0.02) if moe.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -176,7 +175,10 @@ class MoE(nn.Module):
         probs = scores / scores.sum(-1, keepdim=True) if sigmoid else scores
         out = self.balance.account(self.experts(flat, weights, chosen), probs, chosen)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            shared = self.shared(flat)
+            if self.shared_gate is not None:
+                shared = self.shared_gate(flat).sigmoid() * shared
+            out = out + shared
         return out.view(shape)
 
 

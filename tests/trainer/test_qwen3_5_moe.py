@@ -1,0 +1,325 @@
+"""Qwen3.5-MoE (``qwen3_5_moe_text``, ``Qwen3_5MoeForCausalLM``) from a folder saved by
+transformers' own class: Qwen3.5's 3 Gated DeltaNet layers and 1 gated attention layer
+(``test_qwen3_5``'s sizes), each with 5 routed experts of 24 (top 2, renormalised) and a
+shared expert of 40 behind its sigmoid gate. The norms, the router and the gate are
+drawn wide, so that a wrong norm, a wrong routing or an ungated shared expert moves the
+logits.
+
+- the folder is the model: logits within 1e-5 of transformers' (measured 2.1e-7), the
+  first loss within 1e-4 of transformers' loss on the same batch;
+- the export of the loaded model at W = 2 is the folder's tensors bit for bit and loads
+  in transformers with every key; ``flexshard-train --nproc 2`` with nothing but the
+  folder trains and exports (slow); a folder with the vision tower loads its text model;
+- W = 3 (Shard(0), Muon, flat with full AC), W = 2 (owned, block, mixed) and dp2 x ep2
+  against one process, and a checkpoint of dp2 resumed under dp2 x ep2 (slow);
+- under Muon the router and the experts (each expert its own matrix) are Muon matrices,
+  the shared expert's gate (one row) steps with AdamW;
+- what has no Qwen3.5-MoE twin, tp, pp, cp and ``rl.enable`` are ConfigErrors naming
+  the key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
+from flexshard.testing import run_distributed
+from flexshard.trainer.checkpointing import checkpoints as checkpointing
+from flexshard.trainer.checkpointing.checkpoints import export
+from flexshard.trainer.components.optimizers import build_optimizer
+from flexshard.trainer.config import ConfigError, config_from_dict
+from flexshard.trainer.config.hf_config import text_model_prefix
+from flexshard.trainer.launch import main as train_main
+from flexshard.trainer.models.hf_adapter import hf_keys
+from flexshard.trainer.models.layers import loss_fn
+from flexshard.trainer.models.model import Transformer
+from flexshard.trainer.train import run, setup
+
+from ..helpers.trainer_cases import launch_dims
+from .test_model_families import _tensors, from_folder
+from .test_parallel_layouts import (
+    LOSS_RTOL,
+    MUON_RTOL,
+    compare_with_single_process,
+    layout_config,
+    trained,
+)
+from .test_qwen3_5 import QWEN3_5_MODEL, SHAPE, SHAPE_TYPES, VISION, tokens
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.qwen3_5_moe")
+
+MOE_SHAPE = {**SHAPE, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40}
+MOE_SHAPE.update(num_experts=5, num_experts_per_tok=2)
+del MOE_SHAPE["intermediate_size"]
+
+
+def hf_model(folder: Path, vision: bool = False) -> torch.nn.Module:
+    """A random Qwen3.5-MoE (``vision``: with its vision tower) saved in several shards;
+    the zero-centred norms drawn around 0, the gated norms around 1, the router and the
+    shared expert's gate wide (a near-uniform softmax would hide a routing error)."""
+    torch.manual_seed(0)
+    if vision:
+        config = transformers.Qwen3_5MoeConfig(text_config=MOE_SHAPE, vision_config=VISION)
+        model = transformers.Qwen3_5MoeForConditionalGeneration(config).eval()
+    else:
+        config = transformers.Qwen3_5MoeTextConfig(**MOE_SHAPE)
+        model = transformers.Qwen3_5MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "visual" in name:
+                continue
+            if "norm" in name:
+                param.normal_(1.0 if "linear_attn" in name else 0.0, 0.3)
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(folder, max_shard_size="20KB")
+    return model
+
+
+def loaded(folder: Path) -> Transformer:
+    m = config_from_dict(from_folder(folder)).model
+    model = Transformer(m).eval()
+    state = model.state_dict()
+    keys = hf_keys(list(state), m, m.tie_embeddings, text_model_prefix(folder))
+    load_hf_safetensors(folder, state, keys)
+    return model
+
+
+def test_folder_is_the_model_logits_and_loss(tmp_path):
+    reference = hf_model(tmp_path)
+    m = config_from_dict(from_folder(tmp_path)).model
+    assert (m.attention, m.layer_types) == ("gated", SHAPE_TYPES)
+    moe = m.moe
+    assert (moe.num_experts, moe.top_k, moe.expert_hidden) == (5, 2, 24)
+    assert (moe.num_shared_experts, moe.shared_expert_hidden, moe.shared_expert_gate) == (
+        1,
+        40,
+        True,
+    )
+    model = loaded(tmp_path)
+    assert model.layers[0].feed_forward.shared_gate.weight.shape == (1, 64)
+    batch = tokens()
+    with torch.no_grad():
+        ours = model(batch)
+        out = reference(batch, labels=batch)
+        loss = loss_fn(ours[:, :-1], batch[:, 1:]).item()
+    gap = (ours - out.logits).abs().max().item()
+    print(f"qwen3_5_moe: logits within {gap:.1e}, loss {loss} vs {out.loss.item()}")
+    assert gap <= 1e-5, gap
+    assert abs(loss - out.loss.item()) <= 1e-4
+    # the gate matters: without it the logits are another model's
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.feed_forward.shared_gate = None
+        assert (model(batch) - out.logits).abs().max().item() > 1e-2
+
+
+def _load_and_export(rank: int, world_size: int, folder: str) -> None:
+    source = Path(folder)
+    cfg = config_from_dict(from_folder(source, job={"dump_folder": f"{source}/run"}))
+    job = setup(cfg)
+    checkpointing.initial_load(job)
+    export(job, source / "export", max_shard_bytes=30_000)
+
+
+def test_export_reloads_exact(tmp_path):
+    reference = hf_model(tmp_path)
+    run_distributed(_load_and_export, 2, str(tmp_path), timeout=300)
+    exported = tmp_path / "export"
+    original, got = _tensors(tmp_path), _tensors(exported)
+    assert set(got) == set(original)
+    assert [k for k, v in original.items() if not torch.equal(got[k], v)] == []
+    config = json.loads((exported / "config.json").read_text())
+    assert (config["model_type"], config["num_experts"]) == ("qwen3_5_moe_text", 5)
+    assert config["shared_expert_intermediate_size"] == 40
+    back, info = transformers.Qwen3_5MoeForCausalLM.from_pretrained(
+        exported, output_loading_info=True
+    )
+    assert all(not v for v in info.values()), info
+    with torch.no_grad():
+        assert torch.equal(back.eval()(tokens()).logits, reference(tokens()).logits)
+
+
+@pytest.mark.slow
+def test_flexshard_train_with_only_the_folder(tmp_path):
+    """``flexshard-train --nproc 2`` from the folder alone trains and exports."""
+    reference = hf_model(tmp_path / "hf")
+    out = tmp_path / "run"
+    train_main(
+        ["--nproc", "2", "--checkpoint.initial_load_path", str(tmp_path / "hf")]
+        + ["--checkpoint.initial_load_in_hf", "true", "--checkpoint.last_save_in_hf", "true"]
+        + ["--training.steps", "3", "--training.seq_len", "16", "--job.dump_folder", str(out)]
+        + ["--job.progress", "false", "--job.plot", "false", "--job.tensorboard", "false"]
+    )
+    trained_model, info = transformers.Qwen3_5MoeForCausalLM.from_pretrained(
+        out / "hf", output_loading_info=True
+    )
+    assert all(not v for v in info.values()), info
+    with torch.no_grad():
+        moved = (trained_model.eval()(tokens()).logits - reference(tokens()).logits).abs()
+    assert moved.max().item() > 1e-3  # it trained
+    records = (out / "metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["loss"] for line in records]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_vision_folder_loads_its_text_model(tmp_path):
+    """A ``Qwen3_5MoeForConditionalGeneration`` folder: the text model's keys read from
+    ``model.language_model.*``, its text logits those of the whole model."""
+    reference = hf_model(tmp_path, vision=True)
+    assert text_model_prefix(tmp_path) == "model.language_model."
+    model = loaded(tmp_path)
+    with torch.no_grad():
+        gap = (model(tokens()) - reference(tokens()).logits).abs().max().item()
+    assert gap <= 1e-5, gap
+
+
+def test_muon_takes_router_and_experts_and_leaves_the_gate_to_adamw(tmp_path):
+    hf_model(tmp_path)
+    cfg = config_from_dict(from_folder(tmp_path, training={"optimizer": "muon"}))
+    model = Transformer(cfg.model)
+    optimizer = build_optimizer(model, cfg.training, cfg.model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for g in optimizer.param_groups if g["use_muon"] for p in g["params"]}
+    adamw = {names[id(p)] for g in optimizer.param_groups if not g["use_muon"] for p in g["params"]}
+    for layer in (0, 3):
+        ffn = f"layers.{layer}.feed_forward"
+        assert f"{ffn}.shared_gate.weight" in adamw
+        for name in ("router.weight", "experts.w1", "experts.w2", "experts.w3", "shared.w1.weight"):
+            assert f"{ffn}.{name}" in muon, name
+
+
+# a gated-attention MoE of [model] keys: what is not Qwen3.5-MoE's is refused on export
+QWEN3_5_MOE = {
+    "num_experts": 4,
+    "top_k": 2,
+    "expert_hidden": 24,
+    "num_shared_experts": 1,
+    "shared_expert_hidden": 40,
+    "shared_expert_gate": True,
+    "first_dense_layers": 0,
+}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"shared_expert_gate": False}, "model.moe.num_shared_experts = 1, shared_expert_gate"),
+        ({"num_shared_experts": 0, "shared_expert_gate": False}, "num_shared_experts = 0"),
+        ({"norm_topk_prob": False}, "model.moe.norm_topk_prob = false"),
+        ({"first_dense_layers": 1}, r"layers \[0\] are dense"),
+        ({"score_func": "sigmoid"}, "model.moe.score_func"),
+        ({"balance": "bias"}, 'model.moe.balance = "bias"'),
+    ],
+)
+def test_what_is_not_qwen3_5_moe_is_refused(change, message):
+    model = {**QWEN3_5_MODEL, "n_layers": 4, "moe": {**QWEN3_5_MOE, **change}}
+    with pytest.raises(ConfigError, match=f"last_save_in_hf: .*{message}"):
+        config_from_dict({"model": model, "checkpoint": {"last_save_in_hf": True}})
+
+
+def test_a_gate_without_a_shared_expert_is_refused():
+    moe = {**QWEN3_5_MOE, "num_shared_experts": 0}
+    with pytest.raises(ConfigError, match="model.moe.shared_expert_gate = true"):
+        config_from_dict({"model": {**QWEN3_5_MODEL, "n_layers": 4, "moe": moe}})
+
+
+@pytest.mark.parametrize(
+    "section, values, message",
+    [
+        ("parallelism", {"tp": 2}, "parallelism.tp = 2 .*Qwen3.5"),
+        ("parallelism", {"pp": 2}, "parallelism.pp = 2 .*Qwen3.5"),
+        ("parallelism", {"cp": 2}, "parallelism.cp = 2 .*recurrent state"),
+        ("rl", {"enable": True}, "rl.enable with model.layer_types"),
+    ],
+)
+def test_layouts_not_built_are_refused(section, values, message, tmp_path):
+    hf_model(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        launch_dims(config_from_dict(from_folder(tmp_path, **{section: values})))
+
+
+def test_router_logits_folder_is_refused(tmp_path):
+    hf_model(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "output_router_logits": True}))
+    with pytest.raises(ConfigError, match="output_router_logits = true"):
+        config_from_dict(from_folder(tmp_path))
+
+
+# ---------------------------------------------------------------------- layouts
+QWEN3_5_MOE_MODEL = {**QWEN3_5_MODEL, "moe": QWEN3_5_MOE}
+# name: (world size, parallelism, other sections), each against one process
+LAYOUTS = {
+    "dp3": (3, {"dp_shard": 3}, {}),
+    "dp3_muon": (3, {"dp_shard": 3}, {"training": {"optimizer": "muon"}}),
+    "dp3_flat_full_ac": (
+        3,
+        {"dp_shard": 3, "placement": "flat"},
+        {"activation_checkpoint": {"mode": "full"}},
+    ),
+    "dp2xep2": (2, {"dp_shard": 2, "ep": 2}, {}),
+    "dp2_owned": (2, {"dp_shard": 2, "placement": "owned"}, {}),
+    "dp2_block": (2, {"dp_shard": 2, "placement": "block", "block": [8, 8]}, {}),
+    "dp2_mixed": (2, {"dp_shard": 2, "placement": "mixed"}, {}),
+}
+# the decay path's parameters get the smallest gradients (test_qwen3_5's DECAY_ATOL)
+DECAY_ATOL = {"param_atol": 1e-3}
+
+
+def _config(folder: str, name: str):
+    _, parallelism, sections = LAYOUTS[name]
+    return layout_config(f"{folder}/{name}", parallelism, None, model=QWEN3_5_MOE_MODEL, **sections)
+
+
+def _layouts(rank: int, world_size: int, folder: str, names: list[str]) -> dict:
+    return {name: trained(setup(_config(folder, name))) for name in names}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_layouts_match_one_process(world_size, tmp_path):
+    names = [name for name, (w, _, _) in LAYOUTS.items() if w == world_size]
+    results = run_distributed(_layouts, world_size, str(tmp_path), names, timeout=900)[0]
+    for name, result in results.items():
+        cfg = _config("-", name)
+        tolerances = MUON_RTOL if "muon" in name else DECAY_ATOL
+        gaps = compare_with_single_process(name, cfg, result, **tolerances)
+        print(f"qwen3_5_moe {name}: {gaps}")
+
+
+# one global batch (two data-parallel ranks): 3 steps under dp2, resumed under dp2 x ep2
+CONSTANT_LR = {"decay": "none", "steps": 6}
+CHAIN = [({"dp_shard": 2}, 3), ({"dp_shard": 2, "ep": 2}, 6)]
+
+
+def _save_then_resume(rank: int, world_size: int, folder: str) -> tuple[list, list]:
+    def losses(name: str, parallelism: dict, steps: int) -> list[float]:
+        cfg = layout_config(
+            f"{folder}/{name}",
+            parallelism,
+            None,
+            model=QWEN3_5_MOE_MODEL,
+            checkpoint={"enable": True, "interval": 3},
+            training={**CONSTANT_LR, "steps": steps},
+        )
+        return [r["loss"] for r in run(cfg)]
+
+    whole = losses("whole", {"dp_shard": 2}, 6)
+    chained = [losses("chain", parallelism, steps) for parallelism, steps in CHAIN]
+    return whole, chained
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_under_expert_parallel(tmp_path):
+    whole, chained = run_distributed(_save_then_resume, 2, str(tmp_path), timeout=900)[0]
+    assert [len(x) for x in chained] == [3, 3]  # the second run resumed at step 3
+    assert chained[0] == whole[:3]  # the same layout: bit for bit
+    gap = max(abs(a - b) / b for a, b in zip(chained[1], whole[3:]))
+    print(f"qwen3_5_moe dp2 -> dp2xep2 resumed: loss gap {gap:.2e}")
+    assert gap < LOSS_RTOL, gap
