@@ -217,3 +217,53 @@ def test_a_rank_dying_mid_load_is_named(loads):
             r"striped read of checkpoint .* in batch 0: rank\(s\) \[2\] never reached it",
             got["error"],
         ), got
+
+
+def test_the_schedule_reads_each_chunk_once_and_bounds_the_staging():
+    """Pure planning, no processes: every needed chunk has one reader among its needers,
+    reaches every other needer, each rank's staging per batch stays within the budget
+    (a chunk larger than it travels alone), and the reads add up to the chunks needed."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    world, budget = 3, 100
+    lengths = {MetadataIndex(f"t{i}", [i]): 10 + 7 * i for i in range(12)}
+    lengths[MetadataIndex("big", [0])] = 250
+    keys = list(lengths)
+    needs = [keys[r::2] + keys[:3] for r in range(world)]  # overlapping, and shared by all
+    plans = striped_read.stripe_schedule(needs, lengths, lambda i: (i.fqn, i.offset), budget)
+    assert len({len(p) for p in plans}) == 1  # every rank runs the same batches
+    got: dict = {r: set() for r in range(world)}
+    readers: dict = {}
+    for number in range(len(plans[0])):
+        parts = [p[number] for p in plans]
+        assert len({p.exchange for p in parts}) == 1
+        staged = [0] * world
+        for rank, part in enumerate(parts):
+            for index, dests in part.reads:
+                assert index not in readers
+                readers[index] = rank
+                got[rank].add(index)
+                staged[rank] += lengths[index] * len(dests)
+                for dest in dests:
+                    assert (index, rank) in parts[dest].receives
+                    got[dest].add(index)
+            staged[rank] += sum(lengths[i] for i, _ in part.receives)
+        chunks = {i for p in parts for i, _ in p.reads}
+        assert max(staged) <= budget or len(chunks) == 1, (number, staged)
+    for rank in range(world):
+        assert got[rank] == set(needs[rank])
+    assert all(index in needs[rank] for index, rank in readers.items())  # a needer reads it
+    read = [sum(lengths[i] for i, r in readers.items() if r == rank) for rank in range(world)]
+    assert sum(read) == sum(lengths[i] for i in set().union(*map(set, needs)))
+
+
+def test_the_choice_is_checked_where_it_is_made(tmp_path):
+    from flexshard.trainer.config import ConfigError, config_from_dict
+
+    assert config_from_dict({"checkpoint": {"reads": "striped"}}).checkpoint.reads == "striped"
+    with pytest.raises(ConfigError, match="checkpoint.reads = 'bogus': must be one of"):
+        config_from_dict({"checkpoint": {"reads": "bogus"}})
+    model = torch.nn.Linear(3, 2)
+    fs.checkpoint.save(tmp_path / "ckpt", model)
+    with pytest.raises(ValueError, match=re.escape("reads = 'bogus': must be one of")):
+        fs.checkpoint.load(tmp_path / "ckpt", model, reads="bogus")
