@@ -38,7 +38,7 @@ from ..runtime.collectives import CollectiveError
 from ..torch_internals import default_store
 from .manifest import storage_key
 from .safe_load import SafeReader
-from .verified_read import check_chunk, decode_chunk, read_chunk
+from .verified_read import ChecksumError, check_chunk, decode_chunk, read_chunk
 
 #: staging per rank and batch: the bytes a rank sends plus those it receives
 DEFAULT_BATCH_BYTES = 64 * 2**20
@@ -122,8 +122,8 @@ def stripe_schedule(
 class StripedReader(SafeReader):
     """A SafeReader for DCP loads over ``group`` in which each chunk is read from
     storage by one rank and sent to the others that need it. ``digests`` (manifest key
-    -> sha256; None: unchecked) are checked on the bytes read. ``path`` names the
-    checkpoint in errors."""
+    -> sha256; None: unchecked) are checked on the bytes read; ``batch_bytes`` bounds
+    each rank's staging per batch."""
 
     def __init__(
         self,
@@ -142,8 +142,6 @@ class StripedReader(SafeReader):
         #: an exchange that failed (a peer died or stalled): DCP's own collectives fail
         #: after it, with less to say, so the load raises this one
         self.exchange_failure: CollectiveError | None = None
-        #: bytes this rank read from storage for chunks (not ``.metadata``)
-        self.bytes_read = 0
 
     # ----------------------------------------------------------- planning (coordinator)
     def _storage_order(self, index: MetadataIndex) -> tuple[str, int]:
@@ -186,9 +184,12 @@ class StripedReader(SafeReader):
             path = os.path.join(self._root, info.relative_path)
             stream = files[info.relative_path] = open(path, "rb")  # noqa: SIM115 - closed in read_data
         data = read_chunk(stream, index, info)
-        self.bytes_read += len(data)
         if self._digests is not None:
             check_chunk(self._digests, index, data, info)
+        elif len(data) != info.length:  # its receivers expect info.length bytes
+            raise ChecksumError(
+                f"'{storage_key(index)}' is missing or truncated in '{info.relative_path}'"
+            )
         return data
 
     def _decode(
@@ -224,7 +225,7 @@ class StripedReader(SafeReader):
                 outgoing[dest] += [bytes([status]), data]
         if not part.exchange:
             return
-        payload = bytearray(b"".join(piece for out in outgoing for piece in out))
+        payload = bytearray().join(piece for out in outgoing for piece in out)  # one copy
         send = torch.frombuffer(payload, dtype=torch.uint8) if payload else _NOTHING
         send_splits = [sum(len(b) for b in out) for out in outgoing]
         recv_splits = [0] * world
