@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import time
 
 import pytest
 import torch
@@ -199,10 +200,17 @@ def _dies_mid_load(rank: int, world: int, root: str) -> dict:
     if rank == 2:  # dies after reading its stripe, before the first exchange
         striped_read.StripedReader._exchange = lambda *args: os._exit(3)
     model, optimizer = _trained(dist.group.WORLD, seed=99)
+    before, started = _values(model, optimizer), time.monotonic()
     try:
         fs.checkpoint.load(root, model, optimizer, reads="striped", timeout=TIMEOUT)
     except Exception as err:
-        return {"type": type(err).__name__, "error": str(err)}
+        after = _values(model, optimizer)
+        return {
+            "type": type(err).__name__,
+            "error": str(err),
+            "seconds": time.monotonic() - started,
+            "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+        }
     return {"type": None}
 
 
@@ -213,6 +221,7 @@ def test_a_rank_dying_mid_load_is_named(loads):
     for rank in (0, 1):
         got = results[rank]
         assert got["type"] == "CollectiveError", got
+        assert got["unchanged"] and got["seconds"] < TIMEOUT.total_seconds() + 30, got
         assert re.search(
             r"striped read of checkpoint .* in batch 0: rank\(s\) \[2\] never reached it",
             got["error"],
