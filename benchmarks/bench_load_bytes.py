@@ -23,9 +23,12 @@ Cases, at W = 4 (the checkpoints written by the trainer, one step of AdamW):
 * reshard 2 -> 4: ``fs.checkpoint.load`` (the trainer's resume) as dp_shard 4 from a
   checkpoint saved at W = 2 (dp_shard 2).
 
-Each case twice, alternating: ``fs.checkpoint.load`` checking every checksum in a pass
-of its own first (``checksums_first=True``) and the default, each chunk checked on the
-bytes the load reads. Results: benchmarks/results/load_bytes.{json,md}.
+Each case three ways, alternating: ``fs.checkpoint.load`` checking every checksum in a
+pass of its own first (``checksums_first=True``), the default (DCP's read plan, each
+chunk checked on the bytes the load reads), and ``reads="striped"`` (each stored chunk
+read once and sent to the other ranks that need it); beside rchar, the bytes the
+readers took from chunk files and the bytes the striped exchange moved (both counted
+in process). Results: benchmarks/results/load_bytes.{json,md}.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 import flexshard as fs
+from flexshard.checkpoint import striped_read, verified_read
 from flexshard.testing import run_distributed
 from flexshard.testing.stats import alternating
 from flexshard.trainer import train
@@ -60,10 +64,38 @@ RESULTS = Path(__file__).parent / "results"
 COMMAND = ".venv/bin/python -m benchmarks.bench_load_bytes"
 CASES = ("resume", "initial_load_path", "reshard 2 -> 4")
 #: the two ways ``fs.checkpoint.load`` checks the manifest's checksums
+#: (the trainer's load, its [checkpoint] reads)
 SIDES = {
-    "checksums first": functools.partial(fs.checkpoint.load, checksums_first=True),
-    "on read": fs.checkpoint.load,
+    "dcp, checksums first": (functools.partial(fs.checkpoint.load, checksums_first=True), "dcp"),
+    "dcp, on read": (fs.checkpoint.load, "dcp"),
+    "striped": (fs.checkpoint.load, "striped"),
 }
+
+
+class Counters:
+    """Bytes the loads' readers take from chunk files (``read_chunk``, both readers)
+    and bytes the striped exchange receives over gloo, in this process."""
+
+    chunks = 0
+    received = 0
+
+    @classmethod
+    def install(cls) -> None:
+        def counted_read(*args: Any) -> bytes:
+            data = read_chunk(*args)
+            cls.chunks += len(data)
+            return data
+
+        def counted_exchange(reader: Any, *args: Any) -> None:
+            exchange(reader, *args)
+            cls.received += args[2].numel()  # (progress, number, received, ...)
+
+        verified_read.read_chunk = striped_read.read_chunk = counted_read
+        striped_read.StripedReader._exchange = counted_exchange
+
+
+read_chunk = verified_read.read_chunk
+exchange = striped_read.StripedReader._exchange
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,7 +168,7 @@ def _save_w2(rank: int, world_size: int, args: dict[str, Any]) -> None:
 
 
 def _load(case: str, side: str, job: Any) -> None:
-    checkpointing.load = SIDES[side]  # what the trainer's loads call
+    checkpointing.load, job.cfg.checkpoint.reads = SIDES[side]  # what the trainer's loads call
     if case == "initial_load_path":
         checkpointing.initial_load(job)
     else:
@@ -147,6 +179,7 @@ def _measure(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, list
     """Save the 2 x 2 checkpoint, then per case one warm-up load and ``reps`` measured
     ones: this rank's rchar delta and the load's wall time (barrier to barrier)."""
     torch.set_num_threads(1)
+    Counters.install()
     train.run(_config(args, "w4", 2, 2))
     cfgs = configs(args)
     jobs = {case: train.setup(cfg) for case, cfg in cfgs.items()}
@@ -158,11 +191,14 @@ def _measure(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, list
         for case in CASES:
             for side in alternating(list(SIDES), rep):
                 dist.barrier()
+                chunks, received = Counters.chunks, Counters.received
                 before, begin = rchar(), time.perf_counter()
                 _load(case, side, jobs[case])
                 read = rchar() - before
                 dist.barrier()
-                out[f"{case}|{side}"].append((read, time.perf_counter() - begin))
+                wall = time.perf_counter() - begin
+                sample = (read, wall, Counters.chunks - chunks, Counters.received - received)
+                out[f"{case}|{side}"].append(sample)
     return out
 
 
@@ -194,6 +230,8 @@ def summarise(
         case, side = key.split("|")
         reps = len(per_rank[0][key])
         ranks = [statistics.median(r[key][i][0] for i in range(reps)) for r in per_rank]
+        chunks = sum(statistics.median(r[key][i][2] for i in range(reps)) for r in per_rank)
+        received = sum(statistics.median(r[key][i][3] for i in range(reps)) for r in per_rank)
         walls = [max(r[key][i][1] for r in per_rank) for i in range(reps)]
         flight = statistics.median(pre[case]) if case in pre else 0
         total = sum(ranks) + flight
@@ -201,14 +239,17 @@ def summarise(
         rows.append(
             {
                 "case": case,
-                "checksums": side,
+                "read": side,
                 "checkpoint_mb": size / 1e6,
                 "preflight_mb": flight / 1e6,
                 "ranks_mb": sum(ranks) / 1e6,
                 "per_rank_mb": [r / 1e6 for r in ranks],
                 "total_mb": total / 1e6,
                 "ratio": total / size,
+                "chunks_mb": chunks / 1e6,
+                "received_mb": received / 1e6,
                 "wall_s": statistics.median(walls),
+                "wall_iqr_s": iqr(walls),
                 "wall_s_all": walls,
             }
         )
@@ -224,30 +265,44 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"AdamW, placement {meta['placement']}, {meta['reps']} loads per case, "
         f"load average {meta['load']}",
         "",
-        "| case | checksums | checkpoint on disk MB | pre-flight MB | ranks MB (per rank) | "
-        "total / checkpoint | load wall s (median) |",
-        "|---|---|---|---|---|---|---|",
+        "| case | read | checkpoint on disk MB | pre-flight MB | ranks MB (per rank) | "
+        "total / checkpoint | chunk reads MB | sent between ranks MB | "
+        "load wall s, median [IQR] |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         per = ", ".join(f"{x:.0f}" for x in r["per_rank_mb"])
         lines.append(
-            f"| {r['case']} | {r['checksums']} | {r['checkpoint_mb']:.1f} | "
-            f"{r['preflight_mb']:.2f} | "
-            f"{r['ranks_mb']:.1f} ({per}) | {r['ratio']:.2f}x | {r['wall_s']:.2f} |"
+            f"| {r['case']} | {r['read']} | {r['checkpoint_mb']:.1f} | "
+            f"{r['preflight_mb']:.2f} | {r['ranks_mb']:.1f} ({per}) | {r['ratio']:.2f}x | "
+            f"{r['chunks_mb']:.1f} | {r['received_mb']:.1f} | "
+            f"{r['wall_s']:.2f} [{r['wall_iqr_s'][0]:.2f}, {r['wall_iqr_s'][1]:.2f}] |"
         )
     lines += ["", *meta["notes"]]
     return "\n".join(lines) + "\n"
 
 
+def iqr(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return (values[0], values[0])
+    q = statistics.quantiles(values, n=4)
+    return (q[0], q[2])
+
+
 NOTES = [
-    "Bytes: rchar (/proc/self/io) of each rank around the load call, median over the loads,",
-    "summed over the 4 ranks; pre-flight: the launcher's check_before_start with the",
+    "Bytes: rchar (/proc/self/io) of each rank around the load call (gloo's sockets do not",
+    "count: the striped rows' rchar is their chunk reads plus .metadata, not the bytes sent),",
+    "median over the loads, summed over the 4 ranks; pre-flight: the launcher's",
+    "check_before_start with the",
     "checkpoint minus without it. Checkpoint: every file of the folder loaded (chunks,",
     ".metadata, manifest, extras). Wall: barrier to barrier, the slowest rank.",
     "initial_load_path loads model weights only (a third of an AdamW checkpoint).",
-    "Checksums: `fs.checkpoint.load(..., checksums_first=True)` (every checksum in a pass of",
-    "its own before the read) against the default (each chunk checked on the bytes read),",
-    "alternating within each case.",
+    "Read: `fs.checkpoint.load(..., checksums_first=True)` (every checksum in a pass of",
+    "its own before the read), the default (DCP's plan, each chunk checked on the bytes",
+    'read) and `reads="striped"` (each chunk read once, by one rank, and sent to the',
+    "others), alternating within each case. Chunk reads: the bytes the readers took from",
+    "chunk files (instrumented; checksums first reads through torch's reader: not counted).",
+    "Sent between ranks: what the striped exchange received, summed over the ranks.",
 ]
 
 

@@ -674,6 +674,12 @@ def abort_cuda_backend(group: dist.ProcessGroup) -> None:
     group._get_backend(torch.device("cuda")).abort()  # type: ignore[attr-defined]
 
 
+def default_store() -> dist.Store:
+    """The store the default process group was made with (the job's rendezvous).
+    Public replacement: none."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def gloo_timeout(group: dist.ProcessGroup) -> Any:
     """A gloo group's own timeout (a ``timedelta``), for messages. Raises
     AttributeError/RuntimeError when the group has no gloo backend. Public replacement:

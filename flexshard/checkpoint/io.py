@@ -19,7 +19,7 @@ import datetime
 import os
 import shutil
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.storage import StorageReader
 
 from ..torch_internals import single_process_dcp
 from .bounded import Ranks, model_timeout
@@ -56,7 +57,12 @@ from .state import (
     union_groups,
     with_groups,
 )
+from .striped_read import StripedReader
 from .verified_read import ChecksumError, VerifyingReader
+
+#: how a load reads the chunks: each rank all it needs (DCP's plan), or each chunk once
+Reads = Literal["dcp", "striped"]
+READS: tuple[str, ...] = get_args(Reads)
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -262,16 +268,38 @@ def _verified(
     return read_metadata(root), digests if on_read else None
 
 
+def _reader(
+    root: str, ranks: Ranks, digests: dict[str, str] | None, reads: Reads
+) -> StorageReader | None:
+    """The storage reader of a load (None: the SafeReader default)."""
+    if reads not in READS:
+        raise ValueError(f"reads = {reads!r}: must be one of {READS}")
+    if reads == "striped" and ranks.group is not None and ranks.world > 1:
+        return StripedReader(root, digests, ranks.group)
+    return VerifyingReader(root, digests) if digests is not None else None
+
+
 def _read(
-    root: str, state: dict[str, Any], ranks: Ranks, digests: dict[str, str] | None = None
+    root: str,
+    state: dict[str, Any],
+    ranks: Ranks,
+    digests: dict[str, str] | None = None,
+    reads: Reads = "dcp",
 ) -> Any:
-    """``dcp.load`` into ``state`` (with ``digests``: every chunk checked as read); this
-    rank's ``extra`` (rank 0's when it had none)."""
-    reader = VerifyingReader(root, digests) if digests is not None else None
+    """``dcp.load`` into ``state`` (with ``digests``: every chunk checked as read;
+    ``reads``: how chunks come off storage); this rank's ``extra`` (rank 0's when it
+    had none)."""
+    reader = _reader(root, ranks, digests, reads)
     with ranks.step("dcp.load"), single_process_dcp(ranks.no_dist):
         try:
             dcp_load(state, root, ranks.group, ranks.no_dist, reader=reader)
-        except CheckpointException as err:  # the lowest rank's, the same on every rank
+        except (Exception, CheckpointException) as err:  # CheckpointException: BaseException
+            # DCP's own collectives fail after an exchange that lost a peer, with less to say
+            if isinstance(reader, StripedReader) and reader.exchange_failure is not None:
+                raise reader.exchange_failure from None
+            if not isinstance(err, CheckpointException):
+                raise
+            # the lowest rank's failure, the same on every rank
             for _, (exc, _) in sorted(err.failures.items(), key=lambda item: item[0]):
                 if isinstance(exc, ChecksumError):
                     raise ValueError(f"cannot load checkpoint '{root}': {exc}") from None
@@ -314,6 +342,7 @@ def load(
     require_manifest: bool = True,
     entries: dict[str, Any] | None = None,
     checksums_first: bool = False,
+    reads: Reads = "dcp",
 ) -> Any:
     """Load a checkpoint written by ``save`` (or by torch's ``get_state_dict`` and
     ``dcp.save``, nested or flattened) at any world size and placements into ``model``
@@ -325,7 +354,10 @@ def load(
     in place, each one required. Each chunk's checksum is checked on the bytes the load
     reads (a damaged chunk raises before anything changes: the read goes into fresh
     copies); ``checksums_first``: every checksum in a pass of its own before reading, as
-    ``load_state`` does (the whole checkpoint read once more)."""
+    ``load_state`` does (the whole checkpoint read once more). ``reads``: "dcp", each
+    rank reads every chunk it needs (a chunk several ranks need is read by each);
+    "striped", each chunk is read once, by one of the ranks that need it, and sent to
+    the others over ``process_group`` (``striped_read.py``)."""
     root = os.path.abspath(os.fspath(path))
     ranks = Ranks.of(process_group, root, _timeout(model, timeout))
     metadata, digests = _verified(root, ranks, require_manifest, not checksums_first)
@@ -342,7 +374,7 @@ def load(
     mine = None
     if optimizer is not None and not flat:  # before the read puts the saved lists there
         mine = union_groups(group_params(target["optim"]), ranks)
-    extra = _read(root, loaded, ranks, digests)
+    extra = _read(root, loaded, ranks, digests, reads)
     entries.update({name: loaded[name] for name in entries})  # a plain value is replaced
     state = unframed(loaded, target)
     if mine is not None:

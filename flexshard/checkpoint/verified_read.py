@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -35,6 +35,49 @@ def _narrowed(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
     return tensor
 
 
+def check_chunk(digests: dict[str, str], index: MetadataIndex, data: bytes, info: Any) -> None:
+    """Raise a ChecksumError naming the key unless ``data`` (the chunk ``index`` as
+    read, stored as ``info``) matches its manifest checksum in ``digests``."""
+    key = storage_key(index)
+    expected = digests.get(key)
+    file = info.relative_path
+    if expected is None:
+        raise ChecksumError(f"'{key}' in '{file}' has no entry in the manifest")
+    if len(data) != info.length:
+        raise ChecksumError(f"'{key}' is missing or truncated in '{file}'")
+    if hashlib.sha256(data).hexdigest() != expected:
+        raise ChecksumError(f"'{key}' is corrupted: checksum mismatch in '{file}'")
+
+
+def read_chunk(stream: IO[bytes], index: MetadataIndex, info: Any) -> bytes:
+    """The stored bytes of chunk ``index`` (``info``: its place in the open file)."""
+    if getattr(info, "transform_descriptors", None):
+        raise ChecksumError(
+            f"'{storage_key(index)}' in '{info.relative_path}' is stored with transforms "
+            "(compression), which this reader does not decode"
+        )
+    stream.seek(info.offset)
+    return stream.read(info.length)
+
+
+def decode_chunk(item: Any, data: bytes, planner: LoadPlanner) -> None:
+    """Copy what ``item`` reads of a stored chunk's bytes into its target, as DCP's
+    reader does (``weights_only``: no code from the checkpoint)."""
+    if item.type == LoadItemType.BYTE_IO:
+        planner.load_bytes(item, io.BytesIO(data))
+        return
+    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    tensor = _narrowed(tensor, item.storage_offsets, item.lengths)
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != tensor.size():
+        raise ValueError(
+            f"'{storage_key(item.storage_index)}': the stored chunk gives "
+            f"{tuple(tensor.size())}, the load expects {tuple(target.size())}"
+        )
+    target.copy_(tensor)
+    planner.commit_tensor(item, target)
+
+
 class VerifyingReader(SafeReader):
     """A SafeReader whose every chunk is hashed as read and checked against
     ``digests`` (manifest key -> sha256) before it is decoded."""
@@ -43,17 +86,6 @@ class VerifyingReader(SafeReader):
         super().__init__(root)
         self._root = root
         self._digests = digests
-
-    def _checked(self, index: MetadataIndex, data: bytes, info: Any) -> None:
-        key = storage_key(index)
-        expected = self._digests.get(key)
-        file = info.relative_path
-        if expected is None:
-            raise ChecksumError(f"'{key}' in '{file}' has no entry in the manifest")
-        if len(data) != info.length:
-            raise ChecksumError(f"'{key}' is missing or truncated in '{file}'")
-        if hashlib.sha256(data).hexdigest() != expected:
-            raise ChecksumError(f"'{key}' is corrupted: checksum mismatch in '{file}'")
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list] = {}
@@ -65,32 +97,9 @@ class VerifyingReader(SafeReader):
             with open(os.path.join(self._root, relative_path), "rb") as stream:
                 for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
                     info = self.storage_data[item.storage_index]
-                    if getattr(info, "transform_descriptors", None):
-                        raise ChecksumError(
-                            f"'{storage_key(item.storage_index)}' in '{relative_path}' is "
-                            "stored with transforms (compression), which this reader does not "
-                            "decode"
-                        )
-                    stream.seek(info.offset)
-                    data = stream.read(info.length)
-                    self._checked(item.storage_index, data, info)
-                    self._decode(item, data, planner)
+                    data = read_chunk(stream, item.storage_index, info)
+                    check_chunk(self._digests, item.storage_index, data, info)
+                    decode_chunk(item, data, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
-
-    @staticmethod
-    def _decode(item: Any, data: bytes, planner: LoadPlanner) -> None:
-        if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(data))
-            return
-        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        tensor = _narrowed(tensor, item.storage_offsets, item.lengths)
-        target = planner.resolve_tensor(item).detach()
-        if target.size() != tensor.size():
-            raise ValueError(
-                f"'{storage_key(item.storage_index)}': the stored chunk gives "
-                f"{tuple(tensor.size())}, the load expects {tuple(target.size())}"
-            )
-        target.copy_(tensor)
-        planner.commit_tensor(item, target)

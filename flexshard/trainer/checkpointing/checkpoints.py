@@ -301,7 +301,15 @@ def maybe_resume(job: Job) -> int:
     path = folder(job) / f"step-{step}"
     entries = _entries(job)
     model, frames = _model(job), frames_of(job)
-    extra = load(path, model, job.optimizer, frames=frames, timeout=_timeout(job), entries=entries)
+    extra = load(
+        path,
+        model,
+        job.optimizer,
+        frames=frames,
+        timeout=_timeout(job),
+        entries=entries,
+        reads=c.reads,
+    )
     step = int((extra or {}).get("step", step))
     _restore_schedule(job, entries[SCHEDULER], step, path)
     if job.rank == 0:
@@ -328,6 +336,13 @@ def initial_load(job: Job) -> None:
         load_hf(job, c.initial_load_path)
     else:
         model, frames, timeout = _model(job), frames_of(job), _timeout(job)
-        load(c.initial_load_path, model, frames=frames, timeout=timeout, require_manifest=False)
+        load(
+            c.initial_load_path,
+            model,
+            frames=frames,
+            timeout=timeout,
+            require_manifest=False,
+            reads=c.reads,
+        )
     if job.rank == 0:
         print(f"initial weights from {c.initial_load_path}", flush=True)

@@ -247,6 +247,9 @@ class CheckpointConfig:
     # "async_with_pinned_mem": the same with staging buffers kept (pinned where CUDA is)
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     keep_latest_k: int = 0  # complete checkpoints kept, older ones deleted; 0: keep all
+    # how resume and initial_load_path read the chunks: "dcp", each rank all it needs;
+    # "striped", each chunk once, by one rank that needs it, sent to the others
+    reads: Literal["dcp", "striped"] = "dcp"
 
     def __setattr__(self, name: str, value: Any) -> None:
         # the loader sets each key after its type check: ranges are checked here
