@@ -34,8 +34,10 @@ from ..quant import QuantFormat, QuantizedTensor
 from ..torch_internals import (
     grad_dtype_override,
     profiler_enabled,
+    set_grad_mode,
     set_local_tensor,
-    unsafe_preserve_version_counter,
+    set_versions,
+    versions_of,
 )
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime, device_runtime
@@ -499,11 +501,13 @@ class Bucket:
             self.schedule.post_optim_event = None
             alloc(full.gathered)
             send = self.collective.payload(self._data_version(), full.gathered)
-            with unsafe_preserve_version_counter(full.guarded):
-                # keeps ``send``
+            versions = versions_of(full.guarded)
+            try:  # keeps ``send``
                 full.pending = self.collective.all_gather(
                     self.comm, full.gathered, send, forward_prefetch
                 )
+            finally:
+                set_versions(full.guarded, versions)
 
     def _finish_gather(self) -> None:
         full = self.full
@@ -512,16 +516,18 @@ class Bucket:
         # in-place change to autograd (completing the gather bumps the version too).
         # A failed wait leaves ``pending`` set: it raises again, and the buffer gloo may
         # still write into is never freed or read
-        with (
-            self._span("all_gather_copy_out"),
-            torch.no_grad(),
-            unsafe_preserve_version_counter(full.guarded),
-        ):
-            full.pending.wait()  # CUDA: compute waits on the gather's event, the CPU not
-            full.pending = None
-            owned = full.alloc_owned()
-            if self.collective.copy_out(full.gathered, owned):
-                self.runtime().release(full.gathered)
+        with self._span("all_gather_copy_out"):
+            versions, grad_mode = versions_of(full.guarded), torch.is_grad_enabled()
+            set_grad_mode(False)
+            try:
+                full.pending.wait()  # CUDA: compute waits on the gather's event, the CPU not
+                full.pending = None
+                owned = full.alloc_owned()
+                if self.collective.copy_out(full.gathered, owned):
+                    self.runtime().release(full.gathered)
+            finally:
+                set_grad_mode(grad_mode)
+                set_versions(full.guarded, versions)
         _follow_requires_grad(self.local_params, self.full_params)
         self._set_on_modules(self.full_params)
         full.unsharded = True

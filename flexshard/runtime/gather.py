@@ -141,7 +141,9 @@ class PlainGather(ShardedCollective):
         )
         #: the copy-out's foreach lists, kept while it fills the same tensors (they are
         #: freed and re-allocated in place, so views of them stay good)
-        self._copy_out: tuple[tuple, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._copy_out: tuple[tuple, tuple, bool, list[torch.Tensor], list[torch.Tensor]] | None = (
+            None
+        )
 
     def gather_buffer(self) -> torch.Tensor | None:
         store, layout = self.store, self.store.storage_layout
@@ -171,19 +173,17 @@ class PlainGather(ShardedCollective):
     def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
         assert gathered is not None
         key = (gathered, *owned)
+        ids = tuple(map(id, key))  # the cache holds ``key``: its ids stay its own
         cached = self._copy_out
-        if (
-            cached is None
-            or len(cached[0]) != len(key)
-            or any(a is not b for a, b in zip(cached[0], key))
-        ):
-            cached = self._copy_out = (key, *self._views(gathered, owned))
-        _, dsts, srcs = cached
+        if cached is None or cached[1] != ids:
+            # every parameter copied out: free the buffer then, as FSDP2 frees its
+            # all-gather output, so an unsharded bucket costs one copy, not two
+            frees = all(full is not None for full in owned)
+            cached = self._copy_out = (key, ids, frees, *self._views(gathered, owned))
+        _, _, frees, dsts, srcs = cached
         if dsts:
             torch._foreach_copy_(dsts, srcs)
-        # every parameter was copied out: free the buffer now, as FSDP2 frees its
-        # all-gather output, so an unsharded bucket costs one copy, not two
-        return all(full is not None for full in owned)
+        return frees
 
     def _views(self, gathered: torch.Tensor, owned: list[torch.Tensor | None]) -> tuple:
         layout = self.store.storage_layout
@@ -221,7 +221,9 @@ class RaggedGather(ShardedCollective):
             param.numel == 0 or gathered_alias(layout, i, probe) is not None
             for i, param in enumerate(layout.params)
         )
-        self._copy_out: tuple[tuple, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._copy_out: tuple[tuple, tuple, bool, list[torch.Tensor], list[torch.Tensor]] | None = (
+            None
+        )
 
     def gather_buffer(self) -> torch.Tensor | None:
         store = self.store
@@ -255,19 +257,17 @@ class RaggedGather(ShardedCollective):
     def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
         assert gathered is not None
         key = (gathered, *owned)
+        ids = tuple(map(id, key))  # the cache holds ``key``: its ids stay its own
         cached = self._copy_out
-        if (
-            cached is None
-            or len(cached[0]) != len(key)
-            or any(a is not b for a, b in zip(cached[0], key))
-        ):
+        if cached is None or cached[1] != ids:
             layout = self.store.storage_layout
             dsts, srcs = ragged_views(layout, self.store.as_units(owned), gathered, False)
-            cached = self._copy_out = (key, dsts, srcs)
-        _, dsts, srcs = cached
+            frees = all(full is not None for full in owned)  # every one copied: free it
+            cached = self._copy_out = (key, ids, frees, dsts, srcs)
+        _, _, frees, dsts, srcs = cached
         if dsts:
             torch._foreach_copy_(dsts, srcs)
-        return all(full is not None for full in owned)  # every one copied: free it now
+        return frees
 
     def gather_storage(self, comm: BucketComm) -> torch.Tensor:
         store, layout = self.store, self.store.storage_layout

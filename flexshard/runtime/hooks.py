@@ -536,6 +536,8 @@ class _PostBackward(torch.autograd.Function):
 def _tensors_in(tree: Any) -> list[torch.Tensor]:
     """Every tensor in a module's output: pytree containers and, as FSDP2 walks them,
     dataclass fields."""
+    if isinstance(tree, torch.Tensor):  # the common output: no tree to walk
+        return [tree]
     found = []
     for leaf in tree_flatten(tree)[0]:
         if isinstance(leaf, torch.Tensor):
@@ -548,6 +550,15 @@ def _tensors_in(tree: Any) -> list[torch.Tensor]:
 
 def _wrap_inputs(args: tuple, kwargs: dict, hook: Any) -> tuple[tuple, dict] | None:
     """The inputs routed through _PostBackward, or None when none needs a gradient."""
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        # positional tensors only (the common call): the same result without pytree
+        slots = [i for i, t in enumerate(args) if t.requires_grad]
+        if not slots:
+            return None
+        flat_args = list(args)
+        for i, tensor in zip(slots, _PostBackward.apply(hook, *(args[i] for i in slots))):
+            flat_args[i] = tensor
+        return tuple(flat_args), kwargs
     flat, spec = tree_flatten((args, kwargs))
     slots = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not slots:
@@ -621,8 +632,11 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
     @eager
     def pre_forward(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         state = bucket.step.state
-        if policy.cast_forward_inputs:
-            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+                args = tuple([_cast(policy.param_dtype, a) for a in args])  # without pytree
+            else:
+                args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
         if state.in_backward:  # activation checkpointing recomputes inside backward
             bucket.unshard()
             return args, kwargs
