@@ -9,21 +9,26 @@ accum (fp32, two micro-batches per step, the first under
 ``set_requires_gradient_sync(False)``). Each side (flexshard, FSDP2, the floor) is built
 and warmed, then ``--steps`` steps run under cProfile; the counts are per step, rank 0's.
 "runtime" counts the calls whose function lives in ``flexshard/runtime/``.
+Results: benchmarks/results/overhead_calls.{md,json}.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import datetime
 import functools
 import pstats
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from flexshard.testing import run_distributed
 
-from .bench_overhead import LIBRARIES, build, train_step
+from .bench_overhead import LIBRARIES, RESULTS, build, train_step
+from .common import write_results
 from .overhead_floor import Floor
 
 MODES = ("fp32", "bf16", "accum")
@@ -86,6 +91,26 @@ def rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def markdown(command: str, args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "# Python calls per step: flexshard `fully_shard`, torch FSDP2 and the floor",
+        "",
+        f"`{command}` ({datetime.date.today().isoformat()}, torch {torch.__version__}): "
+        f"{args.blocks} blocks of `Linear({args.dim}, {args.dim})` + ReLU, batch "
+        f"{args.batch}, AdamW; cProfile over {args.steps} steps after 3, rank 0, per step. "
+        "accum: two micro-batches, the first without gradient sync (the floor has none).",
+        "",
+        "| W | mode | side | Python calls / step | in flexshard/runtime |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['world']} | {r['mode']} | {r['side']} | {r['calls']:.0f} "
+        f"| {r['runtime_calls']:.0f} |"
+        for r in rows
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
@@ -96,16 +121,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=0, help="also list the N most-called functions")
+    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    print("| W | mode | side | Python calls / step | in flexshard/runtime |")
-    print("|---|---|---|---|---|")
-    tops = []
+    opts = {k: v for k, v in vars(args).items() if k != "out"}
+    rows, tops = [], []
     for world in args.world_sizes:
-        result = run_distributed(rank_main, world, vars(args), timeout=600)[0]
+        result = run_distributed(rank_main, world, opts, timeout=600)[0]
         for key, r in result.items():
             mode, side = key.split("/")
-            print(f"| {world} | {mode} | {side} | {r['calls']:.0f} | {r['runtime_calls']:.0f} |")
-            tops.append((world, key, r["top"]))
+            tops.append((world, key, r.pop("top")))
+            rows.append({"world": world, "mode": mode, "side": side, **r})
+    command = "python -m benchmarks.profile_overhead" + (" " + " ".join(argv) if argv else "")
+    text = markdown(command, args, rows)
+    write_results(args.out, "overhead_calls", {"command": command, **opts}, rows, text)
+    print(text)
     for world, key, top in tops:
         if top:
             print(f"\nW = {world}, {key}: calls/step, tottime ms/step")
@@ -114,4 +143,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

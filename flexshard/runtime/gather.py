@@ -22,13 +22,15 @@ from ..placements.packing import copy_views, gathered_alias, pack_all, pack_rank
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime
 from .dtensor.tensor_parallel import full_parameter, local_of
-from .storage import BucketParam, BucketStorage, alloc, free, own_version_counter
+from .storage import BucketParam, BucketStorage, own_version_counter, storage_bytes
 
 
 @runtime_checkable
 class Collective(Protocol):
     """One bucket's parameter all-gather and gradient reduction. Built with the
-    bucket's ``BucketStorage`` (its buffer, layouts and dtypes)."""
+    bucket's ``BucketStorage`` (its buffer, layouts and dtypes). An optional class
+    attribute ``payload_uses_version = False`` says ``payload`` ignores its ``version``:
+    the bucket then passes None and spares a sum over version counters per gather."""
 
     #: the storage keeps its dtype: ``module.to(dtype)`` on it raises (bytes, fp8 codes)
     fixed_dtype: bool
@@ -86,6 +88,7 @@ class ShardedCollective:
     on the reduce-scatter stream, its input kept from reuse until that stream is past it)."""
 
     fixed_dtype = False
+    payload_uses_version = False
 
     def __init__(self, store: BucketStorage) -> None:
         self.store = store
@@ -333,6 +336,7 @@ class ReplicatedGather:
     gradients are all-reduced."""
 
     fixed_dtype = False
+    payload_uses_version = False
 
     def __init__(self, store: BucketStorage) -> None:
         self.store = store
@@ -416,21 +420,33 @@ class FullParams:
         )
         self.pending: Pending | None = None
         self.unsharded = False
+        # the buffers freed at every reshard and re-allocated at every gather: their
+        # storages and the bytes they need, looked up once
+        owned = [f for f, owns in zip(self.locals, self.owns) if owns]
+        self._owned_storages = [(f.untyped_storage(), storage_bytes(f)) for f in owned]
+        if self.gathered is not None:
+            self._gathered_storage = self.gathered.untyped_storage()
+            self._gathered_bytes = storage_bytes(self.gathered)
+        self._to_fill = [f if owns else None for f, owns in zip(self.locals, self.owns)]
         self.free()
 
-    def _owned(self) -> list[torch.Tensor]:
-        """Full parameters (local tensors) with a storage of their own."""
-        return [f for f, owns in zip(self.locals, self.owns) if owns]
-
     def free(self) -> None:
-        for full in self._owned():
-            free(full)
-        if self.gathered is not None:
-            free(self.gathered)
+        for storage, _ in self._owned_storages:
+            if storage.size() != 0:
+                storage.resize_(0)
+        if self.gathered is not None and self._gathered_storage.size() != 0:
+            self._gathered_storage.resize_(0)
+
+    def alloc_gathered(self) -> None:
+        """Give the all-gather output its memory back (contents undefined)."""
+        assert self.gathered is not None
+        if self._gathered_storage.size() < self._gathered_bytes:
+            self._gathered_storage.resize_(self._gathered_bytes)
 
     def alloc_owned(self) -> list[torch.Tensor | None]:
         """Give the parameters that own memory their memory back; per parameter, the
         tensor to fill (None: it aliases a buffer)."""
-        for full in self._owned():
-            alloc(full)
-        return [f if owns else None for f, owns in zip(self.locals, self.owns)]
+        for storage, nbytes in self._owned_storages:
+            if storage.size() < nbytes:
+                storage.resize_(nbytes)
+        return self._to_fill

@@ -329,7 +329,7 @@ class StepState:
         self._backward_begins()
         bucket.step.begin(call)
         self.whole_call_in_pass |= call.whole
-        with self._abort_step_on_error():
+        try:  # _abort_step_on_error, without a context manager's calls (once per bucket)
             if bucket.schedule.unshard_in_backward:
                 bucket.unshard()
             bucket.defer_grad_casts()
@@ -337,6 +337,9 @@ class StepState:
             # call made inside the root's forward (not a chunked loss's head call)
             if call.in_order or bucket.schedule.backward_prefetch is not None:
                 self._prefetch(bucket, -1)
+        except BaseException:
+            self._reset_step()
+            raise
 
     @contextlib.contextmanager
     def _abort_step_on_error(self) -> Iterator[None]:
@@ -357,7 +360,7 @@ class StepState:
         collectives, even when some parameters go unused on some ranks."""
         self._backward_begins()
         bucket.step.ready = True
-        with self._abort_step_on_error():
+        try:  # _abort_step_on_error, without a context manager's calls (once per bucket)
             # the gradients are off to the side: free the gathered parameters before the
             # reduction's buffers are made (FSDP2 reshards before its reduce-scatter too)
             if bucket.schedule.reshard_after_backward:
@@ -367,6 +370,9 @@ class StepState:
             while self._launched < len(queue) and queue[self._launched].step.ready:
                 self._launch(queue[self._launched])
                 self._launched += 1
+        except BaseException:
+            self._reset_step()
+            raise
 
     def _launch(self, bucket: Bucket) -> None:
         if bucket.schedule.reshard_after_backward:
@@ -686,7 +692,9 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
         tensors = [t for t in _tensors_in(output) if t.requires_grad]
         if tensors or call.reported is False:
             bucket.step.add(call)
-        if tensors:
+        if len(tensors) == 1:  # "any" of one tensor: its own hook, once per backward
+            tensors[0].register_hook(functools.partial(before_backward, call))
+        elif tensors:
             hook = functools.partial(before_backward, call)
             torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         return cast_floating(output, policy.output_dtype)
