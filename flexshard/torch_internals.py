@@ -129,7 +129,9 @@ __all__ = [
     "tree_leaves",
     "tree_map",
     "tree_map_only",
-    "unsafe_preserve_version_counter",
+    "set_versions",
+    "set_grad_mode",
+    "versions_of",
     "version_warning",
 ]
 
@@ -506,8 +508,18 @@ def resolved_param_dtype(policy: MixedPrecisionPolicy, param: torch.Tensor) -> t
 
 # ------------------------------------------------------------------ autograd
 # refilling a gathered buffer that autograd saved must not look like an in-place
-# change (FSDP2 does the same). Public replacement: none.
-unsafe_preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
+# change (FSDP2 does the same, with torch.autograd._unsafe_preserve_version_counter,
+# whose context manager costs four Python calls a gather): ``set_versions(tensors,
+# versions_of(tensors))`` undoes the bumps made in between. Public replacement: none.
+set_versions = torch._C._autograd._unsafe_set_version_counter
+#: grad mode on or off without ``torch.no_grad``'s Python frames (a bucket switches it
+#: around every gather). Public replacement: ``torch.set_grad_enabled``.
+set_grad_mode = torch._C._set_grad_enabled
+
+
+def versions_of(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+    """The version counters ``set_versions`` restores."""
+    return tuple([t._version for t in tensors])
 
 
 def profiler_enabled() -> bool:

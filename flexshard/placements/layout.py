@@ -137,6 +137,39 @@ class BucketLayout:
         return self.world_size * self.shard_numel
 
     @cached_property
+    def chunked_rows(self) -> bool:
+        """Each rank's storage is its dim-0 chunk (``ceil(size[0] / W)`` rows) of every
+        parameter, zero-padded, back to back: FSDP2's layout, which ``torch._chunk_cat``
+        writes into all ranks' rows at once."""
+        if self.replicated or self.ragged:
+            return False
+        end = 0
+        for param in self.params:
+            if not param.shape or param.numel == 0:
+                return False
+            rows = param.shape[0]
+            chunk = -(-rows // self.world_size)
+            row_numel = param.numel // rows
+            for rank, blocks in enumerate(param.copy_blocks):
+                held = max(0, min(chunk, rows - rank * chunk))
+                expected = (
+                    (
+                        Region(
+                            (rank * chunk,) + (0,) * (len(param.shape) - 1),
+                            (held, *param.shape[1:]),
+                        ),
+                    )
+                    if held
+                    else ()
+                )
+                if param.offsets[rank] != end or tuple(b.region for b in blocks) != expected:
+                    return False
+                if any(b.grid != (1, 1) or b.offset != end for b in blocks):
+                    return False
+            end += chunk * row_numel
+        return end == self.shard_numel
+
+    @cached_property
     def rank_starts(self) -> tuple[int, ...]:
         """Where each rank's storage begins in the gathered buffer."""
         starts, at = [], 0

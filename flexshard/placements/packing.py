@@ -172,8 +172,33 @@ def pack_rank(
     _copy(layout, fulls, out.view(1, -1), range(rank, rank + 1), into_storage=True)
 
 
+def _chunk_cat_fits(fulls: Sequence[torch.Tensor | None], dtype: torch.dtype) -> bool:
+    """Every tensor present, contiguous and exactly representable in ``dtype``: then
+    ``torch._chunk_cat`` writes the same bits as the per-piece copies."""
+    for full in fulls:
+        if full is None or not full.is_contiguous():
+            return False
+        if full.dtype != dtype and not (
+            full.is_floating_point()
+            and dtype.is_floating_point
+            and full.dtype in _WIDENS_EXACTLY.get(dtype, ())
+        ):
+            return False
+    return True
+
+
+#: narrower float dtypes each wider one holds exactly (a cast is a plain widening)
+_WIDENS_EXACTLY = {
+    torch.float32: (torch.bfloat16, torch.float16),
+    torch.float64: (torch.float32, torch.bfloat16, torch.float16),
+}
+
+
 def pack_all(layout: BucketLayout, fulls: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
     """Write every rank's storage into the rows of ``out`` ([W, S]); padding is zeroed."""
+    if layout.chunked_rows and _chunk_cat_fits(fulls, out.dtype):
+        torch._chunk_cat(fulls, 0, layout.world_size, out=out)  # one op, as FSDP2 packs
+        return
     if not layout.dense or any(full is None for full in fulls):
         out.zero_()
     _copy(layout, fulls, out, range(layout.world_size), into_storage=True)

@@ -34,18 +34,20 @@ from ..quant import QuantFormat, QuantizedTensor
 from ..torch_internals import (
     grad_dtype_override,
     profiler_enabled,
+    set_grad_mode,
     set_local_tensor,
-    unsafe_preserve_version_counter,
+    set_versions,
+    versions_of,
 )
 from .collectives import BucketComm, Pending
-from .device import DeviceRuntime, device_runtime
+from .device import HOST, DeviceRuntime, device_runtime
 from .dtensor.region_dtensor import wrap
 from .dtensor.sharded_spec import sharded_spec
 from .dtensor.tensor_parallel import local_of
 from .gather import FullParams
 from .quantized import QuantizedGather, optimizer_steps
 from .reduce import GradAccumulator, GradReduction
-from .storage import BucketParam, BucketStorage, alloc
+from .storage import BucketParam, BucketStorage
 from .strategies import choose_collective
 
 
@@ -169,6 +171,11 @@ class StepCounts:
     def reset(self) -> None:
         """Forget the step: nothing is owed any more (a graph kept across this, still
         to run its backward, then only loses the early launch of its reduction)."""
+        if not (self._calls or self._made or self._began):  # nothing of a step to forget
+            self.uncertain = False
+            self.forwards_done = 0
+            self.reached = self.ready = False
+            return
         self.uncertain = bool(self.calls)
         self._calls = []
         self._made = []
@@ -259,6 +266,9 @@ class Bucket:
             comm, layout, rank, [p.placement.uniform_slots for p in params]
         )
         self.grads = GradAccumulator(len(params))
+        self._payload_uses_version = getattr(self.collective, "payload_uses_version", True)
+        self._runtime_device: torch.device | None = None  # the device of ``_runtime``
+        self._runtime = HOST
         self.gathered_once = False  # unshard() ran: FSDP2's reduce_scatter_unused_params
         # parameter index -> the index whose local parameter its modules were given
         # since sharding (a tie made again after sharding): it gathers that one's values
@@ -289,7 +299,11 @@ class Bucket:
 
     def runtime(self) -> DeviceRuntime:
         """Streams and events for this bucket's storage (no-ops on CPU and gloo)."""
-        return device_runtime(self.storage.device, self.comm.shard_group)
+        device = self.store.buffer.device  # asked several times a step: kept per device
+        if self._runtime_device is None or device != self._runtime_device:
+            self._runtime = device_runtime(device, self.comm.shard_group)
+            self._runtime_device = device
+        return self._runtime
 
     def _span(self, what: str) -> contextlib.AbstractContextManager:
         """A profiler span naming the bucket (``flexshard::all_gather[layers.3]``),
@@ -497,13 +511,16 @@ class Bucket:
         with self._span("all_gather"), runtime.on(runtime.all_gather_stream):
             runtime.wait(self.schedule.post_optim_event)
             self.schedule.post_optim_event = None
-            alloc(full.gathered)
-            send = self.collective.payload(self._data_version(), full.gathered)
-            with unsafe_preserve_version_counter(full.guarded):
-                # keeps ``send``
+            full.alloc_gathered()
+            version = self._data_version() if self._payload_uses_version else None
+            send = self.collective.payload(version, full.gathered)
+            versions = versions_of(full.guarded)
+            try:  # keeps ``send``
                 full.pending = self.collective.all_gather(
                     self.comm, full.gathered, send, forward_prefetch
                 )
+            finally:
+                set_versions(full.guarded, versions)
 
     def _finish_gather(self) -> None:
         full = self.full
@@ -512,16 +529,18 @@ class Bucket:
         # in-place change to autograd (completing the gather bumps the version too).
         # A failed wait leaves ``pending`` set: it raises again, and the buffer gloo may
         # still write into is never freed or read
-        with (
-            self._span("all_gather_copy_out"),
-            torch.no_grad(),
-            unsafe_preserve_version_counter(full.guarded),
-        ):
-            full.pending.wait()  # CUDA: compute waits on the gather's event, the CPU not
-            full.pending = None
-            owned = full.alloc_owned()
-            if self.collective.copy_out(full.gathered, owned):
-                self.runtime().release(full.gathered)
+        with self._span("all_gather_copy_out"):
+            versions, grad_mode = versions_of(full.guarded), torch.is_grad_enabled()
+            set_grad_mode(False)
+            try:
+                full.pending.wait()  # CUDA: compute waits on the gather's event, the CPU not
+                full.pending = None
+                owned = full.alloc_owned()
+                if self.collective.copy_out(full.gathered, owned):
+                    self.runtime().release(full.gathered)
+            finally:
+                set_grad_mode(grad_mode)
+                set_versions(full.guarded, versions)
         _follow_requires_grad(self.local_params, self.full_params)
         self._set_on_modules(self.full_params)
         full.unsharded = True

@@ -22,13 +22,15 @@ from ..placements.packing import copy_views, gathered_alias, pack_all, pack_rank
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime
 from .dtensor.tensor_parallel import full_parameter, local_of
-from .storage import BucketParam, BucketStorage, alloc, free, own_version_counter
+from .storage import BucketParam, BucketStorage, own_version_counter, storage_bytes
 
 
 @runtime_checkable
 class Collective(Protocol):
     """One bucket's parameter all-gather and gradient reduction. Built with the
-    bucket's ``BucketStorage`` (its buffer, layouts and dtypes)."""
+    bucket's ``BucketStorage`` (its buffer, layouts and dtypes). An optional class
+    attribute ``payload_uses_version = False`` says ``payload`` ignores its ``version``:
+    the bucket then passes None and spares a sum over version counters per gather."""
 
     #: the storage keeps its dtype: ``module.to(dtype)`` on it raises (bytes, fp8 codes)
     fixed_dtype: bool
@@ -86,6 +88,7 @@ class ShardedCollective:
     on the reduce-scatter stream, its input kept from reuse until that stream is past it)."""
 
     fixed_dtype = False
+    payload_uses_version = False
 
     def __init__(self, store: BucketStorage) -> None:
         self.store = store
@@ -141,7 +144,9 @@ class PlainGather(ShardedCollective):
         )
         #: the copy-out's foreach lists, kept while it fills the same tensors (they are
         #: freed and re-allocated in place, so views of them stay good)
-        self._copy_out: tuple[tuple, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._copy_out: tuple[tuple, tuple, bool, list[torch.Tensor], list[torch.Tensor]] | None = (
+            None
+        )
 
     def gather_buffer(self) -> torch.Tensor | None:
         store, layout = self.store, self.store.storage_layout
@@ -171,19 +176,17 @@ class PlainGather(ShardedCollective):
     def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
         assert gathered is not None
         key = (gathered, *owned)
+        ids = tuple(map(id, key))  # the cache holds ``key``: its ids stay its own
         cached = self._copy_out
-        if (
-            cached is None
-            or len(cached[0]) != len(key)
-            or any(a is not b for a, b in zip(cached[0], key))
-        ):
-            cached = self._copy_out = (key, *self._views(gathered, owned))
-        _, dsts, srcs = cached
+        if cached is None or cached[1] != ids:
+            # every parameter copied out: free the buffer then, as FSDP2 frees its
+            # all-gather output, so an unsharded bucket costs one copy, not two
+            frees = all(full is not None for full in owned)
+            cached = self._copy_out = (key, ids, frees, *self._views(gathered, owned))
+        _, _, frees, dsts, srcs = cached
         if dsts:
             torch._foreach_copy_(dsts, srcs)
-        # every parameter was copied out: free the buffer now, as FSDP2 frees its
-        # all-gather output, so an unsharded bucket costs one copy, not two
-        return all(full is not None for full in owned)
+        return frees
 
     def _views(self, gathered: torch.Tensor, owned: list[torch.Tensor | None]) -> tuple:
         layout = self.store.storage_layout
@@ -221,7 +224,9 @@ class RaggedGather(ShardedCollective):
             param.numel == 0 or gathered_alias(layout, i, probe) is not None
             for i, param in enumerate(layout.params)
         )
-        self._copy_out: tuple[tuple, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._copy_out: tuple[tuple, tuple, bool, list[torch.Tensor], list[torch.Tensor]] | None = (
+            None
+        )
 
     def gather_buffer(self) -> torch.Tensor | None:
         store = self.store
@@ -255,19 +260,17 @@ class RaggedGather(ShardedCollective):
     def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
         assert gathered is not None
         key = (gathered, *owned)
+        ids = tuple(map(id, key))  # the cache holds ``key``: its ids stay its own
         cached = self._copy_out
-        if (
-            cached is None
-            or len(cached[0]) != len(key)
-            or any(a is not b for a, b in zip(cached[0], key))
-        ):
+        if cached is None or cached[1] != ids:
             layout = self.store.storage_layout
             dsts, srcs = ragged_views(layout, self.store.as_units(owned), gathered, False)
-            cached = self._copy_out = (key, dsts, srcs)
-        _, dsts, srcs = cached
+            frees = all(full is not None for full in owned)  # every one copied: free it
+            cached = self._copy_out = (key, ids, frees, dsts, srcs)
+        _, _, frees, dsts, srcs = cached
         if dsts:
             torch._foreach_copy_(dsts, srcs)
-        return all(full is not None for full in owned)  # every one copied: free it now
+        return frees
 
     def gather_storage(self, comm: BucketComm) -> torch.Tensor:
         store, layout = self.store, self.store.storage_layout
@@ -333,6 +336,7 @@ class ReplicatedGather:
     gradients are all-reduced."""
 
     fixed_dtype = False
+    payload_uses_version = False
 
     def __init__(self, store: BucketStorage) -> None:
         self.store = store
@@ -416,21 +420,33 @@ class FullParams:
         )
         self.pending: Pending | None = None
         self.unsharded = False
+        # the buffers freed at every reshard and re-allocated at every gather: their
+        # storages and the bytes they need, looked up once
+        owned = [f for f, owns in zip(self.locals, self.owns) if owns]
+        self._owned_storages = [(f.untyped_storage(), storage_bytes(f)) for f in owned]
+        if self.gathered is not None:
+            self._gathered_storage = self.gathered.untyped_storage()
+            self._gathered_bytes = storage_bytes(self.gathered)
+        self._to_fill = [f if owns else None for f, owns in zip(self.locals, self.owns)]
         self.free()
 
-    def _owned(self) -> list[torch.Tensor]:
-        """Full parameters (local tensors) with a storage of their own."""
-        return [f for f, owns in zip(self.locals, self.owns) if owns]
-
     def free(self) -> None:
-        for full in self._owned():
-            free(full)
-        if self.gathered is not None:
-            free(self.gathered)
+        for storage, _ in self._owned_storages:
+            if storage.size() != 0:
+                storage.resize_(0)
+        if self.gathered is not None and self._gathered_storage.size() != 0:
+            self._gathered_storage.resize_(0)
+
+    def alloc_gathered(self) -> None:
+        """Give the all-gather output its memory back (contents undefined)."""
+        assert self.gathered is not None
+        if self._gathered_storage.size() < self._gathered_bytes:
+            self._gathered_storage.resize_(self._gathered_bytes)
 
     def alloc_owned(self) -> list[torch.Tensor | None]:
         """Give the parameters that own memory their memory back; per parameter, the
         tensor to fill (None: it aliases a buffer)."""
-        for full in self._owned():
-            alloc(full)
-        return [f if owns else None for f, owns in zip(self.locals, self.owns)]
+        for storage, nbytes in self._owned_storages:
+            if storage.size() < nbytes:
+                storage.resize_(nbytes)
+        return self._to_fill

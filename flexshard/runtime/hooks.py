@@ -329,7 +329,7 @@ class StepState:
         self._backward_begins()
         bucket.step.begin(call)
         self.whole_call_in_pass |= call.whole
-        with self._abort_step_on_error():
+        try:  # _abort_step_on_error, without a context manager's calls (once per bucket)
             if bucket.schedule.unshard_in_backward:
                 bucket.unshard()
             bucket.defer_grad_casts()
@@ -337,6 +337,9 @@ class StepState:
             # call made inside the root's forward (not a chunked loss's head call)
             if call.in_order or bucket.schedule.backward_prefetch is not None:
                 self._prefetch(bucket, -1)
+        except BaseException:
+            self._reset_step()
+            raise
 
     @contextlib.contextmanager
     def _abort_step_on_error(self) -> Iterator[None]:
@@ -357,7 +360,7 @@ class StepState:
         collectives, even when some parameters go unused on some ranks."""
         self._backward_begins()
         bucket.step.ready = True
-        with self._abort_step_on_error():
+        try:  # _abort_step_on_error, without a context manager's calls (once per bucket)
             # the gradients are off to the side: free the gathered parameters before the
             # reduction's buffers are made (FSDP2 reshards before its reduce-scatter too)
             if bucket.schedule.reshard_after_backward:
@@ -367,6 +370,9 @@ class StepState:
             while self._launched < len(queue) and queue[self._launched].step.ready:
                 self._launch(queue[self._launched])
                 self._launched += 1
+        except BaseException:
+            self._reset_step()
+            raise
 
     def _launch(self, bucket: Bucket) -> None:
         if bucket.schedule.reshard_after_backward:
@@ -536,6 +542,8 @@ class _PostBackward(torch.autograd.Function):
 def _tensors_in(tree: Any) -> list[torch.Tensor]:
     """Every tensor in a module's output: pytree containers and, as FSDP2 walks them,
     dataclass fields."""
+    if isinstance(tree, torch.Tensor):  # the common output: no tree to walk
+        return [tree]
     found = []
     for leaf in tree_flatten(tree)[0]:
         if isinstance(leaf, torch.Tensor):
@@ -548,6 +556,15 @@ def _tensors_in(tree: Any) -> list[torch.Tensor]:
 
 def _wrap_inputs(args: tuple, kwargs: dict, hook: Any) -> tuple[tuple, dict] | None:
     """The inputs routed through _PostBackward, or None when none needs a gradient."""
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        # positional tensors only (the common call): the same result without pytree
+        slots = [i for i, t in enumerate(args) if t.requires_grad]
+        if not slots:
+            return None
+        flat_args = list(args)
+        for i, tensor in zip(slots, _PostBackward.apply(hook, *(args[i] for i in slots))):
+            flat_args[i] = tensor
+        return tuple(flat_args), kwargs
     flat, spec = tree_flatten((args, kwargs))
     slots = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not slots:
@@ -621,8 +638,11 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
     @eager
     def pre_forward(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         state = bucket.step.state
-        if policy.cast_forward_inputs:
-            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+                args = tuple([_cast(policy.param_dtype, a) for a in args])  # without pytree
+            else:
+                args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
         if state.in_backward:  # activation checkpointing recomputes inside backward
             bucket.unshard()
             return args, kwargs
@@ -672,7 +692,9 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
         tensors = [t for t in _tensors_in(output) if t.requires_grad]
         if tensors or call.reported is False:
             bucket.step.add(call)
-        if tensors:
+        if len(tensors) == 1:  # "any" of one tensor: its own hook, once per backward
+            tensors[0].register_hook(functools.partial(before_backward, call))
+        elif tensors:
             hook = functools.partial(before_backward, call)
             torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         return cast_floating(output, policy.output_dtype)

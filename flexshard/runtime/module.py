@@ -160,6 +160,9 @@ class FlexShardModule(FSDPModule, nn.Module):
         _check_bool("set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
         _check_bool("set_requires_gradient_sync", "recurse", recurse)
         buckets = subtree_buckets(self) if recurse else self._flexshard_buckets
+        state = self.__dict__.get("_flexshard_state")
+        if recurse and state is not None and state.root is self:
+            buckets = state.buckets  # the same buckets, without a walk (once per microbatch)
         for bucket in buckets:
             bucket.schedule.requires_grad_sync = requires_gradient_sync
 

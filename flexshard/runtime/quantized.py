@@ -420,6 +420,7 @@ class QuantizedGather(ShardedCollective):
     for ``quantized`` to read."""
 
     fixed_dtype = True  # the fp8 codes are of this dtype's values
+    payload_uses_version = True  # the cached encoding is keyed by it
 
     def __init__(self, store: BucketStorage, fmt: QuantFormat) -> None:
         super().__init__(store)

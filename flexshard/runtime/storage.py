@@ -113,10 +113,15 @@ def free(tensor: torch.Tensor) -> None:
         storage.resize_(0)
 
 
+def storage_bytes(tensor: torch.Tensor) -> int:
+    """The bytes of storage ``tensor`` needs (its offset included)."""
+    return (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+
+
 def alloc(tensor: torch.Tensor) -> None:
     """Give a ``free``d tensor its memory back (contents undefined)."""
     storage = tensor.untyped_storage()
-    needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+    needed = storage_bytes(tensor)
     if storage.size() < needed:
         storage.resize_(needed)
 

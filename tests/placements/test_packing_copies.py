@@ -46,6 +46,41 @@ def test_fused_copies_match_per_block_copies(placement, copies, monkeypatch):
     outs = [torch.full_like(f, float("nan")) for f in fulls]
     unpack(layout, packed, outs)
     assert all(torch.equal(out, full) for out, full in zip(outs, fulls))
-    assert len(calls) == 2  # one foreach per call
+    # one foreach per call; Shard(0) packs with one torch._chunk_cat instead
+    chunked = isinstance(placement, Shard)
+    assert layout.chunked_rows == chunked
+    assert len(calls) == (1 if chunked else 2)
     if copies is not None:
-        assert calls == [copies, copies]
+        assert calls == [copies] * len(calls)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_cat_packing_matches_per_block_copies(world, dtype):
+    """FSDP2's layout (every parameter Shard(0)) packs with one ``torch._chunk_cat``:
+    the same bits as the per-block copies, bf16 gradients widened into fp32 too."""
+    layout = plan_bucket([(f"p{i}", s, Shard(0)) for i, s in enumerate(SHAPES)], world)
+    assert layout.chunked_rows
+    torch.manual_seed(world)
+    fulls = [torch.randn(s).to(dtype) for s in SHAPES]
+    packed = torch.full((world, layout.shard_numel), float("nan"))
+    pack_all(layout, fulls, packed)
+    expected = torch.empty_like(packed)
+    _per_block(layout, fulls, expected)
+    assert torch.equal(packed, expected)
+
+
+def test_layouts_that_are_not_fsdp2_rows_copy_piece_by_piece():
+    """Shard(1), or a missing gradient (zeros), take the per-piece copies."""
+    assert not plan_bucket([("a", (17, 24), Shard(1))], 3).chunked_rows
+    assert not plan_bucket([("a", (17, 24), Shard(0)), ("b", (24, 17), Shard(1))], 3).chunked_rows
+    layout = plan_bucket([(f"p{i}", s, Shard(0)) for i, s in enumerate(SHAPES)], 3)
+    fulls = [torch.randn(s) for s in SHAPES]
+    fulls[1] = None
+    packed = torch.full((3, layout.shard_numel), float("nan"))
+    pack_all(layout, fulls, packed)
+    expected = torch.empty_like(packed)
+    _per_block(
+        layout, [f if f is not None else torch.zeros(s) for f, s in zip(fulls, SHAPES)], expected
+    )
+    assert torch.equal(packed, expected)

@@ -261,12 +261,24 @@ def test_resolved_param_dtype() -> None:
 
 
 # ------------------------------------------------------------------ autograd
-def test_unsafe_preserve_version_counter() -> None:
-    t = torch.zeros(3)
-    version = t._version
-    with ti.unsafe_preserve_version_counter(t):
-        t.add_(1)
-    assert t._version == version and t.tolist() == [1.0, 1.0, 1.0]
+def test_set_versions_undoes_version_bumps() -> None:
+    t, u = torch.zeros(3), torch.zeros(2)
+    versions = ti.versions_of((t, u))
+    t.add_(1)
+    u.add_(1)
+    assert ti.versions_of((t, u)) != versions
+    ti.set_versions((t, u), versions)
+    assert ti.versions_of((t, u)) == versions and t.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_set_grad_mode() -> None:
+    assert torch.is_grad_enabled()
+    ti.set_grad_mode(False)
+    try:
+        assert not torch.is_grad_enabled()
+    finally:
+        ti.set_grad_mode(True)
+    assert torch.is_grad_enabled()
 
 
 def test_profiler_enabled() -> None:

@@ -86,7 +86,10 @@ def _map(value: Any, fn: Any) -> Any:
 
 
 def _region_of(spec: DTensorSpec) -> RegionShard | None:
-    return next((p for p in spec.placements if isinstance(p, RegionShard)), None)
+    for placement in spec.placements:  # a loop: every gradient landed asks
+        if isinstance(placement, RegionShard):
+            return placement
+    return None
 
 
 def _unsupported(func: Any, spec: DTensorSpec, why: str) -> NotImplementedError:

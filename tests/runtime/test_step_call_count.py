@@ -1,0 +1,100 @@
+"""The runtime's host work per training step stays where it was brought: a count of
+the Python calls flexshard makes in one steady-state step (load-independent, unlike a
+time). ``python -m benchmarks.profile_overhead`` gives the full picture.
+
+The bounds are the counts measured when this test was written (W = 1, 4 blocks of
+``Linear(8, 8)`` + ReLU, one ``fully_shard`` each and one at the root, AdamW), calls
+into flexshard's own functions per steady-state step: 794 in fp32, 814 in bf16
+(``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``) and 1432 with gradient
+accumulation (two micro-batches, the first without gradient sync) on torch 2.13;
+798 / 822 / 1436 on torch 2.15, 734 / 750 / 1314 on torch 2.11 (Python 3.12 inlines
+comprehensions). The bounds are 5 % above the highest: the counts are exact, the slack
+only absorbs small differences between torch releases. Before the hot path was trimmed
+the same steps made 1065, 1073 and 1915 (torch 2.13). A change that adds per-step or
+per-parameter Python work fails here: cut it, or raise the bound and say why.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import flexshard
+from flexshard.testing import run_distributed
+
+LIBRARY = str(Path(flexshard.__file__).parent)
+BOUNDS = {"fp32": 840, "bf16": 865, "accum": 1510}
+
+
+def _flexshard_calls(step: Callable[[], None]) -> int:
+    """Python calls into flexshard (its testing helpers aside) during ``step()``."""
+    count = 0
+
+    def profile(frame, event, _arg):
+        nonlocal count
+        if event == "call":
+            path = frame.f_code.co_filename
+            if path.startswith(LIBRARY) and "testing" not in path:
+                count += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, accum: bool) -> None:
+    if accum:  # a micro-batch without gradient sync first
+        model.set_requires_gradient_sync(False)
+        model(x).float().square().mean().backward()
+        model.set_requires_gradient_sync(True)
+    model(x).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _counts(rank: int, world: int) -> dict[str, int]:
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    counts = {}
+    for mode in BOUNDS:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)])
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if mode == "bf16" else None,
+            reduce_dtype=torch.float32 if mode == "bf16" else None,
+        )
+        for block in model:
+            flexshard.fully_shard(block, mesh=mesh, mp_policy=policy)
+        flexshard.fully_shard(model, mesh=mesh, mp_policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+
+        step = functools.partial(_step, model, opt, x, mode == "accum")
+        for _ in range(3):  # the first step learns the prefetch order
+            step()
+        counts[mode] = _flexshard_calls(step)
+    return counts
+
+
+def test_python_calls_per_step_stay_bounded():
+    counts = run_distributed(_counts, 1, timeout=120)[0]
+    over = {mode: (n, BOUNDS[mode]) for mode, n in counts.items() if n > BOUNDS[mode]}
+    assert not over, f"flexshard Python calls per step (measured, bound): {over}"
+    assert all(n > 0 for n in counts.values()), counts  # the counter saw the hooks run
+
+
+if __name__ == "__main__":
+    print(run_distributed(_counts, 1, timeout=120)[0])
+    pytest.main([__file__])
