@@ -25,6 +25,7 @@ from .memory import rank_memory
 from .peak import step_moments
 from .recompute import kept_collective_bytes, op_level, recomputed_share
 from .steptime import muon_gather_all_time, step_time
+from .techniques import TRAINER, Techniques
 from .timeline import ActivationTimeline, mix, timeline
 from .world import build_rank, fake_world, stage_ranks
 
@@ -100,6 +101,7 @@ def _backend_plan(
     hw: Hardware,
     backend: str,
     host: HostCosts,
+    techniques: Techniques = TRAINER,
 ) -> dict[str, Any]:
     if backend == "fsdp2":
         stages = [fsdp2_equivalent(s) for s in stages]
@@ -131,7 +133,7 @@ def _backend_plan(
         staging = cfg.checkpoint.async_mode != "disabled"
         memory = rank_memory(buckets, t.optimizer, 0, moments, staging)
         comms = [bucket_comm(b, micro, dims.pp > 1) for b in buckets]
-        step = step_time(cfg, dims, buckets, hw, muon, backend, host)
+        step = step_time(cfg, dims, buckets, hw, muon, backend, host, techniques)
         stage = {
             "stage": index,
             "memory": memory.as_dict(),
@@ -160,6 +162,18 @@ def _backend_plan(
     return worst
 
 
+def backend_plan(
+    cfg: Config,
+    dims: ParallelDims,
+    stages: list[list[BucketInfo]],
+    hw: Hardware,
+    backend: str,
+    techniques: Techniques = TRAINER,
+) -> dict[str, Any]:
+    """One backend's plan (the busiest stage) from already built stages, GPU host."""
+    return _backend_plan(cfg, dims, stages, hw, backend, NO_HOST_COSTS, techniques)
+
+
 def make_plan(
     cfg: Config,
     world: int,
@@ -167,6 +181,7 @@ def make_plan(
     rank: int | None = None,
     backends: tuple[str, ...] = BACKENDS,
     host: HostCosts = NO_HOST_COSTS,
+    techniques: Techniques = TRAINER,
 ) -> dict[str, Any]:
     """Everything ``flexshard-plan`` prints, as a JSON-able dict; ``hw``'s device and
     links, with ``host``'s costs around them (none by default)."""
@@ -182,7 +197,9 @@ def make_plan(
         "parameters": total,
         "active_parameters": active,
         "hardware": Profile(hw, host).as_dict(),  # a profile file --hardware reads back
-        "backends": {b: _backend_plan(cfg, dims, stages, hw, b, host) for b in backends},
+        "backends": {
+            b: _backend_plan(cfg, dims, stages, hw, b, host, techniques) for b in backends
+        },
     }
     plan["planning_seconds"] = time.perf_counter() - begin
     return plan
