@@ -131,8 +131,9 @@ H200 = dataclasses.replace(
 # GPU. Its peak "is between SXM and NVL" (835 dense bf16 TFLOP/s; the same ratio for FP8,
 # 1,671 of 1,979), value unknown: the sustained clock is taken as the midpoint of that
 # range, (835 / 989 + 1) / 2 of the SXM data sheet's (whose peak is at its 1.83 GHz
-# boost: 132 SMs x 4,096 FLOP per clock). Its GEMM and Float8 efficiencies and
-# compile's fusion are what benchmarks/plan_published.py fits on the calibration rows.
+# boost: 132 SMs x 4,096 FLOP per clock). Its GEMM, Float8 and attention rates,
+# compile's fusion and async TP's overlap are fitted on the calibration rows of
+# flexshard/plan/published.py.
 H100_GT500 = dataclasses.replace(
     H100,
     name="h100-gt500",
@@ -141,6 +142,12 @@ H100_GT500 = dataclasses.replace(
     copy_gbps=0.8 * 2400.0,
     memory_gib=95.0,
     sustained_clock=(835.0 / 989.0 + 1.0) / 2,
+    # fitted (``flexshard-plan --validate``; tests/plan/test_plan_validate.py checks them)
+    gemm_efficiency=0.778,
+    fused_share=0.558,
+    fp8_gemm_efficiency=0.994,
+    attention_tflops=237.8,
+    async_tp_overlap=0.0,
 )
 BUILTIN = {"h100": H100, "h200": H200, "h100-gt500": H100_GT500}
 

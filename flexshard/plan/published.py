@@ -102,14 +102,15 @@ def _titan_cp(seq: int, cp: int) -> Run:
 
 
 _70B = ("--training.batch_size", "16", *FULL_AC, *COMPILE)
-# 405B: 128 blocks (pp 8 must divide them; Llama has 126), local batch 32 = 32 microbatches
+# 405B: 128 blocks (pp 8 must divide them; Llama has 126); local batch 32 in 8
+# microbatches: torchtitan's default then (pipeline_parallel_microbatches unset = pp)
 _405B = (
     "--model.n_layers",
     "128",
     "--parallelism.pp",
     "8",
     "--parallelism.pp_microbatches",
-    "32",
+    "8",
     "--training.batch_size",
     "32",
     *FULL_AC,
@@ -198,12 +199,12 @@ SWEEPS = 20  # at most; the fit stops once no constant moves by 1e-4
 
 @dataclass
 class Built:
-    """A run's layout, built once: the config, mesh, the busiest stage's buckets (for
-    its backend) and that stage's peak memory."""
+    """A run's layout, built once: the config, mesh, every pipeline stage's buckets
+    (for its backend) and the busiest stage's peak memory."""
 
     cfg: Any
     dims: Any
-    buckets: list
+    stages: list[list]
     memory_bytes: int
 
 
@@ -212,10 +213,9 @@ def build(run: Run) -> Built:
     cfg = planning_config(load_config(str(ROOT / run.config), list(run.overrides)))
     dims, stages = build_stages(cfg, run.world, None)
     plan = backend_plan(cfg, dims, stages, BUILTIN[run.hardware], run.backend, run.techniques)
-    buckets = stages[plan["stage"]]
     if run.backend == "fsdp2":
-        buckets = fsdp2_equivalent(buckets)
-    return Built(cfg, dims, buckets, plan["memory"]["total"])
+        stages = [fsdp2_equivalent(s) for s in stages]
+    return Built(cfg, dims, stages, plan["memory"]["total"])
 
 
 def profile(run: Run, constants: dict[str, float]) -> Hardware:
@@ -224,9 +224,14 @@ def profile(run: Run, constants: dict[str, float]) -> Hardware:
 
 
 def step(run: Run, constants: dict[str, float]) -> StepTime:
+    """The slowest stage's step (a pipeline moves at its pace), as the plan counts it."""
     b = build(run)
     hw = profile(run, constants)
-    return step_time(b.cfg, b.dims, b.buckets, hw, None, run.backend, NO_HOST_COSTS, run.techniques)
+    steps = [
+        step_time(b.cfg, b.dims, s, hw, None, run.backend, NO_HOST_COSTS, run.techniques)
+        for s in b.stages
+    ]
+    return max(steps, key=lambda s: s.step_s)
 
 
 def predict(row: Row, constants: dict[str, float]) -> float:

@@ -24,7 +24,7 @@ from .host_costs import BACKENDS, NO_HOST_COSTS, HostCosts
 from .memory import rank_memory
 from .peak import step_moments
 from .recompute import kept_collective_bytes, op_level, recomputed_share
-from .steptime import muon_gather_all_time, step_time
+from .steptime import StepTime, muon_gather_all_time, step_time
 from .techniques import TRAINER, Techniques
 from .timeline import ActivationTimeline, mix, timeline
 from .world import build_rank, fake_world, stage_ranks
@@ -111,6 +111,7 @@ def _backend_plan(
     in_flight = 1 if dims.pp == 1 else (micro if par.pp_schedule == "gpipe" else dims.pp)
     timeline_ = activation_timeline(cfg, seqs)
     worst: dict[str, Any] | None = None
+    slowest: StepTime | None = None  # a pipeline moves at its slowest stage's pace
     for index, buckets in enumerate(stages):
         notes: list[str] = []
         muon = None
@@ -157,8 +158,11 @@ def _backend_plan(
         }
         if worst is None or memory.total > worst["memory"]["total"]:
             worst = stage
-    assert worst is not None
+        if slowest is None or step.step_s > slowest.step_s:
+            slowest = step
+    assert worst is not None and slowest is not None
     worst["stages"] = len(stages)
+    worst["step"] = slowest.as_dict()
     return worst
 
 
