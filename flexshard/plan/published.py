@@ -208,14 +208,38 @@ class Built:
     memory_bytes: int
 
 
+def _layout_overrides(overrides: tuple[str, ...]) -> tuple[str, ...]:
+    """``overrides`` less ``--compile.enable``: compiling changes no layout or memory."""
+    out: list[str] = []
+    words = iter(overrides)
+    for word in words:
+        if word == COMPILE[0]:
+            next(words)
+        else:
+            out.append(word)
+    return tuple(out)
+
+
+@functools.cache
+def _layout(
+    config: str, world: int, overrides: tuple[str, ...], backend: str, hardware: str
+) -> tuple[Any, list[list], int]:
+    """(mesh, every stage's buckets, the busiest stage's peak memory), built once per
+    layout: the runs that differ in compile or techniques alone share it."""
+    cfg = planning_config(load_config(str(ROOT / config), list(overrides)))
+    dims, stages = build_stages(cfg, world, None)
+    plan = backend_plan(cfg, dims, stages, BUILTIN[hardware], backend)
+    if backend == "fsdp2":
+        stages = [fsdp2_equivalent(s) for s in stages]
+    return dims, stages, plan["memory"]["total"]
+
+
 @functools.cache
 def build(run: Run) -> Built:
     cfg = planning_config(load_config(str(ROOT / run.config), list(run.overrides)))
-    dims, stages = build_stages(cfg, run.world, None)
-    plan = backend_plan(cfg, dims, stages, BUILTIN[run.hardware], run.backend, run.techniques)
-    if run.backend == "fsdp2":
-        stages = [fsdp2_equivalent(s) for s in stages]
-    return Built(cfg, dims, stages, plan["memory"]["total"])
+    layout = _layout_overrides(run.overrides)
+    dims, stages, memory = _layout(run.config, run.world, layout, run.backend, run.hardware)
+    return Built(cfg, dims, stages, memory)
 
 
 def profile(run: Run, constants: dict[str, float]) -> Hardware:

@@ -144,7 +144,7 @@ def test_techniques_move_the_step_the_documented_way() -> None:
         return plan["backends"]["fsdp2"]["step"]
 
     plain = step([])
-    assert step([], Techniques(float8=True))["gemm_s"] < plain["gemm_s"] * 0.6
+    assert step([], Techniques(float8=True))["gemm_s"] < plain["gemm_s"] * 0.7
     compiled = step(["--compile.enable", "true"])
     non_gemm = plain["compute_s"] - plain["gemm_s"]
     assert compiled["compute_s"] - compiled["gemm_s"] == pytest.approx(non_gemm * 0.5, rel=0.05)
