@@ -81,7 +81,9 @@ class Hardware:
         return dataclasses.asdict(self)
 
 
-# H100 SXM5 80GB: 989 dense bf16 TFLOPs, 3.35 TB/s HBM3, NVLink 4 (900 GB/s total,
+# H100 SXM5 80GB: 989 dense bf16 TFLOPs (at its 1.83 GHz boost: 132 SMs x 4,096 FLOP
+# per clock; at the 700 W TDP GEMMs are taken to hold it, sustained_clock 1; 1,979
+# dense FP8), 3.35 TB/s HBM3, NVLink 4 (900 GB/s total,
 # ~450 GB/s each way; NCCL's all-gather bus bandwidth ~370 GB/s), one 400 Gb/s NIC
 # (50 GB/s) per GPU. H200: the same compute and links, 4.8 TB/s HBM3e.
 # Besides GEMMs: elementwise kernels and copies reach ~80% of HBM bandwidth (what a

@@ -19,8 +19,8 @@ from flexshard.plan.report import make_plan
 from flexshard.plan.techniques import Techniques, float8_scale_bytes
 from flexshard.trainer.config import load_config
 
-# cheap held-out rows: another scale with Float8, and the MoE run's exposed all-gather
-CHOSEN = ("tt3-compile-fp8", "fs-fsdp2-ag")
+# cheap held-out rows: another scale with Float8, and context parallelism
+CHOSEN = ("tt3-compile-fp8", "tt2-cp2")
 
 
 def _validate(*argv: str) -> str:
@@ -51,26 +51,14 @@ def test_validate_prints_every_row_and_the_held_out_errors_are_the_models() -> N
         assert cells[1] == row.source and cells[2] == row.layout
         assert cells[9] == row.role
         assert cells[5] == published._num(row.published)
-    # recomputed apart: the fit on the calibration rows, then each held-out row planned
-    # by make_plan (the program's own path) on the fitted profile
+    # recomputed apart: the fit on the calibration rows, then each held-out row's model
+    # (the slow test below checks the model is make_plan's)
     constants = fit(_calibration())
     for key in CHOSEN:
         row = by_key[key]
         assert row.role == HELD_OUT
-        cfg = load_config(str(published.ROOT / row.run.config), list(row.run.overrides))
-        hw = published.profile(row.run, constants)
-        plan = make_plan(
-            cfg, row.run.world, hw, None, (row.run.backend,), techniques=row.run.techniques
-        )
-        step = plan["backends"][row.run.backend]["step"]
-        value = (
-            step["tokens_per_s_per_device"]
-            if row.metric == published.TOKENS
-            else step["exposed_all_gather_s"] * 1e3
-        )
-        assert value == pytest.approx(predict(row, constants), rel=1e-12)
-        error = value / row.published - 1
-        assert printed[key][6] == published._pct(error)
+        value = predict(row, constants)
+        assert printed[key][6] == published._pct(value / row.published - 1)
         assert printed[key][4] == published._num(value)
     # the summary: the fitted constants and each set's count within 10%
     assert "fitted on the calibration rows only: gemm_efficiency = " in text
@@ -147,7 +135,8 @@ def test_techniques_move_the_step_the_documented_way() -> None:
     assert step([], Techniques(float8=True))["gemm_s"] < plain["gemm_s"] * 0.7
     compiled = step(["--compile.enable", "true"])
     non_gemm = plain["compute_s"] - plain["gemm_s"]
-    assert compiled["compute_s"] - compiled["gemm_s"] == pytest.approx(non_gemm * 0.5, rel=0.05)
+    # the blocks' non-GEMM work halves; the LM head and loss are not compiled
+    assert 0.5 * non_gemm < compiled["compute_s"] - compiled["gemm_s"] < 0.75 * non_gemm
     full = step(["--activation_checkpoint.mode", "full"])
     assert full["gemm_s"] > plain["gemm_s"] * 1.25
     assert full["exposed_other_s"] == pytest.approx(plain["exposed_other_s"] * 1.5)
@@ -159,6 +148,21 @@ def test_validate_all_rows_and_the_docs_table_is_current() -> None:
     text = _validate()
     _, *body = _table(text)
     assert [cells[0] for cells in body] == [r.key for r in ROWS]
+    # the program's own path: make_plan on the fitted profile gives the table's figure
+    constants = fit(_calibration())
+    for key in ("tt3-compile-fp8", "fs-fsdp2-ag"):
+        row = next(r for r in ROWS if r.key == key)
+        run = row.run
+        cfg = load_config(str(ROOT / run.config), list(run.overrides))
+        hw = published.profile(run, constants)
+        plan = make_plan(cfg, run.world, hw, None, (run.backend,), techniques=run.techniques)
+        step = plan["backends"][run.backend]["step"]
+        value = (
+            step["tokens_per_s_per_device"]
+            if row.metric == published.TOKENS
+            else step["exposed_all_gather_s"] * 1e3
+        )
+        assert value == pytest.approx(predict(row, constants), rel=1e-12), key
     page = (ROOT / "docs/planning_validation.md").read_text()
     (block,) = [m for m in BLOCK.finditer(page) if "--validate" in m.group("command")]
     assert block.group("body") == text, "run: .venv/bin/python -m benchmarks.plan_docs --write"
