@@ -96,7 +96,7 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         "",
         "## H100: predicted vs published",
         "",
-        "| run | published | metric | backend | predicted | gap | what the model leaves out |",
+        "| run | published | metric | backend | predicted | gap | set (--validate) or note |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in result["published"]:

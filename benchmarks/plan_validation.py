@@ -11,8 +11,8 @@
    the measurements: the profile comes from the micro-benchmarks alone. The median
    profile is saved as benchmarks/results/cpu_gloo_profile.json (``--hardware``: the
    device's fields, the host's under ``host_costs``).
-2. Plan the published runs on the h100 profile and set the predictions next to the
-   published figures.
+2. The published runs of `flexshard-plan --validate` (fitted on its calibration rows):
+   predictions next to the published figures.
 Results: benchmarks/results/plan_validation.{json,md}.
 """
 
@@ -32,14 +32,14 @@ from typing import Any
 
 import torch
 
-from flexshard.plan.hardware import H100, Profile
+from flexshard.plan.hardware import Profile
 from flexshard.plan.report import make_plan
 from flexshard.testing import run_distributed
-from flexshard.trainer.config import Config, config_from_dict, load_config
+from flexshard.trainer.config import Config, config_from_dict
 from flexshard.trainer.train import run
 
 from .plan_launch import calibrate, launch_profile
-from .plan_published import PUBLISHED, fp8_gather_row
+from .plan_published import published_rows
 from .plan_tables import write_markdown
 
 RESULTS = Path(__file__).parent / "results"
@@ -304,26 +304,6 @@ def archived_rows(profile: Profile, folder: Path) -> list[dict[str, Any]]:
                     "gap": predicted / rec[ms_key] - 1,
                 }
             )
-    return rows
-
-
-def published_rows() -> list[dict[str, Any]]:
-    rows = []
-    for item in PUBLISHED:
-        cfg = load_config(item["config"], item["overrides"])
-        plan = make_plan(cfg, item["world"], H100, None, ("flexshard", "fsdp2"))
-        for backend in item["backends"]:
-            step = plan["backends"][backend]["step"]
-            value = step[item["metric"]] * item.get("scale", 1.0)
-            rows.append(
-                {
-                    **{k: v for k, v in item.items() if k != "overrides"},
-                    "backend": backend,
-                    "predicted": value,
-                    "gap": value / item["published"] - 1,
-                }
-            )
-    rows.append(fp8_gather_row())
     return rows
 
 

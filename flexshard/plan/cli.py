@@ -1,6 +1,8 @@
 """``flexshard-plan CONFIG --world W [--section.key value ...]``: a run of W ranks
 planned from one CPU (torch's fake process group, meta tensors). Unrecognised
 ``--section.key value`` arguments are trainer config overrides.
+``flexshard-plan --validate``: the planner against published GPU runs (fitted on the
+calibration rows, tested on the held-out rows; ``flexshard/plan/published.py``).
 
 The planner (torch, the trainer's models) is imported after the arguments are parsed,
 so ``--help`` prints without it."""
@@ -21,8 +23,26 @@ from .table import render, render_summary
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="flexshard-plan", description=__doc__)
-    p.add_argument("config", help="trainer TOML config, e.g. configs/llama3_70b.toml")
-    p.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
+    p.add_argument("config", nargs="?", help="trainer TOML config, e.g. configs/llama3_70b.toml")
+    p.add_argument("--world", type=int, help="number of ranks (GPUs)")
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="print predicted vs published tokens/s and memory for every published row "
+        "(calibration and held-out) and exit",
+    )
+    p.add_argument(
+        "--rows",
+        default="",
+        help="with --validate: comma-separated row keys (default: all; the calibration "
+        "rows are always fitted)",
+    )
+    p.add_argument(
+        "--float8", action="store_true", help="Float8 GEMMs in the blocks' linears (torchao)"
+    )
+    p.add_argument(
+        "--async-tp", action="store_true", help="TP collectives overlapped with their matmuls"
+    )
     p.add_argument(
         "--rank",
         type=int,
@@ -81,6 +101,10 @@ def sweep_worlds(text: str) -> list[int]:
 
 def check_args(args: argparse.Namespace) -> None:
     """What argparse's types do not check: one line naming the value."""
+    if args.validate:
+        return
+    if args.config is None or args.world is None:
+        raise ValueError("a CONFIG and --world are required (or --validate)")
     if args.world < 1:
         raise ValueError(f"--world {args.world}: must be a positive number of ranks")
     if args.memory_limit is not None and not args.memory_limit > 0:  # also NaN
@@ -91,6 +115,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.validate:
+        return validate(args.rows, overrides)
     try:
         check_args(args)
         if args.dp_backend != "both":
@@ -101,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flexshard-plan: {err}", file=sys.stderr)
         return 2
     from .report import make_plan
+    from .techniques import Techniques
 
+    techniques = Techniques(float8=args.float8, async_tp=args.async_tp)
     backends = BACKENDS if args.dp_backend == "both" else (args.dp_backend,)
     if args.suggest:
         from .suggest import suggest
@@ -110,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         print(suggest(cfg, args.world, profile.hardware, limit, profile.host))
         return 0
     try:
-        plan = make_plan(cfg, args.world, profile.hardware, args.rank, backends, profile.host)
+        plan = make_plan(
+            cfg, args.world, profile.hardware, args.rank, backends, profile.host, techniques
+        )
     except (ConfigError, ValueError) as err:
         print(f"flexshard-plan: {err}", file=sys.stderr)
         return 2
@@ -126,4 +156,23 @@ def main(argv: list[str] | None = None) -> int:
 
         worlds = sweep_worlds(args.sweep)
         print(sweep_plot(cfg, worlds, profile.hardware, backends, args.plot, profile.host))
+    return 0
+
+
+def validate(rows: str, overrides: list[str]) -> int:
+    """``--validate``: fit on the calibration rows, print every chosen row's table."""
+    if overrides:
+        print(f"flexshard-plan --validate: unexpected arguments {overrides}", file=sys.stderr)
+        return 2
+    from .published import ROWS, render
+    from .published import validate as run
+
+    keys = [k.strip() for k in rows.split(",") if k.strip()]
+    unknown = sorted(set(keys) - {r.key for r in ROWS})
+    if unknown:
+        names = ", ".join(r.key for r in ROWS)
+        print(f"flexshard-plan --rows: unknown rows {unknown} (rows: {names})", file=sys.stderr)
+        return 2
+    chosen = tuple(r for r in ROWS if not keys or r.key in keys or r.role == "calibration")
+    print(render(*run(chosen)), end="")
     return 0

@@ -47,6 +47,27 @@ class Hardware:
     # without streams, and FSDP2's unshard_async_op = False): ``overlap`` is moot
     blocking_collectives: bool = False
     memory_gib: float = 0.0  # device memory; a plan needing more says so first (0: unknown)
+    # the SM clock GEMMs sustain over the data sheet's (its peaks are quoted at boost;
+    # a power cap holds tensor-core work below it): scales every compute rate
+    sustained_clock: float = 1.0
+    fp8_tflops: float = 0.0  # dense FP8 tensor-core peak (0: no Float8 GEMMs here)
+    fp8_gemm_efficiency: float = 0.0  # share of fp8_tflops a Float8 GEMM reaches (0: gemm's)
+    # torch.compile's fusion: the share of the non-GEMM ops' kernels and bytes left
+    # once Inductor fuses the elementwise / norm chains (1: nothing fused)
+    fused_share: float = 1.0
+    async_tp_overlap: float = 1.0  # share of the TP collectives async TP hides
+
+    def gemm_flops_per_s(self) -> float:
+        """A bf16 GEMM's achieved rate at the sustained clock."""
+        return self.peak_tflops * 1e12 * self.gemm_efficiency * self.sustained_clock
+
+    def fp8_flops_per_s(self) -> float:
+        """A Float8 GEMM's achieved rate at the sustained clock; a clear error where the
+        profile has no FP8 tensor cores."""
+        if not self.fp8_tflops:
+            raise ValueError(f"hardware {self.name!r}: fp8_tflops is 0, no Float8 GEMMs to plan")
+        efficiency = self.fp8_gemm_efficiency or self.gemm_efficiency
+        return self.fp8_tflops * 1e12 * efficiency * self.sustained_clock
 
     def non_gemm_s(self, ops: int, moved: float) -> float:
         """Seconds of ``ops`` dispatched ops moving ``moved`` non-GEMM bytes."""
@@ -60,7 +81,9 @@ class Hardware:
         return dataclasses.asdict(self)
 
 
-# H100 SXM5 80GB: 989 dense bf16 TFLOPs, 3.35 TB/s HBM3, NVLink 4 (900 GB/s total,
+# H100 SXM5 80GB: 989 dense bf16 TFLOPs (at its 1.83 GHz boost: 132 SMs x 4,096 FLOP
+# per clock; at the 700 W TDP GEMMs are taken to hold it, sustained_clock 1; 1,979
+# dense FP8), 3.35 TB/s HBM3, NVLink 4 (900 GB/s total,
 # ~450 GB/s each way; NCCL's all-gather bus bandwidth ~370 GB/s), one 400 Gb/s NIC
 # (50 GB/s) per GPU. H200: the same compute and links, 4.8 TB/s HBM3e.
 # Besides GEMMs: elementwise kernels and copies reach ~80% of HBM bandwidth (what a
@@ -95,6 +118,7 @@ H100 = Hardware(
     collective_overhead_us=5.0,
     attention_tflops=335.0,
     memory_gib=80.0,
+    fp8_tflops=1979.0,
 )
 H200 = dataclasses.replace(
     H100,
@@ -104,7 +128,30 @@ H200 = dataclasses.replace(
     copy_gbps=0.8 * 4800.0,
     memory_gib=141.0,
 )
-BUILTIN = {"h100": H100, "h200": H200}
+# torchtitan's published Llama 3.1 runs (docs/performance.md): Meta's Grand Teton hosts,
+# H100 with 96 GB HBM2e at 2.4 TB/s, the default 500 W power limit, 400 Gb/s RDMA per
+# GPU. Its peak "is between SXM and NVL" (835 dense bf16 TFLOP/s; the same ratio for FP8,
+# 1,671 of 1,979), value unknown: the sustained clock is taken as the midpoint of that
+# range, (835 / 989 + 1) / 2 of the SXM data sheet's (whose peak is at its 1.83 GHz
+# boost: 132 SMs x 4,096 FLOP per clock). Its GEMM, Float8 and attention rates,
+# compile's fusion and async TP's overlap are fitted on the calibration rows of
+# flexshard/plan/published.py.
+H100_GT500 = dataclasses.replace(
+    H100,
+    name="h100-gt500",
+    hbm_gbps=2400.0,
+    elementwise_gbps=0.8 * 2400.0,
+    copy_gbps=0.8 * 2400.0,
+    memory_gib=95.0,
+    sustained_clock=(835.0 / 989.0 + 1.0) / 2,
+    # fitted (``flexshard-plan --validate``; tests/plan/test_plan_validate.py checks them)
+    gemm_efficiency=0.778,
+    fused_share=0.558,
+    fp8_gemm_efficiency=0.994,
+    attention_tflops=237.8,
+    async_tp_overlap=0.0,
+)
+BUILTIN = {"h100": H100, "h200": H200, "h100-gt500": H100_GT500}
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,12 @@ def op_level(cfg: Config) -> bool:
     return ac.mode == "selective" and ac.selective_ac_option == "op"
 
 
-def recompute_parts(cfg: Config) -> tuple[float, float]:
+def recompute_parts(cfg: Config, op_recomputed_mm: float = 0.0) -> tuple[float, float]:
     """(share of a block's forward GEMM time, share of its non-GEMM time) added to its
-    backward by the recompute."""
+    backward by the recompute; ``op_recomputed_mm``: the share of matmuls an op-level
+    policy recomputes too (the trainer's none; torchtitan's every second one)."""
     share = recomputed_share(cfg)
-    return (0.0, share) if op_level(cfg) else (share, share)
+    return (share * op_recomputed_mm, share) if op_level(cfg) else (share, share)
 
 
 def kept_collective_bytes(cfg: Config, sequences: int, itemsize: int) -> int:

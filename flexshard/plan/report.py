@@ -24,7 +24,8 @@ from .host_costs import BACKENDS, NO_HOST_COSTS, HostCosts
 from .memory import rank_memory
 from .peak import step_moments
 from .recompute import kept_collective_bytes, op_level, recomputed_share
-from .steptime import muon_gather_all_time, step_time
+from .steptime import StepTime, muon_gather_all_time, step_time
+from .techniques import TRAINER, Techniques
 from .timeline import ActivationTimeline, mix, timeline
 from .world import build_rank, fake_world, stage_ranks
 
@@ -100,6 +101,7 @@ def _backend_plan(
     hw: Hardware,
     backend: str,
     host: HostCosts,
+    techniques: Techniques = TRAINER,
 ) -> dict[str, Any]:
     if backend == "fsdp2":
         stages = [fsdp2_equivalent(s) for s in stages]
@@ -109,6 +111,7 @@ def _backend_plan(
     in_flight = 1 if dims.pp == 1 else (micro if par.pp_schedule == "gpipe" else dims.pp)
     timeline_ = activation_timeline(cfg, seqs)
     worst: dict[str, Any] | None = None
+    slowest: StepTime | None = None  # a pipeline moves at its slowest stage's pace
     for index, buckets in enumerate(stages):
         notes: list[str] = []
         muon = None
@@ -131,7 +134,7 @@ def _backend_plan(
         staging = cfg.checkpoint.async_mode != "disabled"
         memory = rank_memory(buckets, t.optimizer, 0, moments, staging)
         comms = [bucket_comm(b, micro, dims.pp > 1) for b in buckets]
-        step = step_time(cfg, dims, buckets, hw, muon, backend, host)
+        step = step_time(cfg, dims, buckets, hw, muon, backend, host, techniques)
         stage = {
             "stage": index,
             "memory": memory.as_dict(),
@@ -155,9 +158,24 @@ def _backend_plan(
         }
         if worst is None or memory.total > worst["memory"]["total"]:
             worst = stage
-    assert worst is not None
+        if slowest is None or step.step_s > slowest.step_s:
+            slowest = step
+    assert worst is not None and slowest is not None
     worst["stages"] = len(stages)
+    worst["step"] = slowest.as_dict()
     return worst
+
+
+def backend_plan(
+    cfg: Config,
+    dims: ParallelDims,
+    stages: list[list[BucketInfo]],
+    hw: Hardware,
+    backend: str,
+    techniques: Techniques = TRAINER,
+) -> dict[str, Any]:
+    """One backend's plan (the busiest stage) from already built stages, GPU host."""
+    return _backend_plan(cfg, dims, stages, hw, backend, NO_HOST_COSTS, techniques)
 
 
 def make_plan(
@@ -167,6 +185,7 @@ def make_plan(
     rank: int | None = None,
     backends: tuple[str, ...] = BACKENDS,
     host: HostCosts = NO_HOST_COSTS,
+    techniques: Techniques = TRAINER,
 ) -> dict[str, Any]:
     """Everything ``flexshard-plan`` prints, as a JSON-able dict; ``hw``'s device and
     links, with ``host``'s costs around them (none by default)."""
@@ -182,7 +201,9 @@ def make_plan(
         "parameters": total,
         "active_parameters": active,
         "hardware": Profile(hw, host).as_dict(),  # a profile file --hardware reads back
-        "backends": {b: _backend_plan(cfg, dims, stages, hw, b, host) for b in backends},
+        "backends": {
+            b: _backend_plan(cfg, dims, stages, hw, b, host, techniques) for b in backends
+        },
     }
     plan["planning_seconds"] = time.perf_counter() - begin
     return plan

@@ -28,9 +28,13 @@ from .comm import MatrixWork, gather_all_muon
 from .hardware import Hardware
 from .host_costs import NO_HOST_COSTS, HostCosts
 from .opcount import OpCount, model_ops, optimizer_ops
-from .recompute import recompute_parts
+from .recompute import op_level, recompute_parts, recomputed_share
+from .techniques import FLOAT8_SCALE_OPS, TRAINER, Techniques, float8_scale_bytes
 
 MUON_BYTES = 20  # one momentum buffer
+# flash attention's backward runs 5 matmuls to the forward's 2 (it recomputes the
+# scores): 2.5 times the forward's FLOPs (Dao, FlashAttention-2, 2023, section 4.1)
+ATTENTION_BACKWARD = 2.5
 
 
 @dataclass
@@ -209,29 +213,44 @@ def bucket_costs(
     tokens: int,
     backend: str = "flexshard",
     host: HostCosts = NO_HOST_COSTS,
+    techniques: Techniques = TRAINER,
 ) -> dict[int, BucketCost]:
     """Per bucket, one microbatch of ``tokens`` tokens per rank: GEMMs from FLOPs, the
     blocks' non-GEMM ops split over the non-root buckets by their FLOPs, the root's
     (embedding, norm, LM head, loss) on the root, copies and ``backend``'s own cost
-    per parameter, collectives."""
+    per parameter, collectives. Compiled blocks (``[compile] enable``) move the share
+    ``hw.fused_share`` of their non-GEMM kernels and bytes; Float8 linears
+    (``techniques``) run at the FP8 rate plus their scaling's bytes."""
     per_node = min(dims.world_size, hw.devices_per_node)
     # what is timed op by op is slowed by the ranks sharing the cores; the eager and
     # runtime costs are timed end to end with all ranks at once (already in them)
     slowdown = host.compute_slowdown(per_node) * host.contention
-    rate = hw.peak_tflops * 1e12 * hw.gemm_efficiency / slowdown
-    attention_rate = hw.attention_tflops * 1e12 / slowdown if hw.attention_tflops else rate
+    rate = hw.gemm_flops_per_s() / slowdown
+    attention_rate = (
+        hw.attention_tflops * 1e12 * hw.sustained_clock / slowdown if hw.attention_tflops else rate
+    )
+    compiled = cfg.compile.enable
+    float8_rate = hw.fp8_flops_per_s() / slowdown if techniques.float8 else rate
     flops = {id(b): bucket_flops(b, cfg, tokens) for b in buckets}
     attention = {id(b): attention_flops(b, cfg, tokens) for b in buckets}
     ops = model_ops(cfg, tokens // (cfg.training.seq_len // dims.cp))
     share = tp_share(cfg)  # a tp rank moves its share of a block's activations
     layers = cfg.model.n_layers // dims.pp
     block_flops = sum(flops[id(b)] for b in buckets if not b.is_root) or 1.0
-    redo_gemm, redo_other = recompute_parts(cfg)
+    redo_gemm, redo_other = recompute_parts(cfg, techniques.op_ac_recomputed_mm)
 
-    def non_gemm(count: OpCount, part: float) -> float:
-        ops = round(count.ops * part)
+    def non_gemm(count: OpCount, part: float, fused: float = 1.0) -> float:
+        ops = round(count.ops * part * fused)
         eager = ops * host.eager_op_us * 1e-6
-        return hw.non_gemm_s(ops, count.bytes * share * part) * slowdown + eager
+        return hw.non_gemm_s(ops, count.bytes * share * part * fused) * slowdown + eager
+
+    def float8_scaling(info: BucketInfo) -> tuple[float, float]:
+        """(forward, backward) seconds scaling the bucket's linears' FP8 operands."""
+        linears = [p.shape for p in info.layout.params if len(p.shape) == 2]
+        moved = [float8_scale_bytes(tokens, r, c, compiled) for r, c in linears]
+        ops = len(linears) * 2 * FLOAT8_SCALE_OPS[compiled]
+        fwd = hw.non_gemm_s(ops, sum(f for f, _ in moved)) * slowdown
+        return fwd, hw.non_gemm_s(ops, sum(b for _, b in moved)) * slowdown
 
     def copies(info: BucketInfo, moved: int, kind: str) -> float:
         params = len(info.layout.params)
@@ -259,27 +278,39 @@ def bucket_costs(
             ag = 0.0
             ar = 2 * (b.world - 1) * b.numel * b.reduce_itemsize / b.world
             rs = ring_time(ar, b.world, dp_link, call)
-        if b.is_root:
+        linear = flops[id(b)] - attention[id(b)]
+        attend = attention[id(b)] / attention_rate  # causal attention's forward seconds
+        if b.is_root:  # torchtitan compiles and converts the blocks alone
             fwd, bwd = non_gemm(ops.head_forward, 1.0), non_gemm(ops.head_backward, 1.0)
+            matmul = linear / rate
         else:
             part = layers * flops[id(b)] / block_flops
-            fwd, bwd = non_gemm(ops.block_forward, part), non_gemm(ops.block_backward, part)
+            fused = hw.fused_share if compiled else 1.0
+            fwd = non_gemm(ops.block_forward, part, fused)
+            bwd = non_gemm(ops.block_backward, part, fused)
+            matmul = linear / float8_rate
+            if techniques.float8:
+                scale_fwd, scale_bwd = float8_scaling(b)
+                fwd, bwd = fwd + scale_fwd, bwd + scale_bwd
         gather_copy = 0.0 if b.layout.replicated else copies(b, 2 * b.gathered_bytes, "gather")
         # copy-in of the gradients (W shards) and out of the reduced shard
         moved = 2 * b.unsharded_grad_bytes + b.shard_numel * b.reduce_itemsize
         reduce_copy = copies(b, moved, "reduce")
-        # forward seconds of the GEMMs and attention; backward: twice their FLOPs
-        gemm = (flops[id(b)] - attention[id(b)]) / rate + attention[id(b)] / attention_rate
-        # activation checkpointing: the blocks' forward (or its non-GEMM part) again
-        recompute = 0.0 if b.is_root else redo_gemm * gemm + redo_other * fwd
+        # backward: twice the GEMMs' FLOPs, ATTENTION_BACKWARD times attention's.
+        # Activation checkpointing runs the blocks' forward again: its GEMMs (an
+        # op-level policy: the share it recomputes, attention kept) and non-GEMM ops
+        redo_attend = 0.0 if b.is_root or op_level(cfg) else redo_gemm
+        redo_matmul = 0.0 if b.is_root else redo_gemm
+        recompute = 0.0 if b.is_root else redo_matmul * matmul + redo_attend * attend
+        recompute += 0.0 if b.is_root else redo_other * fwd
         out[id(b)] = BucketCost(
-            forward=gemm + fwd,
-            backward=2 * gemm + bwd + recompute,
+            forward=matmul + attend + fwd,
+            backward=2 * matmul + ATTENTION_BACKWARD * attend + bwd + recompute,
             all_gather=ag,
             reduce_scatter=rs,
             gather_copy=gather_copy,
             reduce_copy=reduce_copy,
-            gemm=(3 + (0.0 if b.is_root else redo_gemm)) * gemm,
+            gemm=(3 + redo_matmul) * matmul + (1 + ATTENTION_BACKWARD + redo_attend) * attend,
         )
     return out
 
@@ -292,12 +323,13 @@ def step_time(
     muon: MatrixWork | None,
     backend: str,
     host: HostCosts = NO_HOST_COSTS,
+    techniques: Techniques = TRAINER,
 ) -> StepTime:
     t, par = cfg.training, cfg.parallelism
     micro = par.pp_microbatches or dims.pp if dims.pp > 1 else t.grad_accum
     seqs = t.batch_size // micro if dims.pp > 1 else t.batch_size
     tokens = seqs * t.seq_len // dims.cp  # per rank per microbatch
-    cost = bucket_costs(cfg, dims, buckets, hw, tokens, backend, host)
+    cost = bucket_costs(cfg, dims, buckets, hw, tokens, backend, host, techniques)
     root_prefetches = backend == "fsdp2"
     compute_micro = sum(c.forward + c.backward for c in cost.values())
     keep = dims.pp > 1  # stages stay gathered after backward until the last microbatch
@@ -319,7 +351,7 @@ def step_time(
         total += span
         waited += w
     bubble = (dims.pp - 1) / par.pp_virtual_stages * compute_micro if dims.pp > 1 else 0.0
-    other = _other_collectives(cfg, dims, hw, tokens) * micro
+    other = _other_collectives(cfg, dims, hw, tokens, techniques) * micro
     compute = compute_micro * micro + bubble
     copies = _copy_time(buckets, cost, micro, keep)
     exposed_dp = total - compute_micro * micro - copies
@@ -395,17 +427,20 @@ def _optimizer_time(
         count = optimizer_ops(shards, cfg.training)
         dispatch = count.ops * host.dtensor_op_overhead_us * 1e-6 if dtensors else 0.0
         return (hw.non_gemm_s(count.ops, count.bytes) + dispatch) * slowdown
-    rate = hw.peak_tflops * 1e12 * hw.gemm_efficiency / slowdown
+    rate = hw.gemm_flops_per_s() / slowdown
     elements = sum(b.shard_numel for b in buckets)
     world = len(muon.flops)
     a2a = ring_time(muon.all_to_all_bytes, world, dp_link) if muon.all_to_all_bytes else 0.0
     return elements * MUON_BYTES / (hw.hbm_gbps * 1e9) * slowdown + muon.busiest / rate + a2a
 
 
-def _other_collectives(cfg: Config, dims: ParallelDims, hw: Hardware, tokens: int) -> float:
+def _other_collectives(
+    cfg: Config, dims: ParallelDims, hw: Hardware, tokens: int, techniques: Techniques = TRAINER
+) -> float:
     """Per microbatch, forward + backward, on the critical path: TP's activation
     collectives (all-gather + reduce-scatter with sequence parallelism, all-reduce
-    without: the same bytes), EP's token all-to-all (dispatch + combine), CP's key/value
+    without: the same bytes; a block-level recompute runs its forward's again; none
+    under async TP), EP's token all-to-all (dispatch + combine), CP's key/value
     all-gather, PP's activation send/receive."""
     m = cfg.model
     act = 2 if cfg.training.mixed_precision == "bf16" else 4
@@ -415,7 +450,10 @@ def _other_collectives(cfg: Config, dims: ParallelDims, hw: Hardware, tokens: in
     if dims.tp > 1:
         tp_link = link(hw, 1, dims.tp)
         per = ring_time(hidden * (dims.tp - 1) / dims.tp, dims.tp, tp_link)
-        total += layers * 2 * 2 * 2 * per  # 2 sublayers x (AG + RS) x (forward + backward)
+        # op-level AC keeps its collectives' outputs; a recomputed block runs its forward's
+        passes = 2 + (0.0 if op_level(cfg) else recomputed_share(cfg))
+        exposed = 1.0 - hw.async_tp_overlap if techniques.async_tp else 1.0
+        total += layers * 2 * 2 * passes * per * exposed  # 2 sublayers x (AG + RS) x passes
     if dims.ep > 1 and m.moe.num_experts:
         # the stage with the most MoE layers sets the pace
         moe_layers = max(

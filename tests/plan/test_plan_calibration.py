@@ -16,7 +16,7 @@ from flexshard.plan.hardware import H100
 from flexshard.plan.opcount import _model_ops
 from flexshard.plan.oprecord import Meta, record_model, recorded_flops
 from flexshard.plan.report import build_stages, planning_config
-from flexshard.plan.steptime import attention_flops, step_time
+from flexshard.plan.steptime import ATTENTION_BACKWARD, attention_flops, step_time
 from flexshard.trainer.config import load_config
 from flexshard.trainer.models.model import meta_model
 
@@ -79,8 +79,8 @@ def test_every_recorded_op_replays() -> None:
 
 
 def test_attention_is_timed_at_its_own_rate() -> None:
-    """Halving the attention rate adds exactly the attention FLOPs (x 3: forward and
-    backward) over it to the compute, on a planned rank's buckets."""
+    """Halving the attention rate adds exactly the attention FLOPs (forward, and
+    ATTENTION_BACKWARD times them in backward) over it to the compute."""
     cfg = planning_config(load_config("configs/debug.toml", TINY))
     dims, (buckets,) = build_stages(cfg, 2, 0)
     fast = dataclasses.replace(H100, attention_tflops=100.0)
@@ -88,6 +88,8 @@ def test_attention_is_timed_at_its_own_rate() -> None:
     a = step_time(cfg, dims, buckets, fast, None, "flexshard")
     b = step_time(cfg, dims, buckets, slow, None, "flexshard")
     tokens = cfg.training.batch_size * cfg.training.seq_len
-    extra = sum(3 * attention_flops(x, cfg, tokens) for x in buckets) * (1 / 50e12 - 1 / 100e12)
+    passes = 1 + ATTENTION_BACKWARD
+    extra = sum(passes * attention_flops(x, cfg, tokens) for x in buckets)
+    extra *= 1 / 50e12 - 1 / 100e12
     assert extra > 0
     assert b.compute_s - a.compute_s == pytest.approx(extra, rel=1e-9)

@@ -20,7 +20,8 @@ STALE = """# page
 def test_readme_and_planning_tables_are_current() -> None:
     for page in ("README.md", "docs/planning.md"):  # the check covers them
         assert BLOCK.search((ROOT / page).read_text()), page
-    assert stale() == []
+    # --validate plans 20 published runs (minutes): tests/plan/test_plan_validate.py's slow test
+    assert stale(skip=("--validate",)) == []
 
 
 def test_a_stale_table_is_found_and_rewritten(tmp_path: Path) -> None:
