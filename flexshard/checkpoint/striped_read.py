@@ -23,6 +23,7 @@ in the job's store before each exchange).
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -293,19 +294,25 @@ class _Progress:
     def arrive(self, batch: int) -> None:
         self._store.set(self._key(dist.get_rank()), f"{self._load} {batch}")
 
-    def missing(self, batch: int) -> list[int] | None:
-        """The group's ranks whose recorded progress is short of ``batch`` of this load
-        (None: the store cannot say, its host rank is gone)."""
-        behind = []
+    def missing(self, batch: int, settle_s: float = 10.0) -> list[int] | None:
+        """The group's ranks whose recorded progress stays short of ``batch`` of this
+        load for ``settle_s`` (a live rank that was merely slower still arrives, and
+        fails in the same exchange; a dead one never does). None: the store cannot say,
+        its host rank is gone."""
+        deadline = time.monotonic() + settle_s
+        behind = list(self._ranks)
         try:
-            for rank in self._ranks:
-                key = self._key(rank)
-                if not self._store.check([key]):
-                    behind.append(rank)
-                    continue
-                load, reached = map(int, self._store.get(key).split())
-                if (load, reached) < (self._load, batch):
-                    behind.append(rank)
+            while True:
+                behind = [rank for rank in behind if not self._reached(rank, batch)]
+                if not behind or time.monotonic() >= deadline:
+                    return behind
+                time.sleep(0.1)
         except Exception:  # the store is served by a rank's process, which may be the dead one
             return None
-        return behind
+
+    def _reached(self, rank: int, batch: int) -> bool:
+        key = self._key(rank)
+        if not self._store.check([key]):
+            return False
+        load, reached = map(int, self._store.get(key).split())
+        return (load, reached) >= (self._load, batch)
