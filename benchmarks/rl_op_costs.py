@@ -23,8 +23,10 @@ from flexshard.trainer.rl.batch_invariant import OPS
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
-def _detached(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
+def _kept(value: Any) -> Any:
+    """A copy of a tensor argument: the sharding frees a gathered weight's storage
+    after its forward."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 @contextmanager
@@ -35,9 +37,7 @@ def recording(calls: dict[str, list[Call]]) -> Iterator[None]:
 
     def recorder(name: str, kernel: Callable[..., Any]) -> Callable[..., Any]:
         def record(*args: Any, **kwargs: Any) -> Any:
-            calls[name].append(
-                (tuple(map(_detached, args)), {k: _detached(v) for k, v in kwargs.items()})
-            )
+            calls[name].append((tuple(map(_kept, args)), {k: _kept(v) for k, v in kwargs.items()}))
             return kernel(*args, **kwargs)
 
         return record

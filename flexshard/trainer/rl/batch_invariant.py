@@ -41,37 +41,48 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-ROW_TILE = 32  # rows padded to a multiple of this
-KEY_TILE = 16  # keys per attention tile
-CHUNK = 16384  # elements per elementwise call: serial (under the 32768 grain), no tail
+ROW_TILE = 32  # matmul rows padded to a multiple of this
+QUERY_TILE = 8  # attention queries padded to a multiple of this (batched BLAS calls)
+KEY_TILE = 16  # keys padded to a multiple of this
+VALUE_TILE = 256  # keys per probabilities-times-values BLAS call: MKL keeps one blocking
+CHUNK = 16384  # elements per elementwise call on several threads: under the 32768 grain
+VECTOR = 64  # elements a vectorised loop takes whole (its scalar tail: the rest)
+EXP_FLOOR = -87.0  # e^-87: float32's smallest normal numbers are e^-87.3
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    rows = a.shape[0]
-    pad = (-rows) % ROW_TILE
-    if pad:
-        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
-    out = a.new_empty(a.shape[0], b.shape[1])
-    torch.mm(a, b, out=out)  # mm.out: the native kernel, one call
-    return out[:rows]
+def _padded(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """``x`` zero-padded along ``dim`` to a multiple of ``multiple``."""
+    pad = (-x.shape[dim]) % multiple
+    if not pad:
+        return x
+    return torch.cat([x, x.new_zeros(*x.shape[:dim], pad, *x.shape[dim + 1 :])], dim)
 
 
 def _vectorised(op: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``op(x, out=...)`` on ``x`` zero-padded to whole ``CHUNK``s, so every element
-    goes through the vector path: one serial call on one thread, else one call per
-    ``CHUNK`` (under the parallel grain, so no thread starts a tail of its own)."""
+    """``op(x, out=...)`` with every element on the vector path: one call on ``x``
+    zero-padded to whole ``VECTOR``s on one thread; on more, one call per ``CHUNK``
+    (serial under the parallel grain, so no thread starts a tail of its own)."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1)
-        pad = (-flat.numel()) % CHUNK
-        flat = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.contiguous()
+        one_call = torch.get_num_threads() == 1
+        if one_call and x.is_contiguous() and x.numel() % VECTOR == 0:
+            return op(x, out=torch.empty_like(x))
+        flat = _padded(x.reshape(-1), 0, VECTOR if one_call else CHUNK).contiguous()
         out = torch.empty_like(flat)
-        step = flat.numel() if torch.get_num_threads() == 1 else CHUNK
+        step = flat.numel() if one_call else CHUNK
         for start in range(0, flat.numel(), step):
             op(flat[start : start + step], out=out[start : start + step])
         return out[: x.numel()].view(x.shape)
 
     return run
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    rows = a.shape[0]
+    a = _padded(a, 0, ROW_TILE)
+    out = a.new_empty(a.shape[0], b.shape[1])
+    torch.mm(a, b, out=out)  # mm.out: the native kernel, one call
+    return out[:rows]
 
 
 _silu = _vectorised(torch.ops.aten.silu.out)
@@ -88,50 +99,50 @@ def _flash_attention(
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_scaled_dot_product_flash_attention_for_cpu``'s (output, logsumexp), keys in
-    fixed tiles from key 0. The output keeps the native layout (queries before heads
-    in memory) for the native backward."""
+    """``_scaled_dot_product_flash_attention_for_cpu``'s (output, logsumexp) from
+    batched BLAS calls of fixed blockings: queries padded to whole ``ROW_TILE``s, keys
+    to whole ``KEY_TILE``s, probabilities times values in tiles of ``VALUE_TILE`` keys
+    from key 0 summed in order (masked keys add exact zeros). The output keeps the
+    native layout (queries before heads in memory) for the native backward."""
     if dropout_p:
         raise NotImplementedError("batch-invariant attention: dropout_p must be 0")
     b, h, q_len, d = query.shape
     keys, dv = key.shape[2], value.shape[-1]
+    if key.shape[1] != h:  # grouped queries: each kv head serves h / kv_heads of them
+        key, value = (t.repeat_interleave(h // key.shape[1], dim=1) for t in (key, value))
     scale = d**-0.5 if scale is None else scale
-    tiles = math.ceil(keys / KEY_TILE)
-    pad = tiles * KEY_TILE - keys
-    q, k, v = query.float(), key.float(), value.float()
-    if pad:  # padded keys are masked ones: exact zeros below
-        k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
-    # scores summed over the head dim one elementwise step at a time: one order for
-    # every score, whatever the number of queries or keys (no reduction kernel)
-    scores = q[..., 0, None] * k[..., None, :, 0]
-    term = torch.empty_like(scores)
-    for i in range(1, d):
-        torch.mul(q[..., i, None], k[..., None, :, i], out=term)
-        scores.add_(term)
-    scores.mul_(scale)
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros_like(attn_mask, dtype=scores.dtype).masked_fill(
-            ~attn_mask, float("-inf")
-        )
-    if attn_mask is not None:  # additive, as sdpa hands a boolean mask over: 0 / -inf
-        scores[..., :keys] += attn_mask
-    masked = torch.zeros(q_len, tiles * KEY_TILE, dtype=torch.bool, device=query.device)
-    masked[:, keys:] = True
+    width = math.ceil(keys / KEY_TILE) * KEY_TILE
+    q = _padded(query.float().reshape(b * h, q_len, d), 1, QUERY_TILE)
+    k = _padded(key.float().reshape(b * h, keys, d), 1, KEY_TILE)
+    scores = torch.bmm(q, k.transpose(1, 2))[:, :q_len].view(b, h, q_len, width) * scale
+    masked = torch.zeros(q_len, width, dtype=torch.bool, device=query.device)
+    masked[:, keys:] = True  # the padded keys
     if is_causal:
         masked[:, :keys] = torch.ones(q_len, keys, dtype=torch.bool).triu(1)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        masked = masked | F.pad(~attn_mask, (0, width - keys))
+    elif attn_mask is not None:  # additive; sdpa hands a boolean mask over as 0 / -inf
+        blocked = torch.isneginf(attn_mask)
+        masked = masked | F.pad(blocked, (0, width - keys))
+        scores[..., :keys] += attn_mask.masked_fill(blocked, 0.0)
     scores.masked_fill_(masked, float("-inf"))
-    top = scores.amax(-1, keepdim=True)  # a max is exact in any order
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all masked
-    probs = _exp(scores - top).view(b, h, q_len, tiles, KEY_TILE)
-    # within a tile: sums over its KEY_TILE keys, the same shape for every tile;
-    # across tiles: in order from key 0, a tile of masked keys adds exact zeros
-    tile_denom = probs.sum(-1)
-    tile_out = (probs[..., None] * v.view(b, h, 1, tiles, KEY_TILE, dv)).sum(-2)
-    denom, out = tile_denom[..., 0], tile_out[..., 0, :]
-    for tile in range(1, tiles):
-        denom = denom + tile_denom[..., tile]
-        out = out + tile_out[..., tile, :]
-    safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+    # a max is exact in any order; a row of masked keys only: 0
+    top = scores.amax(-1, keepdim=True).nan_to_num_(neginf=0.0)
+    # exp of -inf, and of arguments whose result is subnormal, takes a slow path:
+    # weights under e^-87 of the row's largest (below float32's normal range) become
+    # e^-87, then masked keys exact zeros
+    probs = _exp((scores - top).clamp_(min=EXP_FLOOR)).mul_(~masked)
+    probs = _padded(probs.view(b * h, q_len, width), 1, QUERY_TILE)
+    # a column of ones beside the values: the denominator from the same BLAS calls
+    ones = torch.ones(b * h, keys, 1, dtype=torch.float32, device=value.device)
+    v = _padded(torch.cat([value.float().reshape(b * h, keys, dv), ones], -1), 1, KEY_TILE)
+    summed = torch.bmm(probs[..., :VALUE_TILE], v[:, :VALUE_TILE])
+    for start in range(VALUE_TILE, width, VALUE_TILE):  # in order from key 0
+        tile = slice(start, start + VALUE_TILE)
+        summed = summed + torch.bmm(probs[..., tile], v[:, tile])
+    summed = summed[:, :q_len].view(b, h, q_len, dv + 1)
+    out, denom = summed[..., :dv], summed[..., dv]
+    safe = denom.clamp_min(1.0)  # >= 1 (the largest weight is e^0) unless all masked
     out = out / safe[..., None]
     lse = top[..., 0] + torch.log(safe)
     native = query.new_empty(b, q_len, h, dv).transpose(1, 2)  # kernel's layout
