@@ -112,3 +112,22 @@ def test_native_kernels_already_invariant(threads, name):
     fn, shape = NATIVE[name]
     with torch.no_grad():
         assert _mismatched_rows(fn, _randn(*shape, scale=3.0)) == 0
+
+
+@pytest.mark.parametrize("mask", ["causal", "none", "bool", "additive"])
+@pytest.mark.parametrize(("queries", "keys"), [(9, 9), (1, 37), (5, 300)])
+def test_attention_is_the_native_attention(mask, queries, keys):
+    """The same attention as aten's (to rounding), every kind of mask, past one
+    value tile of keys."""
+    q = _randn(3, 4, queries, 16, seed=0)
+    k, v = (_randn(3, 4, keys, 16, seed=s) for s in (1, 2))
+    kwargs: dict = {"is_causal": mask == "causal"}
+    if mask == "causal" and queries != keys:
+        pytest.skip("causal: queries and keys of one length")
+    if mask == "bool":
+        kwargs["attn_mask"] = _randn(queries, keys, seed=3) > -1.0
+    if mask == "additive":
+        kwargs["attn_mask"] = _randn(queries, keys, seed=3)
+    with batch_invariant():
+        ours = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, **kwargs))

@@ -100,10 +100,10 @@ def _flash_attention(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``_scaled_dot_product_flash_attention_for_cpu``'s (output, logsumexp) from
-    batched BLAS calls of fixed blockings: queries padded to whole ``ROW_TILE``s, keys
-    to whole ``KEY_TILE``s, probabilities times values in tiles of ``VALUE_TILE`` keys
-    from key 0 summed in order (masked keys add exact zeros). The output keeps the
-    native layout (queries before heads in memory) for the native backward."""
+    batched BLAS calls of fixed blockings: queries padded to whole ``QUERY_TILE``s,
+    keys to whole ``KEY_TILE``s, probabilities times values in tiles of ``VALUE_TILE``
+    keys from key 0 summed in order (masked keys add exact zeros). The output keeps
+    the native layout (queries before heads in memory) for the native backward."""
     if dropout_p:
         raise NotImplementedError("batch-invariant attention: dropout_p must be 0")
     b, h, q_len, d = query.shape
@@ -112,42 +112,45 @@ def _flash_attention(
         key, value = (t.repeat_interleave(h // key.shape[1], dim=1) for t in (key, value))
     scale = d**-0.5 if scale is None else scale
     width = math.ceil(keys / KEY_TILE) * KEY_TILE
-    q = _padded(query.float().reshape(b * h, q_len, d), 1, QUERY_TILE)
-    k = _padded(key.float().reshape(b * h, keys, d), 1, KEY_TILE)
-    scores = torch.bmm(q, k.transpose(1, 2))[:, :q_len].view(b, h, q_len, width) * scale
-    masked = torch.zeros(q_len, width, dtype=torch.bool, device=query.device)
-    masked[:, keys:] = True  # the padded keys
-    if is_causal:
-        masked[:, :keys] = torch.ones(q_len, keys, dtype=torch.bool).triu(1)
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        masked = masked | F.pad(~attn_mask, (0, width - keys))
-    elif attn_mask is not None:  # additive; sdpa hands a boolean mask over as 0 / -inf
-        blocked = torch.isneginf(attn_mask)
-        masked = masked | F.pad(blocked, (0, width - keys))
-        scores[..., :keys] += attn_mask.masked_fill(blocked, 0.0)
-    scores.masked_fill_(masked, float("-inf"))
+    q = query.new_zeros(b, h, math.ceil(q_len / QUERY_TILE) * QUERY_TILE, d, dtype=torch.float32)
+    q[:, :, :q_len] = query
+    # keys, values and a column of ones (the denominator from the same BLAS calls)
+    kv = query.new_zeros(b, h, width, d + dv + 1, dtype=torch.float32)
+    kv[:, :, :keys, :d], kv[:, :, :keys, d:-1] = key, value
+    kv[:, :, :keys, -1] = 1.0
+    q, kv = q.view(b * h, -1, d), kv.view(b * h, width, -1)
+    scores = torch.bmm(q, kv[..., :d].transpose(1, 2))[:, :q_len].view(b, h, q_len, width)
+    # the mask as 0 / -inf (or sdpa's additive mask), padded keys -inf
+    if is_causal:  # key j > query i
+        bias = torch.full((q_len, width), float("-inf"), device=query.device).triu_(1)
+        if q_len > keys:
+            bias[:, keys:] = float("-inf")
+    elif attn_mask is None:
+        bias = F.pad(query.new_zeros(q_len, keys, dtype=torch.float32), (0, width - keys))
+        bias[:, keys:] = float("-inf")
+    else:
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros_like(attn_mask, dtype=torch.float32).masked_fill_(
+                ~attn_mask, float("-inf")
+            )
+        bias = F.pad(attn_mask.float(), (0, width - keys), value=float("-inf"))
+    scores = scores * scale + bias
     # a max is exact in any order; a row of masked keys only: 0
     top = scores.amax(-1, keepdim=True).nan_to_num_(neginf=0.0)
     # exp of -inf, and of arguments whose result is subnormal, takes a slow path:
     # weights under e^-87 of the row's largest (below float32's normal range) become
     # e^-87, then masked keys exact zeros
-    probs = _exp((scores - top).clamp_(min=EXP_FLOOR)).mul_(~masked)
+    probs = _exp((scores - top).clamp_(min=EXP_FLOOR)).mul_(bias > float("-inf"))
     probs = _padded(probs.view(b * h, q_len, width), 1, QUERY_TILE)
-    # a column of ones beside the values: the denominator from the same BLAS calls
-    ones = torch.ones(b * h, keys, 1, dtype=torch.float32, device=value.device)
-    v = _padded(torch.cat([value.float().reshape(b * h, keys, dv), ones], -1), 1, KEY_TILE)
-    summed = torch.bmm(probs[..., :VALUE_TILE], v[:, :VALUE_TILE])
+    summed = torch.bmm(probs[..., :VALUE_TILE], kv[:, :VALUE_TILE, d:])
     for start in range(VALUE_TILE, width, VALUE_TILE):  # in order from key 0
         tile = slice(start, start + VALUE_TILE)
-        summed = summed + torch.bmm(probs[..., tile], v[:, tile])
+        summed = summed + torch.bmm(probs[..., tile], kv[:, tile, d:])
     summed = summed[:, :q_len].view(b, h, q_len, dv + 1)
-    out, denom = summed[..., :dv], summed[..., dv]
-    safe = denom.clamp_min(1.0)  # >= 1 (the largest weight is e^0) unless all masked
-    out = out / safe[..., None]
-    lse = top[..., 0] + torch.log(safe)
+    safe = summed[..., dv:].clamp_min(1.0)  # >= 1 (e^0 for the largest) unless all masked
     native = query.new_empty(b, q_len, h, dv).transpose(1, 2)  # kernel's layout
-    native.copy_(out)
-    return native, lse
+    torch.div(summed[..., :dv], safe, out=native)
+    return native, top[..., 0] + torch.log(safe[..., 0])
 
 
 def _attention(
