@@ -79,10 +79,10 @@ def _vectorised(op: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor], tor
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     rows = a.shape[0]
+    if rows % ROW_TILE == 0:  # mm.out: the native kernel, one call
+        return torch.mm(a, b, out=a.new_empty(rows, b.shape[1]))
     a = _padded(a, 0, ROW_TILE)
-    out = a.new_empty(a.shape[0], b.shape[1])
-    torch.mm(a, b, out=out)  # mm.out: the native kernel, one call
-    return out[:rows]
+    return torch.mm(a, b, out=a.new_empty(a.shape[0], b.shape[1]))[:rows]
 
 
 _silu = _vectorised(torch.ops.aten.silu.out)
