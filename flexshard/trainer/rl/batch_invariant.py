@@ -16,15 +16,17 @@ back and sees the bits change):
   3000 rows, 1 and 2 threads; the tests hold it).
 - CPU flash attention: its query/key block sizes follow the sequence lengths, so a
   decode step (1 query against the cache) and the causal forward sum keys differently.
-  Here: each score summed over the head dim one elementwise step at a time; keys in
-  fixed tiles of ``KEY_TILE`` from key 0 (the tile sums one op for all tiles), masked
-  keys exact zeros, tiles accumulated in order (an all-masked tile adds +0.0).
+  Here: two batched BLAS calls of fixed blockings, queries zero-padded to whole
+  ``QUERY_TILE``s and keys to whole ``KEY_TILE``s (MKL then gives a score the same
+  arithmetic at every batch, query and key count), probabilities times values in
+  tiles of at most ``VALUE_TILE`` keys from key 0 (past 256 keys MKL's blocking follows
+  the key count), summed in order; masked keys exact zeros (a masked tile adds +0.0).
 - ``scaled_dot_product_attention`` with queries wider than the values (MLA): sdpa
   leaves the flash kernel for its math path, batched matmuls whose sums follow the key
   count. Here: the three zero-padded to one width, into the flash kernel above.
 - ``silu``: the vectorised loop leaves a tail to a scalar ``exp``, so an element's
-  bits depend on where it falls in the tensor. Here: zero-padded to whole chunks that
-  vectorise whole, one call on one thread (``exp`` in the attention too).
+  bits depend on where it falls in the tensor. Here: zero-padded so that every element
+  takes the vector path (``exp`` in the attention too).
 
 The norms' ``mean`` and ``log_softmax`` over a 256-wide vocabulary, ``cos``/``sin`` of
 the RoPE tables and the elementwise rest were found invariant and keep their kernels.
