@@ -116,12 +116,14 @@ def _flash_attention(
     width = math.ceil(keys / KEY_TILE) * KEY_TILE
     q = query.new_zeros(b, h, math.ceil(q_len / QUERY_TILE) * QUERY_TILE, d, dtype=torch.float32)
     q[:, :, :q_len] = query
-    # keys, values and a column of ones (the denominator from the same BLAS calls)
-    kv = query.new_zeros(b, h, width, d + dv + 1, dtype=torch.float32)
-    kv[:, :, :keys, :d], kv[:, :, :keys, d:-1] = key, value
-    kv[:, :, :keys, -1] = 1.0
-    q, kv = q.view(b * h, -1, d), kv.view(b * h, width, -1)
-    scores = torch.bmm(q, kv[..., :d].transpose(1, 2))[:, :q_len].view(b, h, q_len, width)
+    k = query.new_zeros(b, h, width, d, dtype=torch.float32)
+    k[:, :, :keys] = key
+    # the values and a column of ones: the denominator from the same BLAS calls
+    v = query.new_zeros(b, h, width, dv + 1, dtype=torch.float32)
+    v[:, :, :keys, :dv] = value
+    v[:, :, :keys, dv] = 1.0
+    q, k, v = q.view(b * h, -1, d), k.view(b * h, width, d), v.view(b * h, width, dv + 1)
+    scores = torch.bmm(q, k.transpose(1, 2))[:, :q_len].view(b, h, q_len, width)
     # the mask as 0 / -inf (or sdpa's additive mask), padded keys -inf
     if is_causal:  # key j > query i
         bias = torch.full((q_len, width), float("-inf"), device=query.device).triu_(1)
@@ -144,10 +146,10 @@ def _flash_attention(
     # e^-87, then masked keys exact zeros
     probs = _exp((scores - top).clamp_(min=EXP_FLOOR)).mul_(bias > float("-inf"))
     probs = _padded(probs.view(b * h, q_len, width), 1, QUERY_TILE)
-    summed = torch.bmm(probs[..., :VALUE_TILE], kv[:, :VALUE_TILE, d:])
+    summed = torch.bmm(probs[..., :VALUE_TILE], v[:, :VALUE_TILE])
     for start in range(VALUE_TILE, width, VALUE_TILE):  # in order from key 0
         tile = slice(start, start + VALUE_TILE)
-        summed = summed + torch.bmm(probs[..., tile], kv[:, tile, d:])
+        summed = summed + torch.bmm(probs[..., tile], v[:, tile])
     summed = summed[:, :q_len].view(b, h, q_len, dv + 1)
     safe = summed[..., dv:].clamp_min(1.0)  # >= 1 (e^0 for the largest) unless all masked
     native = query.new_empty(b, q_len, h, dv).transpose(1, 2)  # kernel's layout
