@@ -11,7 +11,8 @@ more as the control, the first seed with lr 1e-12 (the same prompts and samples,
 weights in effect held: the config refuses lr 0), then the per-step cost of
 ``rl.batch_invariant`` against the native kernels: each repetition runs both from the
 same checkpoint, alternating their order, and takes each run's median step time; the
-ratio is per repetition (median, IQR).
+ratio is per repetition (median, IQR); then the batch-invariant kernels' own cost per
+op (``rl_op_costs``).
 Writes benchmarks/results/rl_bench.{json,md} and rl_reward.png."""
 
 from __future__ import annotations
@@ -22,19 +23,29 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from flexshard.testing import run_distributed
-from flexshard.testing.stats import alternating, cell, paired_ratios, spread, summary
+from flexshard.testing.stats import (
+    alternating,
+    cell,
+    paired_ratios,
+    spread,
+    summary,
+    verdict_cell,
+)
 from flexshard.trainer.config import load_config
 from flexshard.trainer.train import run
 
 from .common import write_results
+from .rl_op_costs import recording, replay
 
 ROOT = Path(__file__).resolve().parent.parent
+TARGET = 1.25  # batch-invariant step / default step
 CONTROL_LR = "1e-12"  # the control run's: the weights in effect held (lr 0 is refused)
 QUIET = ["--job.progress", "false", "--job.plot", "false", "--job.tensorboard", "false"]
 
@@ -66,28 +77,31 @@ def _ranks(rank: int, world: int, folder: str, args: dict[str, Any]) -> dict[str
                 ],
             )
         )
+
+    def cost_run(mode: str, name: str, steps: int) -> list[dict]:
+        overrides = ["--job.dump_folder", f"{folder}/{name}", "--training.steps", str(steps)]
+        invariant = ["--rl.batch_invariant", str(mode == "invariant").lower()]
+        return run(
+            load_config(
+                rl, [*QUIET, *start, *overrides, "--checkpoint.enable", "false", *invariant]
+            )
+        )
+
     costs: dict[str, list[float]] = {"default": [], "invariant": []}
+    invariant_diff = 0.0  # the cost runs' generator vs trainer log-probs
     for rep in range(args["reps"]):
         for mode in alternating(("default", "invariant"), rep):
-            records = run(
-                load_config(
-                    rl,
-                    [
-                        *QUIET,
-                        *start,
-                        "--job.dump_folder",
-                        f"{folder}/{mode}{rep}",
-                        "--training.steps",
-                        str(args["cost_steps"]),
-                        "--checkpoint.enable",
-                        "false",
-                        "--rl.batch_invariant",
-                        str(mode == "invariant").lower(),
-                    ],
-                )
-            )
+            records = cost_run(mode, f"{mode}{rep}", args["cost_steps"])
             costs[mode].append(statistics.median(r["step_time_s"] for r in records[1:]))
-    return {"curves": curves, "costs": costs}
+            if mode == "invariant":
+                invariant_diff = max(
+                    [invariant_diff, *(r["logprob_max_abs_diff"] for r in records)]
+                )
+    calls: dict[str, list] = defaultdict(list)
+    with recording(calls):
+        cost_run("invariant", "recorded", args["op_steps"])
+    ops = replay(calls, args["op_steps"], args["reps"]) if rank == 0 else []
+    return {"curves": curves, "costs": costs, "invariant_diff": invariant_diff, "ops": ops}
 
 
 def plot(curves: dict[str, list[dict]], path: Path, title: str) -> None:
@@ -143,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         "steps": 20 if opts.quick else rl_cfg.training.steps,
         "reps": 2 if opts.quick else 5,
         "cost_steps": 3 if opts.quick else 5,
+        "op_steps": 2 if opts.quick else 3,
     }
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
@@ -153,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     held = learned[_control(args["seeds"])]["reward_last"]
     for v in learned.values():  # the last 10 steps against the held weights' last 10
         v["over_control"] = v["reward_last"] - held
-    cost = summary(paired_ratios(costs["invariant"], costs["default"]))
+    cost = summary(paired_ratios(costs["invariant"], costs["default"]), TARGET)
+    ops = result["ops"]
     pre_cfg = load_config(ROOT / "configs" / "rl_pretrain.toml")
     meta = {
         "command": "python -m benchmarks.bench_rl" + (" --quick" if opts.quick else ""),
@@ -196,11 +212,25 @@ def main(argv: list[str] | None = None) -> None:
         f"max |ratio - 1|: {dev}",
         f"- step time, batch-invariant / default (per repetition, {args['reps']} reps): "
         f"{cell(cost)} (median [IQR]); default {cell(spread(costs['default']).as_dict(), 3)} s, "
-        f"invariant {cell(spread(costs['invariant']).as_dict(), 3)} s",
+        f"invariant {cell(spread(costs['invariant']).as_dict(), 3)} s; "
+        f"{verdict_cell(cost)}; the cost runs' max |log-prob diff|: {result['invariant_diff']}",
         f"- curve: {png.name}",
         "",
+        f"The batch-invariant kernels' own cost per op (rank 0's calls over {args['op_steps']} "
+        "steps replayed through each kernel, alternating, thread CPU time per step, "
+        f"medians of {args['reps']} reps; the sdpa row: its routing only):",
+        "",
+        "| op | calls / step | native ms / step | batch-invariant ms / step | ratio "
+        "| extra ms / step |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| `{o['op']}` | {o['calls_per_step']:.0f} | {o['native_ms']:.1f} | "
+            f"{o['invariant_ms']:.1f} | {cell(o['ratio'])} | {cell(o['extra_ms'], 1)} |"
+            for o in ops
+        ),
+        "",
     ]
-    rows = [{"curves": curves, "learned": learned, "costs": costs, "cost_ratio": cost}]
+    rows = [{"curves": curves, "learned": learned, "costs": costs, "cost_ratio": cost, "ops": ops}]
     write_results(out, f"rl_bench{quick}", meta, rows, "\n".join(lines))
     print("\n".join(lines))
 
