@@ -28,8 +28,6 @@ import torch
 
 from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
 from flexshard.testing import run_distributed
-from flexshard.trainer.checkpointing import checkpoints as checkpointing
-from flexshard.trainer.checkpointing.checkpoints import export
 from flexshard.trainer.components.optimizers import build_optimizer
 from flexshard.trainer.config import ConfigError, config_from_dict
 from flexshard.trainer.config.hf_config import text_model_prefix
@@ -48,7 +46,14 @@ from .test_parallel_layouts import (
     layout_config,
     trained,
 )
-from .test_qwen3_5 import QWEN3_5_MODEL, SHAPE, SHAPE_TYPES, VISION, tokens
+from .test_qwen3_5 import (
+    QWEN3_5_MODEL,
+    SHAPE,
+    SHAPE_TYPES,
+    VISION,
+    _load_and_export,
+    tokens,
+)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen3_5_moe")
@@ -117,14 +122,6 @@ def test_folder_is_the_model_logits_and_loss(tmp_path):
         for layer in model.layers:
             layer.feed_forward.shared_gate = None
         assert (model(batch) - out.logits).abs().max().item() > 1e-2
-
-
-def _load_and_export(rank: int, world_size: int, folder: str) -> None:
-    source = Path(folder)
-    cfg = config_from_dict(from_folder(source, job={"dump_folder": f"{source}/run"}))
-    job = setup(cfg)
-    checkpointing.initial_load(job)
-    export(job, source / "export", max_shard_bytes=30_000)
 
 
 def test_export_reloads_exact(tmp_path):

@@ -98,6 +98,23 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
+def _per_value_head(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Both forms' inputs [b, v_heads, s, ...] in fp32: each key head repeated for the
+    value heads it serves, queries and keys L2-normalised, queries scaled by 1/sqrt(k_dim)."""
+    k_heads, v_heads = k.shape[2], v.shape[2]
+    if k_heads != v_heads:
+        q = q.repeat_interleave(v_heads // k_heads, dim=2)
+        k = k.repeat_interleave(v_heads // k_heads, dim=2)
+    q, k, v, beta, g = (
+        t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        for t in (q, k, v, beta, g)
+    )
+    q, k = _l2norm(q), _l2norm(k)
+    return q * q.shape[-1] ** -0.5, k, v, beta, g
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -112,17 +129,9 @@ def chunk_gated_delta_rule(
     consecutive value heads), values [b, s, v_heads, v_dim], the log decay ``g`` and
     the write strength ``beta`` [b, s, v_heads]. fp32 inside."""
     dtype = q.dtype
-    b, s, k_heads, _ = k.shape
+    b, s, _, _ = k.shape
     v_heads, v_dim = v.shape[-2:]
-    if k_heads != v_heads:
-        q = q.repeat_interleave(v_heads // k_heads, dim=2)
-        k = k.repeat_interleave(v_heads // k_heads, dim=2)
-    q, k, v, beta, g = (
-        t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-        for t in (q, k, v, beta, g)
-    )
-    q, k = _l2norm(q), _l2norm(k)
-    q = q * q.shape[-1] ** -0.5
+    q, k, v, beta, g = _per_value_head(q, k, v, beta, g)
     pad = (chunk - s % chunk) % chunk  # the tail padded with zeros: no write, no decay
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
     beta, g = (F.pad(t, (0, pad)) for t in (beta, g))
@@ -172,17 +181,9 @@ def recurrent_gated_delta_rule(
     Each op acts on a row alone, elementwise or summed over one head's dims;
     ``per_row``: the decays' exp on whole vectors too (``whole_vectors``)."""
     dtype = q.dtype
-    b, s, k_heads, k_dim = k.shape
+    b, s, _, k_dim = k.shape
     v_heads, v_dim = v.shape[-2:]
-    if k_heads != v_heads:
-        q = q.repeat_interleave(v_heads // k_heads, dim=2)
-        k = k.repeat_interleave(v_heads // k_heads, dim=2)
-    q, k, v, beta, g = (
-        t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-        for t in (q, k, v, beta, g)
-    )
-    q, k = _l2norm(q), _l2norm(k)
-    q = q * k_dim**-0.5
+    q, k, v, beta, g = _per_value_head(q, k, v, beta, g)
     decay = whole_vectors(torch.exp, g) if per_row else g.exp()
     if state is None:
         state = torch.zeros(b, v_heads, k_dim, v_dim, dtype=torch.float32, device=q.device)
