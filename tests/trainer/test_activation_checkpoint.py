@@ -28,7 +28,7 @@ from flexshard.trainer.train import setup, train_step
 from ..helpers.trainer_cases import whole_parameters
 from .test_parallel_layouts import MOE, layout_config
 
-STEPS = 3
+STEPS = 2  # the second step runs on the first step's updated weights and AdamW state
 N_LAYERS = 4  # layout_config's
 MODES: dict[str, dict[str, str]] = {
     "none": {"mode": "none"},
