@@ -173,18 +173,15 @@ def pack_rank(
 
 
 def _chunk_cat_fits(fulls: Sequence[torch.Tensor | None], dtype: torch.dtype) -> bool:
-    """Every tensor present, contiguous and exactly representable in ``dtype``: then
-    ``torch._chunk_cat`` writes the same bits as the per-piece copies."""
-    for full in fulls:
-        if full is None or not full.is_contiguous():
-            return False
-        if full.dtype != dtype and not (
-            full.is_floating_point()
-            and dtype.is_floating_point
-            and full.dtype in _WIDENS_EXACTLY.get(dtype, ())
-        ):
-            return False
-    return True
+    """Every tensor present, contiguous, of one dtype (torch 2.15's ``_chunk_cat`` takes
+    no mix) that ``dtype`` holds exactly: then ``torch._chunk_cat`` writes the same bits
+    as the per-piece copies."""
+    if not fulls or fulls[0] is None:
+        return False
+    source = fulls[0].dtype
+    if source != dtype and source not in _WIDENS_EXACTLY.get(dtype, ()):
+        return False
+    return all(full is not None and full.dtype == source and full.is_contiguous() for full in fulls)
 
 
 #: narrower float dtypes each wider one holds exactly (a cast is a plain widening)

@@ -84,3 +84,21 @@ def test_layouts_that_are_not_fsdp2_rows_copy_piece_by_piece():
         layout, [f if f is not None else torch.zeros(s) for f, s in zip(fulls, SHAPES)], expected
     )
     assert torch.equal(packed, expected)
+
+
+def test_gradients_of_mixed_dtypes_copy_piece_by_piece(monkeypatch):
+    """Gradients of two dtypes in one bucket (some parameters kept in fp32 under bf16
+    compute) take the per-piece copies: torch 2.15's ``_chunk_cat`` takes one dtype."""
+    layout = plan_bucket([(f"p{i}", s, Shard(0)) for i, s in enumerate(SHAPES)], 3)
+    fulls = [torch.randn(s) for s in SHAPES]
+    fulls[0] = fulls[0].to(torch.bfloat16)
+    chunk_cats = []
+    chunk_cat = torch._chunk_cat
+    monkeypatch.setattr(
+        torch, "_chunk_cat", lambda *a, **k: (chunk_cats.append(1), chunk_cat(*a, **k))[1]
+    )
+    packed = torch.full((3, layout.shard_numel), float("nan"))
+    pack_all(layout, fulls, packed)
+    expected = torch.empty_like(packed)
+    _per_block(layout, fulls, expected)
+    assert torch.equal(packed, expected) and chunk_cats == []
