@@ -31,6 +31,8 @@ from .bench_overhead import LIBRARIES, RESULTS, build, train_step
 from .common import write_results
 from .overhead_floor import Floor
 
+_REPO = f"{Path(__file__).resolve().parents[1]}/"  # file names shown relative to it
+
 MODES = ("fp32", "bf16", "accum")
 
 
@@ -70,7 +72,7 @@ def profile(step: Any, x: torch.Tensor, steps: int, top: int) -> dict[str, Any]:
         "runtime_calls": sum(v[1] for v in runtime.values()) / steps,
         "top": [
             (
-                f"{k[0].split('site-packages/')[-1].split('wt-hotpath/')[-1]}:{k[1]}({k[2]})",
+                f"{k[0].split('site-packages/')[-1].removeprefix(_REPO)}:{k[1]}({k[2]})",
                 v[1] / steps,
                 1e3 * v[2] / steps,
             )

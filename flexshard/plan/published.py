@@ -10,9 +10,9 @@ and are the test. Everything else is documented, not fitted (``hardware.py``,
 
 Sources: torchtitan ``docs/performance.md`` (tables 1-5: Llama 3.1 on Grand Teton
 H100 at 500 W, torch 2024-12-23), FlexShard's DeepSeek-V3 16B on 8 H100 with EP 4
-(/work/shared/ANCHORS.md). Published memory is torchtitan's peak *reserved* memory;
-the plan's is the peak of live tensors (the allocator's cache and fragmentation are
-not modelled)."""
+(Meta's FlexShard release figures, quoted in docs/planning_validation.md). Published
+memory is torchtitan's peak *reserved* memory; the plan's is the peak of live tensors
+(the allocator's cache and fragmentation are not modelled)."""
 
 from __future__ import annotations
 
