@@ -92,6 +92,32 @@ class ShardedCollective:
 
     def __init__(self, store: BucketStorage) -> None:
         self.store = store
+        #: the copy-out's foreach lists, kept while it fills the same tensors (they are
+        #: freed and re-allocated in place, so views of them stay good)
+        self._copy_out: tuple[tuple, tuple, bool, list[torch.Tensor], list[torch.Tensor]] | None = (
+            None
+        )
+
+    def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
+        assert gathered is not None
+        key = (gathered, *owned)
+        ids = tuple(map(id, key))  # the cache holds ``key``: its ids stay its own
+        cached = self._copy_out
+        if cached is None or cached[1] != ids:
+            # every parameter copied out: free the buffer then, as FSDP2 frees its
+            # all-gather output, so an unsharded bucket costs one copy, not two
+            frees = all(full is not None for full in owned)
+            cached = self._copy_out = (key, ids, frees, *self._views(gathered, owned))
+        _, _, frees, dsts, srcs = cached
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        return frees
+
+    def _views(
+        self, gathered: torch.Tensor, owned: list[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The copy-out's destinations and sources (foreach lists)."""
+        raise NotImplementedError
 
     def all_gather(
         self, comm: BucketComm, out: torch.Tensor, local: torch.Tensor, prefetch: bool
@@ -142,11 +168,6 @@ class PlainGather(ShardedCollective):
             param.numel == 0 or gathered_alias(layout, i, probe) is not None
             for i, param in enumerate(layout.params)
         )
-        #: the copy-out's foreach lists, kept while it fills the same tensors (they are
-        #: freed and re-allocated in place, so views of them stay good)
-        self._copy_out: tuple[tuple, tuple, bool, list[torch.Tensor], list[torch.Tensor]] | None = (
-            None
-        )
 
     def gather_buffer(self) -> torch.Tensor | None:
         store, layout = self.store, self.store.storage_layout
@@ -173,22 +194,9 @@ class PlainGather(ShardedCollective):
         send.copy_(store.buffer)
         return send
 
-    def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
-        assert gathered is not None
-        key = (gathered, *owned)
-        ids = tuple(map(id, key))  # the cache holds ``key``: its ids stay its own
-        cached = self._copy_out
-        if cached is None or cached[1] != ids:
-            # every parameter copied out: free the buffer then, as FSDP2 frees its
-            # all-gather output, so an unsharded bucket costs one copy, not two
-            frees = all(full is not None for full in owned)
-            cached = self._copy_out = (key, ids, frees, *self._views(gathered, owned))
-        _, _, frees, dsts, srcs = cached
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
-        return frees
-
-    def _views(self, gathered: torch.Tensor, owned: list[torch.Tensor | None]) -> tuple:
+    def _views(
+        self, gathered: torch.Tensor, owned: list[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         layout = self.store.storage_layout
         gathered_2d = gathered.view(layout.world_size, layout.shard_numel)
         units = self.store.as_units(owned)
@@ -224,9 +232,6 @@ class RaggedGather(ShardedCollective):
             param.numel == 0 or gathered_alias(layout, i, probe) is not None
             for i, param in enumerate(layout.params)
         )
-        self._copy_out: tuple[tuple, tuple, bool, list[torch.Tensor], list[torch.Tensor]] | None = (
-            None
-        )
 
     def gather_buffer(self) -> torch.Tensor | None:
         store = self.store
@@ -257,20 +262,11 @@ class RaggedGather(ShardedCollective):
         layout = self.store.storage_layout
         return comm.all_gather_ragged(out, local, layout.extents, prefetch)
 
-    def copy_out(self, gathered: torch.Tensor | None, owned: list[torch.Tensor | None]) -> bool:
-        assert gathered is not None
-        key = (gathered, *owned)
-        ids = tuple(map(id, key))  # the cache holds ``key``: its ids stay its own
-        cached = self._copy_out
-        if cached is None or cached[1] != ids:
-            layout = self.store.storage_layout
-            dsts, srcs = ragged_views(layout, self.store.as_units(owned), gathered, False)
-            frees = all(full is not None for full in owned)  # every one copied: free it
-            cached = self._copy_out = (key, ids, frees, dsts, srcs)
-        _, _, frees, dsts, srcs = cached
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
-        return frees
+    def _views(
+        self, gathered: torch.Tensor, owned: list[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        units = self.store.as_units(owned)
+        return ragged_views(self.store.storage_layout, units, gathered, False)
 
     def gather_storage(self, comm: BucketComm) -> torch.Tensor:
         store, layout = self.store, self.store.storage_layout
