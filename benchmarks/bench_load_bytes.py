@@ -21,7 +21,10 @@ Cases, at W = 4 (the checkpoints written by the trainer, one step of AdamW):
 * initial_load_path: ``initial_load`` (model weights only) as 2 x 2 from that
   checkpoint, plus the pre-flight;
 * reshard 2 -> 4: ``fs.checkpoint.load`` (the trainer's resume) as dp_shard 4 from a
-  checkpoint saved at W = 2 (dp_shard 2).
+  checkpoint saved at W = 2 (dp_shard 2);
+* resume, Owned: the trainer's resume under Muon with ``placement = "muon"`` (each
+  matrix whole on one rank, DistMuon's state with it), 2 x 2, from a checkpoint saved
+  in that layout, plus the pre-flight.
 
 Each case three ways, alternating: ``fs.checkpoint.load`` checking every checksum in a
 pass of its own first (``checksums_first=True``), the default (DCP's read plan, each
@@ -62,7 +65,7 @@ from .common import write_results
 
 RESULTS = Path(__file__).parent / "results"
 COMMAND = ".venv/bin/python -m benchmarks.bench_load_bytes"
-CASES = ("resume", "initial_load_path", "reshard 2 -> 4")
+CASES = ("resume", "initial_load_path", "reshard 2 -> 4", "resume, Owned")
 #: the two ways ``fs.checkpoint.load`` checks the manifest's checksums
 #: (the trainer's load, its [checkpoint] reads)
 SIDES = {
@@ -104,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--reps", type=int, default=3, help="measured loads per case")
+    p.add_argument("--reps", type=int, default=5, help="measured loads per case")
     p.add_argument("--placement", default="shard0")
     p.add_argument("--folder", default="/tmp/flexshard_bench_load_bytes")
     p.add_argument("--quick", action="store_true", help="dim 192, 4 layers, 2 reps")
@@ -126,6 +129,8 @@ def rchar() -> int:
 
 def _config(args: dict[str, Any], name: str, replicate: int, shard: int, **ckpt: Any) -> Any:
     steps = ckpt.pop("steps", 1)
+    optimizer = ckpt.pop("optimizer", "adamw")
+    placement = args["placement"] if optimizer == "adamw" else "muon"
     return config_from_dict(
         {
             "model": {
@@ -137,9 +142,15 @@ def _config(args: dict[str, Any], name: str, replicate: int, shard: int, **ckpt:
             "parallelism": {
                 "dp_replicate": replicate,
                 "dp_shard": shard,
-                "placement": args["placement"],
+                "placement": placement,
             },
-            "training": {"steps": steps, "seq_len": 32, "batch_size": 4, "seed": 1},
+            "training": {
+                "steps": steps,
+                "seq_len": 32,
+                "batch_size": 4,
+                "seed": 1,
+                "optimizer": optimizer,
+            },
             "checkpoint": {"enable": True, "interval": 1, **ckpt},
             "job": {
                 "dump_folder": f"{args['folder']}/{name}",
@@ -153,12 +164,13 @@ def _config(args: dict[str, Any], name: str, replicate: int, shard: int, **ckpt:
 
 
 def configs(args: dict[str, Any]) -> dict[str, Any]:
-    """The three cases' configs at W = 4 (each loads at its job's setup)."""
+    """The cases' configs at W = 4 (each loads at its job's setup)."""
     saved = f"{args['folder']}/w4/checkpoint/step-1"
     return {
         "resume": _config(args, "w4", 2, 2, steps=2),
         "initial_load_path": _config(args, "initial", 2, 2, enable=False, initial_load_path=saved),
         "reshard 2 -> 4": _config(args, "w2", 1, 4, steps=2),
+        "resume, Owned": _config(args, "owned", 2, 2, steps=2, optimizer="muon"),
     }
 
 
@@ -181,6 +193,7 @@ def _measure(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, list
     torch.set_num_threads(1)
     Counters.install()
     train.run(_config(args, "w4", 2, 2))
+    train.run(_config(args, "owned", 2, 2, optimizer="muon"))
     cfgs = configs(args)
     jobs = {case: train.setup(cfg) for case, cfg in cfgs.items()}
     out: dict[str, list] = {f"{case}|{side}": [] for case in CASES for side in SIDES}
@@ -315,10 +328,11 @@ def main(argv: list[str] | None = None) -> None:
     run_distributed(_save_w2, 2, config, timeout=900)
     per_rank = run_distributed(_measure, 4, config, timeout=1800)
     cfgs = configs(config)
-    pre = {case: preflight_bytes(cfgs[case], args.reps) for case in CASES[:2]}
+    pre = {case: preflight_bytes(cfgs[case], args.reps) for case in CASES if "2 -> 4" not in case}
     w4, w2 = (f"{args.folder}/{n}/checkpoint/step-1" for n in ("w4", "w2"))
     sizes = {"resume": disk_bytes(w4), "initial_load_path": disk_bytes(w4)}
     sizes["reshard 2 -> 4"] = disk_bytes(w2)
+    sizes["resume, Owned"] = disk_bytes(f"{args.folder}/owned/checkpoint/step-1")
     rows = summarise(per_rank, pre, sizes)
     total, _ = count_params(cfgs["resume"].model)
     flags = argv if argv is not None else sys.argv[1:]

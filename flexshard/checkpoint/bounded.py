@@ -130,3 +130,12 @@ class Ranks:
         with self.step(what):
             dist.all_gather_object(out, value, group=self.group)
         return out
+
+    def broadcast(self, value: Any, what: str = "broadcast") -> Any:
+        """Rank 0's ``value``, on every rank (the others pass anything)."""
+        if self.group is None:
+            return value
+        box = [value]
+        with self.step(what):
+            dist.broadcast_object_list(box, group=self.group, group_src=0)
+        return box[0]

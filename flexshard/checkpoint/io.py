@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import io
 import os
 import shutil
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
@@ -36,15 +38,16 @@ from .logical_model import Model, modules_of
 from .manifest import (
     MANIFEST,
     Entry,
+    check_bytes,
     check_entries,
     check_extents,
     chunk_entries,
     digest,
-    read_manifest,
+    parse_manifest,
     share,
     write_manifest,
 )
-from .safe_load import dcp_load, load_data, read_metadata
+from .safe_load import SafeReader, dcp_load, load_data
 from .state import (
     apply,
     fresh,
@@ -76,9 +79,7 @@ def _finish(root: str, metadata: Metadata, has_extra: list[bool], ranks: Ranks) 
     """Checksum every chunk (each rank a share of the files), then rank 0 writes the
     manifest that marks the directory complete."""
     entries = chunk_entries(metadata, root)
-    entries += [
-        Entry(f"extra (rank {r})", _extra_file(r), 0, -1) for r, has in enumerate(has_extra) if has
-    ]
+    entries += [_extra_entry(r) for r, has in enumerate(has_extra) if has]
     mine = {e.key: digest(root, e) for e in share(entries, ranks.rank, ranks.world)}
     parts = ranks.all_gather(mine, "checksum all-gather")
     digests = {k: v for part in parts for k, v in part.items()}
@@ -243,53 +244,112 @@ def _raise_if_any(problems: list[str], ranks: Ranks, root: str) -> None:
         raise ValueError(f"cannot load checkpoint '{root}': " + "; ".join(found[:5]) + more)
 
 
-def _verified(
-    root: str, ranks: Ranks, require_manifest: bool, on_read: bool = False
-) -> tuple[Metadata, dict[str, str] | None]:
-    """The checkpoint's DCP metadata, once its manifest checked out on every rank
-    (each rank hashing a share of the files). Without ``require_manifest`` a folder
-    DCP finished writing (``.metadata``) without a manifest (torch's own ``dcp.save``)
-    is taken unchecked. ``on_read``: the chunks' checksums are left to the read
-    (``VerifyingReader``), only their extents checked here; their checksums come back
-    (None: nothing left to check)."""
+@dataclass(frozen=True)
+class Verified:
+    """What a load takes from a checkpoint folder once its manifest checked out: DCP's
+    metadata and the ``.metadata`` bytes it was decoded from (the load's readers decode
+    those again rather than read the file), the chunks' checksums left to the read (None:
+    nothing left to check) and this rank's extra's bytes (None: no rank saved one)."""
+
+    metadata: Metadata
+    metadata_bytes: bytes
+    digests: dict[str, str] | None
+    extra: bytes | None
+    extra_path: str = ""
+
+
+def _file_bytes(path: str) -> bytes | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _extra_entry(rank: int) -> Entry:
+    return Entry(f"extra (rank {rank})", _extra_file(rank), 0, -1)
+
+
+def _verified(root: str, ranks: Ranks, require_manifest: bool, on_read: bool = False) -> Verified:
+    """The checkpoint's DCP metadata, once its manifest checked out on every rank.
+    Rank 0 alone reads the manifest and ``.metadata`` and sends their bytes to the
+    others (a job reads each once); each rank checks them, hashes a share of the other
+    files, and reads and checks the extra it loads (its own, else rank 0's). Without
+    ``require_manifest`` a folder DCP finished writing (``.metadata``) without a
+    manifest (torch's own ``dcp.save``) is taken unchecked. ``on_read``: the chunks'
+    checksums are left to the read (``VerifyingReader``), only their extents checked
+    here."""
+    head = None
+    if ranks.rank == 0:
+        head = tuple(_file_bytes(os.path.join(root, name)) for name in (MANIFEST, ".metadata"))
+    manifest, metadata_bytes = ranks.broadcast(head, "metadata broadcast")
     problems: list[str] = []
     digests = None
-    unchecked = not require_manifest and not os.path.isfile(os.path.join(root, MANIFEST))
-    if not (unchecked and os.path.isfile(os.path.join(root, ".metadata"))):
+    extra, extra_path = None, ""
+    if require_manifest or manifest is not None or metadata_bytes is None:
         try:
-            entries, digests, _ = read_manifest(root)
-            mine = share(entries, ranks.rank, ranks.world)
+            entries, digests, _ = parse_manifest(root, manifest)
+            saved_extras = {e.file for e in entries if e.key.startswith("extra (rank ")}
+            mine = [e for e in share(entries, ranks.rank, ranks.world) if _hashed_in_pass(e)]
             chunks = [e for e in mine if on_read and e.length >= 0]
             whole = [e for e in mine if e not in chunks]
             problems = check_extents(root, chunks) + check_entries(root, whole, digests)
+            problems += check_bytes(_metadata_entry(entries), metadata_bytes, digests)
+            for rank in (ranks.rank, 0):
+                if _extra_file(rank) in saved_extras:
+                    extra_path = os.path.join(root, _extra_file(rank))
+                    extra = _file_bytes(extra_path)
+                    problems += check_bytes(_extra_entry(rank), extra, digests)
+                    break
         except ValueError as err:
             problems = [str(err)]
+    else:  # unchecked: the extra is whichever file is there
+        for rank in (ranks.rank, 0):
+            extra_path = os.path.join(root, _extra_file(rank))
+            extra = _file_bytes(extra_path)
+            if extra is not None:
+                break
     _raise_if_any(problems, ranks, root)
-    return read_metadata(root), digests if on_read else None
+    assert metadata_bytes is not None  # a checked manifest names .metadata
+    metadata = SafeReader(root, metadata_bytes).read_metadata()
+    return Verified(metadata, metadata_bytes, digests if on_read else None, extra, extra_path)
 
 
-def _reader(
-    root: str, ranks: Ranks, digests: dict[str, str] | None, reads: Reads
-) -> StorageReader | None:
-    """The storage reader of a load (None: the SafeReader default)."""
+def _hashed_in_pass(entry: Entry) -> bool:
+    """Whether the manifest pass hashes ``entry``: ``.metadata`` and the extras are
+    checked on the bytes the load reads (an extra no rank loads is not checked)."""
+    return entry.file != ".metadata" and not entry.key.startswith("extra (rank ")
+
+
+def _metadata_entry(entries: list[Entry]) -> Entry:
+    found = [e for e in entries if e.file == ".metadata"]
+    if not found:
+        raise ValueError(".metadata is not in the manifest")
+    return found[0]
+
+
+def _reader(root: str, ranks: Ranks, verified: Verified, reads: Reads) -> StorageReader:
+    """The storage reader of a load."""
     if reads not in READS:
         raise ValueError(f"reads = {reads!r}: must be one of {READS}")
+    head, digests = verified.metadata_bytes, verified.digests
     if reads == "striped" and ranks.group is not None and ranks.world > 1:
-        return StripedReader(root, digests, ranks.group)
-    return VerifyingReader(root, digests) if digests is not None else None
+        return StripedReader(root, digests, ranks.group, metadata_bytes=head)
+    if digests is not None:
+        return VerifyingReader(root, digests, head)
+    return SafeReader(root, head)
 
 
 def _read(
     root: str,
     state: dict[str, Any],
     ranks: Ranks,
-    digests: dict[str, str] | None = None,
+    verified: Verified,
     reads: Reads = "dcp",
 ) -> Any:
-    """``dcp.load`` into ``state`` (with ``digests``: every chunk checked as read;
-    ``reads``: how chunks come off storage); this rank's ``extra`` (rank 0's when it
-    had none)."""
-    reader = _reader(root, ranks, digests, reads)
+    """``dcp.load`` into ``state`` (with ``verified.digests``: every chunk checked as
+    read; ``reads``: how chunks come off storage); this rank's ``extra`` (rank 0's when
+    it had none)."""
+    reader = _reader(root, ranks, verified, reads)
     with ranks.step("dcp.load"), single_process_dcp(ranks.no_dist):
         try:
             dcp_load(state, root, ranks.group, ranks.no_dist, reader=reader)
@@ -304,11 +364,9 @@ def _read(
                 if isinstance(exc, ChecksumError):
                     raise ValueError(f"cannot load checkpoint '{root}': {exc}") from None
             raise
-    for rank in (ranks.rank, 0):
-        extra = os.path.join(root, _extra_file(rank))
-        if os.path.isfile(extra):
-            return load_data(extra, f"'{extra}'")
-    return None
+    if verified.extra is None:
+        return None
+    return load_data(io.BytesIO(verified.extra), f"'{verified.extra_path}'")
 
 
 def load_state(
@@ -326,9 +384,9 @@ def load_state(
     wrote (no manifest: unchecked)."""
     root = os.path.abspath(os.fspath(path))
     ranks = Ranks.of(process_group, root, timeout)
-    metadata, _ = _verified(root, ranks, require_manifest)
-    _raise_if_any(_mismatches(state, metadata, ranks, set(state)), ranks, root)
-    return _read(root, state, ranks)
+    verified = _verified(root, ranks, require_manifest)
+    _raise_if_any(_mismatches(state, verified.metadata, ranks, set(state)), ranks, root)
+    return _read(root, state, ranks, verified)
 
 
 def load(
@@ -360,7 +418,8 @@ def load(
     the others over ``process_group`` (``striped_read.py``)."""
     root = os.path.abspath(os.fspath(path))
     ranks = Ranks.of(process_group, root, _timeout(model, timeout))
-    metadata, digests = _verified(root, ranks, require_manifest, not checksums_first)
+    verified = _verified(root, ranks, require_manifest, not checksums_first)
+    metadata = verified.metadata
     flat = saved_flat(metadata)
     target = fresh(state_dict(model, optimizer, flat=flat))
     entries = entries if entries is not None else {}
@@ -374,7 +433,7 @@ def load(
     mine = None
     if optimizer is not None and not flat:  # before the read puts the saved lists there
         mine = union_groups(group_params(target["optim"]), ranks)
-    extra = _read(root, loaded, ranks, digests, reads)
+    extra = _read(root, loaded, ranks, verified, reads)
     entries.update({name: loaded[name] for name in entries})  # a plain value is replaced
     state = unframed(loaded, target)
     if mine is not None:

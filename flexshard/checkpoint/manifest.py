@@ -85,24 +85,34 @@ def write_manifest(root: str, entries: list[Entry], digests: dict[str, str], wor
 def read_manifest(root: str) -> tuple[list[Entry], dict[str, str], int]:
     """Entries, their checksums, and the world size that saved; raises ValueError for
     a directory that is not a complete flexshard checkpoint."""
-    if not os.path.isdir(root):
-        raise ValueError(f"no checkpoint at '{root}': the directory does not exist")
     path = os.path.join(root, MANIFEST)
-    if not os.path.isfile(path):
+    body = None
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            body = f.read()
+    return parse_manifest(root, body)
+
+
+def parse_manifest(root: str, body: bytes | None) -> tuple[list[Entry], dict[str, str], int]:
+    """``read_manifest`` of the manifest's bytes ``body`` (None: there is no manifest)."""
+    if body is None and not os.path.isdir(root):
+        raise ValueError(f"no checkpoint at '{root}': the directory does not exist")
+    if body is None:
         raise ValueError(
             f"'{root}' is not a complete flexshard checkpoint: it has no {MANIFEST} (a save "
             "that did not finish, or a directory written by something else)"
         )
     try:
-        with open(path) as f:
-            body = json.load(f)
-        entries = [Entry(e["key"], e["file"], e["offset"], e["length"]) for e in body["entries"]]
-        digests = {e["key"]: e["sha256"] for e in body["entries"]}
-        world = int(body["world_size"])
+        body_json = json.loads(body)
+        entries = [
+            Entry(e["key"], e["file"], e["offset"], e["length"]) for e in body_json["entries"]
+        ]
+        digests = {e["key"]: e["sha256"] for e in body_json["entries"]}
+        world = int(body_json["world_size"])
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"'{root}': {MANIFEST} is unreadable ({err})") from None
-    if body.get("format") != FORMAT:
-        raise ValueError(f"'{root}': unknown checkpoint format {body.get('format')!r}")
+    if body_json.get("format") != FORMAT:
+        raise ValueError(f"'{root}': unknown checkpoint format {body_json.get('format')!r}")
     return entries, digests, world
 
 
@@ -119,11 +129,13 @@ def check_extents(root: str, entries: list[Entry]) -> list[str]:
 
 def check_entries(root: str, entries: list[Entry], digests: dict[str, str]) -> list[str]:
     """Problems found in ``entries``, each naming the key it breaks."""
-    problems = []
-    for entry in entries:
-        found = digest(root, entry)
-        if found is None:
-            problems.append(f"'{entry.key}' is missing or truncated in '{entry.file}'")
-        elif found != digests[entry.key]:
-            problems.append(f"'{entry.key}' is corrupted: checksum mismatch in '{entry.file}'")
-    return problems
+    return [p for entry in entries for p in check_bytes(entry, _read(root, entry), digests)]
+
+
+def check_bytes(entry: Entry, data: bytes | None, digests: dict[str, str]) -> list[str]:
+    """``check_entries`` of one entry whose bytes (None: missing) were read already."""
+    if data is None:
+        return [f"'{entry.key}' is missing or truncated in '{entry.file}'"]
+    if hashlib.sha256(data).hexdigest() != digests[entry.key]:
+        return [f"'{entry.key}' is corrupted: checksum mismatch in '{entry.file}'"]
+    return []

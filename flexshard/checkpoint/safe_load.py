@@ -154,12 +154,21 @@ def read_metadata_file(file: IO[bytes], path: str) -> Metadata:
 
 
 class SafeReader(FileSystemReader):
-    """torch's FileSystemReader whose ``.metadata`` read builds allowed types only."""
+    """torch's FileSystemReader whose ``.metadata`` read builds allowed types only.
+    ``metadata_bytes``: the ``.metadata`` file's bytes, read once already for the whole
+    load (DCP asks every rank's reader for the metadata: none reads the file again)."""
+
+    def __init__(self, path: str | os.PathLike, metadata_bytes: bytes | None = None) -> None:
+        super().__init__(path)
+        self._metadata_bytes = metadata_bytes
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = dcp_metadata_file(self, kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as file:
-            metadata = read_metadata_file(file, os.fspath(path))
+        if self._metadata_bytes is not None:
+            metadata = read_metadata_file(io.BytesIO(self._metadata_bytes), os.fspath(path))
+        else:
+            with self.fs.create_stream(path, "rb") as file:
+                metadata = read_metadata_file(file, os.fspath(path))
         if getattr(metadata, "storage_meta", None) is None:  # as torch's reader
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -39,7 +39,7 @@ from ..runtime.collectives import CollectiveError
 from ..torch_internals import default_store
 from .manifest import storage_key
 from .safe_load import SafeReader
-from .verified_read import ChecksumError, check_chunk, decode_chunk, read_chunk
+from .verified_read import ChecksumError, check_chunk, decode_chunk, open_unbuffered, read_chunk
 
 #: staging per rank and batch: the bytes a rank sends plus those it receives
 DEFAULT_BATCH_BYTES = 64 * 2**20
@@ -124,7 +124,7 @@ class StripedReader(SafeReader):
     """A SafeReader for DCP loads over ``group`` in which each chunk is read from
     storage by one rank and sent to the others that need it. ``digests`` (manifest key
     -> sha256; None: unchecked) are checked on the bytes read; ``batch_bytes`` bounds
-    each rank's staging per batch."""
+    each rank's staging per batch; ``metadata_bytes`` as for ``SafeReader``."""
 
     def __init__(
         self,
@@ -132,8 +132,9 @@ class StripedReader(SafeReader):
         digests: dict[str, str] | None,
         group: dist.ProcessGroup,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
+        metadata_bytes: bytes | None = None,
     ) -> None:
-        super().__init__(root)
+        super().__init__(root, metadata_bytes)
         if batch_bytes <= 0:
             raise ValueError(f"batch_bytes = {batch_bytes}: must be > 0")
         self._root = root
@@ -183,7 +184,7 @@ class StripedReader(SafeReader):
         stream = files.get(info.relative_path)
         if stream is None:
             path = os.path.join(self._root, info.relative_path)
-            stream = files[info.relative_path] = open(path, "rb")  # noqa: SIM115 - closed in read_data
+            stream = files[info.relative_path] = open_unbuffered(path)  # closed in read_data
         data = read_chunk(stream, index, info)
         if self._digests is not None:
             check_chunk(self._digests, index, data, info)

@@ -50,14 +50,27 @@ def check_chunk(digests: dict[str, str], index: MetadataIndex, data: bytes, info
 
 
 def read_chunk(stream: IO[bytes], index: MetadataIndex, info: Any) -> bytes:
-    """The stored bytes of chunk ``index`` (``info``: its place in the open file)."""
+    """The stored bytes of chunk ``index`` (``info``: its place in the open file; open
+    it unbuffered, ``open_unbuffered``, so that no byte past the chunk is read)."""
     if getattr(info, "transform_descriptors", None):
         raise ChecksumError(
             f"'{storage_key(index)}' in '{info.relative_path}' is stored with transforms "
             "(compression), which this reader does not decode"
         )
     stream.seek(info.offset)
-    return stream.read(info.length)
+    parts, left = [], info.length
+    while left:  # one read() returns at most ~2 GB on Linux
+        part = stream.read(left)
+        if not part:  # the file ends early: the caller's length check names the key
+            break
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def open_unbuffered(path: str) -> IO[bytes]:
+    """``path`` for ``read_chunk``: a buffered file reads ahead of a chunk's end."""
+    return open(path, "rb", buffering=0)  # noqa: SIM115 - the caller closes it
 
 
 def decode_chunk(item: Any, data: bytes, planner: LoadPlanner) -> None:
@@ -82,8 +95,10 @@ class VerifyingReader(SafeReader):
     """A SafeReader whose every chunk is hashed as read and checked against
     ``digests`` (manifest key -> sha256) before it is decoded."""
 
-    def __init__(self, root: str, digests: dict[str, str]) -> None:
-        super().__init__(root)
+    def __init__(
+        self, root: str, digests: dict[str, str], metadata_bytes: bytes | None = None
+    ) -> None:
+        super().__init__(root, metadata_bytes)
         self._root = root
         self._digests = digests
 
@@ -94,7 +109,7 @@ class VerifyingReader(SafeReader):
                 item
             )
         for relative_path, items in per_file.items():
-            with open(os.path.join(self._root, relative_path), "rb") as stream:
+            with open_unbuffered(os.path.join(self._root, relative_path)) as stream:
                 for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
                     info = self.storage_data[item.storage_index]
                     data = read_chunk(stream, item.storage_index, info)
