@@ -59,6 +59,16 @@ def bounded_group(group: dist.ProcessGroup, timeout: datetime.timedelta) -> dist
     return made
 
 
+def abandon(group: dist.ProcessGroup) -> None:
+    """Tear down a bounded group a rank failed on (it is broken): peers still blocked
+    on this rank in it fail at once, not at their timeout. A group not made by
+    ``bounded_group`` is left alone."""
+    for key, made in list(_GROUPS.items()):
+        if made is group:
+            del _GROUPS[key]
+            dist.destroy_process_group(group)
+
+
 @contextlib.contextmanager
 def in_flight(
     step: str, path: str, group: dist.ProcessGroup | None, timeout: datetime.timedelta | None

@@ -29,11 +29,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.storage import StorageReader
 
+from ..runtime.collectives import is_backend_failure
 from ..torch_internals import single_process_dcp
 from .bounded import Ranks, model_timeout
 from .frames import Frames, framed_state, unframed
+from .load_progress import LoadProgress, TrackedReader
 from .logical_model import Model, modules_of
 from .manifest import (
     MANIFEST,
@@ -327,16 +328,16 @@ def _metadata_entry(entries: list[Entry]) -> Entry:
     return found[0]
 
 
-def _reader(root: str, ranks: Ranks, verified: Verified, reads: Reads) -> StorageReader:
+def _reader(
+    root: str, ranks: Ranks, verified: Verified, reads: Reads, progress: LoadProgress | None
+) -> TrackedReader:
     """The storage reader of a load."""
-    if reads not in READS:
-        raise ValueError(f"reads = {reads!r}: must be one of {READS}")
     head, digests = verified.metadata_bytes, verified.digests
     if reads == "striped" and ranks.group is not None and ranks.world > 1:
-        return StripedReader(root, digests, ranks.group, metadata_bytes=head)
+        return StripedReader(root, digests, ranks.group, metadata_bytes=head, progress=progress)
     if digests is not None:
-        return VerifyingReader(root, digests, head)
-    return SafeReader(root, head)
+        return VerifyingReader(root, digests, head, progress)
+    return TrackedReader(root, head, progress)
 
 
 def _read(
@@ -349,7 +350,12 @@ def _read(
     """``dcp.load`` into ``state`` (with ``verified.digests``: every chunk checked as
     read; ``reads``: how chunks come off storage); this rank's ``extra`` (rank 0's when
     it had none)."""
-    reader = _reader(root, ranks, verified, reads)
+    if reads not in READS:
+        raise ValueError(f"reads = {reads!r}: must be one of {READS}")
+    progress = None
+    if ranks.group is not None and ranks.world > 1:
+        progress = LoadProgress(ranks.group, root)
+    reader = _reader(root, ranks, verified, reads, progress)
     with ranks.step("dcp.load"), single_process_dcp(ranks.no_dist):
         try:
             dcp_load(state, root, ranks.group, ranks.no_dist, reader=reader)
@@ -357,6 +363,8 @@ def _read(
             # DCP's own collectives fail after an exchange that lost a peer, with less to say
             if isinstance(reader, StripedReader) and reader.exchange_failure is not None:
                 raise reader.exchange_failure from None
+            if progress is not None and is_backend_failure(err):  # a rank lost in DCP's steps
+                raise progress.failure(err, progress.step()) from None
             if not isinstance(err, CheckpointException):
                 raise
             # the lowest rank's failure, the same on every rank

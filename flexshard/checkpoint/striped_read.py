@@ -16,14 +16,12 @@ A chunk that fails its check, or whose bytes cannot be decoded, never stops a ra
 between collectives: it is sent marked bad (its receivers skip it), and the error is
 raised once every batch has moved; DCP then raises it on every rank. A peer that dies
 or stalls during an exchange fails the collective within the group's timeout; the
-error names the ranks that had not reached that batch (each rank records its progress
-in the job's store before each exchange).
+error names the ranks that had not reached that batch (``load_progress.py``).
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,12 +31,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
-from torch.futures import Future
 
 from ..runtime.collectives import CollectiveError
-from ..torch_internals import default_store
+from .load_progress import LoadProgress, TrackedReader, batch
 from .manifest import storage_key
-from .safe_load import SafeReader
 from .verified_read import ChecksumError, check_chunk, decode_chunk, open_unbuffered, read_chunk
 
 #: staging per rank and batch: the bytes a rank sends plus those it receives
@@ -120,11 +116,12 @@ def stripe_schedule(
     return [[batch[rank] for batch in batches] for rank in range(world)]
 
 
-class StripedReader(SafeReader):
-    """A SafeReader for DCP loads over ``group`` in which each chunk is read from
+class StripedReader(TrackedReader):
+    """A TrackedReader for DCP loads over ``group`` in which each chunk is read from
     storage by one rank and sent to the others that need it. ``digests`` (manifest key
     -> sha256; None: unchecked) are checked on the bytes read; ``batch_bytes`` bounds
-    each rank's staging per batch; ``metadata_bytes`` as for ``SafeReader``."""
+    each rank's staging per batch; ``metadata_bytes`` as for ``SafeReader``;
+    ``progress``: the load's (default: a new one on ``group``)."""
 
     def __init__(
         self,
@@ -133,8 +130,11 @@ class StripedReader(SafeReader):
         group: dist.ProcessGroup,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
         metadata_bytes: bytes | None = None,
+        progress: LoadProgress | None = None,
     ) -> None:
-        super().__init__(root, metadata_bytes)
+        progress = progress if progress is not None else LoadProgress(group, root)
+        super().__init__(root, metadata_bytes, progress)
+        self._progress = progress
         if batch_bytes <= 0:
             raise ValueError(f"batch_bytes = {batch_bytes}: must be > 0")
         self._root = root
@@ -154,37 +154,35 @@ class StripedReader(SafeReader):
         needs = [[item.storage_index for item in plan.items] for plan in plans]
         lengths = {i: self.storage_data[i].length for indices in needs for i in indices}
         schedule = stripe_schedule(needs, lengths, self._storage_order, self._batch_bytes)
-        return [
-            LoadPlan(plan.items, storage_data=parts, planner_data=plan.planner_data)
-            for plan, parts in zip(plans, schedule, strict=True)
-        ]
+        return super().prepare_global_plan(
+            [
+                LoadPlan(plan.items, storage_data=parts, planner_data=plan.planner_data)
+                for plan, parts in zip(plans, schedule, strict=True)
+            ]
+        )
 
     # ----------------------------------------------------------- reading (every rank)
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def read_chunks(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         items: dict[MetadataIndex, list[ReadItem]] = defaultdict(list)
         for item in plan.items:
             items[item.storage_index].append(item)
         errors: list[BaseException] = []
         files: dict[str, IO[bytes]] = {}
-        progress = _Progress(self._group)
         try:
             for number, part in enumerate(plan.storage_data):
-                self._batch(progress, number, part, items, planner, files, errors)
+                self._batch(number, part, items, planner, files, errors)
         finally:
             for stream in files.values():
                 stream.close()
         if errors:
             raise errors[0]
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
 
     def _read(self, index: MetadataIndex, files: dict[str, IO[bytes]]) -> bytes:
         info = self.storage_data[index]
         stream = files.get(info.relative_path)
         if stream is None:
             path = os.path.join(self._root, info.relative_path)
-            stream = files[info.relative_path] = open_unbuffered(path)  # closed in read_data
+            stream = files[info.relative_path] = open_unbuffered(path)  # closed in read_chunks
         data = read_chunk(stream, index, info)
         if self._digests is not None:
             check_chunk(self._digests, index, data, info)
@@ -205,7 +203,6 @@ class StripedReader(SafeReader):
 
     def _batch(
         self,
-        progress: _Progress,
         number: int,
         part: RankBatch,
         items: dict[MetadataIndex, list[ReadItem]],
@@ -234,7 +231,7 @@ class StripedReader(SafeReader):
         for index, src in part.receives:
             recv_splits[src] += 1 + self.storage_data[index].length
         received = torch.empty(sum(recv_splits), dtype=torch.uint8)
-        self._exchange(progress, number, received, send, recv_splits, send_splits)
+        self._exchange(number, received, send, recv_splits, send_splits)
         at = 0
         view = memoryview(received.numpy())
         for index, _ in part.receives:
@@ -245,75 +242,15 @@ class StripedReader(SafeReader):
 
     def _exchange(
         self,
-        progress: _Progress,
         number: int,
         received: torch.Tensor,
         send: torch.Tensor,
         recv_splits: list[int],
         send_splits: list[int],
     ) -> None:
-        progress.arrive(number)
+        self._progress.arrive(batch(number))
         try:
             dist.all_to_all_single(received, send, recv_splits, send_splits, group=self._group)
         except Exception as err:
-            missing = progress.missing(number)
-            if missing is None:
-                who = "which rank failed is unknown (the job's store is gone with its host)"
-            elif missing:
-                who = f"rank(s) {missing} never reached it"
-            else:
-                who = "every rank reached it (one died or stalled in it)"
-            rank = dist.get_rank()
-            cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            self.exchange_failure = CollectiveError(
-                f"flexshard: striped read of checkpoint '{self._root}' failed on rank {rank} "
-                f"in batch {number}: {who}; no rank's model changed [backend: {cause}]",
-                bucket=f"checkpoint '{self._root}'",
-                collective="striped read",
-                rank=rank,
-                backend_error=err,
-            )
+            self.exchange_failure = self._progress.failure(err, self._progress.step())
             raise self.exchange_failure from None
-
-
-class _Progress:
-    """Each rank's last batch reached in the current striped load on a group, kept in
-    the job's store, so a failed exchange can name the ranks that never reached it."""
-
-    #: striped loads started per group (the same count on every member)
-    _loads: dict[tuple[int, ...], int] = defaultdict(int)
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self._ranks = tuple(dist.get_process_group_ranks(group))
-        _Progress._loads[self._ranks] += 1
-        self._load = _Progress._loads[self._ranks]
-        self._store = default_store()
-
-    def _key(self, rank: int) -> str:
-        return f"flexshard/stripe/{'-'.join(map(str, self._ranks))}/{rank}"
-
-    def arrive(self, batch: int) -> None:
-        self._store.set(self._key(dist.get_rank()), f"{self._load} {batch}")
-
-    def missing(self, batch: int, settle_s: float = 10.0) -> list[int] | None:
-        """The group's ranks whose recorded progress stays short of ``batch`` of this
-        load for ``settle_s`` (a live rank that was merely slower still arrives, and
-        fails in the same exchange; a dead one never does). None: the store cannot say,
-        its host rank is gone."""
-        deadline = time.monotonic() + settle_s
-        behind = list(self._ranks)
-        try:
-            while True:
-                behind = [rank for rank in behind if not self._reached(rank, batch)]
-                if not behind or time.monotonic() >= deadline:
-                    return behind
-                time.sleep(0.1)
-        except Exception:  # the store is served by a rank's process, which may be the dead one
-            return None
-
-    def _reached(self, rank: int, batch: int) -> bool:
-        key = self._key(rank)
-        if not self._store.check([key]):
-            return False
-        load, reached = map(int, self._store.get(key).split())
-        return (load, reached) >= (self._load, batch)

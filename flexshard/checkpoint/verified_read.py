@@ -18,10 +18,9 @@ from typing import IO, Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
-from torch.futures import Future
 
+from .load_progress import LoadProgress, TrackedReader
 from .manifest import storage_key
-from .safe_load import SafeReader
 
 
 class ChecksumError(ValueError):
@@ -91,18 +90,22 @@ def decode_chunk(item: Any, data: bytes, planner: LoadPlanner) -> None:
     planner.commit_tensor(item, target)
 
 
-class VerifyingReader(SafeReader):
-    """A SafeReader whose every chunk is hashed as read and checked against
+class VerifyingReader(TrackedReader):
+    """A TrackedReader whose every chunk is hashed as read and checked against
     ``digests`` (manifest key -> sha256) before it is decoded."""
 
     def __init__(
-        self, root: str, digests: dict[str, str], metadata_bytes: bytes | None = None
+        self,
+        root: str,
+        digests: dict[str, str],
+        metadata_bytes: bytes | None = None,
+        progress: LoadProgress | None = None,
     ) -> None:
-        super().__init__(root, metadata_bytes)
+        super().__init__(root, metadata_bytes, progress)
         self._root = root
         self._digests = digests
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def read_chunks(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         per_file: dict[str, list] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
@@ -115,6 +118,3 @@ class VerifyingReader(SafeReader):
                     data = read_chunk(stream, item.storage_index, info)
                     check_chunk(self._digests, item.storage_index, data, info)
                     decode_chunk(item, data, planner)
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done

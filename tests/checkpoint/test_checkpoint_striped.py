@@ -223,7 +223,7 @@ def test_a_rank_dying_mid_load_is_named(loads):
         assert got["type"] == "CollectiveError", got
         assert got["unchanged"] and got["seconds"] < TIMEOUT.total_seconds() + 30, got
         assert re.search(
-            r"striped read of checkpoint .* in batch 0: rank\(s\) \[2\] never reached it",
+            r"load of checkpoint .* in the striped read's batch 0: rank\(s\) \[2\] never reached",
             got["error"],
         ), got
 

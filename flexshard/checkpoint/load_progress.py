@@ -1,0 +1,220 @@
+"""Each rank's progress through a checkpoint load, kept in the job's store, so that a
+load that loses a rank names it.
+
+A DCP load runs collective steps of its own (the plan: a gather of every rank's local
+plan to the coordinator, its global plan, a scatter back; the read: an all-gather once
+every rank read), and the striped reader one exchange per batch. A rank that dies or
+stalls in any of them fails the others' collective with the backend's generic error.
+Every rank records in the job's store how far it got before each step (``arrive``);
+the readers of a load do it at each point (``TrackedReader``). When a collective fails,
+a rank asks the store which ranks never reached what that step needs from them
+(``failure``), giving a live rank that was merely slower ``settle_s`` to arrive.
+
+The store is served by one process: rank 0's under a plain ``init_process_group``
+(rank 0's death takes the store with it, so a store that does not answer at all names
+rank 0), torchrun's agent's under torchrun (the store outlives every rank).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from ..runtime.collectives import CollectiveError, backend_cause
+from ..torch_internals import default_store
+from .bounded import abandon
+from .safe_load import SafeReader
+
+#: the points of a load, in order: (phase, batch); a rank's record only grows
+STARTED = (0, 0)
+LOCAL_PLAN = (1, 0)  # this rank's local plan made: it enters the plan's gather
+GLOBAL_PLAN = (2, 0)  # the coordinator's global plan made: it enters the scatter
+READ = (4, 0)  # this rank read everything it needs: it enters the read's all-gather
+
+
+def batch(number: int) -> tuple[int, int]:
+    """The striped exchange of batch ``number``."""
+    return (3, number)
+
+
+class LoadProgress:
+    """One load's progress on ``group`` (every member makes one per load, in the same
+    order: their loads are numbered alike). ``root``: the checkpoint, for messages."""
+
+    #: loads started per group (the same count on every member)
+    _loads: dict[tuple[int, ...], int] = defaultdict(int)
+
+    def __init__(self, group: dist.ProcessGroup, root: str) -> None:
+        self._group = group
+        self._ranks = tuple(dist.get_process_group_ranks(group))
+        LoadProgress._loads[self._ranks] += 1
+        self._load = LoadProgress._loads[self._ranks]
+        self._store = default_store()
+        self._root = root
+        self._coordinator = self._ranks[0]  # DCP's: the group's rank 0
+        self.last = STARTED
+        self.arrive(STARTED)
+
+    def _key(self, rank: int) -> str:
+        return f"flexshard/load/{'-'.join(map(str, self._ranks))}/{rank}"
+
+    def arrive(self, point: tuple[int, int]) -> None:
+        self.last = point
+        self._store.set(self._key(dist.get_rank()), f"{self._load} {point[0]} {point[1]}")
+
+    def _needed(self) -> dict[int, tuple[int, int]]:
+        """What the collective this rank entered last needs from each other rank."""
+        me = dist.get_rank()
+        if self.last == LOCAL_PLAN:  # the gather, then the coordinator's scatter
+            need = {r: LOCAL_PLAN for r in self._ranks if r != me}
+            if self._coordinator != me:
+                need[self._coordinator] = GLOBAL_PLAN
+            return need
+        if self.last == GLOBAL_PLAN:  # the coordinator, in its scatter
+            return {r: LOCAL_PLAN for r in self._ranks if r != me}
+        return {r: self.last for r in self._ranks if r != me}
+
+    def missing(self, settle_s: float = 10.0) -> list[int] | None:
+        """The group's ranks whose recorded progress stays short of what this rank's
+        failed collective needs from them for ``settle_s``; a rank short of it that
+        failed itself (alive: its collective failed first) stands for the ranks it
+        names. None: the store cannot say (it never answered)."""
+        need = self._needed()
+        behind = sorted(need)
+        named: list[int] = behind
+        answered = False
+        deadline = time.monotonic() + settle_s
+        try:
+            while True:
+                behind = [r for r in behind if not self._reached(r, need[r])]
+                failed = {r: self._named_by(r) for r in behind}
+                blamed = {m for names in failed.values() if names for m in names}
+                alive = {r for r, names in failed.items() if names is not None}
+                named = sorted(({*behind} - alive | blamed) - {dist.get_rank()})
+                answered = True
+                # settled: every rank behind failed itself or is named by one that did
+                if set(behind) <= alive | blamed or time.monotonic() >= deadline:
+                    return named
+                time.sleep(0.1)
+        except Exception:  # the store's host is gone (or went after answering once)
+            return named if answered else None
+
+    def _record(self, key: str) -> tuple[int, list[int]] | None:
+        """A rank's record: the load it is in and what it noted there (None: none)."""
+        if not self._store.check([key]):
+            return None
+        load, *values = map(int, self._store.get(key).split())
+        return load, values
+
+    def _reached(self, rank: int, point: tuple[int, int]) -> bool:
+        record = self._record(self._key(rank))
+        return record is not None and (record[0], *record[1]) >= (self._load, *point)
+
+    def _named_by(self, rank: int) -> list[int] | None:
+        """The ranks ``rank`` named when its own collective failed in this load (None:
+        it has not failed, or not said yet)."""
+        record = self._record(self._key(rank) + "/failed")
+        return record[1] if record is not None and record[0] == self._load else None
+
+    def failure(self, err: BaseException, step: str) -> CollectiveError:
+        """The error of this rank's failed collective in ``step``: the ranks that never
+        reached it, read from the store."""
+        missing = self.missing()
+        if missing is not None:  # a rank waiting on this one names the ranks it waits on
+            record = " ".join(map(str, [self._load, *missing]))
+            try:
+                self._store.set(self._key(dist.get_rank()) + "/failed", record)
+            except Exception:  # the store went meanwhile: nothing to tell
+                pass
+        abandon(self._group)  # the ranks blocked on this one fail now, not at the timeout
+        if missing is not None and dist.get_rank() == 0 and _rank_zero_hosts_the_store():
+            self._serve_the_others(missing)
+        if missing is None and _rank_zero_hosts_the_store():
+            who = "rank(s) [0] never reached it (rank 0 served the job's store, now gone)"
+        elif missing is None:
+            who = "which rank failed is unknown (the job's store does not answer)"
+        elif missing:
+            who = f"rank(s) {missing} never reached it"
+        else:
+            who = "every rank reached it (one died or stalled in it)"
+        rank = dist.get_rank()
+        return CollectiveError(
+            f"flexshard: load of checkpoint '{self._root}' failed on rank {rank} in "
+            f"{step}: {who}; no rank's model changed [backend: {backend_cause(err)}]",
+            bucket=f"checkpoint '{self._root}'",
+            collective=step,
+            rank=rank,
+            backend_error=err,
+        )
+
+    def _serve_the_others(self, missing: list[int], settle_s: float = 10.0) -> None:
+        """Rank 0 serves the store: it waits (at most ``settle_s``) for the group's other
+        live ranks to note their own failure, so they read the store before it goes."""
+        others = [r for r in self._ranks if r not in missing and r != dist.get_rank()]
+        deadline = time.monotonic() + settle_s
+        try:
+            while others and time.monotonic() < deadline:
+                others = [r for r in others if self._named_by(r) is None]
+                time.sleep(0.1)
+        except Exception:  # the store failed after all: nobody can read it
+            pass
+
+    def step(self) -> str:
+        """The step this rank's last collective was in, for messages."""
+        if self.last in (LOCAL_PLAN, GLOBAL_PLAN):
+            return "DCP's plan (gather, global plan, scatter)"
+        if self.last == READ:
+            return "DCP's read (all-gather)"
+        if self.last[0] == batch(0)[0]:
+            return f"the striped read's batch {self.last[1]}"
+        return "the load's set-up"
+
+
+def _rank_zero_hosts_the_store() -> bool:
+    """torchrun's agent serves the store when it says so; otherwise rank 0 does."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+class TrackedReader(SafeReader):
+    """A SafeReader that records the load's progress (``progress``; None: not tracked)
+    at each of DCP's steps. Subclasses read in ``read_chunks``."""
+
+    def __init__(
+        self,
+        root: str,
+        metadata_bytes: bytes | None = None,
+        progress: LoadProgress | None = None,
+    ) -> None:
+        super().__init__(root, metadata_bytes)
+        self.progress = progress
+
+    def _arrive(self, point: tuple[int, int]) -> None:
+        if self.progress is not None:
+            self.progress.arrive(point)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        plan = super().prepare_local_plan(plan)
+        self._arrive(LOCAL_PLAN)
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        plans = super().prepare_global_plan(plans)
+        self._arrive(GLOBAL_PLAN)
+        return plans
+
+    def read_chunks(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Read what ``plan`` names into ``planner``'s targets (torch's reader)."""
+        super().read_data(plan, planner).wait()
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[Any]:
+        self.read_chunks(plan, planner)
+        self._arrive(READ)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
