@@ -93,9 +93,9 @@ class LoadProgress:
         try:
             while True:
                 behind = [r for r in behind if not self._reached(r, need[r])]
-                failed = {r: self._named_by(r) for r in behind}
-                blamed = {m for names in failed.values() if names for m in names}
-                alive = {r for r, names in failed.items() if names is not None}
+                failed = {r: self._failed(r) for r in behind}
+                alive = {r for r, said in failed.items() if said is not None}
+                blamed = {m for said in failed.values() if said for m in said[1]}
                 named = sorted(({*behind} - alive | blamed) - {dist.get_rank()})
                 answered = True
                 # settled: every rank behind failed itself or is named by one that did
@@ -116,22 +116,28 @@ class LoadProgress:
         record = self._record(self._key(rank))
         return record is not None and (record[0], *record[1]) >= (self._load, *point)
 
-    def _named_by(self, rank: int) -> list[int] | None:
-        """The ranks ``rank`` named when its own collective failed in this load (None:
-        it has not failed, or not said yet)."""
+    def _failed(self, rank: int) -> tuple[bool, list[int]] | None:
+        """Whether ``rank``'s own collective failed in this load (None: not that it
+        said): whether it has settled on the ranks it names, and those ranks."""
         record = self._record(self._key(rank) + "/failed")
-        return record[1] if record is not None and record[0] == self._load else None
+        if record is None or record[0] != self._load:
+            return None
+        return bool(record[1][0]), record[1][1:]
+
+    def _note_failed(self, settled: bool, named: list[int]) -> None:
+        record = " ".join(map(str, [self._load, int(settled), *named]))
+        try:
+            self._store.set(self._key(dist.get_rank()) + "/failed", record)
+        except Exception:  # the store is gone: nobody can read it
+            pass
 
     def failure(self, err: BaseException, step: str) -> CollectiveError:
         """The error of this rank's failed collective in ``step``: the ranks that never
         reached it, read from the store."""
+        self._note_failed(False, [])  # alive: the others do not wait for this rank
         missing = self.missing()
         if missing is not None:  # a rank waiting on this one names the ranks it waits on
-            record = " ".join(map(str, [self._load, *missing]))
-            try:
-                self._store.set(self._key(dist.get_rank()) + "/failed", record)
-            except Exception:  # the store went meanwhile: nothing to tell
-                pass
+            self._note_failed(True, missing)
         abandon(self._group)  # the ranks blocked on this one fail now, not at the timeout
         if missing is not None and dist.get_rank() == 0 and _rank_zero_hosts_the_store():
             self._serve_the_others(missing)
@@ -160,7 +166,7 @@ class LoadProgress:
         deadline = time.monotonic() + settle_s
         try:
             while others and time.monotonic() < deadline:
-                others = [r for r in others if self._named_by(r) is None]
+                others = [r for r in others if not (self._failed(r) or (False,))[0]]
                 time.sleep(0.1)
         except Exception:  # the store failed after all: nobody can read it
             pass
