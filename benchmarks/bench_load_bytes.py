@@ -1,7 +1,7 @@
 """Bytes read from storage per checkpoint load, summed over every process of the job,
 against the checkpoint's size on disk; and the load's wall time.
 
-    .venv/bin/python -m benchmarks.bench_load_bytes            # ~25M params + AdamW, ~5 min
+    .venv/bin/python -m benchmarks.bench_load_bytes            # ~25M params + AdamW, ~8 min
     .venv/bin/python -m benchmarks.bench_load_bytes --quick    # ~3M params
 
 Counted: ``rchar`` of ``/proc/self/io`` (bytes the process asked ``read``-family
