@@ -149,7 +149,7 @@ H100_GT500 = dataclasses.replace(
     fused_share=0.558,
     fp8_gemm_efficiency=0.915,
     attention_tflops=240.1,
-    async_tp_overlap=0.027,
+    async_tp_overlap=0.0266,
 )
 BUILTIN = {"h100": H100, "h200": H200, "h100-gt500": H100_GT500}
 

@@ -488,8 +488,7 @@ def _other_collectives(
     collectives (all-gather + reduce-scatter with sequence parallelism, all-reduce
     without: the same bytes; a block-level recompute runs its forward's again; none
     under async TP), EP's token all-to-all (dispatch + combine, again in a block-level
-    recompute), CP's key/value
-    all-gather, PP's activation send/receive."""
+    recompute), CP's key/value all-gather, PP's activation send/receive."""
     m = cfg.model
     act = 2 if cfg.training.mixed_precision == "bf16" else 4
     hidden = tokens * m.dim * act
