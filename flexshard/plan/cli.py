@@ -139,12 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     from .report import make_plan
     from .techniques import Techniques
 
-    techniques = Techniques(
-        float8=args.float8,
-        async_tp=args.async_tp,
-        loss_parallel=args.loss_parallel,
-        float8_all_gather=args.float8_all_gather,
-    )
+    try:
+        techniques = Techniques(
+            float8=args.float8,
+            async_tp=args.async_tp,
+            loss_parallel=args.loss_parallel,
+            float8_all_gather=args.float8_all_gather,
+        )
+    except ValueError as err:
+        print(f"flexshard-plan: {err}", file=sys.stderr)
+        return 2
     backends = BACKENDS if args.dp_backend == "both" else (args.dp_backend,)
     if args.suggest:
         from .suggest import suggest

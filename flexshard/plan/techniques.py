@@ -55,6 +55,8 @@ class Techniques:
     float8_all_gather: bool = False
 
     def __post_init__(self) -> None:
+        if self.float8_all_gather and not self.float8:
+            raise ValueError("float8_all_gather (--float8-all-gather) needs float8 (--float8)")
         if not 0.0 <= self.op_ac_recomputed_mm <= 1.0:
             raise ValueError(
                 f"op_ac_recomputed_mm = {self.op_ac_recomputed_mm}: a share, in [0, 1]"

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from flexshard.plan.cli import main
 from flexshard.plan.hardware import H100
 from flexshard.plan.report import activation_timeline, build_stages, planning_config
 from flexshard.plan.steptime import (
@@ -73,6 +74,13 @@ def test_float8_all_gather_halves_the_linears_bytes() -> None:
     assert gathered_share(block, Techniques(float8=True)) == 1.0
     root = next(b for b in buckets if b.is_root)
     assert gathered_share(root, on) == 1.0  # the embedding and LM head stay bf16
+    with pytest.raises(ValueError, match="float8_all_gather"):
+        Techniques(float8_all_gather=True)
+
+
+def test_cli_refuses_a_float8_all_gather_without_float8(capsys) -> None:
+    assert main(["configs/debug.toml", "--world", "2", "--float8-all-gather"]) == 2
+    assert "--float8-all-gather) needs float8 (--float8)" in capsys.readouterr().err
 
 
 def test_loss_parallel_shards_the_head_over_tp() -> None:
