@@ -15,13 +15,19 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from flexshard.torch_internals import FakeTensorMode, MemRefType, MemTracker, ModState
 from flexshard.trainer.config import ActivationCheckpointConfig, Config, ModelConfig
 from flexshard.trainer.models.model import Transformer
-from flexshard.trainer.parallel.activation_checkpoint import apply_ac
+from flexshard.trainer.parallel.activation_checkpoint import SAVED_OPS, apply_ac
 
 from .recompute import op_level, recomputed_share
 
@@ -47,7 +53,8 @@ def dense_equivalent(model: ModelConfig) -> ModelConfig:
 
 def fake_model(model: ModelConfig, layers: int, dtype: torch.dtype, ac: str) -> Transformer:
     """A ``layers``-block copy of ``model`` built in ``dtype`` with every block
-    checkpointed as ``ac`` says ("none", "full" or "op"); call it under FakeTensorMode."""
+    checkpointed as ``ac`` says ("none", "full", "op" or "op_every_second_mm":
+    torchtitan's op policy); call it under FakeTensorMode."""
     cfg = copy.deepcopy(model)
     cfg.n_layers = layers
     previous = torch.get_default_dtype()
@@ -56,9 +63,52 @@ def fake_model(model: ModelConfig, layers: int, dtype: torch.dtype, ac: str) -> 
         net = Transformer(cfg)
     finally:
         torch.set_default_dtype(previous)
+    if ac == "op_every_second_mm":
+        for name, block in list(net.layers.named_children()):
+            net.layers.register_module(name, _EverySecondMatmulRecomputed(block))
+        return net
     mode = {"none": "none", "full": "full", "op": "selective"}[ac]
     apply_ac(net, ActivationCheckpointConfig(mode=mode, selective_ac_option="op"))
     return net
+
+
+_MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
+
+
+def _every_second_mm_recomputed() -> tuple:
+    """torchtitan's op-level policy (``torchtitan/parallelisms/parallelize_llama.py``
+    at its performance run's commit 9dec370): save the outputs of the compute ops
+    (matmuls, attention, collectives), except every second matmul, counted per forward
+    and per recompute of a block."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in _MATMULS:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+class _EverySecondMatmulRecomputed(torch.nn.Module):
+    """A block checkpointed with torchtitan's op-level policy (planning only: the
+    trainer's own op policy keeps every matmul)."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return checkpoint(
+            self.block,
+            *args,
+            **kwargs,
+            use_reentrant=False,
+            preserve_rng_state=False,
+            context_fn=_every_second_mm_recomputed,
+        )
 
 
 def _measure(

@@ -44,6 +44,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--async-tp", action="store_true", help="TP collectives overlapped with their matmuls"
     )
     p.add_argument(
+        "--float8-all-gather",
+        action="store_true",
+        help="with --float8: the linears' weights cast to FP8 before FSDP's all-gather",
+    )
+    p.add_argument(
+        "--loss-parallel",
+        action="store_true",
+        help="the LM head's logits and loss sharded over tp (torchtitan's default)",
+    )
+    p.add_argument(
         "--rank",
         type=int,
         default=None,
@@ -129,7 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     from .report import make_plan
     from .techniques import Techniques
 
-    techniques = Techniques(float8=args.float8, async_tp=args.async_tp)
+    try:
+        techniques = Techniques(
+            float8=args.float8,
+            async_tp=args.async_tp,
+            loss_parallel=args.loss_parallel,
+            float8_all_gather=args.float8_all_gather,
+        )
+    except ValueError as err:
+        print(f"flexshard-plan: {err}", file=sys.stderr)
+        return 2
     backends = BACKENDS if args.dp_backend == "both" else (args.dp_backend,)
     if args.suggest:
         from .suggest import suggest

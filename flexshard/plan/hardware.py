@@ -145,11 +145,11 @@ H100_GT500 = dataclasses.replace(
     memory_gib=95.0,
     sustained_clock=(835.0 / 989.0 + 1.0) / 2,
     # fitted (``flexshard-plan --validate``; tests/plan/test_plan_validate.py checks them)
-    gemm_efficiency=0.778,
+    gemm_efficiency=0.775,
     fused_share=0.558,
-    fp8_gemm_efficiency=0.994,
-    attention_tflops=237.8,
-    async_tp_overlap=0.0,
+    fp8_gemm_efficiency=0.915,
+    attention_tflops=240.1,
+    async_tp_overlap=0.0266,
 )
 BUILTIN = {"h100": H100, "h200": H200, "h100-gt500": H100_GT500}
 

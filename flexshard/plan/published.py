@@ -6,7 +6,9 @@ efficiency constants (:data:`FITTED`: a bf16 GEMM's share of peak, a Float8 GEMM
 compile's fused share of the non-GEMM work), each from one calibration row, and
 refuses any held-out row; the held-out rows are then predicted with those constants
 and are the test. Everything else is documented, not fitted (``hardware.py``,
-``techniques.py``, ``recompute.py``).
+``techniques.py``, ``recompute.py``, the MoE and pipeline terms of ``steptime.py``);
+docs/planning_validation.md says which of those effects were added after the held-out
+errors had been seen.
 
 Sources: torchtitan ``docs/performance.md`` (tables 1-5: Llama 3.1 on Grand Teton
 H100 at 500 W, torch 2024-12-23), FlexShard's DeepSeek-V3 16B on 8 H100 with EP 4
@@ -51,9 +53,11 @@ LLAMA_VOCAB = ("--model.vocab_size", "128256")
 SELECTIVE_OP = ("--activation_checkpoint.mode", "selective")
 FULL_AC = ("--activation_checkpoint.mode", "full")
 COMPILE = ("--compile.enable", "true")
-TITAN_AC = Techniques(op_ac_recomputed_mm=TORCHTITAN_OP_AC)
-TITAN_FP8 = Techniques(float8=True, op_ac_recomputed_mm=TORCHTITAN_OP_AC)
-TITAN_FP8_ASYNC = Techniques(float8=True, async_tp=True, op_ac_recomputed_mm=TORCHTITAN_OP_AC)
+# torchtitan runs loss parallel wherever tp > 1 (``disable_loss_parallel`` false by default)
+TITAN_AC = Techniques(op_ac_recomputed_mm=TORCHTITAN_OP_AC, loss_parallel=True)
+# Float8 as torchtitan's docs/float8.md and its 405B config run it: FSDP Float8 all-gather
+TITAN_FP8 = dataclasses.replace(TITAN_AC, float8=True, float8_all_gather=True)
+TITAN_FP8_ASYNC = dataclasses.replace(TITAN_FP8, async_tp=True)
 
 
 @dataclass(frozen=True)
@@ -222,23 +226,36 @@ def _layout_overrides(overrides: tuple[str, ...]) -> tuple[str, ...]:
 
 @functools.cache
 def _layout(
-    config: str, world: int, overrides: tuple[str, ...], backend: str, hardware: str
+    config: str,
+    world: int,
+    overrides: tuple[str, ...],
+    backend: str,
+    hardware: str,
+    memory_techniques: Techniques,
 ) -> tuple[Any, list[list], int]:
     """(mesh, every stage's buckets, the busiest stage's peak memory), built once per
     layout: the runs that differ in compile or techniques alone share it."""
     cfg = planning_config(load_config(str(ROOT / config), list(overrides)))
     dims, stages = build_stages(cfg, world, None)
-    plan = backend_plan(cfg, dims, stages, BUILTIN[hardware], backend)
+    plan = backend_plan(cfg, dims, stages, BUILTIN[hardware], backend, memory_techniques)
     if backend == "fsdp2":
         stages = [fsdp2_equivalent(s) for s in stages]
     return dims, stages, plan["memory"]["total"]
+
+
+def _memory_techniques(run: Run) -> Techniques:
+    """What of ``run.techniques`` changes memory: the checkpoint policy, loss parallel."""
+    t = run.techniques
+    return Techniques(op_ac_recomputed_mm=t.op_ac_recomputed_mm, loss_parallel=t.loss_parallel)
 
 
 @functools.cache
 def build(run: Run) -> Built:
     cfg = planning_config(load_config(str(ROOT / run.config), list(run.overrides)))
     layout = _layout_overrides(run.overrides)
-    dims, stages, memory = _layout(run.config, run.world, layout, run.backend, run.hardware)
+    dims, stages, memory = _layout(
+        run.config, run.world, layout, run.backend, run.hardware, _memory_techniques(run)
+    )
     return Built(cfg, dims, stages, memory)
 
 

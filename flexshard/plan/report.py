@@ -78,20 +78,27 @@ def storage_balance(buckets: list[BucketInfo]) -> list[dict[str, Any]]:
     ]
 
 
-def activation_timeline(cfg: Config, sequences: int) -> ActivationTimeline:
+def activation_timeline(
+    cfg: Config, sequences: int, techniques: Techniques = TRAINER
+) -> ActivationTimeline:
     """One tp rank's activations through a microbatch of ``sequences`` (measured on 2
-    blocks under fake tensors, with the config's activation checkpointing)."""
+    blocks under fake tensors, with the config's activation checkpointing, or
+    torchtitan's op policy where ``techniques`` says so); under loss parallel the
+    head's logits and loss buffers sharded over tp (their vocabulary dimension; the
+    final norm's output is sequence-sharded already)."""
     model = dense_equivalent(cfg.model)
     dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
     seq = cfg.training.seq_len // cfg.parallelism.cp
     plain = timeline(model, sequences, seq, dtype, "none")
     share = recomputed_share(cfg)
     if share:
-        marked = timeline(model, sequences, seq, dtype, "op" if op_level(cfg) else "full")
+        op = "op_every_second_mm" if techniques.op_ac_recomputed_mm == 0.5 else "op"
+        marked = timeline(model, sequences, seq, dtype, op if op_level(cfg) else "full")
         plain = mix(plain, marked, share)
     # op-level checkpointing under TP also keeps its collectives' outputs
     kept = kept_collective_bytes(cfg, sequences, 2 if dtype == torch.bfloat16 else 4)
-    return plain.scaled(tp_share(cfg), kept)
+    head = 1 / cfg.parallelism.tp if techniques.loss_parallel else 1.0
+    return plain.scaled(tp_share(cfg), kept, head)
 
 
 def _backend_plan(
@@ -109,7 +116,7 @@ def _backend_plan(
     micro = (par.pp_microbatches or dims.pp) if dims.pp > 1 else t.grad_accum
     seqs = t.batch_size // micro if dims.pp > 1 else t.batch_size
     in_flight = 1 if dims.pp == 1 else (micro if par.pp_schedule == "gpipe" else dims.pp)
-    timeline_ = activation_timeline(cfg, seqs)
+    timeline_ = activation_timeline(cfg, seqs, techniques)
     worst: dict[str, Any] | None = None
     slowest: StepTime | None = None  # a pipeline moves at its slowest stage's pace
     for index, buckets in enumerate(stages):

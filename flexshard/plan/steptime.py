@@ -32,6 +32,16 @@ from .recompute import op_level, recompute_parts, recomputed_share
 from .techniques import FLOAT8_SCALE_OPS, TRAINER, Techniques, float8_scale_bytes
 
 MUON_BYTES = 20  # one momentum buffer
+# An MoE layer's token movement, per routed copy of a token (top_k per token) and per
+# element of the model width, in activation-dtype elements read + written, forward: the
+# permutation into expert order (read, write), the regrouping by local expert after the
+# dispatch all-to-all and its inverse before the combine (2 x read, write), the weighted
+# sum of the top_k outputs (read): 7 elements. Backward: each copy's gradient is a copy
+# and the weighted sum's gives the outputs' and the scores' gradients: twice. The plan
+# measures a dense equivalent of the block (shapes are data-dependent), which has none
+# of these.
+ROUTED_ELEMENTS_FORWARD = 7
+ROUTED_ELEMENTS_BACKWARD = 14
 # flash attention's backward runs 5 matmuls to the forward's 2 (it recomputes the
 # scores): 2.5 times the forward's FLOPs (Dao, FlashAttention-2, 2023, section 4.1)
 ATTENTION_BACKWARD = 2.5
@@ -109,6 +119,30 @@ def bucket_flops(info: BucketInfo, cfg: Config, tokens: int) -> float:
             # causal: each query meets seq/2 keys on average (flash attention skips the rest)
             flops += 4.0 * param.shape[0] * cfg.training.seq_len / 2 * tokens
     return flops
+
+
+def routed_copies(info: BucketInfo, cfg: Config, tokens: int) -> tuple[float, float]:
+    """(forward, backward) bytes an expert bucket's MoE layers move routing ``tokens``
+    tokens to their experts and back (``ROUTED_ELEMENTS_*``); 0 for other buckets."""
+    stacks = sum(1 for p in info.layout.params if len(p.shape) == 3) // 3  # w1, w2, w3
+    if not stacks:
+        return 0.0, 0.0
+    act = 2 if cfg.training.mixed_precision == "bf16" else 4
+    per_layer = tokens * cfg.model.moe.top_k * cfg.model.dim * act
+    return (
+        stacks * ROUTED_ELEMENTS_FORWARD * per_layer,
+        stacks * ROUTED_ELEMENTS_BACKWARD * per_layer,
+    )
+
+
+def gathered_share(info: BucketInfo, techniques: Techniques) -> float:
+    """The share of a bucket's all-gather bytes sent: under FSDP Float8 all-gather the
+    blocks' linear weights go as 1 byte per element."""
+    if not (techniques.float8 and techniques.float8_all_gather) or info.is_root:
+        return 1.0
+    total = sum(math.prod(p.shape) for p in info.layout.params) or 1
+    linear = sum(math.prod(p.shape) for p in info.layout.params if len(p.shape) == 2)
+    return 1 - linear / total * (1 - 1 / info.gather_itemsize)
 
 
 def _simulate(
@@ -247,7 +281,8 @@ def bucket_costs(
     def float8_scaling(info: BucketInfo) -> tuple[float, float]:
         """(forward, backward) seconds scaling the bucket's linears' FP8 operands."""
         linears = [p.shape for p in info.layout.params if len(p.shape) == 2]
-        moved = [float8_scale_bytes(tokens, r, c, compiled) for r, c in linears]
+        prescaled = techniques.float8_all_gather
+        moved = [float8_scale_bytes(tokens, r, c, compiled, prescaled) for r, c in linears]
         ops = len(linears) * 2 * FLOAT8_SCALE_OPS[compiled]
         fwd = hw.non_gemm_s(ops, sum(f for f, _ in moved)) * slowdown
         return fwd, hw.non_gemm_s(ops, sum(b for _, b in moved)) * slowdown
@@ -267,7 +302,10 @@ def bucket_costs(
         # a call's fixed cost and its wait for the slower rank
         call = (hw.collective_overhead_us + host.collective_wait_us) * 1e-6
         rs_link = (hw.reduce_scatter_gbps * 1e9 or dp_link[0], dp_link[1])
-        ag = ring_time((b.world - 1) * b.shard_numel * b.gather_itemsize, b.world, dp_link, call)
+        gathered = gathered_share(b, techniques)
+        ag = ring_time(
+            (b.world - 1) * b.shard_numel * b.gather_itemsize * gathered, b.world, dp_link, call
+        )
         rs_bytes = (b.world - 1) * b.shard_numel * b.reduce_itemsize
         rs = ring_time(rs_bytes, b.world, rs_link, call)
         if b.replicas > 1:  # HSDP: the all-reduce over replicas follows on the same queue
@@ -280,19 +318,23 @@ def bucket_costs(
             rs = ring_time(ar, b.world, dp_link, call)
         linear = flops[id(b)] - attention[id(b)]
         attend = attention[id(b)] / attention_rate  # causal attention's forward seconds
+        routed_fwd, routed_bwd = (
+            hw.non_gemm_s(0, moved) * slowdown for moved in routed_copies(b, cfg, tokens)
+        )
         if b.is_root:  # torchtitan compiles and converts the blocks alone
             fwd, bwd = non_gemm(ops.head_forward, 1.0), non_gemm(ops.head_backward, 1.0)
             matmul = linear / rate
         else:
             part = layers * flops[id(b)] / block_flops
             fused = hw.fused_share if compiled else 1.0
-            fwd = non_gemm(ops.block_forward, part, fused)
-            bwd = non_gemm(ops.block_backward, part, fused)
+            fwd = non_gemm(ops.block_forward, part, fused) + routed_fwd
+            bwd = non_gemm(ops.block_backward, part, fused) + routed_bwd
             matmul = linear / float8_rate
             if techniques.float8:
                 scale_fwd, scale_bwd = float8_scaling(b)
                 fwd, bwd = fwd + scale_fwd, bwd + scale_bwd
-        gather_copy = 0.0 if b.layout.replicated else copies(b, 2 * b.gathered_bytes, "gather")
+        gathered_bytes = 2 * b.gathered_bytes * gathered
+        gather_copy = 0.0 if b.layout.replicated else copies(b, gathered_bytes, "gather")
         # copy-in of the gradients (W shards) and out of the reduced shard
         moved = 2 * b.unsharded_grad_bytes + b.shard_numel * b.reduce_itemsize
         reduce_copy = copies(b, moved, "reduce")
@@ -350,8 +392,13 @@ def step_time(
         )
         total += span
         waited += w
-    bubble = (dims.pp - 1) / par.pp_virtual_stages * compute_micro if dims.pp > 1 else 0.0
-    other = _other_collectives(cfg, dims, hw, tokens, techniques) * micro
+    other_micro = _other_collectives(cfg, dims, hw, tokens, techniques)
+    # the bubble: (pp - 1) / virtual stages of a microbatch's time on a stage, which is
+    # its compute and the TP / EP / CP / PP exchanges on its critical path (Narayanan
+    # et al. 2021, section 2.2: the bubble is counted in the stage's per-microbatch time)
+    per_micro = compute_micro + other_micro
+    bubble = (dims.pp - 1) / par.pp_virtual_stages * per_micro if dims.pp > 1 else 0.0
+    other = other_micro * micro
     compute = compute_micro * micro + bubble
     copies = _copy_time(buckets, cost, micro, keep)
     exposed_dp = total - compute_micro * micro - copies
@@ -440,18 +487,18 @@ def _other_collectives(
     """Per microbatch, forward + backward, on the critical path: TP's activation
     collectives (all-gather + reduce-scatter with sequence parallelism, all-reduce
     without: the same bytes; a block-level recompute runs its forward's again; none
-    under async TP), EP's token all-to-all (dispatch + combine), CP's key/value
-    all-gather, PP's activation send/receive."""
+    under async TP), EP's token all-to-all (dispatch + combine, again in a block-level
+    recompute), CP's key/value all-gather, PP's activation send/receive."""
     m = cfg.model
     act = 2 if cfg.training.mixed_precision == "bf16" else 4
     hidden = tokens * m.dim * act
     layers = m.n_layers // dims.pp
     total = 0.0
+    # op-level AC keeps its collectives' outputs; a recomputed block runs its forward's
+    passes = 2 + (0.0 if op_level(cfg) else recomputed_share(cfg))
     if dims.tp > 1:
         tp_link = link(hw, 1, dims.tp)
         per = ring_time(hidden * (dims.tp - 1) / dims.tp, dims.tp, tp_link)
-        # op-level AC keeps its collectives' outputs; a recomputed block runs its forward's
-        passes = 2 + (0.0 if op_level(cfg) else recomputed_share(cfg))
         exposed = 1.0 - hw.async_tp_overlap if techniques.async_tp else 1.0
         total += layers * 2 * 2 * passes * per * exposed  # 2 sublayers x (AG + RS) x passes
     if dims.ep > 1 and m.moe.num_experts:
@@ -462,7 +509,8 @@ def _other_collectives(
         )
         ep_link = link(hw, dims.tp, dims.ep)
         sent = hidden * m.moe.top_k * (dims.ep - 1) / dims.ep
-        total += moe_layers * 2 * 2 * ring_time(sent, dims.ep, ep_link)
+        # dispatch + combine, in forward, backward and the recomputed forward
+        total += moe_layers * 2 * passes * ring_time(sent, dims.ep, ep_link)
     if dims.cp > 1:
         kv = tokens * 2 * m.n_kv_heads * m.head_size() * act // dims.tp
         cp_link = link(hw, dims.tp, dims.cp)

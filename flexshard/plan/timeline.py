@@ -87,14 +87,16 @@ class ActivationTimeline:
     def backward(self, i: int) -> int:
         return (i + 1) * self.per_block + self.backward_rest
 
-    def scaled(self, block: float, extra_per_block: int = 0) -> ActivationTimeline:
+    def scaled(
+        self, block: float, extra_per_block: int = 0, head: float = 1.0
+    ) -> ActivationTimeline:
         """The blocks' bytes times ``block`` (a tp rank's share), plus
         ``extra_per_block`` kept per block (TP collectives' outputs under op-level
-        checkpointing); the head's own bytes (logits, loss) unchanged."""
+        checkpointing); the head's own bytes (logits, loss) times ``head``."""
         return ActivationTimeline(
             per_block=round(self.per_block * block) + extra_per_block,
             forward_rest=round(self.forward_rest * block),
-            head_rest=self.head_rest,
+            head_rest=round(self.head_rest * head),
             backward_rest=round(self.backward_rest * block),
         )
 
@@ -114,7 +116,8 @@ def _mark_block(live: _LiveBytes, index: int):  # type: ignore[no-untyped-def]
 def measure_timeline(
     model: ModelConfig, batch: int, seq: int, dtype: torch.dtype, ac: str = "none"
 ) -> ActivationTimeline:
-    """``ac``: "none", "full" or "op" (each block checkpointed that way)."""
+    """``ac``: "none", "full", "op" or "op_every_second_mm" (each block checkpointed
+    that way: ``activations.fake_model``)."""
     with FakeTensorMode():
         net = fake_model(model, 2, dtype, ac)
         tokens = torch.randint(0, model.vocab_size, (batch, seq))

@@ -31,3 +31,32 @@ def test_a_stale_table_is_found_and_rewritten(tmp_path: Path) -> None:
     text = (tmp_path / "README.md").read_text()
     assert "46.69" not in text and "| peak per rank: one moment's sum (GiB) |" in text
     assert stale(tmp_path) == []
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    """A markdown table's rows by their first cell (the header and rule left out)."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if line.startswith("| ") and cells[0] not in ("row", "") and not cells[0].startswith("-"):
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_planning_md_quotes_every_held_out_rows_error() -> None:
+    """docs/planning.md's error table is planning_validation.md's generated one (which
+    the slow validate test keeps equal to ``flexshard-plan --validate``), row by row."""
+    from flexshard.plan.published import HELD_OUT, ROWS
+
+    generated = next(
+        m.group("body")
+        for m in BLOCK.finditer((ROOT / "docs/planning_validation.md").read_text())
+        if "--validate" in m.group("command")
+    )
+    page = (ROOT / "docs/planning.md").read_text()
+    quoted = _rows(page.split("<!-- published-errors -->")[1].split("<!-- end published-")[0])
+    assert list(quoted) == [r.key for r in ROWS if r.role == HELD_OUT]
+    source = _rows(generated)
+    for key, cells in quoted.items():
+        # the generated table's error and memory error columns (7th and 9th)
+        assert (cells[2], cells[3]) == (source[key][6], source[key][8]), key

@@ -1,0 +1,104 @@
+"""The effects the planner models for published runs, each term on its own: the MoE
+layers' token movement and their all-to-all rerun by a recompute, FSDP's Float8
+all-gather, loss parallel's sharded head and torchtitan's op-level checkpoint policy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flexshard.plan.cli import main
+from flexshard.plan.hardware import H100
+from flexshard.plan.report import activation_timeline, build_stages, planning_config
+from flexshard.plan.steptime import (
+    ROUTED_ELEMENTS_BACKWARD,
+    ROUTED_ELEMENTS_FORWARD,
+    _other_collectives,
+    gathered_share,
+    routed_copies,
+)
+from flexshard.plan.techniques import Techniques, float8_scale_bytes
+from flexshard.plan.timeline import measure_timeline
+from flexshard.trainer.config import ModelConfig, load_config
+
+MOE = ["--parallelism.ep", "2", "--model.n_layers", "3", "--training.mixed_precision", "bf16"]
+
+
+def _moe(*extra: str):  # type: ignore[no-untyped-def]
+    cfg = planning_config(load_config("configs/moe_debug.toml", [*MOE, *extra]))
+    dims, (buckets,) = build_stages(cfg, 4, 0)
+    return cfg, dims, buckets
+
+
+def test_routed_tokens_move_in_expert_buckets_only() -> None:
+    cfg, _, buckets = _moe()
+    tokens = 512
+    experts = [b for b in buckets if any(len(p.shape) == 3 for p in b.layout.params)]
+    assert len(experts) == 2  # layers 1 and 2 (the first is dense)
+    per_layer = tokens * cfg.model.moe.top_k * cfg.model.dim * 2  # bf16
+    for b in buckets:
+        expected = (
+            (ROUTED_ELEMENTS_FORWARD * per_layer, ROUTED_ELEMENTS_BACKWARD * per_layer)
+            if b in experts
+            else (0.0, 0.0)
+        )
+        assert routed_copies(b, cfg, tokens) == expected, b.name
+
+
+def test_a_block_recompute_reruns_the_expert_all_to_all() -> None:
+    plain, dims, _ = _moe()
+    full, _, _ = _moe("--activation_checkpoint.mode", "full")
+    op, _, _ = _moe("--activation_checkpoint.mode", "selective")
+    none = _other_collectives(plain, dims, H100, 512)
+    assert none > 0
+    assert _other_collectives(full, dims, H100, 512) == pytest.approx(1.5 * none)
+    # op-level checkpointing keeps the all-to-all's output
+    assert _other_collectives(op, dims, H100, 512) == pytest.approx(none)
+
+
+def test_float8_all_gather_halves_the_linears_bytes() -> None:
+    # the weight arrives cast: forward scales the input alone, backward transposes the
+    # fp8 weight (2 B per element) beside the input's and the gradient's work
+    assert float8_scale_bytes(10, 3, 4, compiled=True, weight_gathered_fp8=True) == (
+        3 * 40,
+        1 * 40 + 2 * 12 + 4 * 30,
+    )
+    _, _, buckets = _moe()
+    block = next(b for b in buckets if b.name == "layers.0")
+    total = sum(math.prod(p.shape) for p in block.layout.params)
+    linear = sum(math.prod(p.shape) for p in block.layout.params if len(p.shape) == 2)
+    on = Techniques(float8=True, float8_all_gather=True)
+    assert gathered_share(block, on) == pytest.approx(1 - linear / total / 2)
+    assert gathered_share(block, Techniques(float8=True)) == 1.0
+    root = next(b for b in buckets if b.is_root)
+    assert gathered_share(root, on) == 1.0  # the embedding and LM head stay bf16
+    with pytest.raises(ValueError, match="float8_all_gather"):
+        Techniques(float8_all_gather=True)
+
+
+def test_cli_refuses_a_float8_all_gather_without_float8(capsys) -> None:
+    assert main(["configs/debug.toml", "--world", "2", "--float8-all-gather"]) == 2
+    assert "--float8-all-gather) needs float8 (--float8)" in capsys.readouterr().err
+
+
+def test_loss_parallel_shards_the_head_over_tp() -> None:
+    cfg = planning_config(load_config("configs/debug.toml", ["--parallelism.tp", "2"]))
+    whole = activation_timeline(cfg, 2)
+    sharded = activation_timeline(cfg, 2, Techniques(loss_parallel=True))
+    assert sharded.head_rest == round(whole.head_rest / 2)
+    assert sharded.per_block == whole.per_block
+
+
+def test_torchtitans_op_policy_keeps_half_the_matmuls() -> None:
+    model = ModelConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=1, ffn_hidden=896)
+    kept = {
+        ac: measure_timeline(model, 2, 128, torch.bfloat16, ac).per_block
+        for ac in ("full", "op_every_second_mm", "op")
+    }
+    assert kept["full"] < kept["op_every_second_mm"] < kept["op"]
+    # of the 7 matmuls (q, k, v, o, w1, w3, w2) torchtitan recomputes k, o and w3:
+    # 64 + 256 + 896 of every token's 2,688 matmul outputs
+    dropped = 2 * 128 * (64 + 256 + 896) * 2
+    assert kept["op"] - kept["op_every_second_mm"] == dropped
