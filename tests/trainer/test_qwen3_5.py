@@ -235,14 +235,19 @@ def test_flexshard_train_with_only_the_folder(optimizer, vision, tmp_path, capfd
     "parallelism, message",
     [
         ({"cp": 2}, "parallelism.cp = 2 .*recurrent state"),
-        ({"tp": 2}, "parallelism.tp = 2 .*Qwen3.5"),
-        ({"pp": 2}, "parallelism.pp = 2 .*Qwen3.5"),
     ],
 )
 def test_layouts_not_built_are_refused(parallelism, message, tmp_path):
     hf_model(tmp_path)
     cfg = config_from_dict(from_folder(tmp_path, parallelism=parallelism))
     with pytest.raises(ConfigError, match=message):
+        launch_dims(cfg)
+
+
+def test_tp_needs_whole_gated_deltanet_heads():
+    heads = {**QWEN3_5_MODEL["linear_attention"], "num_key_heads": 1}
+    cfg = layout_config("-", {"tp": 2}, None, model={**QWEN3_5_MODEL, "linear_attention": heads})
+    with pytest.raises(ConfigError, match="linear_attention.num_key_heads = 1 is not divisible"):
         launch_dims(cfg)
 
 
@@ -393,3 +398,39 @@ def test_data_parallel_layouts_at_w3_match_one_process(tmp_path):
         tolerances = MUON_RTOL if name == "muon" else DECAY_ATOL
         gaps = compare_with_single_process(name, cfg, result, **tolerances)
         print(f"qwen3_5 {name}: {gaps}")
+
+
+# tp and pp at W = 2 against one process (fast: 2 ranks, both in one spawn)
+QWEN3_5_MODEL_PARALLEL = {
+    "tp2": {"dp_shard": 1, "tp": 2},
+    "pp2": {"dp_shard": 1, "pp": 2},
+}
+
+
+def model_parallel_config(folder: str, name: str, moe: dict | None = None):
+    """``QWEN3_5_MODEL`` (with ``moe``: Qwen3.5-MoE) on the layout ``name``."""
+    parallelism = QWEN3_5_MODEL_PARALLEL[name]
+    model = {**QWEN3_5_MODEL, "moe": moe} if moe else QWEN3_5_MODEL
+    return layout_config(f"{folder}/{name}", parallelism, None, model=model)
+
+
+def _model_parallel(rank: int, world_size: int, folder: str, moe: dict | None) -> dict:
+    return {
+        name: trained(setup(model_parallel_config(folder, name, moe)))
+        for name in QWEN3_5_MODEL_PARALLEL
+    }
+
+
+def check_model_parallel(tmp_path, moe: dict | None = None, **tolerances: float) -> None:
+    """tp (heads split: DeltaNet's and the gated attention's) and pp (the 3 + 1 layer
+    kinds cut into 2 stages) on 2 ranks, each against one process."""
+    results = run_distributed(_model_parallel, 2, str(tmp_path), moe, timeout=600)
+    for name in QWEN3_5_MODEL_PARALLEL:
+        cfg = model_parallel_config("-", name, moe)
+        gaps = compare_with_single_process(name, cfg, results[0][name], **tolerances)
+        print(f"{'qwen3_5_moe' if moe else 'qwen3_5'} {name}: {gaps}")
+        assert results[1][name]["losses"] == results[0][name]["losses"], name
+
+
+def test_tp_and_pp_match_one_process(tmp_path):
+    check_model_parallel(tmp_path, **DECAY_ATOL)

@@ -14,8 +14,8 @@ logits.
   against one process, and a checkpoint of dp2 resumed under dp2 x ep2 (slow);
 - under Muon the router and the experts (each expert its own matrix) are Muon matrices,
   the shared expert's gate (one row) steps with AdamW;
-- what has no Qwen3.5-MoE twin, tp, pp, cp and ``rl.enable`` are ConfigErrors naming
-  the key.
+- tp and pp at W = 2 against one process;
+- what has no Qwen3.5-MoE twin, cp and ``rl.enable`` are ConfigErrors naming the key.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from .test_qwen3_5 import (
     SHAPE_TYPES,
     VISION,
     _load_and_export,
+    check_model_parallel,
     tokens,
 )
 
@@ -229,8 +230,6 @@ def test_a_gate_without_a_shared_expert_is_refused():
 @pytest.mark.parametrize(
     "section, values, message",
     [
-        ("parallelism", {"tp": 2}, "parallelism.tp = 2 .*Qwen3.5"),
-        ("parallelism", {"pp": 2}, "parallelism.pp = 2 .*Qwen3.5"),
         ("parallelism", {"cp": 2}, "parallelism.cp = 2 .*recurrent state"),
         ("rl", {"enable": True}, "rl.enable with model.layer_types"),
     ],
@@ -288,6 +287,11 @@ def test_layouts_match_one_process(world_size, tmp_path):
         tolerances = MUON_RTOL if "muon" in name else DECAY_ATOL
         gaps = compare_with_single_process(name, cfg, result, **tolerances)
         print(f"qwen3_5_moe {name}: {gaps}")
+
+
+def test_tp_and_pp_match_one_process(tmp_path):
+    """tp (the experts replicated over tp, the layers' heads split) and pp on 2 ranks."""
+    check_model_parallel(tmp_path, QWEN3_5_MOE, **DECAY_ATOL)
 
 
 # one global batch (two data-parallel ranks): 3 steps under dp2, resumed under dp2 x ep2

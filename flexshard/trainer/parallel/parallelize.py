@@ -164,13 +164,10 @@ def checked_dims(cfg: Config, world_size: int) -> ParallelDims:
 
 def _check_qwen3_5_layout(p: ParallelismConfig) -> None:
     """Qwen3.5 (gated attention, Gated DeltaNet layers) runs data parallel (every
-    placement, both backends); the other dims are refused rather than run unchecked."""
+    placement, both backends), tp and pp; cp is refused rather than run unchecked."""
     why = {
         "cp": "Gated DeltaNet layers carry a recurrent state from token to token, which "
         "context parallelism would have to pass between ranks",
-        "tp": "the gated q_proj (queries and gates per head) and the Gated DeltaNet "
-        "projections have no tensor-parallel plan here",
-        "pp": "pipeline stages of the Qwen3.5 blocks are not tested yet",
     }
     for dim, reason in why.items():
         if getattr(p, dim) > 1:
