@@ -15,7 +15,9 @@ logits.
 - under Muon the router and the experts (each expert its own matrix) are Muon matrices,
   the shared expert's gate (one row) steps with AdamW;
 - tp and pp at W = 2 against one process;
-- what has no Qwen3.5-MoE twin, cp and ``rl.enable`` are ConfigErrors naming the key.
+- GRPO from the folder: generator and trainer log-probs bit for bit in batch-invariant
+  mode (the experts one by one, the shared expert's gate on whole vectors);
+- what has no Qwen3.5-MoE twin and cp are ConfigErrors naming the key.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ from .test_qwen3_5 import (
     SHAPE,
     SHAPE_TYPES,
     VISION,
+    _grpo_table,
     _load_and_export,
+    _run,
     check_model_parallel,
     tokens,
 )
@@ -231,13 +235,23 @@ def test_a_gate_without_a_shared_expert_is_refused():
     "section, values, message",
     [
         ("parallelism", {"cp": 2}, "parallelism.cp = 2 .*recurrent state"),
-        ("rl", {"enable": True}, "rl.enable with model.layer_types"),
     ],
 )
 def test_layouts_not_built_are_refused(section, values, message, tmp_path):
     hf_model(tmp_path)
     with pytest.raises(ConfigError, match=message):
         launch_dims(config_from_dict(from_folder(tmp_path, **{section: values})))
+
+
+def test_grpo_from_the_folder_bitwise(tmp_path):
+    """Every sampled token's log-prob is the trainer's bit for bit (the folder as it
+    came: no completion ends, reward 0, no update), at W = 1 and 2."""
+    hf_model(tmp_path / "hf")
+    for world in (1, 2):
+        table = _grpo_table(tmp_path / "hf", tmp_path / f"rl{world}", 2)
+        records = run_distributed(_run, world, table, timeout=600)[0]
+        assert [r["logprob_max_abs_diff"] for r in records] == [0.0, 0.0], records
+        assert all(r["ratio_max_abs_dev"] == 0.0 for r in records)
 
 
 def test_router_logits_folder_is_refused(tmp_path):

@@ -85,12 +85,19 @@ SERIAL_SPAN = 16384  # elements per call: under aten's parallel grain, one threa
 @contextmanager
 def token_by_token() -> Iterator[None]:
     """Gated DeltaNet layers run the recurrence with per-row arithmetic in every
-    forward for the duration (see the module's docstring)."""
+    forward for the duration (see the module's docstring); other layers read it through
+    ``per_row_arithmetic`` (the MoE's shared-expert gate)."""
     mark = _TOKEN_BY_TOKEN.set(True)
     try:
         yield
     finally:
         _TOKEN_BY_TOKEN.reset(mark)
+
+
+def per_row_arithmetic() -> bool:
+    """Inside ``token_by_token()``: every op must give a row the same bits whatever the
+    rows around it."""
+    return _TOKEN_BY_TOKEN.get()
 
 
 def whole_vectors(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
