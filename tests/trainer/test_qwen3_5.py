@@ -49,7 +49,14 @@ from flexshard.trainer.train import run, setup
 
 from ..helpers.trainer_cases import launch_dims
 from .test_model_families import _tensors, from_folder
-from .test_parallel_layouts import MUON_RTOL, compare_with_single_process, layout_config, trained
+from .test_parallel_layouts import (
+    LOSS_RTOL,
+    MUON_RTOL,
+    compare_with_single_process,
+    layout_config,
+    single_process,
+    trained,
+)
 
 transformers = pytest.importorskip("transformers")
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
@@ -434,3 +441,37 @@ def check_model_parallel(tmp_path, moe: dict | None = None, **tolerances: float)
 
 def test_tp_and_pp_match_one_process(tmp_path):
     check_model_parallel(tmp_path, **DECAY_ATOL)
+
+
+# one global batch (two data-parallel ranks) on 4 ranks: 3 steps under dp2 x pp2,
+# resumed under dp2 x tp2 (the checkpoint's Gated DeltaNet parameters re-cut by head)
+CONSTANT_LR = {"decay": "none"}
+CHAIN = [({"dp_shard": 2, "pp": 2}, 3), ({"dp_shard": 2, "tp": 2}, 6)]
+
+
+def _save_then_resume(rank: int, world_size: int, folder: str) -> list[list[float]]:
+    losses = []
+    for parallelism, steps in CHAIN:
+        cfg = layout_config(
+            folder,
+            parallelism,
+            None,
+            model=QWEN3_5_MODEL,
+            checkpoint={"enable": True, "interval": 3},
+            training={**CONSTANT_LR, "steps": steps},
+        )
+        losses.append([r["loss"] for r in run(cfg)])
+    return losses
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_from_pp_under_tp(tmp_path):
+    losses = run_distributed(_save_then_resume, 4, str(tmp_path), timeout=900)[0]
+    assert [len(x) for x in losses] == [3, 3]  # the second run resumed at step 3
+    reference = layout_config(
+        "-", {"dp_shard": 2}, None, model=QWEN3_5_MODEL, training={**CONSTANT_LR, "steps": 6}
+    )
+    expected, _, _ = single_process(reference, 2)
+    gaps = [abs(a - b) / b for a, b in zip(sum(losses, []), expected)]
+    print(f"qwen3_5 dp2xpp2 -> dp2xtp2 resumed: loss gap {max(gaps):.2e}")
+    assert max(gaps) < LOSS_RTOL, gaps
