@@ -17,8 +17,9 @@ row order, moves the logits.
   state): logits within 1e-6 of the full forward, transformers' greedy tokens;
 - GRPO from the folder (after a short pre-training on the task, exported to a folder)
   at W = 1 and 2: generator and trainer log-probs bit for bit in batch-invariant mode;
-- the layouts not built are ConfigErrors naming the key (Qwen3.5-MoE:
-  ``test_qwen3_5_moe``).
+- tp, pp and cp at W = 2 against one process, the quantized gather
+  (``test_families_quant``), a checkpoint of dp2 x pp2 resumed under dp2 x tp2 (slow);
+- what is not built (cp with tp) is a ConfigError naming the keys.
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ def test_flexshard_train_with_only_the_folder(optimizer, vision, tmp_path, capfd
 @pytest.mark.parametrize(
     "parallelism, message",
     [
-        ({"cp": 2}, "parallelism.cp = 2 .*recurrent state"),
+        ({"cp": 2, "tp": 2}, "parallelism.cp = 2 with parallelism.tp = 2"),
     ],
 )
 def test_layouts_not_built_are_refused(parallelism, message, tmp_path):
@@ -407,10 +408,11 @@ def test_data_parallel_layouts_at_w3_match_one_process(tmp_path):
         print(f"qwen3_5 {name}: {gaps}")
 
 
-# tp and pp at W = 2 against one process (fast: 2 ranks, both in one spawn)
+# tp, pp and cp at W = 2 against one process (fast: 2 ranks, all in one spawn)
 QWEN3_5_MODEL_PARALLEL = {
     "tp2": {"dp_shard": 1, "tp": 2},
     "pp2": {"dp_shard": 1, "pp": 2},
+    "cp2": {"dp_shard": 1, "cp": 2},
 }
 
 
@@ -429,8 +431,9 @@ def _model_parallel(rank: int, world_size: int, folder: str, moe: dict | None) -
 
 
 def check_model_parallel(tmp_path, moe: dict | None = None, **tolerances: float) -> None:
-    """tp (heads split: DeltaNet's and the gated attention's) and pp (the 3 + 1 layer
-    kinds cut into 2 stages) on 2 ranks, each against one process."""
+    """tp (heads split: DeltaNet's and the gated attention's), pp (the 3 + 1 layer
+    kinds cut into 2 stages) and cp (zig-zag chunks; the Gated DeltaNet layers on the
+    gathered sequence) on 2 ranks, each against one process."""
     results = run_distributed(_model_parallel, 2, str(tmp_path), moe, timeout=600)
     for name in QWEN3_5_MODEL_PARALLEL:
         cfg = model_parallel_config("-", name, moe)
@@ -439,7 +442,7 @@ def check_model_parallel(tmp_path, moe: dict | None = None, **tolerances: float)
         assert results[1][name]["losses"] == results[0][name]["losses"], name
 
 
-def test_tp_and_pp_match_one_process(tmp_path):
+def test_tp_pp_cp_match_one_process(tmp_path):
     check_model_parallel(tmp_path, **DECAY_ATOL)
 
 

@@ -16,10 +16,10 @@ logits.
   against one process, and a checkpoint of dp2 resumed under dp2 x ep2 (slow);
 - under Muon the router and the experts (each expert its own matrix) are Muon matrices,
   the shared expert's gate (one row) steps with AdamW;
-- tp and pp at W = 2 against one process;
+- tp, pp and cp at W = 2 against one process (slow);
 - GRPO from the folder: generator and trainer log-probs bit for bit in batch-invariant
   mode (the experts one by one, the shared expert's gate on whole vectors);
-- what has no Qwen3.5-MoE twin and cp are ConfigErrors naming the key.
+- what has no Qwen3.5-MoE twin, and cp with tp, are ConfigErrors naming the key.
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def test_a_gate_without_a_shared_expert_is_refused():
 @pytest.mark.parametrize(
     "section, values, message",
     [
-        ("parallelism", {"cp": 2}, "parallelism.cp = 2 .*recurrent state"),
+        ("parallelism", {"cp": 2, "tp": 2}, "parallelism.cp = 2 with parallelism.tp = 2"),
     ],
 )
 def test_layouts_not_built_are_refused(section, values, message, tmp_path):
@@ -332,8 +332,9 @@ def test_layouts_match_one_process(world_size, tmp_path):
         print(f"qwen3_5_moe {name}: {gaps}")
 
 
-def test_tp_and_pp_match_one_process(tmp_path):
-    """tp (the experts replicated over tp, the layers' heads split) and pp on 2 ranks."""
+@pytest.mark.slow  # the dense model's twin (test_qwen3_5) runs in the fast suite
+def test_tp_pp_cp_match_one_process(tmp_path):
+    """tp (the experts replicated over tp, the layers' heads split), pp and cp on 2 ranks."""
     check_model_parallel(tmp_path, QWEN3_5_MOE, **DECAY_ATOL)
 
 

@@ -26,6 +26,11 @@ rule on its own key heads and the value heads they serve: ``in_proj_z``, ``in_pr
 q|k|v rows of ``in_proj_qkv`` do not split by head in one contiguous shard, so it and the
 depthwise conv (each channel on its own) split their channels contiguously, and the
 conv's output is gathered once and sliced to this rank's heads (``heads_of_this_rank``).
+
+Under context parallelism (``context_parallel``, set by ``apply_cp``) a rank's zig-zag
+chunks need the recurrent state and conv inputs of every token before them: the layer
+all-gathers its input, runs on the whole sequence, and keeps this rank's chunks (its
+compute is not split over cp; the other layers' is).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +49,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from ..config import ModelConfig
 from .layers import LayerCache, _linear
 from .mla import _all_reduce_grad
+
+if TYPE_CHECKING:
+    from ..parallel.context_parallel import ContextParallel
 
 
 class GatedRMSNorm(nn.Module):
@@ -269,6 +278,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.v_dim, cfg.norm_eps)
         self.out_proj = _linear(value_width, cfg.dim, out_std)
         self.tp_mesh: DeviceMesh | None = None  # set by apply_tp (see the module's docstring)
+        self.context_parallel: ContextParallel | None = None  # set by apply_cp
 
     def heads_of_this_rank(
         self, mixed: torch.Tensor
@@ -294,6 +304,16 @@ class GatedDeltaNet(nn.Module):
         sin: torch.Tensor,
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
+        cp = self.context_parallel
+        if cp is None or cache is not None:  # generation: no CP there
+            return self.mix(x, cache)
+        # each token's output depends on every token before it, on whichever rank: the
+        # layer runs on the whole sequence (gathered in global order), and this rank
+        # keeps its zig-zag chunks (the gather's backward sums the ranks' gradients)
+        return cp.local_part(self.mix(cp.gather_sequence(x, "Gated DeltaNet input")))
+
+    def mix(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """The layer's output for the tokens ``x`` [b, s, dim] (after the ``cache``'s)."""
         b, s, _ = x.shape
         per_row = _TOKEN_BY_TOKEN.get()
         previous = cache.states if cache is not None else ()  # (conv inputs, state S)
