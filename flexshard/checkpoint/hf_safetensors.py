@@ -19,7 +19,10 @@ A rank may hold part of the model only: pipeline stages (``shapes`` names the wh
 model, so every rank plans the same files) and expert slices (``frames``: a slice's
 offset in the whole ``[E, ...]`` stack, as ``frames.py``). An ``HFKey`` with
 ``experts`` stores such a stack as one tensor per expert (Mixtral's
-``experts.{e}.w1.weight``): each expert's chunks are views of the stack's."""
+``experts.{e}.w1.weight``): each expert's chunks are views of the stack's. One with
+``rows`` stores it as rows of dim 1 of a larger tensor that several state-dict keys
+share (transformers' fused ``experts.gate_up_proj``: the gate projections' rows, then
+the up projections'); each key's chunks are placed at its rows."""
 
 from __future__ import annotations
 
@@ -65,6 +68,9 @@ class HFKey:
     rope_heads: int = 0  # > 0: a RoPE projection of this many heads (rows permuted per head)
     # > 0: a stack [experts, ...] kept as one tensor per expert, named name.format(e)
     experts: int = 0
+    # (first, total): the value is rows first.. of dim 1 of the tensor ``name`` of
+    # ``total`` rows there; (0, 0): the tensor is the value's alone
+    rows: tuple[int, int] = (0, 0)
 
     def names(self) -> list[str]:
         if not self.experts:
@@ -118,8 +124,21 @@ def _framed_chunks(fqn: str, value: torch.Tensor, frames: Frames | None) -> Regi
     return chunks if frame is None else framed(chunks, frame, fqn)
 
 
+def _at_rows(chunks: RegionTensor, first: int, total: int) -> RegionTensor:
+    """``chunks`` as the rows ``first..`` of dim 1 of a tensor of ``total`` such rows."""
+    pieces = [
+        ((offsets[:1] + (offsets[1] + first,) + offsets[2:], sizes), t)
+        for (offsets, sizes), t in chunks.pieces
+    ]
+    shape = torch.Size((chunks.shape[0], total, *chunks.shape[2:]))
+    return RegionTensor(shape, pieces, chunks.writer, chunks.dtype, chunks.device)
+
+
 def _by_name(chunks: RegionTensor, key: HFKey) -> dict[str, RegionTensor]:
-    """HF name -> chunks: one entry, or one per expert of a stack (views of its pieces)."""
+    """HF name -> chunks: one entry (placed at its rows of a shared tensor), or one per
+    expert of a stack (views of its pieces)."""
+    if key.rows[1]:
+        return {key.name: _at_rows(chunks, *key.rows)}
     if not key.experts:
         return {key.name: chunks}
     if chunks.shape[0] != key.experts:
@@ -153,6 +172,10 @@ def _shard_files(
     size = torch.empty((), dtype=dtype).element_size()
     for fqn, shape in shapes.items():
         key = keys[fqn]
+        if key.name in mapping:  # a shared tensor: placed with its first key
+            continue
+        if key.rows[1]:
+            shape = (shape[0], key.rows[1], *shape[2:])
         per_name = math.prod(shape[1:] if key.experts else shape) * size
         for name in key.names():
             if used and used + per_name > max_shard_bytes:
@@ -216,6 +239,17 @@ def _tensor_spans(path: str) -> dict[str, tuple[int, list[int], str]]:
         for name, entry in header.items()
         if name != "__metadata__"
     }
+
+
+def tensor_names(path: str | os.PathLike) -> set[str]:
+    """The names of the tensors a Hugging Face folder holds: its index's, or its one
+    file's header's."""
+    root = os.fspath(path)
+    index = os.path.join(root, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return set(json.load(f)["weight_map"])
+    return set(_tensor_spans(os.path.join(root, SINGLE_FILE)))
 
 
 def check_safetensors_folder(path: str | os.PathLike) -> None:
@@ -335,11 +369,14 @@ def export_safetensors(
     if not no_dist:
         dist.barrier(process_group)
     seen: set[tuple] = set()
-    export = {
-        name: _export_chunks(chunks, dtype, seen)
-        for fqn, value in state.items()
-        for name, chunks in _by_name(_framed_chunks(fqn, value, frames), keys[fqn]).items()
-    }
+    export: dict[str, RegionTensor] = {}
+    for fqn, value in state.items():
+        for name, chunks in _by_name(_framed_chunks(fqn, value, frames), keys[fqn]).items():
+            chunks = _export_chunks(chunks, dtype, seen)
+            if name in export:  # a tensor several keys share: their pieces together
+                pieces = export[name].pieces + chunks.pieces
+                chunks = RegionTensor(chunks.shape, pieces, chunks.writer, dtype, chunks.device)
+            export[name] = chunks
     writer = _ChunkFileWriter(sharded, fqn_to_index_mapping=mapping, save_distributed=True)
     with single_process_dcp(no_dist):
         dcp.save(export, storage_writer=writer, process_group=process_group, no_dist=no_dist)

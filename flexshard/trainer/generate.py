@@ -21,7 +21,7 @@ from flexshard.runtime.module import own_buckets
 from .config import Config, ConfigError, config_from_dict, load_config
 from .config.hf_config import folder_fields, text_model_prefix
 from .config.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, open_tokenizer
-from .models.hf_adapter import hf_keys
+from .models.hf_adapter import fused_experts, hf_keys
 from .models.layers import KVCache
 from .models.model import Transformer
 from .parallel.parallelize import checked_dims, parallelize
@@ -97,7 +97,8 @@ def load_weights(model: nn.Module, cfg: Config, checkpoint: str | Path) -> None:
     if (folder / "config.json").is_file():
         state = model.state_dict()
         prefix = text_model_prefix(folder)
-        keys = hf_keys(list(state), cfg.model, cfg.model.tie_embeddings, prefix)
+        tied, fused = cfg.model.tie_embeddings, fused_experts(folder)
+        keys = hf_keys(list(state), cfg.model, tied, prefix, fused)
         load_hf_safetensors(folder, state, keys)
     else:
         import flexshard.checkpoint as ckpt

@@ -1,11 +1,12 @@
 """The quantized all-gather (an MXFP8 32x32 BlockShard bucket, as test_tp's) on the
-Qwen3 and DeepSeek-V3 debug models and a Qwen3.5-MoE at W = 2: every matrix of the
+Qwen3 and DeepSeek-V3 debug models, a Qwen3.5 and a Qwen3.5-MoE at W = 2: every matrix of the
 blocks in the bucket (Qwen3's q/k/v/o and MLP; MLA's five projections, the router, each
 expert of the stacks, the shared expert; Gated DeltaNet's projections, the gated
 attention's, the shared expert's one-row gate), norms, the embedding and the depthwise
 conv kernels beside it in Shard(0). Shapes that
 are not whole tiles (MLA's kv_a_proj_with_mqa: 32 latent + 8 rotated-key rows; Qwen3's
-176-row MLP) take partial edge tiles, quantized on their own: they work, no padding.
+176-row MLP; Gated DeltaNet's 88-row in_proj_qkv) take partial edge tiles, quantized on
+their own: they work, no padding.
 
 Against one process whose master weights train while the forward uses their
 quantize-dequantize (the same tiles), as test_quantized_bucket_under_tp: losses within
@@ -26,18 +27,21 @@ from flexshard.trainer.config import ModelConfig, config_from_dict, load_config
 from flexshard.trainer.models.model import Transformer, init_weights
 from tests.helpers import tp_cases as tc
 
+from .test_qwen3_5 import QWEN3_5_MODEL
 from .test_qwen3_5_moe import QWEN3_5_MOE_MODEL
 from .test_tp import QUANT
 
 STEPS = 3
-#: Qwen3.5-MoE of test_qwen3_5_moe's layouts (no debug config of its own)
-QWEN3_5_MOE = {**QWEN3_5_MOE_MODEL, "vocab_size": 256, "dim": 32, "n_layers": 4}
-QWEN3_5_MOE.update(n_heads=4, n_kv_heads=2)
-CONFIGS = ("qwen3_debug", "deepseek_v3_debug", "qwen3_5_moe")
+#: Qwen3.5 and Qwen3.5-MoE of their tests' layouts (no debug configs of their own)
+SIZES = {"vocab_size": 256, "dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2}
+QWEN3_5 = {**QWEN3_5_MODEL, **SIZES}
+QWEN3_5_MOE = {**QWEN3_5_MOE_MODEL, **SIZES}
+CONFIGS = ("qwen3_debug", "deepseek_v3_debug", "qwen3_5", "qwen3_5_moe")
 #: a parameter of each bucket whose rows are not whole 32-row tiles
 PARTIAL = {
     "qwen3_debug": "layers.0.feed_forward.w1.weight",  # 176 rows
     "deepseek_v3_debug": "layers.0.attention.kv_a_proj_with_mqa.weight",  # 32 + 8 rows
+    "qwen3_5": "layers.0.attention.in_proj_qkv.weight",  # 2 * 24 + 40 rows
     "qwen3_5_moe": "layers.0.feed_forward.experts.w1",  # 24 rows an expert
 }
 
@@ -45,8 +49,8 @@ PARTIAL = {
 def _model_config(name: str) -> ModelConfig:
     """The debug config's model; DeepSeek-V3's without MTP (its loss is the trainer's,
     not ``tc.loss_of``; its matrices are those of a block)."""
-    if name == "qwen3_5_moe":
-        return config_from_dict({"model": QWEN3_5_MOE}).model
+    if name.startswith("qwen3_5"):
+        return config_from_dict({"model": QWEN3_5_MOE if "moe" in name else QWEN3_5}).model
     return replace(load_config(f"configs/{name}.toml").model, mtp_layers=0)
 
 

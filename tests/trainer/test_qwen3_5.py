@@ -17,8 +17,9 @@ row order, moves the logits.
   state): logits within 1e-6 of the full forward, transformers' greedy tokens;
 - GRPO from the folder (after a short pre-training on the task, exported to a folder)
   at W = 1 and 2: generator and trainer log-probs bit for bit in batch-invariant mode;
-- the layouts not built are ConfigErrors naming the key (Qwen3.5-MoE:
-  ``test_qwen3_5_moe``).
+- tp, pp and cp at W = 2 against one process, the quantized gather
+  (``test_families_quant``), a checkpoint of dp2 x pp2 resumed under dp2 x tp2 (slow);
+- what is not built (cp with tp) is a ConfigError naming the keys.
 """
 
 from __future__ import annotations
@@ -49,7 +50,14 @@ from flexshard.trainer.train import run, setup
 
 from ..helpers.trainer_cases import launch_dims
 from .test_model_families import _tensors, from_folder
-from .test_parallel_layouts import MUON_RTOL, compare_with_single_process, layout_config, trained
+from .test_parallel_layouts import (
+    LOSS_RTOL,
+    MUON_RTOL,
+    compare_with_single_process,
+    layout_config,
+    single_process,
+    trained,
+)
 
 transformers = pytest.importorskip("transformers")
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
@@ -234,15 +242,20 @@ def test_flexshard_train_with_only_the_folder(optimizer, vision, tmp_path, capfd
 @pytest.mark.parametrize(
     "parallelism, message",
     [
-        ({"cp": 2}, "parallelism.cp = 2 .*recurrent state"),
-        ({"tp": 2}, "parallelism.tp = 2 .*Qwen3.5"),
-        ({"pp": 2}, "parallelism.pp = 2 .*Qwen3.5"),
+        ({"cp": 2, "tp": 2}, "parallelism.cp = 2 with parallelism.tp = 2"),
     ],
 )
 def test_layouts_not_built_are_refused(parallelism, message, tmp_path):
     hf_model(tmp_path)
     cfg = config_from_dict(from_folder(tmp_path, parallelism=parallelism))
     with pytest.raises(ConfigError, match=message):
+        launch_dims(cfg)
+
+
+def test_tp_needs_whole_gated_deltanet_heads():
+    heads = {**QWEN3_5_MODEL["linear_attention"], "num_key_heads": 1}
+    cfg = layout_config("-", {"tp": 2}, None, model={**QWEN3_5_MODEL, "linear_attention": heads})
+    with pytest.raises(ConfigError, match="linear_attention.num_key_heads = 1 is not divisible"):
         launch_dims(cfg)
 
 
@@ -393,3 +406,75 @@ def test_data_parallel_layouts_at_w3_match_one_process(tmp_path):
         tolerances = MUON_RTOL if name == "muon" else DECAY_ATOL
         gaps = compare_with_single_process(name, cfg, result, **tolerances)
         print(f"qwen3_5 {name}: {gaps}")
+
+
+# tp, pp and cp at W = 2 against one process (fast: 2 ranks, all in one spawn)
+QWEN3_5_MODEL_PARALLEL = {
+    "tp2": {"dp_shard": 1, "tp": 2},
+    "pp2": {"dp_shard": 1, "pp": 2},
+    "cp2": {"dp_shard": 1, "cp": 2},
+}
+
+
+def model_parallel_config(folder: str, name: str, moe: dict | None = None):
+    """``QWEN3_5_MODEL`` (with ``moe``: Qwen3.5-MoE) on the layout ``name``."""
+    parallelism = QWEN3_5_MODEL_PARALLEL[name]
+    model = {**QWEN3_5_MODEL, "moe": moe} if moe else QWEN3_5_MODEL
+    return layout_config(f"{folder}/{name}", parallelism, None, model=model)
+
+
+def _model_parallel(rank: int, world_size: int, folder: str, moe: dict | None) -> dict:
+    return {
+        name: trained(setup(model_parallel_config(folder, name, moe)))
+        for name in QWEN3_5_MODEL_PARALLEL
+    }
+
+
+def check_model_parallel(tmp_path, moe: dict | None = None, **tolerances: float) -> None:
+    """tp (heads split: DeltaNet's and the gated attention's), pp (the 3 + 1 layer
+    kinds cut into 2 stages) and cp (zig-zag chunks; the Gated DeltaNet layers on the
+    gathered sequence) on 2 ranks, each against one process."""
+    results = run_distributed(_model_parallel, 2, str(tmp_path), moe, timeout=600)
+    for name in QWEN3_5_MODEL_PARALLEL:
+        cfg = model_parallel_config("-", name, moe)
+        gaps = compare_with_single_process(name, cfg, results[0][name], **tolerances)
+        print(f"{'qwen3_5_moe' if moe else 'qwen3_5'} {name}: {gaps}")
+        assert results[1][name]["losses"] == results[0][name]["losses"], name
+
+
+def test_tp_pp_cp_match_one_process(tmp_path):
+    check_model_parallel(tmp_path, **DECAY_ATOL)
+
+
+# one global batch (two data-parallel ranks) on 4 ranks: 3 steps under dp2 x pp2,
+# resumed under dp2 x tp2 (the checkpoint's Gated DeltaNet parameters re-cut by head)
+CONSTANT_LR = {"decay": "none"}
+CHAIN = [({"dp_shard": 2, "pp": 2}, 3), ({"dp_shard": 2, "tp": 2}, 6)]
+
+
+def _save_then_resume(rank: int, world_size: int, folder: str) -> list[list[float]]:
+    losses = []
+    for parallelism, steps in CHAIN:
+        cfg = layout_config(
+            folder,
+            parallelism,
+            None,
+            model=QWEN3_5_MODEL,
+            checkpoint={"enable": True, "interval": 3},
+            training={**CONSTANT_LR, "steps": steps},
+        )
+        losses.append([r["loss"] for r in run(cfg)])
+    return losses
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_from_pp_under_tp(tmp_path):
+    losses = run_distributed(_save_then_resume, 4, str(tmp_path), timeout=900)[0]
+    assert [len(x) for x in losses] == [3, 3]  # the second run resumed at step 3
+    reference = layout_config(
+        "-", {"dp_shard": 2}, None, model=QWEN3_5_MODEL, training={**CONSTANT_LR, "steps": 6}
+    )
+    expected, _, _ = single_process(reference, 2)
+    gaps = [abs(a - b) / b for a, b in zip(sum(losses, []), expected)]
+    print(f"qwen3_5 dp2xpp2 -> dp2xtp2 resumed: loss gap {max(gaps):.2e}")
+    assert max(gaps) < LOSS_RTOL, gaps

@@ -8,14 +8,18 @@ logits.
 - the folder is the model: logits within 1e-5 of transformers' (measured 2.1e-7), the
   first loss within 1e-4 of transformers' loss on the same batch;
 - the export of the loaded model at W = 2 is the folder's tensors bit for bit and loads
-  in transformers with every key; ``flexshard-train --nproc 2`` with nothing but the
-  folder trains and exports (slow); a folder with the vision tower loads its text model;
+  in transformers with every key; a folder with the experts fused (transformers' own
+  save, ``save_original_format=False``) loads as the per-expert one and exports fused
+  at W = 3; ``flexshard-train --nproc 2`` with nothing but the folder trains and
+  exports (slow); a folder with the vision tower loads its text model;
 - W = 3 (Shard(0), Muon, flat with full AC), W = 2 (owned, block, mixed) and dp2 x ep2
   against one process, and a checkpoint of dp2 resumed under dp2 x ep2 (slow);
 - under Muon the router and the experts (each expert its own matrix) are Muon matrices,
   the shared expert's gate (one row) steps with AdamW;
-- what has no Qwen3.5-MoE twin, tp, pp, cp and ``rl.enable`` are ConfigErrors naming
-  the key.
+- tp, pp and cp at W = 2 against one process (slow);
+- GRPO from the folder: generator and trainer log-probs bit for bit in batch-invariant
+  mode (the experts one by one, the shared expert's gate on whole vectors);
+- what has no Qwen3.5-MoE twin, and cp with tp, are ConfigErrors naming the key.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from flexshard.trainer.components.optimizers import build_optimizer
 from flexshard.trainer.config import ConfigError, config_from_dict
 from flexshard.trainer.config.hf_config import text_model_prefix
 from flexshard.trainer.launch import main as train_main
-from flexshard.trainer.models.hf_adapter import hf_keys
+from flexshard.trainer.models.hf_adapter import fused_experts, hf_keys
 from flexshard.trainer.models.layers import loss_fn
 from flexshard.trainer.models.model import Transformer
 from flexshard.trainer.train import run, setup
@@ -51,7 +55,10 @@ from .test_qwen3_5 import (
     SHAPE,
     SHAPE_TYPES,
     VISION,
+    _grpo_table,
     _load_and_export,
+    _run,
+    check_model_parallel,
     tokens,
 )
 
@@ -63,10 +70,11 @@ MOE_SHAPE.update(num_experts=5, num_experts_per_tok=2)
 del MOE_SHAPE["intermediate_size"]
 
 
-def hf_model(folder: Path, vision: bool = False) -> torch.nn.Module:
+def hf_model(folder: Path, vision: bool = False, fused: bool = False) -> torch.nn.Module:
     """A random Qwen3.5-MoE (``vision``: with its vision tower) saved in several shards;
     the zero-centred norms drawn around 0, the gated norms around 1, the router and the
-    shared expert's gate wide (a near-uniform softmax would hide a routing error)."""
+    shared expert's gate wide (a near-uniform softmax would hide a routing error).
+    ``fused``: saved as transformers holds it (``experts.gate_up_proj``, ``down_proj``)."""
     torch.manual_seed(0)
     if vision:
         config = transformers.Qwen3_5MoeConfig(text_config=MOE_SHAPE, vision_config=VISION)
@@ -82,7 +90,7 @@ def hf_model(folder: Path, vision: bool = False) -> torch.nn.Module:
                 param.normal_(1.0 if "linear_attn" in name else 0.0, 0.3)
             if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
                 param.normal_(0.0, 0.5)
-    model.save_pretrained(folder, max_shard_size="20KB")
+    model.save_pretrained(folder, max_shard_size="20KB", save_original_format=not fused)
     return model
 
 
@@ -90,8 +98,8 @@ def loaded(folder: Path) -> Transformer:
     m = config_from_dict(from_folder(folder)).model
     model = Transformer(m).eval()
     state = model.state_dict()
-    keys = hf_keys(list(state), m, m.tie_embeddings, text_model_prefix(folder))
-    load_hf_safetensors(folder, state, keys)
+    prefix, fused = text_model_prefix(folder), fused_experts(folder)
+    load_hf_safetensors(folder, state, hf_keys(list(state), m, m.tie_embeddings, prefix, fused))
     return model
 
 
@@ -134,6 +142,32 @@ def test_export_reloads_exact(tmp_path):
     config = json.loads((exported / "config.json").read_text())
     assert (config["model_type"], config["num_experts"]) == ("qwen3_5_moe_text", 5)
     assert config["shared_expert_intermediate_size"] == 40
+    back, info = transformers.Qwen3_5MoeForCausalLM.from_pretrained(
+        exported, output_loading_info=True
+    )
+    assert all(not v for v in info.values()), info
+    with torch.no_grad():
+        assert torch.equal(back.eval()(tokens()).logits, reference(tokens()).logits)
+
+
+def test_fused_expert_folder_loads_and_exports_fused(tmp_path):
+    """A folder saved as transformers 5 holds the experts (``save_original_format=
+    False``): loaded exactly (the per-expert folder's model, bit for bit), exported at
+    W = 3 (5 experts cut unevenly) in its own layout, the folder's tensors bit for bit."""
+    reference = hf_model(tmp_path / "fused", fused=True)
+    hf_model(tmp_path / "per_expert")
+    names = set(_tensors(tmp_path / "fused"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names
+    assert not any(".experts.0." in name for name in names)
+    assert fused_experts(tmp_path / "fused") and not fused_experts(tmp_path / "per_expert")
+    model = loaded(tmp_path / "fused")
+    expected = loaded(tmp_path / "per_expert").state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    run_distributed(_load_and_export, 3, str(tmp_path / "fused"), timeout=300)
+    exported = tmp_path / "fused" / "export"
+    original, got = _tensors(tmp_path / "fused"), _tensors(exported)
+    assert set(got) == set(original)
+    assert [k for k, v in original.items() if not torch.equal(got[k], v)] == []
     back, info = transformers.Qwen3_5MoeForCausalLM.from_pretrained(
         exported, output_loading_info=True
     )
@@ -229,16 +263,24 @@ def test_a_gate_without_a_shared_expert_is_refused():
 @pytest.mark.parametrize(
     "section, values, message",
     [
-        ("parallelism", {"tp": 2}, "parallelism.tp = 2 .*Qwen3.5"),
-        ("parallelism", {"pp": 2}, "parallelism.pp = 2 .*Qwen3.5"),
-        ("parallelism", {"cp": 2}, "parallelism.cp = 2 .*recurrent state"),
-        ("rl", {"enable": True}, "rl.enable with model.layer_types"),
+        ("parallelism", {"cp": 2, "tp": 2}, "parallelism.cp = 2 with parallelism.tp = 2"),
     ],
 )
 def test_layouts_not_built_are_refused(section, values, message, tmp_path):
     hf_model(tmp_path)
     with pytest.raises(ConfigError, match=message):
         launch_dims(config_from_dict(from_folder(tmp_path, **{section: values})))
+
+
+def test_grpo_from_the_folder_bitwise(tmp_path):
+    """Every sampled token's log-prob is the trainer's bit for bit (the folder as it
+    came: no completion ends, reward 0, no update), at W = 1 and 2."""
+    hf_model(tmp_path / "hf")
+    for world in (1, 2):
+        table = _grpo_table(tmp_path / "hf", tmp_path / f"rl{world}", 2)
+        records = run_distributed(_run, world, table, timeout=600)[0]
+        assert [r["logprob_max_abs_diff"] for r in records] == [0.0, 0.0], records
+        assert all(r["ratio_max_abs_dev"] == 0.0 for r in records)
 
 
 def test_router_logits_folder_is_refused(tmp_path):
@@ -288,6 +330,12 @@ def test_layouts_match_one_process(world_size, tmp_path):
         tolerances = MUON_RTOL if "muon" in name else DECAY_ATOL
         gaps = compare_with_single_process(name, cfg, result, **tolerances)
         print(f"qwen3_5_moe {name}: {gaps}")
+
+
+@pytest.mark.slow  # the dense model's twin (test_qwen3_5) runs in the fast suite
+def test_tp_pp_cp_match_one_process(tmp_path):
+    """tp (the experts replicated over tp, the layers' heads split), pp and cp on 2 ranks."""
+    check_model_parallel(tmp_path, QWEN3_5_MOE, **DECAY_ATOL)
 
 
 # one global batch (two data-parallel ranks): 3 steps under dp2, resumed under dp2 x ep2

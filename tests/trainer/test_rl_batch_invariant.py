@@ -3,7 +3,8 @@ the KV cache, batches of any size) equal the trainer's recomputed ones (full cau
 forward, other micro-batches, right padding) bit for bit, and each swapped op is
 needed: with any one of them back to its native kernel, bits differ. Qwen3.5's Gated
 DeltaNet layers add ``token_by_token()`` (the recurrence in every forward), needed too,
-and its exp / sigmoid / softplus on whole vectors."""
+and its exp / sigmoid / softplus on whole vectors; MoE routers and the shared expert's
+gate take the sigmoid on whole vectors there too."""
 
 from __future__ import annotations
 
@@ -42,11 +43,25 @@ QWEN3_5 = {
         "num_value_heads": 4,
     },
 }
+# the MoE routers: softmax over all experts (Mixtral), sigmoid scores in groups with a
+# routed scale and a shared expert (DeepSeek-V3), softmax with a sigmoid-gated shared
+# expert (Qwen3.5-MoE)
+MOE = {"num_experts": 4, "top_k": 2, "expert_hidden": 48}
+SIGMOID_MOE = {**MOE, "score_func": "sigmoid", "n_group": 2, "topk_group": 1}
+SIGMOID_MOE.update(routed_scaling_factor=2.5, num_shared_experts=1)
+GATED_MOE = {**MOE, "num_shared_experts": 1, "shared_expert_hidden": 40}
+GATED_MOE["shared_expert_gate"] = True
 FAMILIES: dict[str, dict] = {
     "llama": {},
     "qwen3": QWEN3,
     "deepseek_v3": MLA_MODEL,
     "qwen3_5": QWEN3_5,
+}
+# their routing only: the ops each needs are the attention families' above
+MOE_FAMILIES: dict[str, dict] = {
+    "mixtral_moe": {"moe": MOE},
+    "deepseek_v3_moe": {**MLA_MODEL, "moe": SIGMOID_MOE},
+    "qwen3_5_moe": {**QWEN3_5, "moe": GATED_MOE},
 }
 # sdpa's own entry only routes queries wider than the values (MLA) to the flash kernel
 ROUTING = "scaled_dot_product_attention"
@@ -57,7 +72,8 @@ def _model(family: str) -> Transformer:
     """The debug model with its projections scaled up: activations of order 1, as in a
     trained model (at 0.02-std initialisation few elements reach silu's scalar tail)."""
     shape = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 176}
-    model = Transformer(config_from_dict({"model": {**shape, **FAMILIES[family]}}).model)
+    layers = {**FAMILIES, **MOE_FAMILIES}[family]
+    model = Transformer(config_from_dict({"model": {**shape, **layers}}).model)
     init_weights(model, 0)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -92,7 +108,7 @@ def _mismatches(model: Transformer, ops: list[str] | None, recurrence: bool = Tr
     return bad
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted({**FAMILIES, **MOE_FAMILIES}))
 def test_generator_equals_trainer_bitwise(family):
     assert _mismatches(_model(family), None) == 0
     assert _mismatches(_model(family), []) > 0  # the native kernels: not batch-invariant

@@ -42,7 +42,7 @@ from ..config.hf_config import folder_fields, text_model_prefix
 from ..config.schema import Config
 from ..config.tokenizer import Tokenizer
 from ..data.dataset import DPSampler, ValidationBatches
-from ..models.hf_adapter import DTYPES, hf_keys, in_hf
+from ..models.hf_adapter import DTYPES, fused_experts, hf_keys, in_hf
 from ..models.model import meta_model
 from ..parallel.dims import Meshes, ParallelDims
 from ..parallel.exchange import configured_timeout
@@ -115,7 +115,7 @@ def load_hf(job: Job, folder: str | Path) -> None:
     state = model_state(job)
     tied = folder_fields(folder)["tie_embeddings"]
     prefix = text_model_prefix(folder)
-    keys = hf_keys(list(state), job.cfg.model, tied, prefix)
+    keys = hf_keys(list(state), job.cfg.model, tied, prefix, fused_experts(folder))
     if prefix != "model." and job.rank == 0:
         print(
             f"{folder}: its text model ({prefix}*) loaded; the vision tower is not "
@@ -147,7 +147,9 @@ def export(
     tokenizer = getattr(job, "tokenizer", None)
     config = export_config(cfg, tokenizer) if hf else {}  # refusals first
     shapes = whole_shapes(job, hf)
-    keys = hf_keys(list(shapes), cfg.model) if hf else None
+    source = source_folder(cfg)  # its experts' layout, fused or per expert, kept
+    fused = source is not None and fused_experts(source)
+    keys = hf_keys(list(shapes), cfg.model, fused=fused) if hf else None
     group, timeout = world_group(job)
     what = "Hugging Face export" if hf else "safetensors export"
     with in_flight(what, str(folder), group, timeout):

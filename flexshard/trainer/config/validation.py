@@ -330,11 +330,6 @@ def validate(cfg: Config) -> None:
                 'attention = "mla" only'
             )
     _check_layer_types(m)
-    if cfg.rl.enable and "linear_attention" in m.layer_types and m.moe.num_experts:
-        raise ConfigError(
-            'rl.enable with model.layer_types "linear_attention" and model.moe.num_experts '
-            f"= {m.moe.num_experts}: GRPO runs on dense Qwen3.5 only; set rl.enable = false"
-        )
     if m.mtp_layers < 0 or m.mtp_loss_weight < 0:
         raise ConfigError("model.mtp_layers and model.mtp_loss_weight must be >= 0")
     if m.mtp_layers and t.seq_len < m.mtp_layers + 2:

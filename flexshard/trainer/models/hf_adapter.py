@@ -32,7 +32,11 @@ is the config side's (``config/hf_config.py``: ``FAMILIES``, keyed alike).
   no such weights, and a folder loads with ``mtp_layers = 0``.
 
 The trainer's ``[E, R, C]`` stacks are stored per expert (``...experts.{e}.w1.weight``,
-what ``save_pretrained`` writes; transformers 5 fuses them on load). Mixtral's and
+what ``save_pretrained`` writes; transformers 5 fuses them on load), or, in a folder
+saved fused (``save_pretrained(..., save_original_format=False)``: ``mlp.experts.
+gate_up_proj`` [E, 2 * hidden, dim], the gate's rows then the up projection's, and
+``mlp.experts.down_proj`` [E, dim, hidden]), as that folder has them: ``hf_keys(...,
+fused=True)``, read and written at their rows, no copy between the layouts. Mixtral's and
 Qwen3-MoE's twins hold only for ``num_shared_experts = 0``, Qwen3.5-MoE's for one gated
 shared expert, and on export all three for a balance other than ``"bias"`` (``hf_format``
 refuses the rest, naming why, rather than write a checkpoint that loads but computes
@@ -49,10 +53,11 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from flexshard.checkpoint.hf_safetensors import HFKey
+from flexshard.checkpoint.hf_safetensors import HFKey, tensor_names
 
 from ..config import ModelConfig
 from ..config.validation import hf_format
@@ -216,13 +221,47 @@ def in_hf(fqn: str, cfg: ModelConfig) -> bool:
     return cfg.attention == "mla" or _TRAINER_ONLY.match(fqn) is None
 
 
+# transformers' per-expert names and where each lives in its fused stacks
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.\{\}\.(gate|up|down)_proj\.weight$")
+_FUSED_NAME = re.compile(r"\.experts\.gate_up_proj$")
+
+
+def fused_experts(folder: str | Path) -> bool:
+    """Whether a Hugging Face folder keeps its routed experts fused
+    (``experts.gate_up_proj`` / ``experts.down_proj``)."""
+    return any(_FUSED_NAME.search(name) for name in tensor_names(folder))
+
+
+def _fused(key: HFKey, cfg: ModelConfig) -> HFKey:
+    """A per-expert stack's key in the fused layout: the gate's rows then the up
+    projection's in ``gate_up_proj``, the down projection as ``down_proj``."""
+    match = _PER_EXPERT.match(key.name)
+    if match is None:
+        raise KeyError(
+            f"'{key.name}': this family's experts have no fused Hugging Face layout here "
+            "(experts.{e}.gate_proj / up_proj / down_proj are fused)"
+        )
+    stack, kind = match.groups()
+    if kind == "down":
+        return HFKey(f"{stack}.down_proj")
+    hidden = cfg.moe.expert_hidden or cfg.ffn_hidden_size()
+    return HFKey(f"{stack}.gate_up_proj", rows=(0 if kind == "gate" else hidden, 2 * hidden))
+
+
 def hf_keys(
-    fqns: list[str], cfg: ModelConfig, tied: bool = False, prefix: str = "model."
+    fqns: list[str],
+    cfg: ModelConfig,
+    tied: bool = False,
+    prefix: str = "model.",
+    fused: bool = False,
 ) -> dict[str, HFKey]:
     """``hf_key`` of every FQN; ``tied``: the folder keeps the output projection as the
     embedding (``tie_word_embeddings``), so ``output.weight`` reads that; ``prefix``:
-    where the folder keeps the text model (``config.hf_config.text_model_prefix``)."""
+    where the folder keeps the text model (``config.hf_config.text_model_prefix``);
+    ``fused``: the routed experts in transformers' fused layout (``fused_experts``)."""
     keys = {fqn: hf_key(fqn, cfg) for fqn in fqns}
+    if fused:
+        keys = {fqn: _fused(key, cfg) if key.experts else key for fqn, key in keys.items()}
     if tied and "output.weight" in keys:
         keys["output.weight"] = HFKey(_ROOT["tok_embeddings.weight"])
     if prefix != "model.":

@@ -19,6 +19,18 @@ the trainer's too, runs the conv over its window and the recurrence with per-row
 arithmetic (exp / sigmoid / softplus on whole vectors), so a token's output has the
 same bits whatever the batch, the sequence length or the decode step around it: with
 the batch-invariant kernels, the generator's log-probabilities are the trainer's.
+
+Under tensor parallelism (``tp_mesh``, set by ``apply_tp``) each tp rank runs the delta
+rule on its own key heads and the value heads they serve: ``in_proj_z``, ``in_proj_b``,
+``in_proj_a``, ``A_log`` and ``dt_bias`` split by head, ``out_proj`` row-wise. The packed
+q|k|v rows of ``in_proj_qkv`` do not split by head in one contiguous shard, so it and the
+depthwise conv (each channel on its own) split their channels contiguously, and the
+conv's output is gathered once and sliced to this rank's heads (``heads_of_this_rank``).
+
+Under context parallelism (``context_parallel``, set by ``apply_cp``) a rank's zig-zag
+chunks need the recurrent state and conv inputs of every token before them: the layer
+all-gathers its input, runs on the whole sequence, and keeps this rank's chunks (its
+compute is not split over cp; the other layers' is).
 """
 
 from __future__ import annotations
@@ -26,13 +38,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..config import ModelConfig
 from .layers import LayerCache, _linear
+from .mla import _all_reduce_grad
+
+if TYPE_CHECKING:
+    from ..parallel.context_parallel import ContextParallel
 
 
 class GatedRMSNorm(nn.Module):
@@ -43,12 +62,18 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.init_stds = {"weight": None}  # None: ones
+        # set by apply_tp: the weight is shared by every head, and a tp rank's heads
+        # give only their part of its gradient
+        self.tp_mesh: DeviceMesh | None = None
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        weight = local(self.weight)
+        if self.tp_mesh is not None:
+            weight = _all_reduce_grad(weight, self.tp_mesh)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        x = self.weight * x.to(dtype)
+        x = weight * x.to(dtype)
         return (x * F.silu(gate.float())).to(dtype)
 
 
@@ -69,12 +94,19 @@ SERIAL_SPAN = 16384  # elements per call: under aten's parallel grain, one threa
 @contextmanager
 def token_by_token() -> Iterator[None]:
     """Gated DeltaNet layers run the recurrence with per-row arithmetic in every
-    forward for the duration (see the module's docstring)."""
+    forward for the duration (see the module's docstring); other layers read it through
+    ``per_row_arithmetic`` (the MoE's shared-expert gate)."""
     mark = _TOKEN_BY_TOKEN.set(True)
     try:
         yield
     finally:
         _TOKEN_BY_TOKEN.reset(mark)
+
+
+def per_row_arithmetic() -> bool:
+    """Inside ``token_by_token()``: every op must give a row the same bits whatever the
+    rows around it."""
+    return _TOKEN_BY_TOKEN.get()
 
 
 def whole_vectors(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -92,6 +124,27 @@ def windowed_depthwise_conv(window: torch.Tensor, weight: torch.Tensor) -> torch
     positions of ``window`` [b, channels, taps - 1 + s] (the taps - 1 inputs before
     them, then them): transformers' cached conv step."""
     return F.silu(F.conv1d(window, weight, groups=window.shape[1]))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a tensor-parallel parameter (the tensor itself otherwise)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def gathered_channels(mixed: torch.Tensor, mesh: DeviceMesh, channels: int) -> torch.Tensor:
+    """All ``channels`` of ``mixed`` [b, channels / tp, s], this rank's contiguous share
+    (the last ranks' may be shorter), gathered over ``mesh``. Each rank reads only some of
+    the gathered channels, so the backward sums the ranks' gradients (reduce-scatter)."""
+    b, _, s = mixed.shape
+    shard = DTensor.from_local(
+        mixed,
+        mesh,
+        [Shard(1)],
+        run_check=False,
+        shape=(b, channels, s),
+        stride=(channels * s, s, 1),
+    )
+    return shard.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -224,6 +277,25 @@ class GatedDeltaNet(nn.Module):
         self.init_stds = {"A_log": "decay", "dt_bias": None}
         self.norm = GatedRMSNorm(self.v_dim, cfg.norm_eps)
         self.out_proj = _linear(value_width, cfg.dim, out_std)
+        self.tp_mesh: DeviceMesh | None = None  # set by apply_tp (see the module's docstring)
+        self.context_parallel: ContextParallel | None = None  # set by apply_cp
+
+    def heads_of_this_rank(
+        self, mixed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys [b, s, k_dim * key heads] and values [b, s, v_dim * value heads]
+        of this rank's heads (all of them without tp) from the conv's output ``mixed``
+        [b, channels, s] (under tp: this rank's contiguous share of the channels)."""
+        if self.tp_mesh is not None:
+            mixed = gathered_channels(mixed, self.tp_mesh, self.conv_width)
+        key_width = self.k_heads * self.k_dim
+        widths = [key_width, key_width, self.conv_width - 2 * key_width]
+        q, k, v = torch.split(mixed.transpose(1, 2), widths, dim=-1)
+        if self.tp_mesh is None:
+            return q, k, v
+        # tp divides both head counts: key head group r serves value head group r
+        rank, tp = self.tp_mesh.get_local_rank(), self.tp_mesh.size()
+        return q.chunk(tp, -1)[rank], k.chunk(tp, -1)[rank], v.chunk(tp, -1)[rank]
 
     def forward(
         self,
@@ -232,32 +304,42 @@ class GatedDeltaNet(nn.Module):
         sin: torch.Tensor,
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
+        cp = self.context_parallel
+        if cp is None or cache is not None:  # generation: no CP there
+            return self.mix(x, cache)
+        # each token's output depends on every token before it, on whichever rank: the
+        # layer runs on the whole sequence (gathered in global order), and this rank
+        # keeps its zig-zag chunks (the gather's backward sums the ranks' gradients)
+        return cp.local_part(self.mix(cp.gather_sequence(x, "Gated DeltaNet input")))
+
+    def mix(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """The layer's output for the tokens ``x`` [b, s, dim] (after the ``cache``'s)."""
         b, s, _ = x.shape
         per_row = _TOKEN_BY_TOKEN.get()
         previous = cache.states if cache is not None else ()  # (conv inputs, state S)
         proj = self.in_proj_qkv(x).transpose(1, 2)
-        taps = self.conv1d.weight.shape[-1]
+        conv_weight = local(self.conv1d.weight)
+        taps = conv_weight.shape[-1]
         window = proj
         if per_row or cache is not None:
-            history = previous[0] if previous else proj.new_zeros(b, self.conv_width, taps - 1)
+            history = previous[0] if previous else proj.new_zeros(b, proj.shape[1], taps - 1)
             window = torch.cat([history, proj], dim=-1)
         if per_row or previous:
-            mixed = windowed_depthwise_conv(window, self.conv1d.weight)
+            mixed = windowed_depthwise_conv(window, conv_weight)
         else:  # training and prefill: the folder's own arithmetic
-            mixed = causal_depthwise_conv(proj, self.conv1d.weight)
-        key_width = self.k_heads * self.k_dim
-        widths = [key_width, key_width, self.conv_width - 2 * key_width]
-        q, k, v = torch.split(mixed.transpose(1, 2), widths, dim=-1)
+            mixed = causal_depthwise_conv(proj, conv_weight)
+        q, k, v = self.heads_of_this_rank(mixed)
         q = q.reshape(b, s, -1, self.k_dim)
         k = k.reshape(b, s, -1, self.k_dim)
         v = v.reshape(b, s, -1, self.v_dim)
-        a = self.in_proj_a(x).float() + self.dt_bias
+        a = self.in_proj_a(x).float() + local(self.dt_bias)
+        decay_rate = -local(self.A_log).float().exp()
         if per_row:
             beta = whole_vectors(torch.sigmoid, self.in_proj_b(x))
-            g = -self.A_log.float().exp() * whole_vectors(F.softplus, a)
+            g = decay_rate * whole_vectors(F.softplus, a)
         else:
             beta = self.in_proj_b(x).sigmoid()
-            g = -self.A_log.float().exp() * F.softplus(a)
+            g = decay_rate * F.softplus(a)
         if per_row or previous:
             state = previous[1] if previous else None
             out, state = recurrent_gated_delta_rule(q, k, v, g, beta, state, per_row)

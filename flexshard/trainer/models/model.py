@@ -30,7 +30,7 @@ from .layers import (
     cached_causal_mask,
     rope_tables,
 )
-from .linear_attention import GatedDeltaNet, init_decay
+from .linear_attention import GatedDeltaNet, init_decay, per_row_arithmetic, whole_vectors
 from .mla import MLA, mla_rope_tables
 from .moe import LoadBalance, _AddAuxGrad, grouped_swiglu, loop_swiglu
 from .mtp import MultiTokenPrediction
@@ -138,6 +138,12 @@ class GroupedExperts(nn.Module):
         return torch.zeros_like(flat).index_add(0, token_of, routed)
 
 
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """Per-row arithmetic (``token_by_token``): no element in the sigmoid's scalar tail,
+    so a token's router scores and shared-expert gate have the same bits in any batch."""
+    return whole_vectors(torch.sigmoid, x) if per_row_arithmetic() else x.sigmoid()
+
+
 class MoE(nn.Module):
     """Token-choice top-k routing over routed experts plus always-on shared experts."""
 
@@ -164,7 +170,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         logits = self.router(flat).float()
         sigmoid = self.score_func == "sigmoid"
-        scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
+        scores = _sigmoid(logits) if sigmoid else logits.softmax(dim=-1)
         weights, chosen = self.balance.select(scores, self.top_k, *self.groups)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -177,7 +183,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             shared = self.shared(flat)
             if self.shared_gate is not None:
-                shared = self.shared_gate(flat).sigmoid() * shared
+                shared = _sigmoid(self.shared_gate(flat)) * shared
             out = out + shared
         return out.view(shape)
 

@@ -191,6 +191,17 @@ class ContextParallel:
             _GatherSequence.apply(v, self.exchange, "value"),
         )
 
+    def gather_sequence(self, local: torch.Tensor, what: str) -> torch.Tensor:
+        """[b, local, ...] of every rank as the whole sequence [b, global, ...] in global
+        order (the backward sums the ranks' gradients and keeps this rank's chunks)."""
+        return _GatherSequence.apply(local, self.exchange, what)
+
+    def local_part(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's zig-zag chunks of ``whole`` [b, global, ...] (``split_sequence``)."""
+        chunks = whole.chunk(2 * self.size, dim=1)
+        first, second = zigzag_chunks(self.rank, self.size)
+        return torch.cat([chunks[first], chunks[second]], dim=1)
+
     def causal_mask(self, local_len: int, device: torch.device) -> torch.Tensor:
         """[local, global] booleans, True where a local query may see a key."""
         key = (local_len, device)

@@ -164,20 +164,14 @@ def checked_dims(cfg: Config, world_size: int) -> ParallelDims:
 
 def _check_qwen3_5_layout(p: ParallelismConfig) -> None:
     """Qwen3.5 (gated attention, Gated DeltaNet layers) runs data parallel (every
-    placement, both backends); the other dims are refused rather than run unchecked."""
-    why = {
-        "cp": "Gated DeltaNet layers carry a recurrent state from token to token, which "
-        "context parallelism would have to pass between ranks",
-        "tp": "the gated q_proj (queries and gates per head) and the Gated DeltaNet "
-        "projections have no tensor-parallel plan here",
-        "pp": "pipeline stages of the Qwen3.5 blocks are not tested yet",
-    }
-    for dim, reason in why.items():
-        if getattr(p, dim) > 1:
-            raise ConfigError(
-                f'parallelism.{dim} = {getattr(p, dim)} with model.attention = "gated" '
-                f"(Qwen3.5): {reason}; set parallelism.{dim} = 1"
-            )
+    placement, both backends), tp, pp and cp; cp with tp is refused rather than run
+    unchecked."""
+    if p.cp > 1 and p.tp > 1:
+        raise ConfigError(
+            f'parallelism.cp = {p.cp} with parallelism.tp = {p.tp} and model.attention = "gated" '
+            "(Qwen3.5): the Gated DeltaNet layers gather the whole sequence under cp, which "
+            "their tensor-parallel plan does not take; set parallelism.tp = 1 or cp = 1"
+        )
 
 
 def check_layout(cfg: Config) -> None:

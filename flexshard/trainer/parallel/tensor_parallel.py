@@ -13,6 +13,10 @@ They stay split between pipeline stages too: a block's output is the local
 ``[b, s / tp, d]`` of a Shard(1) DTensor, which is what a stage sends and the next
 stage's first norm takes as its sequence shard.
 
+Qwen3.5: the gated attention as the others' (``q_proj`` rows are whole heads, each
+head's queries then its gates), and the Gated DeltaNet layers by head
+(``_linear_attention_plan``).
+
 MoE layers keep the router and the experts replicated over tp: every tp rank routes
 the whole sequence and runs every expert on it (the work is duplicated over tp; expert
 parallelism is the axis that splits experts). Their gradients come out identical on
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -38,6 +42,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..config import ConfigError, ModelConfig
+from ..models.gated_attention import GatedAttention
+from ..models.linear_attention import GatedDeltaNet
 from ..models.mla import MLA
 from ..models.model import Attention, FeedForward, MoE, Transformer
 
@@ -53,6 +59,13 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, object]:
     plan: dict[str, object] = {"attention": gather_input}
     if isinstance(block.attention, MLA):
         plan.update(_mla_plan(block.attention, split))
+    elif isinstance(block.attention, GatedDeltaNet):
+        plan.update(_linear_attention_plan(split))
+    elif isinstance(block.attention, GatedAttention):
+        plan["attention.q_proj"] = ColwiseParallel()
+        plan["attention.k_proj"] = ColwiseParallel()
+        plan["attention.v_proj"] = ColwiseParallel()
+        plan["attention.o_proj"] = RowwiseParallel(output_layouts=split)
     else:
         plan["attention.wq"] = ColwiseParallel()
         plan["attention.wk"] = ColwiseParallel()
@@ -107,12 +120,50 @@ def _mla_plan(attention: MLA, split: Shard | Replicate) -> dict[str, object]:
     }
 
 
+def _linear_attention_plan(split: Shard | Replicate) -> dict[str, object]:
+    """Gated DeltaNet by head: z, b and a column-wise (their rows are head-major),
+    ``out_proj`` row-wise; ``in_proj_qkv`` column-wise too, its contiguous channel share
+    matching the conv's (``shard_linear_attention``), the layer gathering the conv's
+    output to slice its heads. The layer takes the whole sequence replicated."""
+    return {
+        "attention.in_proj_qkv": ColwiseParallel(),
+        "attention.in_proj_z": ColwiseParallel(),
+        "attention.in_proj_b": ColwiseParallel(),
+        "attention.in_proj_a": ColwiseParallel(),
+        "attention.out_proj": RowwiseParallel(output_layouts=split),
+    }
+
+
+def shard_linear_attention(attention: GatedDeltaNet, tp_mesh: DeviceMesh) -> None:
+    """The Gated DeltaNet parameters no parallel style covers: the conv's channels as
+    ``in_proj_qkv``'s rows (Shard(0)), ``A_log`` and ``dt_bias`` by value head, and the
+    gated norm's weight (shared by every head) replicated, its gradient summed over tp."""
+    layouts = {
+        (attention.conv1d, "weight"): Shard(0),
+        (attention, "A_log"): Shard(0),
+        (attention, "dt_bias"): Shard(0),
+        (attention.norm, "weight"): Replicate(),
+    }
+    for (module, name), placement in layouts.items():
+        param = getattr(module, name)
+        sharded = distribute_tensor(param.data, tp_mesh, [placement])
+        module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
+    attention.tp_mesh = attention.norm.tp_mesh = tp_mesh
+
+
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Every tp rank must hold whole attention heads (MLA: no kv heads of its own); run
-    once, before any rank starts, by ``checked_dims``."""
+    """Every tp rank must hold whole attention heads (MLA: no kv heads of its own;
+    Gated DeltaNet: whole key heads and the value heads they serve); run once, before
+    any rank starts, by ``checked_dims``."""
     parts = [("n_heads", cfg.n_heads, "attention heads")]
-    if cfg.attention == "gqa":
+    if cfg.attention in ("gqa", "gated"):
         parts.append(("n_kv_heads", cfg.n_kv_heads, "key/value heads"))
+    if "linear_attention" in cfg.layer_types:
+        la = cfg.linear_attention
+        parts.append(("linear_attention.num_key_heads", la.num_key_heads, "Gated DeltaNet heads"))
+        parts.append(
+            ("linear_attention.num_value_heads", la.num_value_heads, "Gated DeltaNet heads")
+        )
     for key, heads, kind in parts:
         if heads % tp:
             raise ConfigError(
@@ -148,9 +199,12 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
     for block in model.layers:
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))  # type: ignore[arg-type]
         attention = block.attention
+        if isinstance(attention, GatedDeltaNet):
+            shard_linear_attention(attention, tp_mesh)
+            continue
         attention.n_heads //= tp  # the projections now give this rank's heads only
         if isinstance(attention, MLA):
             attention.tp_mesh = tp_mesh
         else:
-            assert isinstance(attention, Attention)
+            assert isinstance(attention, (Attention, GatedAttention))
             attention.n_kv_heads //= tp

@@ -98,11 +98,6 @@ def check_rl(cfg: Config, dims: ParallelDims) -> None:
         )
     if cfg.training.mixed_precision != "fp32" and r.batch_invariant:
         raise ConfigError('rl.batch_invariant needs training.mixed_precision = "fp32"')
-    if r.batch_invariant and cfg.model.moe.num_experts:
-        raise ConfigError(
-            "rl.batch_invariant: the MoE's grouped expert kernels are not batch-invariant; "
-            "set model.moe.num_experts = 0 or rl.batch_invariant = false"
-        )
     if cfg.model.mtp_layers:
         raise ConfigError(
             f"model.mtp_layers = {cfg.model.mtp_layers}: rl's update would add the "
