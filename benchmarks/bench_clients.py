@@ -19,6 +19,11 @@ swapped in where each client imports it, CPU gloo. Three kinds of rows:
   model through torchtitan's ``parallelize_llama`` and this repository's own step (one
   forward, torchtitan's loss, one backward, clipping, AdamW); peak memory too.
 
+``--calls`` counts instead of timing (the Trainer's and the loops' rows): Python calls
+per optimizer step with cProfile around each step only, per library, split by the
+called function's file (``flexshard/testing/call_profile.py``): load-independent, so
+one profiled pass per library, into ``results/clients_calls*``.
+
 Both libraries run in one launch per row: each rank builds both and alternates them
 repetition by repetition (A B, B A, ...) on the same batches. Per step: CPU time
 (``time.process_time``: every thread of the rank process, gloo's included) and wall
