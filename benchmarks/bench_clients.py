@@ -19,6 +19,11 @@ swapped in where each client imports it, CPU gloo. Three kinds of rows:
   model through torchtitan's ``parallelize_llama`` and this repository's own step (one
   forward, torchtitan's loss, one backward, clipping, AdamW); peak memory too.
 
+``--calls`` counts instead of timing (the Trainer's and the loops' rows): Python calls
+per optimizer step with cProfile around each step only, per library, split by the
+called function's file (``flexshard/testing/call_profile.py``): load-independent, so
+one profiled pass per library, into ``results/clients_calls*``.
+
 Both libraries run in one launch per row: each rank builds both and alternates them
 repetition by repetition (A B, B A, ...) on the same batches. Per step: CPU time
 (``time.process_time``: every thread of the rank process, gloo's included) and wall
@@ -31,6 +36,7 @@ launch of its own (the peak RSS of a rank process, imports included alike); skip
     python -m benchmarks.bench_clients              # every row, memory too
     python -m benchmarks.bench_clients --only trainer --out /tmp/clients
     python -m benchmarks.bench_clients --only loops --out /tmp/clients
+    python -m benchmarks.bench_clients --only loops --calls --top 30   # Python calls per step
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import torch
 
 from benchmarks.common import write_results
 from flexshard.testing import run_distributed
+from flexshard.testing.call_profile import AREAS, OTHER
 from flexshard.testing.collectives import KINDS
 from flexshard.testing.stats import alternating, cell, paired_ratios, spread, summary
 
@@ -156,8 +163,30 @@ def _alternate(runs: dict[str, Any], reps: int, steps: int) -> dict:
     return out
 
 
-def _trainer_timing(rank: int, world_size: int, setup: Any, reps: int, steps: int) -> dict:
-    """torchtitan's Trainer with each library in this rank process (``_alternate``)."""
+def _profile_calls(runs: dict[str, Any], steps: int, top: int) -> dict:
+    """``COUNTED_STEPS`` of each library counted (collectives, lazy initialisation
+    included), then ``steps`` steps of each profiled (``CallProfile``): Python calls
+    per step, load-independent, so one pass per library suffices."""
+    from flexshard.testing.call_profile import CallProfile
+
+    out: dict[str, Any] = {}
+    for lib, run in runs.items():
+        counted = run(COUNTED_STEPS, True)
+        profile = CallProfile()
+        profiled = run(steps, False, profile)
+        out[lib] = {
+            "collectives": [r.by_kind() for r in counted],
+            "losses": [r.loss for r in counted + profiled],
+            **profile.summary(top),
+        }
+    return out
+
+
+def _trainer_timing(
+    rank: int, world_size: int, setup: Any, reps: int, steps: int, calls_top: int | None
+) -> dict:
+    """torchtitan's Trainer with each library in this rank process: timed
+    (``_alternate``), or with ``calls_top`` set, profiled (``_profile_calls``)."""
     from flexshard.testing.torchtitan_trainer import build_trainer, measure_steps
 
     harnesses = {lib: build_trainer(setup, lib, world_size) for lib in LIBRARIES}
@@ -165,7 +194,10 @@ def _trainer_timing(rank: int, world_size: int, setup: Any, reps: int, steps: in
         runs = {
             lib: functools.partial(measure_steps, harness) for lib, harness in harnesses.items()
         }
-        out = _alternate(runs, reps, steps)
+        if calls_top is None:
+            out = _alternate(runs, reps, steps)
+        else:
+            out = _profile_calls(runs, steps, calls_top)
         out["changes"] = harnesses["fsdp2"].changes
     finally:
         for harness in harnesses.values():
@@ -173,17 +205,25 @@ def _trainer_timing(rank: int, world_size: int, setup: Any, reps: int, steps: in
     return out
 
 
-def _loop_timing(rank: int, world_size: int, setup: Any, reps: int, steps: int) -> dict:
-    """A client's loop with each library in this rank process (``_alternate``)."""
+def _loop_timing(
+    rank: int, world_size: int, setup: Any, reps: int, steps: int, calls_top: int | None
+) -> dict:
+    """A client's loop with each library in this rank process: timed (``_alternate``),
+    or with ``calls_top`` set, profiled (``_profile_calls``)."""
     from flexshard.testing.client_loops import accelerator, build_loop
 
-    total = COUNTED_STEPS + reps * steps
+    total = COUNTED_STEPS + (steps if calls_top is not None else reps * steps)
     acc = accelerator(rank, world_size, setup) if setup.client == "accelerate" else None
     loops = {lib: build_loop(rank, world_size, setup, lib, total, acc) for lib in LIBRARIES}
-    return _alternate({lib: loop.run for lib, loop in loops.items()}, reps, steps)
+    runs = {lib: loop.run for lib, loop in loops.items()}
+    if calls_top is None:
+        return _alternate(runs, reps, steps)
+    return _profile_calls(runs, steps, calls_top)
 
 
-def _row(path: str, world_size: int, setup: Any, reps: int, steps: int, ranks: list) -> dict:
+def _row(
+    path: str, world_size: int, setup: Any, reps: int, steps: int, ranks: list, calls: bool
+) -> dict:
     row: dict[str, Any] = {
         "path": path,
         "W": world_size,
@@ -196,24 +236,36 @@ def _row(path: str, world_size: int, setup: Any, reps: int, steps: int, ranks: l
         "losses": {lib: ranks[0][lib]["losses"] for lib in LIBRARIES},
     }
     row["losses_equal"] = row["losses"]["fsdp2"] == row["losses"]["flexshard"]
-    _times(row, ranks, reps)
+    if calls:  # rank 0's profile (every rank runs the same code path)
+        row["calls"] = {
+            lib: {k: ranks[0][lib][k] for k in ("calls", "by_area", "top")} for lib in LIBRARIES
+        }
+    else:
+        _times(row, ranks, reps)
     return row
 
 
-def measure_trainer(world_size: int, options: dict, reps: int, steps: int) -> dict:
+def measure_trainer(
+    world_size: int, options: dict, reps: int, steps: int, calls_top: int | None = None
+) -> dict:
     from flexshard.testing.torchtitan_trainer import Setup
 
-    setup = Setup(**options, steps=COUNTED_STEPS + reps * steps)
-    ranks = run_distributed(_trainer_timing, world_size, setup, reps, steps, timeout=3600)
-    return _row("torchtitan Trainer", world_size, setup, reps, steps, ranks)
+    total = COUNTED_STEPS + (steps if calls_top is not None else reps * steps)
+    setup = Setup(**options, steps=total)
+    ranks = run_distributed(
+        _trainer_timing, world_size, setup, reps, steps, calls_top, timeout=3600
+    )
+    return _row("torchtitan Trainer", world_size, setup, reps, steps, ranks, calls_top is not None)
 
 
-def measure_loop(world_size: int, client: str, options: dict, reps: int, steps: int) -> dict:
+def measure_loop(
+    world_size: int, client: str, options: dict, reps: int, steps: int, calls_top: int | None = None
+) -> dict:
     from flexshard.testing.client_loops import LoopSetup
 
     setup = LoopSetup(client, size="bench", **options)
-    ranks = run_distributed(_loop_timing, world_size, setup, reps, steps, timeout=3600)
-    return _row("client loop", world_size, setup, reps, steps, ranks)
+    ranks = run_distributed(_loop_timing, world_size, setup, reps, steps, calls_top, timeout=3600)
+    return _row("client loop", world_size, setup, reps, steps, ranks, calls_top is not None)
 
 
 def _times(row: dict, ranks: list[dict], reps: int) -> None:
@@ -319,24 +371,92 @@ def _step_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _calls_table(rows: list[dict], title: str) -> list[str]:
+    lines = [
+        f"## {title}: Python calls per step",
+        "",
+        "| setup | W | calls FSDP2 | calls flexshard | ratio | collectives FSDP2 "
+        "| collectives flexshard | losses equal |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        fsdp2, flex = r["calls"]["fsdp2"]["calls"], r["calls"]["flexshard"]["calls"]
+        lines.append(
+            f"| {r['setup']} | {r['W']} | {fsdp2:,.0f} | {flex:,.0f} | {flex / fsdp2:.2f} "
+            f"| {_counts(r['collectives']['fsdp2'])} | {_counts(r['collectives']['flexshard'])} "
+            f"| {'yes' if r['losses_equal'] else 'no'} |"
+        )
+    areas = [a for a, _ in AREAS] + [OTHER]
+    used = [
+        a
+        for a in areas
+        if any(r["calls"][lib]["by_area"].get(a) for r in rows for lib in LIBRARIES)
+    ]
+    lines += [
+        "",
+        "Where the calls are (the called function's file, flexshard/testing/call_profile.py "
+        "`AREAS`), FSDP2 / flexshard per step:",
+        "",
+        "| setup | W | " + " | ".join(used) + " |",
+        "|---|---|" + "---|" * len(used),
+    ]
+    for r in rows:
+        cells = [
+            f"{r['calls']['fsdp2']['by_area'].get(a, 0):,.0f} / "
+            f"{r['calls']['flexshard']['by_area'].get(a, 0):,.0f}"
+            for a in used
+        ]
+        lines.append(f"| {r['setup']} | {r['W']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+CALLS_INTRO = (
+    "cProfile around each optimizer step only (the client's loop between steps left "
+    "out), rank 0, per step, over the steps after {counted} counted ones (lazy "
+    "initialisation included there); each library profiled once: the counts do not "
+    "depend on the machine's load. Collectives and losses as in the timed tables."
+)
+
+
 def markdown(command: str, rows: list[dict]) -> str:
+    calls = any("calls" in r for r in rows)
     lines = [
         "# Client benchmark: FSDP2 vs flexshard through clients' own entry points",
         "",
         f"Command: `{command}`",
         "",
-        "Per step, median [IQR] over repetitions (each repetition's median step, the "
+        CALLS_INTRO.format(counted=COUNTED_STEPS)
+        if calls
+        else "Per step, median [IQR] over repetitions (each repetition's median step, the "
         "slowest rank); ratio = flexshard / FSDP2 per repetition, target <= 1.0.",
     ]
-    for path, table in (
-        ("torchtitan Trainer", lambda chosen: _trainer_table(chosen, TRAINER_HEADING)),
-        ("client loop", lambda chosen: _trainer_table(chosen, LOOP_HEADING)),
-        ("re-implemented step", _step_table),
-    ):
+    tables = (
+        ("torchtitan Trainer", TRAINER_HEADING, "torchtitan's own Trainer"),
+        ("client loop", LOOP_HEADING, "accelerate's and Lightning's own loops"),
+    )
+    for path, heading, title in tables:
         chosen = [r for r in rows if r["path"] == path]
         if chosen:
-            lines += ["", *table(chosen)]
+            lines += [
+                "",
+                *(_calls_table(chosen, title) if calls else _trainer_table(chosen, heading)),
+            ]
+    chosen = [r for r in rows if r["path"] == "re-implemented step"]
+    if chosen:
+        lines += ["", *_step_table(chosen)]
     return "\n".join(lines) + "\n"
+
+
+def _top_functions(rows: list[dict]) -> str:
+    """The most-called functions of each row, both libraries (printed, not saved)."""
+    out = []
+    for r in rows:
+        for lib in LIBRARIES:
+            top = r["calls"][lib]["top"]
+            if top:
+                out.append(f"\n{r['setup']}, W = {r['W']}, {lib}: calls/step")
+                out += [f"  {n:9.1f}  {name}" for name, n in top]
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -352,22 +472,53 @@ def main(argv: list[str] | None = None) -> None:
         help="only torchtitan's Trainer, accelerate's and Lightning's loops, or the "
         "re-implemented step",
     )
+    parser.add_argument(
+        "--calls",
+        action="store_true",
+        help="Python calls per step (cProfile, --steps steps per library) instead of times "
+        "(the Trainer's and the loops' rows)",
+    )
+    parser.add_argument(
+        "--top", type=int, default=0, help="with --calls: also print the N most-called functions"
+    )
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        help="only the rows whose 'setup, W=n' contains one of these (e.g. 'llama3, fp32, W=2')",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go")
     args = parser.parse_args(argv)
     if args.reps < 5:
         parser.error("--reps must be >= 5 (medians and IQRs need them)")
+    if args.calls and args.only == "step":
+        parser.error("--calls profiles the Trainer's and the loops' rows, not --only step")
     steps = 1 if args.quick else args.steps
-    rows = []
+    calls_top = args.top if args.calls else None
     mode = "quick" if args.quick else "full"
+
+    def chosen(label: str, world_size: int) -> bool:
+        key = f"{label}, W={world_size}"
+        return not args.setups or any(s in key for s in args.setups)
+
+    rows = []
     if args.only in (None, "trainer"):
-        rows += [measure_trainer(w, options, args.reps, steps) for w, options in TRAINER_ROWS[mode]]
-    if args.only in (None, "loops"):
+        from flexshard.testing.torchtitan_trainer import Setup
+
         rows += [
-            measure_loop(w, client, options, args.reps, steps)
+            measure_trainer(w, options, args.reps, steps, calls_top)
+            for w, options in TRAINER_ROWS[mode]
+            if chosen(Setup(**options).label(), w)
+        ]
+    if args.only in (None, "loops"):
+        from flexshard.testing.client_loops import LoopSetup
+
+        rows += [
+            measure_loop(w, client, options, args.reps, steps, calls_top)
             for client in ("accelerate", "lightning")
             for w, options in LOOP_ROWS[mode]
+            if chosen(LoopSetup(client, **options).label(), w)
         ]
-    if args.only in (None, "step"):
+    if args.only in (None, "step") and not args.calls:
         sizes = (2,) if args.quick else (1, 2)
         rows += [
             measure(w, bf16, args.reps, steps, memory=not args.quick)
@@ -376,10 +527,16 @@ def main(argv: list[str] | None = None) -> None:
         ]
     command = "python -m benchmarks.bench_clients " + " ".join(argv or sys.argv[1:])
     text = markdown(command.strip(), rows)
-    name = "clients_bench" + (f"_{args.only}" if args.only else "")
+    name = (
+        "clients_" + ("calls" if args.calls else "bench") + (f"_{args.only}" if args.only else "")
+    )
     name += "_quick" if args.quick else ""  # a smoke run keeps the real results
+    if args.setups:
+        name += "_some"  # a subset of the rows keeps the whole table
     write_results(args.out, name, {"command": command.strip()}, rows, text)
     print(text)
+    if args.calls and args.top:
+        print(_top_functions(rows))
 
 
 if __name__ == "__main__":

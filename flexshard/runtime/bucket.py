@@ -32,6 +32,7 @@ from ..placements.layout import BucketLayout
 from ..placements.packing import unpack
 from ..quant import QuantFormat, QuantizedTensor
 from ..torch_internals import (
+    dtensor_spec,
     grad_dtype_override,
     profiler_enabled,
     set_grad_mode,
@@ -366,7 +367,7 @@ class Bucket:
     def _build_params(self) -> None:
         """Local parameters (views of the storage, what the optimizer sees) and the full
         ones; both are (re)made whenever the storage is."""
-        self.specs = [
+        specs = [
             sharded_spec(self.mesh, p.placement, layout, dtype, p.tp_spec)
             for p, layout, dtype in zip(self.params, self.layout.params, self.store.dtypes)
         ]
@@ -375,8 +376,12 @@ class Bucket:
         trainable = [p.requires_grad for p in previous or self.params]
         self.local_params = [
             nn.Parameter(wrap(self.store.view(i), spec), flag)
-            for i, (spec, flag) in enumerate(zip(self.specs, trainable))
+            for i, (spec, flag) in enumerate(zip(specs, trainable))
         ]
+        # gradients are wrapped in their parameter's own spec object (nn.Parameter made
+        # a new one), as FSDP2's: DTensor's sharding cache then matches the optimizer's
+        # and clip_grad_norm_'s ops on them by identity, not spec by spec
+        self.specs = [dtensor_spec(p) for p in self.local_params]
         for i, (local, info) in enumerate(zip(self.local_params, self.store.per_param)):
             _mark(local, self, i)
             if info.follows and self.params[i].grad_override[0]:

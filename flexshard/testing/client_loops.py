@@ -17,7 +17,8 @@ rank of ``run_distributed`` builds both libraries and can alternate them).
   ``Trainer.fit`` (Lightning's loop runs to ``max_steps``), on the same module.
 
 Per optimizer step a :class:`~flexshard.testing.collectives.StepRecord`: the micro-batch
-losses, the collectives issued (when counting) or the CPU and wall time.
+losses, the collectives issued (when counting) or the CPU and wall time; or, given a
+:class:`~flexshard.testing.call_profile.CallProfile`, the step's Python calls go into it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from .call_profile import CallProfile
 from .collectives import StepRecord, record_collectives
 
 LIBRARIES = ("fsdp2", "flexshard")
@@ -98,9 +100,13 @@ def _warmup(step: int) -> float:
 
 
 @contextmanager
-def _step_meter(record: StepRecord, count: bool) -> Iterator[None]:
-    """Counts the collectives issued inside (``count``), else times it."""
-    if count:
+def _step_meter(record: StepRecord, count: bool, calls: CallProfile | None) -> Iterator[None]:
+    """Profiles the Python calls inside (``calls``), or counts the collectives issued
+    (``count``), else times it."""
+    if calls is not None:
+        with calls.step():
+            yield
+    elif count:
         with record_collectives() as log:
             yield
         record.collectives = Counter(log.names())
@@ -133,7 +139,7 @@ class Loop:
 
     model: torch.nn.Module
 
-    def run(self, steps: int, count: bool) -> list[StepRecord]:
+    def run(self, steps: int, count: bool, calls: CallProfile | None = None) -> list[StepRecord]:
         raise NotImplementedError
 
     def full_weights(self) -> dict[str, torch.Tensor]:
@@ -200,11 +206,11 @@ class AccelerateLoop(Loop):
             assert isinstance(self.model, flexshard.FlexShardModule), type(self.model).__mro__
         self.batches = iter(loader)
 
-    def run(self, steps: int, count: bool) -> list[StepRecord]:
+    def run(self, steps: int, count: bool, calls: CallProfile | None = None) -> list[StepRecord]:
         acc, records = self.acc, []
         for _ in range(steps):
             record = StepRecord(loss=[])
-            with _step_meter(record, count):
+            with _step_meter(record, count, calls):
                 for _ in range(self.setup.accumulation):
                     (ids,) = next(self.batches)
                     with acc.accumulate(self.model):
@@ -267,7 +273,9 @@ def _lightning_module(fully_shard: Callable, setup: LoopSetup) -> Any:
     return LitLlama()
 
 
-def _meter_callback(setup: LoopSetup, count: bool, records: list[StepRecord]) -> Any:
+def _meter_callback(
+    setup: LoopSetup, count: bool, calls: CallProfile | None, records: list[StepRecord]
+) -> Any:
     import lightning as L
 
     class StepMeter(L.Callback):
@@ -280,7 +288,7 @@ def _meter_callback(setup: LoopSetup, count: bool, records: list[StepRecord]) ->
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, idx: int) -> None:
             if idx % setup.accumulation == 0:
                 records.append(StepRecord(loss=[]))
-                self.stack.enter_context(_step_meter(records[-1], count))
+                self.stack.enter_context(_step_meter(records[-1], count, calls))
 
         def on_train_batch_end(
             self, trainer: Any, module: Any, out: Any, batch: Any, idx: int
@@ -309,7 +317,7 @@ class LightningLoop(Loop):
     def model(self) -> torch.nn.Module:  # type: ignore[override]
         return self.module.model
 
-    def run(self, steps: int, count: bool) -> list[StepRecord]:
+    def run(self, steps: int, count: bool, calls: CallProfile | None = None) -> list[StepRecord]:
         import lightning as L
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -323,7 +331,7 @@ class LightningLoop(Loop):
             max_steps=steps,
             accumulate_grad_batches=self.setup.accumulation,
             gradient_clip_val=1.0,
-            callbacks=[_meter_callback(self.setup, count, records)],
+            callbacks=[_meter_callback(self.setup, count, calls, records)],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,

@@ -55,6 +55,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from .call_profile import CallProfile
 from .collectives import StepRecord, record_collectives
 from .torchtitan_cpu import apply_cpu_patches
 
@@ -392,17 +393,23 @@ def build_trainer(setup: Setup, library: str, world_size: int) -> Harness:
 
 
 # measuring
-def measure_steps(harness: Harness, steps: int, count: bool) -> list[StepRecord]:
+def measure_steps(
+    harness: Harness, steps: int, count: bool, calls: CallProfile | None = None
+) -> list[StepRecord]:
     """Run ``steps`` more optimizer steps through the Trainer's own ``train()`` loop;
     per step its record: its loss, and its collectives if ``count``, else its CPU and
-    wall time (the collective log's wrappers would cost time)."""
+    wall time (the collective log's wrappers would cost time); with ``calls``, the
+    step's Python calls go into that profile instead."""
     trainer = harness.trainer
     records: list[StepRecord] = []
     inner = trainer.train_step
 
     def train_step(data_iterator: Any) -> None:
         record = StepRecord()
-        if count:
+        if calls is not None:
+            with calls.step():
+                inner(data_iterator)
+        elif count:
             with record_collectives() as log:
                 inner(data_iterator)
             record.collectives = Counter(log.names())

@@ -88,6 +88,65 @@ def _counts(rank: int, world: int) -> dict[str, int]:
     return counts
 
 
+DTENSOR = "torch/distributed/tensor/"
+
+
+def _dtensor_calls(step: Callable[[], None]) -> int:
+    """Python calls into DTensor's dispatch (torch/distributed/tensor) during ``step()``."""
+    count = 0
+
+    def profile(frame, event, _arg):
+        nonlocal count
+        if event == "call" and DTENSOR in frame.f_code.co_filename:
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def _clip_and_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
+def _optimizer_dtensor_calls(rank: int, world: int) -> dict[str, int]:
+    """DTensor's calls in a user's post-backward work (``clip_grad_norm_`` and AdamW on
+    the sharded parameters and their gradients), FSDP2 and flexshard on the same model."""
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))
+    counts = {}
+    for library, shard in (("fsdp2", torch.distributed.fsdp.fully_shard), ("flexshard", None)):
+        shard = shard or flexshard.fully_shard
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)])
+        for block in model:
+            shard(block, mesh=mesh)
+        shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+
+        after_backward = functools.partial(_clip_and_step, model, opt)
+        for _ in range(3):
+            model(x).square().mean().backward()
+            after_backward()
+            opt.zero_grad()
+        model(x).square().mean().backward()
+        counts[library] = _dtensor_calls(after_backward)
+    return counts
+
+
+def test_optimizer_dtensor_work_at_most_fsdp2s():
+    """Gradients are wrapped in their parameter's own spec object, as FSDP2's: DTensor's
+    sharding cache then matches the optimizer's and clipping's ops by identity (with an
+    equal but distinct spec it compared every spec and mesh, each step)."""
+    counts = run_distributed(_optimizer_dtensor_calls, 2, timeout=120)[0]
+    assert 0 < counts["flexshard"] <= counts["fsdp2"], counts
+
+
 def test_python_calls_per_step_stay_bounded():
     counts = run_distributed(_counts, 1, timeout=120)[0]
     over = {mode: (n, BOUNDS[mode]) for mode, n in counts.items() if n > BOUNDS[mode]}
