@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .deepseek_v4 import DeepseekV4Transformer
 from .gated_attention import GatedAttention
 from .layers import (
     KVCache,
@@ -319,11 +320,18 @@ def init_weights(model: nn.Module, seed: int) -> None:
             init_module(module)
 
 
-def meta_model(cfg: ModelConfig) -> Transformer:
+def build_model(cfg: ModelConfig) -> Transformer | DeepseekV4Transformer:
+    """The trainer's model of ``cfg``: DeepSeek-V4's own, else the Transformer."""
+    if cfg.attention == "deepseek_v4":
+        return DeepseekV4Transformer(cfg)
+    return Transformer(cfg)
+
+
+def meta_model(cfg: ModelConfig) -> Transformer | DeepseekV4Transformer:
     """The model built on meta, for its names and shapes: no memory, nothing
     initialised, no collective."""
     with torch.device("meta"):
-        return Transformer(cfg)
+        return build_model(cfg)
 
 
 def count_params(cfg: ModelConfig) -> tuple[int, int]:
