@@ -27,12 +27,15 @@ import torch
 
 from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
 from flexshard.testing import run_distributed
-from flexshard.trainer.config import config_from_dict
+from flexshard.trainer.components.optimizers import build_optimizer
+from flexshard.trainer.config import ConfigError, config_from_dict
 from flexshard.trainer.models.deepseek_v4 import DeepseekV4Transformer
 from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.layers import loss_fn
+from flexshard.trainer.train import setup
 
 from .test_model_families import _tensors, from_folder
+from .test_parallel_layouts import MUON_RTOL, compare_with_single_process, layout_config, trained
 from .test_qwen3_5 import _load_and_export
 
 transformers = pytest.importorskip("transformers")
@@ -180,3 +183,153 @@ def test_export_reloads_exact(tmp_path):
     assert all(not v for v in info.values()), info
     with torch.no_grad():
         assert torch.equal(back.eval()(tokens()).logits, reference(tokens()).logits)
+
+
+# ---------------------------------------------------------------------- layouts
+# the folder's model as [model] keys on the byte tokenizer's 256 ids; the selection bias
+# left at zero (bias_update_rate 0: the one-process reference steps no balance)
+V4_MODEL = {
+    "attention": "deepseek_v4",
+    "n_kv_heads": 1,
+    "head_dim": 16,
+    "q_lora_rank": 24,
+    "partial_rotary_factor": 0.5,
+    "norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "layer_types": LAYER_TYPES,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "deepseek_v4": {
+        "hc_mult": 3,
+        "hc_sinkhorn_iters": 5,
+        "sliding_window": 6,
+        "o_groups": 2,
+        "o_lora_rank": 12,
+        "compress_rate_csa": 4,
+        "compress_rate_hca": 8,
+        "index_n_heads": 2,
+        "index_head_dim": 12,
+        "index_topk": 3,
+        "swiglu_limit": 0.5,
+        "mlp_layer_types": MLP_LAYER_TYPES,
+    },
+    "moe": {
+        "num_experts": 5,
+        "top_k": 2,
+        "expert_hidden": 16,
+        "num_shared_experts": 1,
+        "first_dense_layers": 0,
+        "balance": "bias",
+        "bias_update_rate": 0.0,
+        "score_func": "sqrtsoftplus",
+        "routed_scaling_factor": 1.5,
+    },
+}
+# name: (world size, parallelism, other sections), each against one process
+LAYOUTS = {
+    "dp2": (2, {"dp_shard": 2}, {}),
+    "dp2_flat_muon": (2, {"dp_shard": 2, "placement": "flat"}, {"training": {"optimizer": "muon"}}),
+    "dp3": (3, {"dp_shard": 3}, {}),
+    "dp3_muon": (3, {"dp_shard": 3}, {"training": {"optimizer": "muon"}}),
+    "dp3_flat": (3, {"dp_shard": 3, "placement": "flat"}, {}),
+}
+
+
+def _config(folder: str, name: str):
+    _, parallelism, sections = LAYOUTS[name]
+    return layout_config(f"{folder}/{name}", parallelism, None, model=V4_MODEL, **sections)
+
+
+def _layouts(rank: int, world_size: int, folder: str, names: list[str]) -> dict:
+    return {name: trained(setup(_config(folder, name))) for name in names}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_layouts_match_one_process(world_size, tmp_path):
+    names = [name for name, (w, _, _) in LAYOUTS.items() if w == world_size]
+    results = run_distributed(_layouts, world_size, str(tmp_path), names, timeout=900)[0]
+    for name, result in results.items():
+        cfg = _config("-", name)
+        tolerances = MUON_RTOL if "muon" in name else {}
+        gaps = compare_with_single_process(name, cfg, result, **tolerances)
+        print(f"deepseek_v4 {name}: {gaps}")
+
+
+def test_muon_rule_for_the_new_kinds(tmp_path):
+    """Muon: the projections (hyper-connections' ``fn`` included), the router, the
+    compressors' and the indexer's matrices, each expert; per head for ``wq_b``, per
+    group for ``wo_a``. AdamW: the hyper-connections' offsets and scales, the sinks,
+    the compressors' position biases (``ape``), norms, embedding and head. The hash
+    table and the selection bias are buffers: no optimizer."""
+    hf_model(tmp_path)
+    cfg = config_from_dict(from_folder(tmp_path, training={"optimizer": "muon"}))
+    model = DeepseekV4Transformer(cfg.model)
+    optimizer = build_optimizer(model, cfg.training, cfg.model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {
+        names[id(p)]: g["row_blocks"] if g["use_muon"] else "adamw"
+        for g in optimizer.param_groups
+        for p in g["params"]
+    }
+    assert set(groups) == set(names.values())
+    muon = {
+        "layers.1.attn.wq_a.weight": False,
+        "layers.1.attn.wq_b.weight": 16,
+        "layers.1.attn.wo_a.weight": 12,
+        "layers.1.attn.wo_b.weight": False,
+        "layers.1.attn.compressor.wkv.weight": False,
+        "layers.1.attn.indexer.wq_b.weight": 12,
+        "layers.1.attn.indexer.compressor.wgate.weight": False,
+        "layers.1.attn.indexer.weights_proj.weight": False,
+        "layers.1.hc_attn_fn": False,
+        "layers.0.ffn.gate.weight": False,
+        "layers.0.ffn.experts.w1": False,
+        "layers.0.ffn.shared_experts.w2.weight": False,
+        "hc_head.hc_fn": False,
+    }
+    for name, rows in muon.items():
+        assert groups[name] == rows, name
+    adamw = ["layers.1.hc_attn_base", "layers.1.hc_ffn_scale", "layers.1.attn.attn_sink"]
+    adamw += ["layers.1.attn.compressor.ape", "layers.1.attn.indexer.compressor.ape"]
+    adamw += ["layers.1.attn.q_norm.weight", "hc_head.hc_base", "output.weight"]
+    adamw += ["tok_embeddings.weight"]
+    assert [name for name in adamw if groups[name] != "adamw"] == []
+    buffers = dict(model.named_buffers())
+    assert "layers.0.ffn.gate.tid2eid" in buffers and "layers.1.ffn.balance.bias" in buffers
+
+
+@pytest.mark.parametrize(
+    "section, values, message",
+    [
+        ("parallelism", {"tp": 2}, "parallelism.tp = 2: not built"),
+        ("parallelism", {"pp": 2}, "parallelism.pp = 2: not built"),
+        ("parallelism", {"cp": 2}, "parallelism.cp = 2: not built"),
+        ("parallelism", {"ep": 2}, "parallelism.ep = 2: not built"),
+        ("activation_checkpoint", {"mode": "full"}, "activation_checkpoint.mode = 'full'"),
+        ("compile", {"enable": True}, "compile.enable = True"),
+        ("rl", {"enable": True}, "rl.enable = True"),
+        ("training", {"optimizer": "soap"}, "training.optimizer = 'soap'"),
+    ],
+)
+def test_layouts_not_built_are_refused(section, values, message, tmp_path):
+    hf_model(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(from_folder(tmp_path, **{section: values}))
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("scoring_func", "softmax", "scoring_func = 'softmax'"),
+        ("num_nextn_predict_layers", 1, "num_nextn_predict_layers = 1"),
+        ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),
+        ("layer_types", None, "no layer_types"),
+        ("n_shared_experts", 2, "n_shared_experts = 2"),
+    ],
+)
+def test_what_the_folder_cannot_run_is_refused(key, value, message, tmp_path):
+    hf_model(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(from_folder(tmp_path))

@@ -265,6 +265,10 @@ def _check_deepseek_v4(cfg: Config) -> None:
         "model.moe.first_dense_layers": (moe.first_dense_layers, 0),
         "model.n_kv_heads": (m.n_kv_heads, 1),
     }
+    if cfg.training.optimizer not in ("adamw", "muon"):
+        raise ConfigError(
+            f"training.optimizer = {cfg.training.optimizer!r}: {why} runs AdamW or Muon"
+        )
     for key, (value, ok) in refused.items():
         if value != ok:
             raise ConfigError(f"{key} = {value!r}: {why} needs {ok!r}")

@@ -85,10 +85,10 @@ class Gate(nn.Module):
         self.num_experts, self.top_k, self.vocab = num_experts, top_k, vocab
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         self.init_stds = {"weight": 0.02}
-        table = self._spread(torch.device("cpu")) if hashed else None
+        table = self._spread(None) if hashed else None  # on the device being built on
         self.register_buffer("tid2eid", table)
 
-    def _spread(self, device: torch.device) -> torch.Tensor:
+    def _spread(self, device: torch.device | None) -> torch.Tensor:
         """A fixed table for a model not loaded from a folder: token t's experts
         t * top_k + j (mod E), distinct when top_k <= E."""
         ids = torch.arange(self.vocab, device=device)[:, None] * self.top_k

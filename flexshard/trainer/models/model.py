@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .deepseek_v4 import DeepseekV4Transformer
+from .deepseek_v4 import ClampedExperts, DeepseekV4Transformer
 from .gated_attention import GatedAttention
 from .layers import (
     KVCache,
@@ -226,6 +226,10 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        if cfg.attention == "deepseek_v4":  # another model altogether: never a stand-in
+            raise ValueError(
+                'model.attention = "deepseek_v4" is DeepseekV4Transformer\'s (build_model)'
+            )
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.tok_embeddings.init_stds = {"weight": 1.0}
@@ -343,7 +347,7 @@ def count_params(cfg: ModelConfig) -> tuple[int, int]:
     moe = cfg.moe
     if moe.num_experts:
         for module in model.modules():
-            if isinstance(module, GroupedExperts):
+            if isinstance(module, (GroupedExperts, ClampedExperts)):
                 routed = sum(p.numel() for p in module.parameters())
                 active -= routed - routed * moe.top_k // moe.num_experts
     return total, active

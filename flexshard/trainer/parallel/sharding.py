@@ -61,6 +61,13 @@ def muon_row_blocks(model_cfg: ModelConfig) -> dict[str, int]:
     if model_cfg.attention == "mla":
         return {"*.kv_a_proj_with_mqa.weight": model_cfg.kv_lora_rank}
     head_dim = model_cfg.head_size()
+    if model_cfg.attention == "deepseek_v4":  # per head; wo_a: per group's block
+        v4 = model_cfg.deepseek_v4
+        return {
+            "*.attn.wq_b.weight": head_dim,
+            "*.indexer.wq_b.weight": v4.index_head_dim,
+            "*.attn.wo_a.weight": v4.o_lora_rank,
+        }
     return {"*.wq.weight": head_dim, "*.wk.weight": head_dim, "*.wv.weight": head_dim}
 
 
