@@ -164,6 +164,12 @@ def test_folder_is_the_model_logits_and_loss(tmp_path):
     print(f"deepseek_v4: logits within {gap:.1e}, loss {loss} vs {out.loss.item()}")
     assert gap <= 1e-5, gap
     assert abs(loss - out.loss.item()) <= 1e-4
+    # the indexer's choice matters: every entry attended, the logits are another model's
+    with torch.no_grad():
+        for layer in model.layers:
+            if layer.attn.indexer is not None:
+                layer.attn.indexer.topk = 100
+        assert (model(batch) - out.logits).abs().max().item() > 1e-3
 
 
 def test_export_reloads_exact(tmp_path):
@@ -228,10 +234,19 @@ V4_MODEL = {
 LAYOUTS = {
     "dp2": (2, {"dp_shard": 2}, {}),
     "dp2_flat_muon": (2, {"dp_shard": 2, "placement": "flat"}, {"training": {"optimizer": "muon"}}),
+    "dp2_owned": (2, {"dp_shard": 2, "placement": "owned"}, {}),
+    "dp2_fsdp2": (2, {"dp_shard": 2, "dp_backend": "fsdp2", "placement": "shard0"}, {}),
     "dp3": (3, {"dp_shard": 3}, {}),
     "dp3_muon": (3, {"dp_shard": 3}, {"training": {"optimizer": "muon"}}),
     "dp3_flat": (3, {"dp_shard": 3, "placement": "flat"}, {}),
+    "dp3_block": (3, {"dp_shard": 3, "placement": "block", "block": [8, 8]}, {}),
 }
+# the hyper-connections' pre and comb logits start with gradients at rounding level
+# (1e-9 where the projections' are 1e-3: the streams start as copies of one embedding),
+# which AdamW's normalised step turns into steps of up to a tenth of lr whose sign the
+# reduction order decides: those parameters drift apart by up to 1.4e-3 in 8 steps
+# (measured at W = 2) while the losses agree to 1e-7
+HC_ATOL = {"param_atol": 2e-3}
 
 
 def _config(folder: str, name: str):
@@ -250,7 +265,7 @@ def test_layouts_match_one_process(world_size, tmp_path):
     results = run_distributed(_layouts, world_size, str(tmp_path), names, timeout=900)[0]
     for name, result in results.items():
         cfg = _config("-", name)
-        tolerances = MUON_RTOL if "muon" in name else {}
+        tolerances = MUON_RTOL if "muon" in name else HC_ATOL
         gaps = compare_with_single_process(name, cfg, result, **tolerances)
         print(f"deepseek_v4 {name}: {gaps}")
 
