@@ -29,6 +29,7 @@ from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
 from flexshard.testing import run_distributed
 from flexshard.trainer.components.optimizers import build_optimizer
 from flexshard.trainer.config import ConfigError, config_from_dict
+from flexshard.trainer.config.hf_config import _mismatches, exported_config, model_fields
 from flexshard.trainer.models.deepseek_v4 import DeepseekV4Transformer
 from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.layers import loss_fn
@@ -196,6 +197,9 @@ def test_export_reloads_exact(tmp_path):
 # left at zero (bias_update_rate 0: the one-process reference steps no balance)
 V4_MODEL = {
     "attention": "deepseek_v4",
+    "dim": 32,
+    "n_layers": 4,
+    "n_heads": 4,
     "n_kv_heads": 1,
     "head_dim": 16,
     "q_lora_rank": 24,
@@ -245,8 +249,8 @@ LAYOUTS = {
 # (1e-9 where the projections' are 1e-3: the streams start as copies of one embedding),
 # which AdamW's normalised step turns into steps of up to a tenth of lr whose sign the
 # reduction order decides: those parameters drift apart by up to 1.4e-3 in 8 steps
-# (measured at W = 2) while the losses agree to 1e-7
-HC_ATOL = {"param_atol": 2e-3}
+# (measured at W = 2 and 3; 1.9e-3 under Muon at W = 3) while the losses agree to 1e-7
+HC_ATOL = {"param_atol": 3e-3}
 
 
 def _config(folder: str, name: str):
@@ -265,7 +269,7 @@ def test_layouts_match_one_process(world_size, tmp_path):
     results = run_distributed(_layouts, world_size, str(tmp_path), names, timeout=900)[0]
     for name, result in results.items():
         cfg = _config("-", name)
-        tolerances = MUON_RTOL if "muon" in name else HC_ATOL
+        tolerances = {**MUON_RTOL, **HC_ATOL} if "muon" in name else HC_ATOL
         gaps = compare_with_single_process(name, cfg, result, **tolerances)
         print(f"deepseek_v4 {name}: {gaps}")
 
@@ -348,3 +352,16 @@ def test_what_the_folder_cannot_run_is_refused(key, value, message, tmp_path):
     path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
     with pytest.raises(ConfigError, match=message):
         config_from_dict(from_folder(tmp_path))
+
+
+def test_config_json_of_model_keys_round_trips():
+    """A run of [model] keys alone exports a config.json that transformers builds and
+    that reads back as the same [model]."""
+    cfg = config_from_dict({"model": V4_MODEL}).model
+    config = exported_config(cfg, "float32", 16)
+    assert config["model_type"] == "deepseek_v4"
+    assert model_fields(config)["deepseek_v4"]["mlp_layer_types"] == MLP_LAYER_TYPES
+    assert _mismatches(cfg, model_fields(config), untie=False) == {}
+    hf = transformers.DeepseekV4Config(**{k: v for k, v in config.items() if k != "model_type"})
+    assert hf.rope_parameters["compress"]["rope_type"] == "yarn"
+    assert hf.layer_types == LAYER_TYPES and hf.compress_rates["heavily_compressed_attention"] == 8
