@@ -13,8 +13,11 @@ would hide a wrong use of any).
   1e-4 of transformers' loss on the same batch;
 - the export of the model loaded at W = 2 is the folder's tensors bit for bit and loads
   in transformers with every key, its logits identical;
-- W = 2 and 3 against one process (slow);
-- what is not built is a ConfigError naming the key.
+- ``flexshard-train --nproc 3`` with nothing but the folder trains and exports (slow);
+- W = 2 (Shard(0), flat under Muon, owned, FSDP2) and W = 3 (Shard(0), the Muon
+  placement, flat, block) against one process (slow);
+- the Muon rule for the new kinds; what is not built, or what the folder asks that the
+  trainer does not compute, is a ConfigError naming the key.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from flexshard.testing import run_distributed
 from flexshard.trainer.components.optimizers import build_optimizer
 from flexshard.trainer.config import ConfigError, config_from_dict
 from flexshard.trainer.config.hf_config import _mismatches, exported_config, model_fields
+from flexshard.trainer.launch import main as train_main
 from flexshard.trainer.models.deepseek_v4 import DeepseekV4Transformer
 from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.layers import loss_fn
@@ -190,6 +194,30 @@ def test_export_reloads_exact(tmp_path):
     assert all(not v for v in info.values()), info
     with torch.no_grad():
         assert torch.equal(back.eval()(tokens()).logits, reference(tokens()).logits)
+
+
+@pytest.mark.slow
+def test_flexshard_train_with_only_the_folder(tmp_path):
+    """``flexshard-train --nproc 3`` from the folder alone trains and exports a folder
+    transformers loads with every key."""
+    reference = hf_model(tmp_path / "hf")
+    out = tmp_path / "run"
+    train_main(
+        ["--nproc", "3", "--checkpoint.initial_load_path", str(tmp_path / "hf")]
+        + ["--checkpoint.initial_load_in_hf", "true", "--checkpoint.last_save_in_hf", "true"]
+        + ["--training.steps", "3", "--training.seq_len", "16", "--job.dump_folder", str(out)]
+        + ["--job.progress", "false", "--job.plot", "false", "--job.tensorboard", "false"]
+    )
+    trained_model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        out / "hf", output_loading_info=True
+    )
+    assert all(not v for v in info.values()), info
+    with torch.no_grad():
+        moved = (trained_model.eval()(tokens()).logits - reference(tokens()).logits).abs()
+    assert moved.max().item() > 1e-3  # it trained
+    records = (out / "metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["loss"] for line in records]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
 
 
 # ---------------------------------------------------------------------- layouts
