@@ -37,6 +37,8 @@ from flexshard.trainer.launch import main as train_main
 from flexshard.trainer.models.deepseek_v4 import DeepseekV4Transformer
 from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.layers import loss_fn
+from flexshard.trainer.models.model import init_weights
+from flexshard.trainer.parallel.activation_checkpoint import apply_ac
 from flexshard.trainer.train import setup
 
 from .test_model_families import _tensors, from_folder
@@ -268,9 +270,14 @@ LAYOUTS = {
     "dp2_flat_muon": (2, {"dp_shard": 2, "placement": "flat"}, {"training": {"optimizer": "muon"}}),
     "dp2_owned": (2, {"dp_shard": 2, "placement": "owned"}, {}),
     "dp2_fsdp2": (2, {"dp_shard": 2, "dp_backend": "fsdp2", "placement": "shard0"}, {}),
+    "dp2_selective_ac": (2, {"dp_shard": 2}, {"activation_checkpoint": {"mode": "selective"}}),
     "dp3": (3, {"dp_shard": 3}, {}),
     "dp3_muon": (3, {"dp_shard": 3}, {"training": {"optimizer": "muon"}}),
-    "dp3_flat": (3, {"dp_shard": 3, "placement": "flat"}, {}),
+    "dp3_flat_full_ac": (
+        3,
+        {"dp_shard": 3, "placement": "flat"},
+        {"activation_checkpoint": {"mode": "full"}},
+    ),
     "dp3_block": (3, {"dp_shard": 3, "placement": "block", "block": [8, 8]}, {}),
 }
 # the hyper-connections' pre and comb logits start with gradients at rounding level
@@ -352,7 +359,6 @@ def test_muon_rule_for_the_new_kinds(tmp_path):
         ("parallelism", {"pp": 2}, "parallelism.pp = 2: not built"),
         ("parallelism", {"cp": 2}, "parallelism.cp = 2: not built"),
         ("parallelism", {"ep": 2}, "parallelism.ep = 2: not built"),
-        ("activation_checkpoint", {"mode": "full"}, "activation_checkpoint.mode = 'full'"),
         ("compile", {"enable": True}, "compile.enable = True"),
         ("rl", {"enable": True}, "rl.enable = True"),
         ("training", {"optimizer": "soap"}, "training.optimizer = 'soap'"),
@@ -393,3 +399,24 @@ def test_config_json_of_model_keys_round_trips():
     hf = transformers.DeepseekV4Config(**{k: v for k, v in config.items() if k != "model_type"})
     assert hf.rope_parameters["compress"]["rope_type"] == "yarn"
     assert hf.layer_types == LAYER_TYPES and hf.compress_rates["heavily_compressed_attention"] == 8
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpoint_recomputes_the_same_gradients(mode):
+    cfg = config_from_dict({"model": V4_MODEL, "activation_checkpoint": {"mode": mode}})
+    plain, checkpointed = (DeepseekV4Transformer(cfg.model) for _ in range(2))
+    init_weights(plain, 0)
+    checkpointed.load_state_dict(plain.state_dict())
+    apply_ac(checkpointed, cfg.activation_checkpoint)
+    assert all(layer.checkpoint is not None for layer in checkpointed.layers)
+    batch = tokens(17) % 256
+    for model in (plain, checkpointed):
+        loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+    pairs = [
+        (n, p.grad, q.grad)
+        for (n, p), q in zip(plain.named_parameters(), checkpointed.parameters())
+    ]
+    # the indexer's choice is a top-k: no gradient reaches its weights, either way
+    assert {n for n, g, _ in pairs if g is None} == {n for n, _, g in pairs if g is None}
+    assert all(".indexer." in n for n, g, _ in pairs if g is None)
+    assert [n for n, g, h in pairs if g is not None and not torch.equal(g, h)] == []

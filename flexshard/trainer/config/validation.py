@@ -253,7 +253,6 @@ def _check_deepseek_v4(cfg: Config) -> None:
         if getattr(p, key) > 1:
             raise ConfigError(f"parallelism.{key} = {getattr(p, key)}: not built for {why}")
     refused = {
-        "activation_checkpoint.mode": (cfg.activation_checkpoint.mode, "none"),
         "compile.enable": (cfg.compile.enable, False),
         "rl.enable": (cfg.rl.enable, False),
         "model.mtp_layers": (m.mtp_layers, 0),

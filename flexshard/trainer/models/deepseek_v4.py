@@ -12,6 +12,7 @@ the shared expert) with its gate clamped above and its up projection on both sid
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -152,8 +153,21 @@ class V4Block(nn.Module):
             **{f"hc_{side}_base": "zeros" for side in ("attn", "ffn")},
             **{f"hc_{side}_scale": None for side in ("attn", "ffn")},
         }
+        # set by apply_ac, as on TransformerBlock: runs ``_block`` so that backward
+        # recomputes its activations (an attribute: parameter names stay the same)
+        self.checkpoint: Callable[..., torch.Tensor] | None = None
 
     def forward(
+        self,
+        streams: torch.Tensor,
+        tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        tokens: torch.Tensor,
+    ) -> torch.Tensor:
+        if self.checkpoint is not None:
+            return self.checkpoint(self._block, streams, tables, tokens)
+        return self._block(streams, tables, tokens)
+
+    def _block(
         self,
         streams: torch.Tensor,
         tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
