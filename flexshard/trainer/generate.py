@@ -23,7 +23,7 @@ from .config.hf_config import folder_fields, text_model_prefix
 from .config.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, open_tokenizer
 from .models.hf_adapter import fused_experts, hf_keys
 from .models.layers import KVCache
-from .models.model import Transformer
+from .models.model import Transformer, build_model
 from .parallel.parallelize import checked_dims, parallelize
 
 
@@ -106,10 +106,10 @@ def load_weights(model: nn.Module, cfg: Config, checkpoint: str | Path) -> None:
         ckpt.load(str(folder), model)
 
 
-def load_model(checkpoint: str | Path, config: str | None = None) -> tuple[Transformer, Tokenizer]:
+def load_model(checkpoint: str | Path, config: str | None = None) -> tuple[nn.Module, Tokenizer]:
     """The whole model and the tokenizer of a Hugging Face folder or a DCP checkpoint."""
     cfg = run_config(checkpoint, config)
-    model = Transformer(cfg.model)
+    model = build_model(cfg.model)
     load_weights(model, cfg, checkpoint)
     folder = Path(checkpoint)
     if (folder / "config.json").is_file():

@@ -17,7 +17,7 @@ from flexshard.testing import run_distributed
 from flexshard.trainer.components.optimizers import build_optimizer
 from flexshard.trainer.config import Config, ConfigError, config_from_dict, load_config
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, load_tokens
-from flexshard.trainer.models.model import Transformer, init_weights
+from flexshard.trainer.models.model import build_model, init_weights
 from flexshard.trainer.parallel.dims import ParallelDims
 from flexshard.trainer.parallel.parallelize import checked_dims
 from flexshard.trainer.train import Job, loss_fn, run, setup, train_step
@@ -130,7 +130,7 @@ def layout_config(folder: str, parallelism: dict, moe: dict | None, **extra: dic
 def single_process(cfg: Config, dp_size: int) -> tuple[list, list, dict]:
     """Losses, gradient norms and final parameters of one process on the global batch."""
     t = cfg.training
-    model = Transformer(cfg.model)
+    model = build_model(cfg.model)
     init_weights(model, t.seed)
     tokens = load_tokens(cfg.data, ByteTokenizer())
     sampler = DPSampler(tokens, t.seq_len, dp_size * t.batch_size, 1, 0, 1, t.seed)

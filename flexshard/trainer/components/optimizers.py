@@ -89,7 +89,8 @@ def build_optimizer(
         # Gated DeltaNet's depthwise conv kernels [channels, 1, taps] are 3-D but no
         # matrix stack (A_log and dt_bias are vectors: AdamW by their shape); Qwen3.5-MoE's
         # shared-expert gate is one row [1, dim], which Newton-Schulz would only rescale
-        adamw_patterns=("output.weight", "*.conv1d.weight", "*.shared_gate.weight"),
+        # DeepSeek-V4's compressor position biases (``ape``) are biases, however 2-D
+        adamw_patterns=("output.weight", "*.conv1d.weight", "*.shared_gate.weight", "*.ape"),
         detect_head=False,
         # Moonlight's scaling: Muon's update RMS matches AdamW's at the same rate
         adjust_lr_fn="match_rms_adamw",

@@ -400,6 +400,168 @@ def _deepseek_v3_fields(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+_V4_KINDS = {"compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"}
+# what transformers' DeepseekV4ForCausalLM computes, whatever the key says otherwise
+_V4_NEEDED = {
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "attention_dropout": 0.0,
+    "router_jitter_noise": 0.0,
+    "num_key_value_heads": 1,
+    "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True,
+    "n_shared_experts": 1,
+    "output_router_logits": False,
+    "num_nextn_predict_layers": 0,
+}
+
+
+def _deepseek_v4_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``[model]`` keys (``[model.deepseek_v4]``, ``[model.moe]``,
+    ``[model.rope_scaling]``) of a ``DeepseekV4ForCausalLM`` config.json."""
+    for key, ok in _V4_NEEDED.items():
+        if config.get(key, ok) != ok:
+            raise ConfigError(f"config.json: {key} = {config[key]!r}: the trainer needs {ok!r}")
+    if config.get("quantization_config"):
+        raise ConfigError(
+            "config.json: quantization_config: the trainer loads unquantized weights only"
+        )
+    layers = config["num_hidden_layers"]
+    for key in ("layer_types", "mlp_layer_types", "compress_rates"):
+        if not config.get(key):  # DeepSeek's own config.json: transformers converts it
+            raise ConfigError(
+                f"config.json: no {key}: save the folder with transformers' "
+                "DeepseekV4ForCausalLM, which writes it"
+            )
+    kinds, mlp = list(config["layer_types"]), list(config["mlp_layer_types"])
+    if len(kinds) != layers or set(kinds) - _V4_KINDS:
+        raise ConfigError(
+            f"config.json: layer_types = {kinds}: one of {sorted(_V4_KINDS)} per layer"
+        )
+    if len(mlp) != layers or set(mlp) - {"hash_moe", "moe"}:
+        raise ConfigError(f"config.json: mlp_layer_types = {mlp}: 'hash_moe' or 'moe' per layer")
+    rope = config.get("rope_parameters") or {}
+    main, compress = rope.get("main") or {}, rope.get("compress") or {}
+    if main.get("rope_type", "default") != "default":
+        raise ConfigError(
+            f"config.json: rope_parameters.main.rope_type = {main['rope_type']!r}: the "
+            "trainer needs 'default'"
+        )
+    if (
+        compress.get("rope_type", "default") == "yarn"
+        and compress.get("attention_factor", 1.0) != 1.0
+    ):
+        raise ConfigError(
+            "config.json: rope_parameters.compress.attention_factor: the trainer needs 1.0"
+        )
+    theta, scaling = _yarn_fields(
+        {
+            **config,
+            "rope_parameters": {k: v for k, v in compress.items() if k != "attention_factor"},
+        }
+    )
+    factor = float(config.get("partial_rotary_factor") or main.get("partial_rotary_factor", 1.0))
+    rates = config["compress_rates"]
+    return {
+        "attention": "deepseek_v4",
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "vocab_size": config["vocab_size"],
+        "dim": config["hidden_size"],
+        "n_layers": layers,
+        "n_heads": config["num_attention_heads"],
+        "n_kv_heads": 1,
+        "head_dim": config["head_dim"],
+        "q_lora_rank": config["q_lora_rank"],
+        "partial_rotary_factor": factor,
+        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(main.get("rope_theta", config.get("rope_theta", 10000.0))),
+        "rope_scaling": scaling,
+        "layer_types": kinds,
+        "deepseek_v4": {
+            "hc_mult": config["hc_mult"],
+            "hc_sinkhorn_iters": config["hc_sinkhorn_iters"],
+            "hc_eps": float(config["hc_eps"]),
+            "sliding_window": config["sliding_window"],
+            "o_groups": config["o_groups"],
+            "o_lora_rank": config["o_lora_rank"],
+            "compress_rate_csa": rates.get("compressed_sparse_attention", 4),
+            "compress_rate_hca": rates.get("heavily_compressed_attention", 128),
+            "compress_rope_theta": theta,
+            "index_n_heads": config["index_n_heads"],
+            "index_head_dim": config["index_head_dim"],
+            "index_topk": config["index_topk"],
+            "swiglu_limit": float(config["swiglu_limit"]),
+            "mlp_layer_types": mlp,
+        },
+        "moe": {
+            "num_experts": config["n_routed_experts"],
+            "top_k": config["num_experts_per_tok"],
+            "num_shared_experts": 1,
+            "expert_hidden": config["moe_intermediate_size"],
+            "first_dense_layers": 0,
+            "balance": "bias",
+            "score_func": "sqrtsoftplus",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
+        },
+    }
+
+
+def _deepseek_v4_config(cfg: ModelConfig) -> dict[str, Any]:
+    """``config.json`` of the ``DeepseekV4ForCausalLM`` computing what the trainer's
+    DeepSeek-V4 does."""
+    v4, moe = cfg.deepseek_v4, cfg.moe
+    compress = {**_yarn_parameters(cfg), "rope_theta": v4.compress_rope_theta}
+    if compress["rope_type"] == "yarn":
+        compress["attention_factor"] = 1.0
+    partial = {"partial_rotary_factor": cfg.partial_rotary_factor}
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "moe_intermediate_size": moe.expert_hidden or cfg.ffn_hidden_size(),
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": 1,
+        "head_dim": cfg.head_size(),
+        "q_lora_rank": cfg.q_lora_rank,
+        "num_experts_per_tok": moe.top_k,
+        "n_routed_experts": moe.num_experts,
+        "n_shared_experts": 1,
+        "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": moe.routed_scaling_factor,
+        "rope_theta": cfg.rope_theta,
+        "partial_rotary_factor": cfg.partial_rotary_factor,
+        "rope_parameters": {
+            "main": {"rope_type": "default", "rope_theta": cfg.rope_theta, **partial},
+            "compress": {**compress, **partial},
+        },
+        "layer_types": list(cfg.layer_types),
+        "mlp_layer_types": list(v4.mlp_layer_types),
+        "compress_rates": {
+            "compressed_sparse_attention": v4.compress_rate_csa,
+            "heavily_compressed_attention": v4.compress_rate_hca,
+        },
+        "compress_rope_theta": v4.compress_rope_theta,
+        "hc_mult": v4.hc_mult,
+        "hc_sinkhorn_iters": v4.hc_sinkhorn_iters,
+        "hc_eps": v4.hc_eps,
+        "swiglu_limit": v4.swiglu_limit,
+        "sliding_window": v4.sliding_window,
+        "o_groups": v4.o_groups,
+        "o_lora_rank": v4.o_lora_rank,
+        "index_n_heads": v4.index_n_heads,
+        "index_head_dim": v4.index_head_dim,
+        "index_topk": v4.index_topk,
+        "num_nextn_predict_layers": 0,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
 @dataclass(frozen=True)
 class Family:
     """One Hugging Face architecture the trainer's model computes exactly."""
@@ -417,6 +579,7 @@ FAMILIES = {
     "deepseek_v3": Family("DeepseekV3ForCausalLM", _deepseek_v3_fields, _deepseek_v3_config),
     "qwen3_5_text": Family("Qwen3_5ForCausalLM", _qwen3_5_fields, _qwen3_5_config),
     "qwen3_5_moe_text": Family("Qwen3_5MoeForCausalLM", _qwen3_5_moe_fields, _qwen3_5_moe_config),
+    "deepseek_v4": Family("DeepseekV4ForCausalLM", _deepseek_v4_fields, _deepseek_v4_config),
 }
 
 
@@ -528,7 +691,7 @@ def _mismatches(cfg: ModelConfig, fields: dict[str, Any], untie: bool) -> dict[s
     wanted = dict(fields)
     moe = wanted.pop("moe")
     wanted.update({f"moe.{k}": v for k, v in moe.items()})
-    for table in ("rope_scaling", "linear_attention"):
+    for table in ("rope_scaling", "linear_attention", "deepseek_v4"):
         values = wanted.pop(table, {})
         wanted.update({f"{table}.{k}": v for k, v in values.items()})
     theirs = [MoEConfig(**moe).is_moe_layer(i) for i in range(wanted["n_layers"])]

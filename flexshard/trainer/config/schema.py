@@ -42,7 +42,8 @@ class MoEConfig:
     # n_group groups, a token's top-k taken from its topk_group best groups (a group
     # scored by the sum of its two best biased scores); the routed output scaled by
     # routed_scaling_factor
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    # "sqrtsoftplus": DeepSeek-V4's sqrt(softplus(logit)) scores
+    score_func: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
@@ -95,6 +96,34 @@ class LinearAttentionConfig:
 
 
 @dataclass
+class DeepseekV4Config:
+    """DeepSeek-V4's own sizes (trainer/models/deepseek_v4.py): hc_mult residual streams
+    mixed by Sinkhorn-normalised hyper-connections; per layer (``model.layer_types``)
+    sliding-window attention with per-head sinks, plus a compressor of compress_rate_csa
+    tokens per entry whose entries a lightning indexer (index_n_heads x index_head_dim)
+    picks index_topk of, or one of compress_rate_hca tokens per entry attended whole;
+    the compressed branches rotate with compress_rope_theta and ``model.rope_scaling``;
+    the heads' output through o_groups low-rank (o_lora_rank) projections; per layer
+    (mlp_layer_types) experts chosen by a frozen token -> experts table ("hash_moe") or
+    by the router ("moe"); every SwiGLU's gate and up clamped at swiglu_limit."""
+
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    sliding_window: int = 128
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    compress_rate_csa: int = 4
+    compress_rate_hca: int = 128
+    compress_rope_theta: float = 160000.0
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    swiglu_limit: float = 10.0
+    mlp_layer_types: list[str] = field(default_factory=list)
+
+
+@dataclass
 class ModelConfig:
     # the byte tokenizer's 256; left out with a tokenizer file: its ids, padded up to
     # vocab_multiple (a tokenizer.json of 32,000 ids and 64: 32,000)
@@ -122,12 +151,16 @@ class ModelConfig:
     # head its queries and a sigmoid output gate, q/k norms, RoPE on the first
     # partial_rotary_factor of each head (Hugging Face's halves layout), and every
     # RMSNorm of the model but Gated DeltaNet's scales by (1 + weight)
-    attention: Literal["gqa", "mla", "gated"] = "gqa"
+    # "deepseek_v4": DeepSeek-V4's shared-KV attention with compressed branches and
+    # hyper-connections (``deepseek_v4`` below; layer_types per layer "sliding_attention",
+    # "compressed_sparse_attention" or "heavily_compressed_attention")
+    attention: Literal["gqa", "mla", "gated", "deepseek_v4"] = "gqa"
     partial_rotary_factor: float = 1.0
     # per layer "full_attention" or "linear_attention" (Gated DeltaNet, with
     # attention = "gated" only); empty: every layer full attention
     layer_types: list[str] = field(default_factory=list)
     linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
+    deepseek_v4: DeepseekV4Config = field(default_factory=DeepseekV4Config)
     q_lora_rank: int = 0
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128

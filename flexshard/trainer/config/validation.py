@@ -91,6 +91,8 @@ def hf_format(cfg: ModelConfig, option: str = HF_OPTIONS, export: bool = False) 
     a tensor to hold it). Multi-token prediction is never exported (no format here
     holds it)."""
     moe = cfg.moe
+    if cfg.attention == "deepseek_v4":  # validate() holds it to its one twin
+        return "deepseek_v4"
     if cfg.attention == "gated":
         if not moe.num_experts:
             return "qwen3_5_text"
@@ -239,9 +241,66 @@ def _check_routing(m: ModelConfig) -> None:
         raise ConfigError("model.moe.routed_scaling_factor must be > 0")
 
 
+_V4_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+
+
+def _check_deepseek_v4(cfg: Config) -> None:
+    """DeepSeek-V4: its sizes, and the layouts built for it (data parallel on every
+    placement, with AdamW or Muon); the rest refused naming the key."""
+    m, p, v4, moe = cfg.model, cfg.parallelism, cfg.model.deepseek_v4, cfg.model.moe
+    why = 'model.attention = "deepseek_v4"'
+    for key in ("tp", "pp", "cp", "ep"):
+        if getattr(p, key) > 1:
+            raise ConfigError(f"parallelism.{key} = {getattr(p, key)}: not built for {why}")
+    refused = {
+        "compile.enable": (cfg.compile.enable, False),
+        "rl.enable": (cfg.rl.enable, False),
+        "model.mtp_layers": (m.mtp_layers, 0),
+        "model.tie_embeddings": (m.tie_embeddings, False),
+        "model.moe.balance": (moe.balance, "bias"),
+        "model.moe.score_func": (moe.score_func, "sqrtsoftplus"),
+        "model.moe.norm_topk_prob": (moe.norm_topk_prob, True),
+        "model.moe.num_shared_experts": (moe.num_shared_experts, 1),
+        "model.moe.first_dense_layers": (moe.first_dense_layers, 0),
+        "model.n_kv_heads": (m.n_kv_heads, 1),
+    }
+    if cfg.training.optimizer not in ("adamw", "muon"):
+        raise ConfigError(
+            f"training.optimizer = {cfg.training.optimizer!r}: {why} runs AdamW or Muon"
+        )
+    for key, (value, ok) in refused.items():
+        if value != ok:
+            raise ConfigError(f"{key} = {value!r}: {why} needs {ok!r}")
+    if len(m.layer_types) != m.n_layers or set(m.layer_types) - set(_V4_KINDS):
+        raise ConfigError(f"model.layer_types = {m.layer_types}: one of {_V4_KINDS} per layer")
+    kinds = v4.mlp_layer_types
+    if len(kinds) != m.n_layers or set(kinds) - {"hash_moe", "moe"}:
+        raise ConfigError(
+            f"model.deepseek_v4.mlp_layer_types = {kinds}: 'hash_moe' or 'moe' per layer"
+        )
+    if not 0 < moe.top_k <= moe.num_experts:
+        raise ConfigError(f"model.moe.top_k = {moe.top_k}: 1 to num_experts ({moe.num_experts})")
+    if m.q_lora_rank < 1 or m.head_dim < 1:
+        raise ConfigError(f"model.q_lora_rank and model.head_dim: set both ({why})")
+    if m.rotary_dim() % 2 or m.rotary_dim() > min(m.head_dim, v4.index_head_dim):
+        raise ConfigError(
+            f"model.partial_rotary_factor = {m.partial_rotary_factor}: an even number of "
+            f"rotated dims, at most model.deepseek_v4.index_head_dim = {v4.index_head_dim}"
+        )
+    if (m.n_heads * m.head_dim) % v4.o_groups:
+        raise ConfigError(
+            f"model.deepseek_v4.o_groups = {v4.o_groups} does not divide the "
+            f"{m.n_heads * m.head_dim} head dims"
+        )
+    sizes = {f"model.deepseek_v4.{k}": v for k, v in vars(v4).items() if k != "mlp_layer_types"}
+    small = {k: v for k, v in sizes.items() if v <= 0}
+    if small:
+        raise ConfigError(f"{', '.join(f'{k} = {v}' for k, v in small.items())}: must be > 0")
+
+
 def _check_layer_types(m: ModelConfig) -> None:
     """Gated DeltaNet layers: only beside Qwen3.5's gated attention, with whole heads."""
-    if not m.layer_types:
+    if not m.layer_types or m.attention == "deepseek_v4":
         return
     kinds = ("full_attention", "linear_attention")
     if len(m.layer_types) != m.n_layers or set(m.layer_types) - set(kinds):
@@ -306,6 +365,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallelism.dp_shard = {p.dp_shard}: must be -1 (auto) or >= 1")
     if m.attention == "mla":
         _check_mla(m, t.optimizer)
+    elif m.attention == "deepseek_v4":
+        _check_deepseek_v4(cfg)
     else:
         if m.head_dim < 0:
             raise ConfigError(f"model.head_dim = {m.head_dim}: must be >= 0 (0: dim / n_heads)")

@@ -165,12 +165,45 @@ _QWEN3_5_MOE = {
 }
 
 
+# DeepSeek-V4: the trainer's modules carry DeepSeek's own names, as transformers saves
+# them; the learned layers' selection bias is ``ffn.gate.bias``, a hash layer's table
+# ``ffn.gate.tid2eid``
+_V4_ATTENTION = ("wq_a", "q_norm", "wq_b", "wkv", "norm", "wo_a", "wo_b")
+_V4_COMPRESSOR = ("compressor.wkv.weight", "compressor.wgate.weight", "compressor.ape")
+_V4_COMPRESSOR += ("compressor.norm.weight",)
+_V4_NAMES = (
+    *(f"attn.{name}.weight" for name in _V4_ATTENTION),
+    "attn.attn_sink",
+    *(f"attn.{name}" for name in _V4_COMPRESSOR),
+    *(f"attn.indexer.{name}" for name in _V4_COMPRESSOR),
+    "attn.indexer.wq_b.weight",
+    "attn.indexer.weights_proj.weight",
+    "attn_norm.weight",
+    "ffn_norm.weight",
+    *(f"hc_{side}_{part}" for side in ("attn", "ffn") for part in ("fn", "base", "scale")),
+    "ffn.gate.weight",
+    "ffn.gate.tid2eid",
+    *(f"ffn.shared_experts.{w}.weight" for w in ("w1", "w2", "w3")),
+)
+_DEEPSEEK_V4 = {
+    **{name: name for name in _V4_NAMES},
+    "ffn.balance.bias": "ffn.gate.bias",
+    **{f"ffn.experts.{w}": f"ffn.experts.{{}}.{w}.weight" for w in ("w1", "w2", "w3")},
+}
+_DEEPSEEK_V4_ROOT = {
+    **_ROOT,
+    "output.weight": "head.weight",
+    **{f"hc_head.{name}": f"model.hc_head.{name}" for name in ("hc_fn", "hc_base", "hc_scale")},
+}
+
+
 @dataclass(frozen=True)
 class FamilyKeys:
     """One family's state-dict names (``config.hf_config.FAMILIES`` has its config.json)."""
 
     block: dict[str, str]  # trainer -> HF names within a block (every layer)
     sparse: dict[str, str]  # the MoE layers' sparse block ({} for a dense family)
+    root: dict[str, str] = dataclasses.field(default_factory=lambda: dict(_ROOT))
 
 
 FAMILY_KEYS = {
@@ -181,6 +214,7 @@ FAMILY_KEYS = {
     "deepseek_v3": FamilyKeys(_DEEPSEEK_V3, _DEEPSEEK_V3_MOE),
     "qwen3_5_text": FamilyKeys(_QWEN3_5, {}),
     "qwen3_5_moe_text": FamilyKeys(_QWEN3_5, _QWEN3_5_MOE),
+    "deepseek_v4": FamilyKeys({}, _DEEPSEEK_V4, _DEEPSEEK_V4_ROOT),
 }
 
 
@@ -188,8 +222,8 @@ def hf_key(fqn: str, cfg: ModelConfig) -> HFKey:
     """The Hugging Face key of trainer key ``fqn`` (RoPE rows marked, expert stacks
     named per expert)."""
     family = FAMILY_KEYS[hf_format(cfg)]
-    if fqn in _ROOT:
-        return HFKey(_ROOT[fqn])
+    if fqn in family.root:
+        return HFKey(family.root[fqn])
     match = _LAYER.match(fqn)
     rest = match.group(2) if match else ""
     if match is None or (rest not in family.block and rest not in family.sparse):
@@ -218,7 +252,7 @@ def in_hf(fqn: str, cfg: ModelConfig) -> bool:
     if fqn.startswith("mtp."):  # multi-token prediction: no format here holds it
         return False
     # DeepSeek-V3's format holds the selection bias (e_score_correction_bias)
-    return cfg.attention == "mla" or _TRAINER_ONLY.match(fqn) is None
+    return cfg.attention in ("mla", "deepseek_v4") or _TRAINER_ONLY.match(fqn) is None
 
 
 # transformers' per-expert names and where each lives in its fused stacks

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .deepseek_v4 import ClampedExperts, DeepseekV4Transformer
 from .gated_attention import GatedAttention
 from .layers import (
     KVCache,
@@ -231,6 +232,10 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        if cfg.attention == "deepseek_v4":  # another model altogether: never a stand-in
+            raise ValueError(
+                'model.attention = "deepseek_v4" is DeepseekV4Transformer\'s (build_model)'
+            )
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.tok_embeddings.init_stds = {"weight": 1.0}
@@ -325,11 +330,18 @@ def init_weights(model: nn.Module, seed: int) -> None:
             init_module(module)
 
 
-def meta_model(cfg: ModelConfig) -> Transformer:
+def build_model(cfg: ModelConfig) -> Transformer | DeepseekV4Transformer:
+    """The trainer's model of ``cfg``: DeepSeek-V4's own, else the Transformer."""
+    if cfg.attention == "deepseek_v4":
+        return DeepseekV4Transformer(cfg)
+    return Transformer(cfg)
+
+
+def meta_model(cfg: ModelConfig) -> Transformer | DeepseekV4Transformer:
     """The model built on meta, for its names and shapes: no memory, nothing
     initialised, no collective."""
     with torch.device("meta"):
-        return Transformer(cfg)
+        return build_model(cfg)
 
 
 def count_params(cfg: ModelConfig) -> tuple[int, int]:
@@ -341,7 +353,7 @@ def count_params(cfg: ModelConfig) -> tuple[int, int]:
     moe = cfg.moe
     if moe.num_experts:
         for module in model.modules():
-            if isinstance(module, GroupedExperts):
+            if isinstance(module, (GroupedExperts, ClampedExperts)):
                 routed = sum(p.numel() for p in module.parameters())
                 active -= routed - routed * moe.top_k // moe.num_experts
     return total, active

@@ -138,7 +138,7 @@ def apply_ac(model: nn.Module, ac: ActivationCheckpointConfig) -> None:
     for name in checkpointed_blocks(list(layers), ac):
         block = layers[name]
         checkpoint_fn: Checkpoint = _op_level if op_level else _full
-        ffn = block.feed_forward
+        ffn = getattr(block, "feed_forward", None)  # DeepSeek-V4's block: no EP to gather
         if isinstance(ffn, MoE) and ffn.experts.expert_parallel is not None:
             checkpoint_fn = _gathering_inner_units(block, checkpoint_fn)
         block.checkpoint = checkpoint_fn  # type: ignore[union-attr]

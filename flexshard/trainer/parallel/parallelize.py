@@ -23,7 +23,7 @@ from flexshard.fsdp.state_dict import Assemble
 
 from ..config import Config, ConfigError, ParallelismConfig
 from ..models.layers import loss_fn
-from ..models.model import Transformer, init_module, init_weights
+from ..models.model import build_model, init_module, init_weights
 from .activation_checkpoint import apply_ac
 from .context_parallel import apply_cp, check_cp, split_sequence
 from .dims import Meshes, ParallelDims
@@ -67,7 +67,7 @@ def parallelize(
     par = cfg.parallelism
     on_meta = par.dp_backend == "flexshard"
     with torch.device("meta" if on_meta else device):
-        model = Transformer(cfg.model)
+        model = build_model(cfg.model)
     if init and not on_meta:
         init_weights(model, cfg.training.seed)
     if model.mtp is not None:  # the MTP term follows the loss's division by grad_accum

@@ -27,7 +27,8 @@ from .exchange import configured_timeout
 if TYPE_CHECKING:  # dims runs this file's check
     from .dims import Meshes
 
-OUTER_PATTERNS = ["tok_embeddings.*", "norm.*", "output.*"]
+# hc_head: DeepSeek-V4's collapse of the residual streams, beside the final norm
+OUTER_PATTERNS = ["tok_embeddings.*", "hc_head.*", "norm.*", "output.*"]
 Policy = fs.Placement | Callable[[str, nn.Parameter], fs.Placement]
 
 
@@ -60,6 +61,13 @@ def muon_row_blocks(model_cfg: ModelConfig) -> dict[str, int]:
     if model_cfg.attention == "mla":
         return {"*.kv_a_proj_with_mqa.weight": model_cfg.kv_lora_rank}
     head_dim = model_cfg.head_size()
+    if model_cfg.attention == "deepseek_v4":  # per head; wo_a: per group's block
+        v4 = model_cfg.deepseek_v4
+        return {
+            "*.attn.wq_b.weight": head_dim,
+            "*.indexer.wq_b.weight": v4.index_head_dim,
+            "*.attn.wo_a.weight": v4.o_lora_rank,
+        }
     return {"*.wq.weight": head_dim, "*.wk.weight": head_dim, "*.wv.weight": head_dim}
 
 
@@ -142,10 +150,11 @@ def _layer_names(module: nn.Module) -> list[str]:
 
 def _outer_patterns(module: nn.Module) -> list[str]:
     """The root parts a (stage) module really holds: a pipeline stage has only some."""
+    parts = [getattr(module, pattern.split(".")[0], None) for pattern in OUTER_PATTERNS]
     return [
         pattern
-        for pattern in OUTER_PATTERNS
-        if any(True for _ in getattr(module, pattern.split(".")[0]).parameters())
+        for pattern, part in zip(OUTER_PATTERNS, parts)
+        if part is not None and any(True for _ in part.parameters())
     ]
 
 

@@ -1,0 +1,207 @@
+"""DeepSeek-V4's attention: one shared key-and-value head (MQA, K = V), queries through
+a q_lora_rank latent, each query head RMS-normalised, RoPE on the trailing
+``rotary_dim`` dims of every head in adjacent pairs (and undone on the output, so each
+value enters at its relative position), a learned per-head sink in the softmax, a
+sliding window of ``sliding_window`` keys, and the heads' output through ``o_groups``
+low-rank projections (``wo_a``) then one mix (``wo_b``).
+
+Beside the window, a layer may attend compressed entries, each a softmax-gated sum of
+``m`` consecutive tokens' projections (``Compressor``), visible to a query once all
+``m`` tokens are in its past:
+
+- ``heavily_compressed_attention``: every entry (``m = compress_rate_hca``);
+- ``compressed_sparse_attention``: entries of ``2 m`` overlapping tokens (the previous
+  window's first half of the projection beside this window's second half,
+  ``m = compress_rate_csa``), of which a lightning indexer keeps ``index_topk`` per
+  query: its own compressor at ``index_head_dim`` scores each entry as
+  ``sum_h w_h relu(q_h . k)``. The choice is a top-k, so the indexer's weights get no
+  gradient from the language-model loss (as in transformers' reference).
+
+Names are DeepSeek's own (``wq_a``, ``wkv``, ``attn_sink``, ``compressor.ape``), as
+transformers saves them. Computes what transformers' ``DeepseekV4Attention`` does
+without a cache (training; positions from 0)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .hyper_connections import unweighted_rms_norm
+from .layers import RMSNorm, _linear, apply_rope
+from .mla import yarn_frequencies
+
+SLIDING = "sliding_attention"
+SPARSE = "compressed_sparse_attention"
+HEAVY = "heavily_compressed_attention"
+LAYER_KINDS = (SLIDING, SPARSE, HEAVY)
+
+
+def v4_rope_tables(
+    cfg: ModelConfig, seq_len: int, device: torch.device
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """cos and sin [seq_len, rotary_dim / 2] of the sliding branch (``"main"``: plain
+    RoPE at ``rope_theta``) and the compressed ones (``"compress"``:
+    ``compress_rope_theta`` with YaRN's frequencies where ``rope_scaling`` says, and no
+    attention factor, as DeepSeek's reference)."""
+    dim = cfg.rotary_dim()
+    positions = torch.arange(seq_len, device=device).float()
+    theta = cfg.deepseek_v4.compress_rope_theta
+    plain = 1.0 / theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    scaling = cfg.rope_scaling
+    compress = yarn_frequencies(dim, theta, scaling).to(device) if scaling.type == "yarn" else plain
+    main = 1.0 / cfg.rope_theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    tables = {}
+    for name, freqs in (("main", main), ("compress", compress)):
+        angles = torch.outer(positions, freqs)
+        tables[name] = (angles.cos(), angles.sin())
+    return tables
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the trailing dims of ``x`` [b, s, h, d] that the tables cover."""
+    dim = 2 * cos.shape[-1]
+    return torch.cat([x[..., :-dim], apply_rope(x[..., -dim:], cos, sin)], dim=-1)
+
+
+class Compressor(nn.Module):
+    """Entries of ``rate`` tokens each: per token a projection (``wkv``) and a gate
+    (``wgate`` + ``ape``, one row per place in the window), softmax over the window's
+    places per channel, the weighted sum RMS-normalised (``norm``) and rotated at the
+    window's first position. ``overlap``: projections twice as wide, the first half
+    feeding the next window's entry (compressed sparse attention)."""
+
+    def __init__(self, dim: int, head_dim: int, rate: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        width = 2 * head_dim if overlap else head_dim
+        self.rate, self.head_dim, self.overlap = rate, head_dim, overlap
+        self.wkv = _linear(dim, width, 0.02)
+        self.wgate = _linear(dim, width, 0.02)
+        self.ape = nn.Parameter(torch.empty(rate, width))
+        self.norm = RMSNorm(head_dim, eps)
+        self.init_stds = {"ape": "zeros"}
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The complete windows' entries [b, n, head_dim] of ``x`` [b, s, dim]."""
+        b, s, _ = x.shape
+        m, d = self.rate, self.head_dim
+        n = s // m
+        if n == 0:
+            return x.new_zeros(b, 0, d)
+        kv = self.wkv(x[:, : n * m]).view(b, n, m, -1)
+        gate = self.wgate(x[:, : n * m]).view(b, n, m, -1) + self.ape
+        if self.overlap:  # [previous window's first half | this window's second half]
+            first_kv = F.pad(kv[:, :-1, :, :d], (0, 0, 0, 0, 1, 0))
+            first_gate = F.pad(gate[:, :-1, :, :d], (0, 0, 0, 0, 1, 0), value=float("-inf"))
+            kv = torch.cat([first_kv, kv[..., d:]], dim=2)
+            gate = torch.cat([first_gate, gate[..., d:]], dim=2)
+        weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
+        entries = self.norm((kv * weights).sum(dim=2))
+        where = torch.arange(n, device=x.device) * m
+        return rope_tail(entries.unsqueeze(2), cos[where], sin[where]).squeeze(2)
+
+
+def visible_entries(seq_len: int, entries: int, rate: int, device: torch.device) -> torch.Tensor:
+    """[seq_len, entries]: whether query t sees entry w (all of its tokens at or before t)."""
+    ready = (torch.arange(seq_len, device=device) + 1) // rate
+    return torch.arange(entries, device=device)[None, :] < ready[:, None]
+
+
+class Indexer(nn.Module):
+    """The lightning indexer: which ``topk`` compressed entries each query attends."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        v4 = cfg.deepseek_v4
+        self.heads, self.head_dim, self.topk = v4.index_n_heads, v4.index_head_dim, v4.index_topk
+        rate = v4.compress_rate_csa
+        self.compressor = Compressor(cfg.dim, self.head_dim, rate, True, cfg.norm_eps)
+        self.wq_b = _linear(cfg.q_lora_rank, self.heads * self.head_dim, 0.02)
+        self.weights_proj = _linear(cfg.dim, self.heads, 0.02)
+
+    def forward(
+        self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """[b, s, T] additive bias over the T compressed entries: 0 where chosen."""
+        b, s, _ = x.shape
+        keys = self.compressor(x, cos, sin)  # [b, T, hd]
+        q = rope_tail(self.wq_b(q_latent).view(b, s, self.heads, self.head_dim), cos, sin)
+        scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))
+        scores = F.relu(scores) * self.head_dim**-0.5  # [b, s, h, T]
+        weights = self.weights_proj(x).float() * self.heads**-0.5
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=2)
+        visible = visible_entries(s, keys.shape[1], self.compressor.rate, x.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        chosen = scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
+        # a query with fewer visible entries than topk: its extra picks stay masked
+        picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
+        bias = torch.zeros_like(scores, dtype=x.dtype)
+        return bias.masked_fill(~(picked & visible), float("-inf"))
+
+
+class CompressedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, out_std: float, kind: str) -> None:
+        super().__init__()
+        v4 = cfg.deepseek_v4
+        self.kind, self.n_heads, self.head_dim = kind, cfg.n_heads, cfg.head_size()
+        self.window, self.groups, self.eps = v4.sliding_window, v4.o_groups, cfg.norm_eps
+        inner = cfg.n_heads * self.head_dim
+        self.wq_a = _linear(cfg.dim, cfg.q_lora_rank, 0.02)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = _linear(cfg.q_lora_rank, inner, 0.02)
+        self.wkv = _linear(cfg.dim, self.head_dim, 0.02)
+        self.norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        # block-diagonal: group g's heads -> its o_lora_rank rows
+        self.wo_a = _linear(inner // v4.o_groups, v4.o_groups * v4.o_lora_rank, 0.02)
+        self.wo_b = _linear(v4.o_groups * v4.o_lora_rank, cfg.dim, out_std)
+        self.attn_sink = nn.Parameter(torch.empty(cfg.n_heads))
+        self.init_stds = {"attn_sink": "zeros"}
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        if kind == HEAVY:
+            self.compressor = Compressor(
+                cfg.dim, self.head_dim, v4.compress_rate_hca, False, cfg.norm_eps
+            )
+        elif kind == SPARSE:
+            self.compressor = Compressor(
+                cfg.dim, self.head_dim, v4.compress_rate_csa, True, cfg.norm_eps
+            )
+            self.indexer = Indexer(cfg)
+
+    def forward(
+        self, x: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        cos, sin = tables["main" if self.compressor is None else "compress"]
+        q_latent = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_latent).view(b, s, self.n_heads, self.head_dim)
+        q = rope_tail(unweighted_rms_norm(q, self.eps), cos, sin)
+        kv = rope_tail(self.norm(self.wkv(x)).unsqueeze(2), cos, sin).squeeze(2)
+        positions = torch.arange(s, device=x.device)
+        gap = positions[:, None] - positions[None, :]
+        local = (gap >= 0) & (gap < self.window)
+        mask = torch.zeros(s, s, dtype=x.dtype, device=x.device).masked_fill(~local, float("-inf"))
+        mask = mask.expand(b, s, s)
+        if self.compressor is not None:
+            entries = self.compressor(x, cos, sin)
+            if self.indexer is not None:
+                bias = self.indexer(x, q_latent, cos, sin)
+            else:
+                visible = visible_entries(s, entries.shape[1], self.compressor.rate, x.device)
+                bias = torch.zeros(s, entries.shape[1], dtype=x.dtype, device=x.device)
+                bias = bias.masked_fill(~visible, float("-inf")).expand(b, -1, -1)
+            kv = torch.cat([kv, entries], dim=1)
+            mask = torch.cat([mask, bias], dim=-1)
+        scores = torch.matmul(q.transpose(1, 2), kv.unsqueeze(1).transpose(2, 3))
+        scores = scores * self.head_dim**-0.5 + mask.unsqueeze(1)
+        sinks = self.attn_sink.reshape(1, -1, 1, 1).expand(b, -1, s, 1).to(scores.dtype)
+        logits = torch.cat([scores, sinks], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)
+        out = torch.matmul(probs, kv.unsqueeze(1)).transpose(1, 2)  # [b, s, h, d]
+        out = rope_tail(out, cos, -sin)
+        grouped = out.reshape(b * s, self.groups, -1).transpose(0, 1)
+        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)
+        low_rank = torch.bmm(grouped, w).transpose(0, 1).reshape(b, s, -1)
+        return self.wo_b(low_rank)

@@ -1,0 +1,422 @@
+"""DeepSeek-V4 (``deepseek_v4``, ``DeepseekV4ForCausalLM``) from a folder saved by
+transformers' own class, under DeepSeek's key names (``attn.wq_a``,
+``ffn.experts.N.w1``, ``hc_attn_fn``, a top-level ``head.weight``): 4 layers, one of
+each attention kind (sliding window with sinks; compressed sparse, its indexer keeping 3
+entries of 4 tokens; heavily compressed, entries of 8 tokens) and a second sparse one,
+hash-routed layers first and last, learned routing between, 3 hyper-connection streams,
+YaRN on the compressed branches, the SwiGLU clamp low enough to bite. Sinks, the
+compressors' position biases, the hyper-connection offsets and scales, the selection
+bias and the hash table are drawn (the class's init leaves them zero or one, which
+would hide a wrong use of any).
+
+- the folder is the model: logits within 1e-5 of transformers', the first loss within
+  1e-4 of transformers' loss on the same batch;
+- the export of the model loaded at W = 2 is the folder's tensors bit for bit and loads
+  in transformers with every key, its logits identical;
+- ``flexshard-train --nproc 3`` with nothing but the folder trains and exports (slow);
+- W = 2 (Shard(0), flat under Muon, owned, FSDP2) and W = 3 (Shard(0), the Muon
+  placement, flat, block) against one process (slow);
+- the Muon rule for the new kinds; what is not built, or what the folder asks that the
+  trainer does not compute, is a ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
+from flexshard.testing import run_distributed
+from flexshard.trainer.components.optimizers import build_optimizer
+from flexshard.trainer.config import ConfigError, config_from_dict
+from flexshard.trainer.config.hf_config import _mismatches, exported_config, model_fields
+from flexshard.trainer.launch import main as train_main
+from flexshard.trainer.models.deepseek_v4 import DeepseekV4Transformer
+from flexshard.trainer.models.hf_adapter import hf_keys
+from flexshard.trainer.models.layers import loss_fn
+from flexshard.trainer.models.model import init_weights
+from flexshard.trainer.parallel.activation_checkpoint import apply_ac
+from flexshard.trainer.train import setup
+
+from .test_model_families import _tensors, from_folder
+from .test_parallel_layouts import MUON_RTOL, compare_with_single_process, layout_config, trained
+from .test_qwen3_5 import _load_and_export
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.deepseek_v4")
+
+LAYER_TYPES = [
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+    "compressed_sparse_attention",
+]
+MLP_LAYER_TYPES = ["hash_moe", "moe", "moe", "hash_moe"]
+SHAPE = {
+    "vocab_size": 320,
+    "hidden_size": 32,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "head_dim": 16,
+    "q_lora_rank": 24,
+    "num_experts_per_tok": 2,
+    "n_routed_experts": 5,
+    "layer_types": LAYER_TYPES,
+    "mlp_layer_types": MLP_LAYER_TYPES,
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    "hc_mult": 3,
+    "hc_sinkhorn_iters": 5,
+    "sliding_window": 6,
+    "o_groups": 2,
+    "o_lora_rank": 12,
+    "index_n_heads": 2,
+    "index_head_dim": 12,
+    "index_topk": 3,
+    "partial_rotary_factor": 0.5,
+    "max_position_embeddings": 256,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "num_nextn_predict_layers": 0,
+    "swiglu_limit": 0.5,
+}
+# drawn wide: (mean, std) by the end of the name
+DRAWN = {
+    "sinks": (0.0, 1.0),
+    "position_bias": (0.0, 1.0),
+    ".base": (0.0, 0.5),
+    "hc_base": (0.0, 0.5),
+    ".scale": (1.0, 0.5),
+    "hc_scale": (1.0, 0.5),
+    "norm.weight": (1.0, 0.3),
+    "layernorm.weight": (1.0, 0.3),
+}
+
+
+def hf_model(folder: Path) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.DeepseekV4Config(**SHAPE)
+    model = transformers.DeepseekV4ForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            for end, (mean, std) in DRAWN.items():
+                if name.endswith(end):
+                    param.normal_(mean, std)
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.5)
+            if name.endswith("tid2eid"):  # two distinct experts per token
+                buffer.copy_(
+                    torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(320)])
+                )
+    model.save_pretrained(folder, max_shard_size="40KB")
+    return model
+
+
+def tokens(seq: int = 37) -> torch.Tensor:
+    return torch.randint(0, 320, (2, seq), generator=torch.Generator().manual_seed(1))
+
+
+def loaded(folder: Path) -> DeepseekV4Transformer:
+    m = config_from_dict(from_folder(folder)).model
+    model = DeepseekV4Transformer(m).eval()
+    state = model.state_dict()
+    load_hf_safetensors(folder, state, hf_keys(list(state), m))
+    return model
+
+
+def test_folder_keys_are_deepseeks_own(tmp_path):
+    hf_model(tmp_path)
+    names = set(_tensors(tmp_path))
+    for key in (
+        "head.weight",
+        "model.layers.0.attn.wq_a.weight",
+        "model.layers.0.attn.attn_sink",
+        "model.layers.0.ffn.experts.4.w1.weight",
+        "model.layers.0.ffn.gate.tid2eid",
+        "model.layers.1.ffn.gate.bias",
+        "model.layers.1.attn.indexer.compressor.ape",
+        "model.layers.2.attn.compressor.wgate.weight",
+        "model.layers.3.hc_ffn_fn",
+        "model.hc_head.hc_fn",
+    ):
+        assert key in names, key
+
+
+def test_folder_is_the_model_logits_and_loss(tmp_path):
+    reference = hf_model(tmp_path)
+    m = config_from_dict(from_folder(tmp_path)).model
+    assert (m.attention, m.layer_types) == ("deepseek_v4", LAYER_TYPES)
+    assert m.deepseek_v4.mlp_layer_types == MLP_LAYER_TYPES
+    assert (m.rope_scaling.type, m.rope_scaling.factor) == ("yarn", 4.0)
+    assert (m.moe.score_func, m.moe.balance) == ("sqrtsoftplus", "bias")
+    model = loaded(tmp_path)
+    batch = tokens()
+    with torch.no_grad():
+        ours = model(batch)
+        out = reference(batch, labels=batch)
+        loss = loss_fn(ours[:, :-1], batch[:, 1:]).item()
+    gap = (ours - out.logits).abs().max().item()
+    print(f"deepseek_v4: logits within {gap:.1e}, loss {loss} vs {out.loss.item()}")
+    assert gap <= 1e-5, gap
+    assert abs(loss - out.loss.item()) <= 1e-4
+    # the indexer's choice matters: every entry attended, the logits are another model's
+    with torch.no_grad():
+        for layer in model.layers:
+            if layer.attn.indexer is not None:
+                layer.attn.indexer.topk = 100
+        assert (model(batch) - out.logits).abs().max().item() > 1e-3
+
+
+def test_export_reloads_exact(tmp_path):
+    reference = hf_model(tmp_path)
+    run_distributed(_load_and_export, 2, str(tmp_path), timeout=300)
+    exported = tmp_path / "export"
+    original, got = _tensors(tmp_path), _tensors(exported)
+    assert set(got) == set(original)
+    # the hash tables come back as exact floats (torch's safetensors consolidation
+    # writes one dtype); transformers reads them into its int64 buffers
+    assert [k for k, v in original.items() if not torch.equal(got[k], v)] == []
+    config = json.loads((exported / "config.json").read_text())
+    assert (config["model_type"], config["layer_types"]) == ("deepseek_v4", LAYER_TYPES)
+    back, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        exported, output_loading_info=True
+    )
+    assert all(not v for v in info.values()), info
+    with torch.no_grad():
+        assert torch.equal(back.eval()(tokens()).logits, reference(tokens()).logits)
+
+
+@pytest.mark.slow
+def test_flexshard_train_with_only_the_folder(tmp_path):
+    """``flexshard-train --nproc 3`` from the folder alone trains and exports a folder
+    transformers loads with every key."""
+    reference = hf_model(tmp_path / "hf")
+    out = tmp_path / "run"
+    train_main(
+        ["--nproc", "3", "--checkpoint.initial_load_path", str(tmp_path / "hf")]
+        + ["--checkpoint.initial_load_in_hf", "true", "--checkpoint.last_save_in_hf", "true"]
+        + ["--training.steps", "3", "--training.seq_len", "16", "--job.dump_folder", str(out)]
+        + ["--job.progress", "false", "--job.plot", "false", "--job.tensorboard", "false"]
+    )
+    trained_model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        out / "hf", output_loading_info=True
+    )
+    assert all(not v for v in info.values()), info
+    with torch.no_grad():
+        moved = (trained_model.eval()(tokens()).logits - reference(tokens()).logits).abs()
+    assert moved.max().item() > 1e-3  # it trained
+    records = (out / "metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["loss"] for line in records]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+# ---------------------------------------------------------------------- layouts
+# the folder's model as [model] keys on the byte tokenizer's 256 ids; the selection bias
+# left at zero (bias_update_rate 0: the one-process reference steps no balance)
+V4_MODEL = {
+    "attention": "deepseek_v4",
+    "dim": 32,
+    "n_layers": 4,
+    "n_heads": 4,
+    "n_kv_heads": 1,
+    "head_dim": 16,
+    "q_lora_rank": 24,
+    "partial_rotary_factor": 0.5,
+    "norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "layer_types": LAYER_TYPES,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "deepseek_v4": {
+        "hc_mult": 3,
+        "hc_sinkhorn_iters": 5,
+        "sliding_window": 6,
+        "o_groups": 2,
+        "o_lora_rank": 12,
+        "compress_rate_csa": 4,
+        "compress_rate_hca": 8,
+        "index_n_heads": 2,
+        "index_head_dim": 12,
+        "index_topk": 3,
+        "swiglu_limit": 0.5,
+        "mlp_layer_types": MLP_LAYER_TYPES,
+    },
+    "moe": {
+        "num_experts": 5,
+        "top_k": 2,
+        "expert_hidden": 16,
+        "num_shared_experts": 1,
+        "first_dense_layers": 0,
+        "balance": "bias",
+        "bias_update_rate": 0.0,
+        "score_func": "sqrtsoftplus",
+        "routed_scaling_factor": 1.5,
+    },
+}
+# name: (world size, parallelism, other sections), each against one process
+LAYOUTS = {
+    "dp2": (2, {"dp_shard": 2}, {}),
+    "dp2_flat_muon": (2, {"dp_shard": 2, "placement": "flat"}, {"training": {"optimizer": "muon"}}),
+    "dp2_owned": (2, {"dp_shard": 2, "placement": "owned"}, {}),
+    "dp2_fsdp2": (2, {"dp_shard": 2, "dp_backend": "fsdp2", "placement": "shard0"}, {}),
+    "dp2_selective_ac": (2, {"dp_shard": 2}, {"activation_checkpoint": {"mode": "selective"}}),
+    "dp3": (3, {"dp_shard": 3}, {}),
+    "dp3_muon": (3, {"dp_shard": 3}, {"training": {"optimizer": "muon"}}),
+    "dp3_flat_full_ac": (
+        3,
+        {"dp_shard": 3, "placement": "flat"},
+        {"activation_checkpoint": {"mode": "full"}},
+    ),
+    "dp3_block": (3, {"dp_shard": 3, "placement": "block", "block": [8, 8]}, {}),
+}
+# the hyper-connections' pre and comb logits start with gradients at rounding level
+# (1e-9 where the projections' are 1e-3: the streams start as copies of one embedding),
+# which AdamW's normalised step turns into steps of up to a tenth of lr whose sign the
+# reduction order decides: those parameters drift apart by up to 1.4e-3 in 8 steps
+# (measured at W = 2 and 3; 1.9e-3 under Muon at W = 3) while the losses agree to 1e-7
+HC_ATOL = {"param_atol": 3e-3}
+
+
+def _config(folder: str, name: str):
+    _, parallelism, sections = LAYOUTS[name]
+    return layout_config(f"{folder}/{name}", parallelism, None, model=V4_MODEL, **sections)
+
+
+def _layouts(rank: int, world_size: int, folder: str, names: list[str]) -> dict:
+    return {name: trained(setup(_config(folder, name))) for name in names}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_layouts_match_one_process(world_size, tmp_path):
+    names = [name for name, (w, _, _) in LAYOUTS.items() if w == world_size]
+    results = run_distributed(_layouts, world_size, str(tmp_path), names, timeout=900)[0]
+    for name, result in results.items():
+        cfg = _config("-", name)
+        tolerances = {**MUON_RTOL, **HC_ATOL} if "muon" in name else HC_ATOL
+        gaps = compare_with_single_process(name, cfg, result, **tolerances)
+        print(f"deepseek_v4 {name}: {gaps}")
+
+
+def test_muon_rule_for_the_new_kinds(tmp_path):
+    """Muon: the projections (hyper-connections' ``fn`` included), the router, the
+    compressors' and the indexer's matrices, each expert; per head for ``wq_b``, per
+    group for ``wo_a``. AdamW: the hyper-connections' offsets and scales, the sinks,
+    the compressors' position biases (``ape``), norms, embedding and head. The hash
+    table and the selection bias are buffers: no optimizer."""
+    hf_model(tmp_path)
+    cfg = config_from_dict(from_folder(tmp_path, training={"optimizer": "muon"}))
+    model = DeepseekV4Transformer(cfg.model)
+    optimizer = build_optimizer(model, cfg.training, cfg.model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {
+        names[id(p)]: g["row_blocks"] if g["use_muon"] else "adamw"
+        for g in optimizer.param_groups
+        for p in g["params"]
+    }
+    assert set(groups) == set(names.values())
+    muon = {
+        "layers.1.attn.wq_a.weight": False,
+        "layers.1.attn.wq_b.weight": 16,
+        "layers.1.attn.wo_a.weight": 12,
+        "layers.1.attn.wo_b.weight": False,
+        "layers.1.attn.compressor.wkv.weight": False,
+        "layers.1.attn.indexer.wq_b.weight": 12,
+        "layers.1.attn.indexer.compressor.wgate.weight": False,
+        "layers.1.attn.indexer.weights_proj.weight": False,
+        "layers.1.hc_attn_fn": False,
+        "layers.0.ffn.gate.weight": False,
+        "layers.0.ffn.experts.w1": False,
+        "layers.0.ffn.shared_experts.w2.weight": False,
+        "hc_head.hc_fn": False,
+    }
+    for name, rows in muon.items():
+        assert groups[name] == rows, name
+    adamw = ["layers.1.hc_attn_base", "layers.1.hc_ffn_scale", "layers.1.attn.attn_sink"]
+    adamw += ["layers.1.attn.compressor.ape", "layers.1.attn.indexer.compressor.ape"]
+    adamw += ["layers.1.attn.q_norm.weight", "hc_head.hc_base", "output.weight"]
+    adamw += ["tok_embeddings.weight"]
+    assert [name for name in adamw if groups[name] != "adamw"] == []
+    buffers = dict(model.named_buffers())
+    assert "layers.0.ffn.gate.tid2eid" in buffers and "layers.1.ffn.balance.bias" in buffers
+
+
+@pytest.mark.parametrize(
+    "section, values, message",
+    [
+        ("parallelism", {"tp": 2}, "parallelism.tp = 2: not built"),
+        ("parallelism", {"pp": 2}, "parallelism.pp = 2: not built"),
+        ("parallelism", {"cp": 2}, "parallelism.cp = 2: not built"),
+        ("parallelism", {"ep": 2}, "parallelism.ep = 2: not built"),
+        ("compile", {"enable": True}, "compile.enable = True"),
+        ("rl", {"enable": True}, "rl.enable = True"),
+        ("training", {"optimizer": "soap"}, "training.optimizer = 'soap'"),
+    ],
+)
+def test_layouts_not_built_are_refused(section, values, message, tmp_path):
+    hf_model(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(from_folder(tmp_path, **{section: values}))
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("scoring_func", "softmax", "scoring_func = 'softmax'"),
+        ("num_nextn_predict_layers", 1, "num_nextn_predict_layers = 1"),
+        ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),
+        ("layer_types", None, "no layer_types"),
+        ("n_shared_experts", 2, "n_shared_experts = 2"),
+    ],
+)
+def test_what_the_folder_cannot_run_is_refused(key, value, message, tmp_path):
+    hf_model(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(from_folder(tmp_path))
+
+
+def test_config_json_of_model_keys_round_trips():
+    """A run of [model] keys alone exports a config.json that transformers builds and
+    that reads back as the same [model]."""
+    cfg = config_from_dict({"model": V4_MODEL}).model
+    config = exported_config(cfg, "float32", 16)
+    assert config["model_type"] == "deepseek_v4"
+    assert model_fields(config)["deepseek_v4"]["mlp_layer_types"] == MLP_LAYER_TYPES
+    assert _mismatches(cfg, model_fields(config), untie=False) == {}
+    hf = transformers.DeepseekV4Config(**{k: v for k, v in config.items() if k != "model_type"})
+    assert hf.rope_parameters["compress"]["rope_type"] == "yarn"
+    assert hf.layer_types == LAYER_TYPES and hf.compress_rates["heavily_compressed_attention"] == 8
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpoint_recomputes_the_same_gradients(mode):
+    cfg = config_from_dict({"model": V4_MODEL, "activation_checkpoint": {"mode": mode}})
+    plain, checkpointed = (DeepseekV4Transformer(cfg.model) for _ in range(2))
+    init_weights(plain, 0)
+    checkpointed.load_state_dict(plain.state_dict())
+    apply_ac(checkpointed, cfg.activation_checkpoint)
+    assert all(layer.checkpoint is not None for layer in checkpointed.layers)
+    batch = tokens(17) % 256
+    for model in (plain, checkpointed):
+        loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+    pairs = [
+        (n, p.grad, q.grad)
+        for (n, p), q in zip(plain.named_parameters(), checkpointed.parameters())
+    ]
+    # the indexer's choice is a top-k: no gradient reaches its weights, either way
+    assert {n for n, g, _ in pairs if g is None} == {n for n, _, g in pairs if g is None}
+    assert all(".indexer." in n for n, g, _ in pairs if g is None)
+    assert [n for n, g, h in pairs if g is not None and not torch.equal(g, h)] == []
