@@ -6,6 +6,7 @@ import datetime
 import os
 import pickle
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,9 @@ from flexshard.trainer.launch import spawn_local
 #: started with (the first launch's), not the parent's at each launch.
 START_METHOD_ENV = "FLEXSHARD_START_METHOD"
 START_METHODS = ("spawn", "forkserver")
+#: how long a rank may be gone without its result before the wait ends (its last
+#: put may still be on its way through the queue's pipe)
+SILENT_EXIT_GRACE_S = 10.0
 #: the modules themselves: the packages' fronts import nothing (flexshard/__init__.py)
 PRELOAD = [
     "torch.distributed",
@@ -92,6 +96,28 @@ def next_result(results: Any, timeout: float) -> tuple[int, str, Any]:
     return rank, status, pickle.loads(value) if status == "ok" else value
 
 
+def _result_while_alive(
+    results: Any, procs: list[Any], out: dict[int, Any], timeout: float
+) -> tuple[int, str, Any]:
+    """``next_result``, but a rank that exited without a word (killed, or dead before
+    ``_child`` ran) ends the wait after a grace for its queue to flush, not at
+    ``timeout``."""
+    deadline = time.monotonic() + timeout
+    silent_since = None
+    while True:
+        try:
+            return next_result(results, max(0.0, min(1.0, deadline - time.monotonic())))
+        except queue.Empty:
+            now = time.monotonic()
+            if now >= deadline:
+                raise
+            gone = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+            silent_since = (silent_since or now) if gone else None
+            if silent_since is not None and now - silent_since > SILENT_EXIT_GRACE_S:
+                codes = ", ".join(f"rank {r} exit code {procs[r].exitcode}" for r in gone)
+                return gone[0], "error", f"exited without a result ({codes})"
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes.
 
@@ -104,7 +130,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     try:
         for _ in range(world_size):
             try:
-                rank, status, value = next_result(results, timeout)
+                rank, status, value = _result_while_alive(results, procs, out, timeout)
             except queue.Empty:
                 raise TimeoutError(
                     f"{fn.__name__} on {world_size} ranks gave no result within {timeout}s; "

@@ -80,6 +80,19 @@ def run_tolerant(fn: Callable, world_size: int, *args: Any, timeout: float) -> l
     return [out.get(r) for r in range(world_size)]
 
 
+def _exit_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os._exit(3)
+    return rank
+
+
+def test_run_distributed_reports_a_rank_gone_without_a_word():
+    """A rank that exits without putting a result (a crash, a signal) ends the wait
+    with its exit code; before, the launcher waited out its timeout (TimeoutError)."""
+    with pytest.raises(RuntimeError, match="rank 1 exit code 3"):
+        run_distributed(_exit_on_rank_one, 2, timeout=240)
+
+
 class _Stalled(Exception):
     """Raised in the victim once it has slept: it abandons the scenario."""
 
