@@ -35,16 +35,14 @@ LIBRARY = str(Path(flexshard.__file__).parent)
 BOUNDS = {"fp32": 840, "bf16": 865, "accum": 1510}
 
 
-def _flexshard_calls(step: Callable[[], None]) -> int:
-    """Python calls into flexshard (its testing helpers aside) during ``step()``."""
+def _calls_in(step: Callable[[], None], counted: Callable[[str], bool]) -> int:
+    """Python calls during ``step()`` into the files ``counted`` names."""
     count = 0
 
     def profile(frame, event, _arg):
         nonlocal count
-        if event == "call":
-            path = frame.f_code.co_filename
-            if path.startswith(LIBRARY) and "testing" not in path:
-                count += 1
+        if event == "call" and counted(frame.f_code.co_filename):
+            count += 1
 
     sys.setprofile(profile)
     try:
@@ -52,6 +50,11 @@ def _flexshard_calls(step: Callable[[], None]) -> int:
     finally:
         sys.setprofile(None)
     return count
+
+
+def _in_flexshard(path: str) -> bool:
+    """flexshard's own files, its testing helpers aside."""
+    return path.startswith(LIBRARY) and "testing" not in path
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, accum: bool) -> None:
@@ -84,28 +87,12 @@ def _counts(rank: int, world: int) -> dict[str, int]:
         step = functools.partial(_step, model, opt, x, mode == "accum")
         for _ in range(3):  # the first step learns the prefetch order
             step()
-        counts[mode] = _flexshard_calls(step)
+        counts[mode] = _calls_in(step, _in_flexshard)
     return counts
 
 
+#: DTensor's dispatch
 DTENSOR = "torch/distributed/tensor/"
-
-
-def _dtensor_calls(step: Callable[[], None]) -> int:
-    """Python calls into DTensor's dispatch (torch/distributed/tensor) during ``step()``."""
-    count = 0
-
-    def profile(frame, event, _arg):
-        nonlocal count
-        if event == "call" and DTENSOR in frame.f_code.co_filename:
-            count += 1
-
-    sys.setprofile(profile)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return count
 
 
 def _clip_and_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -135,7 +122,7 @@ def _optimizer_dtensor_calls(rank: int, world: int) -> dict[str, int]:
             after_backward()
             opt.zero_grad()
         model(x).square().mean().backward()
-        counts[library] = _dtensor_calls(after_backward)
+        counts[library] = _calls_in(after_backward, lambda path: DTENSOR in path)
     return counts
 
 
