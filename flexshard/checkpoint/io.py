@@ -14,6 +14,7 @@ only once everything checked out, so a bad checkpoint raises with nothing change
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import io
@@ -356,7 +357,8 @@ def _read(
     if ranks.group is not None and ranks.world > 1:
         progress = LoadProgress(ranks.group, root)
     reader = _reader(root, ranks, verified, reads, progress)
-    with ranks.step("dcp.load"), single_process_dcp(ranks.no_dist):
+    held = progress.holding_agent_stop() if progress is not None else contextlib.nullcontext()
+    with ranks.step("dcp.load"), single_process_dcp(ranks.no_dist), held:
         try:
             dcp_load(state, root, ranks.group, ranks.no_dist, reader=reader)
         except (Exception, CheckpointException) as err:  # CheckpointException: BaseException

@@ -13,13 +13,25 @@ a rank asks the store which ranks never reached what that step needs from them
 The store is served by one process: rank 0's under a plain ``init_process_group``
 (rank 0's death takes the store with it, so a store that does not answer at all names
 rank 0), torchrun's agent's under torchrun (the store outlives every rank).
+
+Under torchrun the agent answers a worker's death by sending every other worker SIGTERM
+(its monitor polls every 0.1 s by default), then SIGKILL after a grace period (30 s):
+left to its default action, SIGTERM ends a surviving rank before it can say whom it
+lost. During a load each rank holds the agent's SIGTERM (``holding_agent_stop``): a
+rank whose collective failed then names the ranks behind at once (the agent stops the
+workers because one of them died), raises that error, and a load that completes
+delivers the held signal afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -59,6 +71,7 @@ class LoadProgress:
         self._root = root
         self._coordinator = self._ranks[0]  # DCP's: the group's rank 0
         self.last = STARTED
+        self.agent_stopped = False  # torchrun's agent sent this worker SIGTERM mid-load
         self.arrive(STARTED)
 
     def _key(self, rank: int) -> str:
@@ -98,8 +111,10 @@ class LoadProgress:
                 blamed = {m for said in failed.values() if said for m in said[1]}
                 named = sorted(({*behind} - alive | blamed) - {dist.get_rank()})
                 answered = True
-                # settled: every rank behind failed itself or is named by one that did
-                if set(behind) <= alive | blamed or time.monotonic() >= deadline:
+                # settled: every rank behind failed itself or is named by one that did;
+                # or the agent is stopping the workers: one of them died, none is slow
+                settled = set(behind) <= alive | blamed or self.agent_stopped
+                if settled or time.monotonic() >= deadline:
                     return named
                 time.sleep(0.1)
         except Exception:  # the store's host is gone (or went after answering once)
@@ -149,6 +164,8 @@ class LoadProgress:
             who = f"rank(s) {missing} never reached it"
         else:
             who = "every rank reached it (one died or stalled in it)"
+        if self.agent_stopped:
+            who += "; torchrun's agent is stopping the workers"
         rank = dist.get_rank()
         return CollectiveError(
             f"flexshard: load of checkpoint '{self._root}' failed on rank {rank} in "
@@ -170,6 +187,31 @@ class LoadProgress:
                 time.sleep(0.1)
         except Exception:  # the store failed after all: nobody can read it
             pass
+
+    @contextlib.contextmanager
+    def holding_agent_stop(self) -> Iterator[None]:
+        """Under torchrun, hold the agent's SIGTERM for the load (see the module's
+        docstring): noted in ``agent_stopped``; delivered when the load completes (a
+        load that fails raises its error instead, and the agent's SIGKILL follows its
+        grace period). Elsewhere, or off the main thread (no signal handler there),
+        nothing changes."""
+        under_agent = not _rank_zero_hosts_the_store()
+        if not under_agent or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def hold(signum: int, frame: Any) -> None:
+            self.agent_stopped = True
+
+        previous = signal.signal(signal.SIGTERM, hold)
+        completed = False
+        try:
+            yield
+            completed = True
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if completed and self.agent_stopped:
+                signal.raise_signal(signal.SIGTERM)
 
     def step(self) -> str:
         """The step this rank's last collective was in, for messages."""
