@@ -378,7 +378,8 @@ def step_time(
     total, waited = 0.0, 0.0
     for i in range(micro):
         gather = not keep or i == 0
-        reduce = i == micro - 1
+        # a pipeline stage reduces after its last backward (reduce_after_pipeline_backward)
+        reduce = i == micro - 1 and dims.pp == 1
         span, w = _simulate(
             buckets,
             cost,
@@ -392,6 +393,8 @@ def step_time(
         )
         total += span
         waited += w
+    if dims.pp > 1:
+        total += reduce_after_pipeline_backward(buckets, cost)
     other_micro = _other_collectives(cfg, dims, hw, tokens, techniques)
     # the bubble: (pp - 1) / virtual stages of a microbatch's time on a stage, which is
     # its compute and the TP / EP / CP / PP exchanges on its critical path (Narayanan
@@ -427,6 +430,21 @@ def step_time(
         exposed_all_gather_s=waited,
         tokens_per_s_per_device=global_tokens / step / dims.world_size,
     )
+
+
+def reduce_after_pipeline_backward(buckets: list[BucketInfo], cost: dict[int, BucketCost]) -> float:
+    """Seconds a pipeline stage spends reducing its gradients once its last microbatch's
+    backward is done: torch's pipelining runs every microbatch's backward with gradient
+    sync off and calls FSDP's post-backward for every parameter group only then
+    (``torch.distributed.pipelining.stage``: ``backward_maybe_with_nosync``, now
+    ``perform_reduce_grad``), so no reduce-scatter overlaps backward compute. In
+    backward order, each bucket's copy-in on the compute stream, then its reduce-scatter
+    on the one communication queue."""
+    compute = comm = 0.0
+    for b in reversed(buckets):
+        compute += cost[id(b)].reduce_copy
+        comm = max(comm, compute) + cost[id(b)].reduce_scatter
+    return max(compute, comm)
 
 
 def _copy_time(
@@ -488,7 +506,8 @@ def _other_collectives(
     collectives (all-gather + reduce-scatter with sequence parallelism, all-reduce
     without: the same bytes; a block-level recompute runs its forward's again; none
     under async TP), EP's token all-to-all (dispatch + combine, again in a block-level
-    recompute), CP's key/value all-gather, PP's activation send/receive."""
+    recompute), CP's key/value all-gather, PP's activation send/receive (per virtual
+    stage)."""
     m = cfg.model
     act = 2 if cfg.training.mixed_precision == "bf16" else 4
     hidden = tokens * m.dim * act
@@ -516,6 +535,10 @@ def _other_collectives(
         cp_link = link(hw, dims.tp, dims.cp)
         total += layers * 2 * ring_time(kv * (dims.cp - 1), dims.cp, cp_link)
     if dims.pp > 1:
+        # a microbatch enters and leaves each of a rank's virtual stages, forward and
+        # backward: v times the sends of one stage per rank (Narayanan et al. 2021,
+        # section 2.2: the interleaved schedule's communication grows by v)
         pp_link = link(hw, dims.world_size // dims.pp, 2)
-        total += 2 * ring_time(hidden / dims.tp, 2, pp_link)
+        sends = 2 * cfg.parallelism.pp_virtual_stages
+        total += sends * ring_time(hidden / dims.tp, 2, pp_link)
     return total

@@ -1,6 +1,7 @@
 """The effects the planner models for published runs, each term on its own: the MoE
 layers' token movement and their all-to-all rerun by a recompute, FSDP's Float8
-all-gather, loss parallel's sharded head and torchtitan's op-level checkpoint policy."""
+all-gather, loss parallel's sharded head, torchtitan's op-level checkpoint policy, and
+a pipeline's gradient reduction after its last backward and sends per virtual stage."""
 
 from __future__ import annotations
 
@@ -15,9 +16,15 @@ from flexshard.plan.report import activation_timeline, build_stages, planning_co
 from flexshard.plan.steptime import (
     ROUTED_ELEMENTS_BACKWARD,
     ROUTED_ELEMENTS_FORWARD,
+    BucketCost,
     _other_collectives,
+    bucket_costs,
     gathered_share,
+    link,
+    reduce_after_pipeline_backward,
+    ring_time,
     routed_copies,
+    step_time,
 )
 from flexshard.plan.techniques import Techniques, float8_scale_bytes
 from flexshard.plan.timeline import measure_timeline
@@ -102,3 +109,49 @@ def test_torchtitans_op_policy_keeps_half_the_matmuls() -> None:
     # 64 + 256 + 896 of every token's 2,688 matmul outputs
     dropped = 2 * 128 * (64 + 256 + 896) * 2
     assert kept["op"] - kept["op_every_second_mm"] == dropped
+
+
+PIPELINE = ["--model.n_layers", "4", "--parallelism.pp", "2", "--training.batch_size", "4"]
+
+
+def _pipeline(*extra: str):  # type: ignore[no-untyped-def]
+    cfg = planning_config(load_config("configs/debug.toml", [*PIPELINE, *extra]))
+    dims, stages = build_stages(cfg, 6, None)  # dp 3 per stage
+    return cfg, dims, stages
+
+
+def test_a_pipeline_stage_reduces_after_its_last_backward() -> None:
+    """torch's pipelining reduces a stage's gradients only once its last microbatch's
+    backward is done: each copy-in, then the reduce-scatters one after another."""
+    one, two = object(), object()
+    cost = {
+        id(one): BucketCost(0, 0, 0, reduce_scatter=3.0, reduce_copy=1.0),
+        id(two): BucketCost(0, 0, 0, reduce_scatter=5.0, reduce_copy=2.0),
+    }
+    # backward order: two (copy 2, reduce 2..7), then one (copy 2..3, reduce 7..10)
+    assert reduce_after_pipeline_backward([one, two], cost) == 10.0  # type: ignore[list-item]
+    cfg, dims, stages = _pipeline()
+    for buckets in stages:
+        costs = bucket_costs(cfg, dims, buckets, H100, 2 * cfg.training.seq_len)
+        after = reduce_after_pipeline_backward(buckets, costs)
+        assert after >= sum(costs[id(b)].reduce_scatter for b in buckets) > 0
+        # none of it hides behind backward compute: the stage's exposed time holds all of it
+        step = step_time(cfg, dims, buckets, H100, None, "flexshard")
+        assert step.exposed_dp_s >= after - sum(costs[id(b)].reduce_copy for b in buckets)
+
+
+def test_interleaved_stages_send_per_virtual_stage() -> None:
+    """A rank with v virtual stages sends and receives a microbatch's activations v times
+    each way: only the pipeline term of the other collectives grows, by v."""
+    flat, dims, _ = _pipeline("--parallelism.pp_microbatches", "2")
+    looped, looped_dims, _ = _pipeline(
+        "--parallelism.pp_schedule", "interleaved_1f1b", "--parallelism.pp_virtual_stages", "2",
+        "--parallelism.pp_microbatches", "2",
+    )  # fmt: skip
+    tokens = 2 * flat.training.seq_len
+    hidden = tokens * flat.model.dim * 4  # fp32
+    one_send = ring_time(hidden / dims.tp, 2, link(H100, dims.world_size // dims.pp, 2))
+    extra = _other_collectives(looped, looped_dims, H100, tokens) - _other_collectives(
+        flat, dims, H100, tokens
+    )
+    assert one_send > 0 and extra == pytest.approx(2 * one_send)
