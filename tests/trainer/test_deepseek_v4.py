@@ -101,9 +101,10 @@ DRAWN = {
 }
 
 
-def hf_model(folder: Path) -> torch.nn.Module:
+def hf_model(folder: Path, **shape) -> torch.nn.Module:
+    """transformers' model of ``SHAPE`` (with ``shape``'s changes), saved in ``folder``."""
     torch.manual_seed(0)
-    config = transformers.DeepseekV4Config(**SHAPE)
+    config = transformers.DeepseekV4Config(**{**SHAPE, **shape})
     model = transformers.DeepseekV4ForCausalLM(config).eval()
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
