@@ -83,7 +83,7 @@ def published_config(saved: dict, block: tuple[int, int]) -> dict:
     }
     config = {k: v for k, v in saved.items() if k not in ("layer_types", "mlp_layer_types")}
     for key in ("compress_rates", "rope_parameters", "partial_rotary_factor", "dtype"):
-        config.pop(key)
+        config.pop(key, None)
     hash_layers = saved["mlp_layer_types"].index("moe")
     assert saved["mlp_layer_types"][:hash_layers] == ["hash_moe"] * hash_layers
     compress = saved["rope_parameters"]["compress"]

@@ -375,8 +375,8 @@ def test_layouts_not_built_are_refused(section, values, message, tmp_path):
     "key, value, message",
     [
         ("scoring_func", "softmax", "scoring_func = 'softmax'"),
-        ("num_nextn_predict_layers", 1, "num_nextn_predict_layers = 1"),
         ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),
+        ("quantization_config", {"quant_method": "awq"}, "quant_method = 'awq'"),
         ("layer_types", None, "no layer_types"),
         ("n_shared_experts", 2, "n_shared_experts = 2"),
     ],
