@@ -16,9 +16,7 @@ weight of another shape) is a ValueError naming the key."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -83,26 +81,6 @@ def block_scaled(config: Mapping[str, Any]) -> BlockScaled | None:
     if expert_dtype not in ("fp8", "fp4"):
         raise ValueError(f"expert_dtype = {expert_dtype!r}: 'fp8' or 'fp4' is read")
     return BlockScaled((int(block[0]), int(block[1])), expert_dtype)
-
-
-def stored_tensors(root: str | os.PathLike) -> dict[str, StoredTensor]:
-    """Every tensor of a Hugging Face folder (its index's files, or its one file), from
-    the safetensors headers alone."""
-    from .hf_safetensors import INDEX_FILE, SINGLE_FILE, _tensor_spans
-
-    root = os.fspath(root)
-    index = os.path.join(root, INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = [SINGLE_FILE]
-    out = {}
-    for name in files:
-        path = os.path.join(root, name)
-        for key, (_, shape, dtype) in _tensor_spans(path).items():
-            out[key] = StoredTensor(path, dtype, tuple(shape))
-    return out
 
 
 def scale_name(name: str, stored: Mapping[str, StoredTensor]) -> str | None:

@@ -55,10 +55,10 @@ from ..torch_internals import (
 from .frames import Frames, framed
 from .hf_dequantize import (
     BlockScaled,
+    StoredTensor,
     is_quantized,
     read_dequantized,
     read_stored,
-    stored_tensors,
 )
 from .safe_load import dcp_load
 
@@ -246,6 +246,24 @@ def _tensor_spans(path: str) -> dict[str, tuple[int, list[int], str]]:
         for name, entry in header.items()
         if name != "__metadata__"
     }
+
+
+def stored_tensors(root: str | os.PathLike) -> dict[str, StoredTensor]:
+    """Every tensor of a Hugging Face folder (its index's files, or its one file), from
+    the safetensors headers alone."""
+    root = os.fspath(root)
+    index = os.path.join(root, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = [SINGLE_FILE]
+    out = {}
+    for name in files:
+        path = os.path.join(root, name)
+        for key, (_, shape, dtype) in _tensor_spans(path).items():
+            out[key] = StoredTensor(path, dtype, tuple(shape))
+    return out
 
 
 def tensor_names(path: str | os.PathLike) -> set[str]:

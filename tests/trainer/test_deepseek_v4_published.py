@@ -24,12 +24,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from flexshard.checkpoint.hf_dequantize import (
-    BlockScaled,
-    read_dequantized,
-    stored_tensors,
-)
-from flexshard.checkpoint.hf_safetensors import HFKey, load_hf_safetensors
+from flexshard.checkpoint.hf_dequantize import BlockScaled, read_dequantized
+from flexshard.checkpoint.hf_safetensors import HFKey, load_hf_safetensors, stored_tensors
 from flexshard.runtime.dtensor.chunks import RegionTensor
 from flexshard.testing import run_distributed
 from flexshard.trainer.config import ConfigError, config_from_dict

@@ -16,12 +16,13 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from flexshard.checkpoint.hf_dequantize import BlockScaled, block_scaled
+from typing import TYPE_CHECKING, Any
 
 from .schema import ConfigError, ModelConfig, MoEConfig
 from .validation import hf_format
+
+if TYPE_CHECKING:
+    from flexshard.checkpoint.hf_dequantize import BlockScaled
 
 # what a config.json may carry that changes what the model computes, and the value the
 # trainer's model has (other values: a ConfigError naming the key)
@@ -481,6 +482,9 @@ def _deepseek_v4_own_keys(config: dict[str, Any]) -> dict[str, Any]:
 def quantization_format(config: dict[str, Any]) -> BlockScaled | None:
     """The FP8 format of a folder's config.json (``quantization_config``), dequantized on
     load; a ConfigError naming the key for one that is not read."""
+    # imported here: reading a config (``--help`` included) loads no torch
+    from flexshard.checkpoint.hf_dequantize import block_scaled
+
     try:
         return block_scaled(config)
     except ValueError as err:
