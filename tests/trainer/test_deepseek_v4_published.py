@@ -62,18 +62,31 @@ def loaded(folder: Path) -> tuple[DeepseekV4Transformer, dict[str, torch.Tensor]
     return model, state
 
 
-def test_deepseeks_config_keys_read_as_transformers_folds_them():
+def _transformers_fold(own: dict) -> dict:
+    """transformers' reading of a config.json: its DeepseekV4Config, saved."""
+    folded = transformers.DeepseekV4Config(**{k: v for k, v in own.items() if k != "model_type"})
+    return {**folded.to_dict(), "quantization_config": None}
+
+
+@pytest.mark.parametrize(
+    "left_out",
+    [(), ("compress_rate_csa", "compress_rate_hca"), ("qk_rope_head_dim",), ("rope_scaling",)],
+)
+def test_deepseeks_config_keys_read_as_transformers_folds_them(left_out):
+    """DeepSeek's own keys (and, where it leaves one out, transformers' default) give
+    the [model] of transformers' reading of them."""
     saved = transformers.DeepseekV4Config(**{**SHAPE, **HASH_FIRST}).to_dict()
     own = published_config(saved, (8, 8))
     assert {"compress_ratios", "num_hash_layers", "qk_rope_head_dim"} <= set(own)
     assert not {"layer_types", "mlp_layer_types", "compress_rates"} & set(own)
+    if not left_out:  # the folder transformers saves of the same model
+        assert model_fields(own) == model_fields(saved)
+    for key in left_out:
+        del own[key]
     ours = model_fields(own)
-    assert ours == model_fields(saved)
-    folded = transformers.DeepseekV4Config(**{k: v for k, v in own.items() if k != "model_type"})
-    assert ours == model_fields({**folded.to_dict(), "quantization_config": None})
-    # DeepSeek's default rates (4, 128) when it gives none
-    del own["compress_rate_csa"], own["compress_rate_hca"]
-    assert model_fields(own)["deepseek_v4"]["compress_rate_hca"] == 128
+    assert ours == model_fields(_transformers_fold(own))
+    if left_out:
+        assert ours != model_fields(saved)
 
 
 def test_published_folder_is_transformers_load_of_it(tmp_path):

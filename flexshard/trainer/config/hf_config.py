@@ -423,6 +423,8 @@ _V4_RATIO_KINDS = {
     4: "compressed_sparse_attention",
     128: "heavily_compressed_attention",
 }
+# transformers' default rotated share: 64 of a head's 512 dims, V4's own sizes
+_V4_DEFAULT_PARTIAL = 64 / 512
 _V4_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 _V4_OWN_KEYS = (
     "compress_ratios",
@@ -468,7 +470,9 @@ def _deepseek_v4_own_keys(config: dict[str, Any]) -> dict[str, Any]:
     if not (isinstance(rope.get("main"), dict) and isinstance(rope.get("compress"), dict)):
         flat = {k: v for k, v in rope.items() if k not in ("main", "compress", "type")}
         kind = rope.get("rope_type", rope.get("type", "default"))
-        partial = {"partial_rotary_factor": out.get("partial_rotary_factor") or 1.0}
+        if out.get("partial_rotary_factor") is None:
+            out["partial_rotary_factor"] = _V4_DEFAULT_PARTIAL
+        partial = {"partial_rotary_factor": out["partial_rotary_factor"]}
         compress = {**flat, "rope_type": kind, **partial}
         compress["rope_theta"] = out.get("compress_rope_theta", 160000.0)
         if kind == "yarn":
