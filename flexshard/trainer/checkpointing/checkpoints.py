@@ -115,6 +115,27 @@ def world_group(job: Job) -> tuple[dist.ProcessGroup, datetime.timedelta]:
     return bounded_group(dist.group.WORLD, timeout), timeout
 
 
+def hf_load_notes(folder: str | Path) -> list[str]:
+    """What a Hugging Face load says it leaves out or converts, one line each: a vision
+    tower, quantized weights (dequantized), multi-token-prediction depths."""
+    notes = []
+    prefix = text_model_prefix(folder)
+    if prefix != "model.":
+        notes.append(
+            f"{folder}: its text model ({prefix}*) loaded; the vision tower is not "
+            "trained and not exported"
+        )
+    quantization = folder_quantization(folder)
+    if quantization is not None:
+        notes.append(
+            f"{folder}: its quantized weights (FP8 in tiles of {quantization.block}, "
+            f"experts {quantization.expert_dtype}) load dequantized into the model's "
+            "dtype; the export is unquantized"
+        )
+    mtp = unloaded_mtp(folder)
+    return notes + ([mtp] if mtp else [])
+
+
 def load_hf(job: Job, folder: str | Path) -> None:
     """Copy a Hugging Face folder's weights (``config.hf_config.FAMILIES``) into the sharded
     model (its config.json was checked against the config before any rank started:
@@ -124,26 +145,12 @@ def load_hf(job: Job, folder: str | Path) -> None:
     prefix = text_model_prefix(folder)
     published = published_layout(folder, job.cfg.model)
     keys = hf_keys(list(state), job.cfg.model, tied, prefix, fused_experts(folder), published)
-    quantization = folder_quantization(folder)
     if job.rank == 0:
-        if prefix != "model.":
-            print(
-                f"{folder}: its text model ({prefix}*) loaded; the vision tower is not "
-                "trained and not exported",
-                flush=True,
-            )
-        if quantization is not None:
-            print(
-                f"{folder}: its quantized weights (FP8 in tiles of {quantization.block}, "
-                f"experts {quantization.expert_dtype}) load dequantized into the model's "
-                "dtype; the export is unquantized",
-                flush=True,
-            )
-        mtp = unloaded_mtp(folder)
-        if mtp:
-            print(mtp, flush=True)
+        for note in hf_load_notes(folder):
+            print(note, flush=True)
     group, timeout = world_group(job)
     with in_flight("Hugging Face load", str(folder), group, timeout):
+        quantization = folder_quantization(folder)
         load_hf_safetensors(
             folder, state, keys, group, frames=frames_of(job), quantization=quantization
         )
