@@ -53,6 +53,13 @@ from ..torch_internals import (
     single_process_dcp,
 )
 from .frames import Frames, framed
+from .hf_dequantize import (
+    BlockScaled,
+    StoredTensor,
+    is_quantized,
+    read_dequantized,
+    read_stored,
+)
 from .safe_load import dcp_load
 
 SHARDED_DIR = "sharded"  # per-rank chunk files, removed once consolidated
@@ -239,6 +246,24 @@ def _tensor_spans(path: str) -> dict[str, tuple[int, list[int], str]]:
         for name, entry in header.items()
         if name != "__metadata__"
     }
+
+
+def stored_tensors(root: str | os.PathLike) -> dict[str, StoredTensor]:
+    """Every tensor of a Hugging Face folder (its index's files, or its one file), from
+    the safetensors headers alone."""
+    root = os.fspath(root)
+    index = os.path.join(root, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = [SINGLE_FILE]
+    out = {}
+    for name in files:
+        path = os.path.join(root, name)
+        for key, (_, shape, dtype) in _tensor_spans(path).items():
+            out[key] = StoredTensor(path, dtype, tuple(shape))
+    return out
 
 
 def tensor_names(path: str | os.PathLike) -> set[str]:
@@ -467,13 +492,17 @@ def load_hf_safetensors(
     keys: Mapping[str, HFKey],
     process_group: dist.ProcessGroup | None = None,
     frames: Frames | None = None,
+    quantization: BlockScaled | None = None,
 ) -> None:
     """Read a Hugging Face safetensors folder into ``state`` (a sharded
     ``model.state_dict()``, or plain tensors) in place: every rank reads the slices it
     stores (RoPE projections: the whole heads around them). Several state-dict keys
     may read the same HF key (tied embeddings). ``state`` may be this rank's part of
     the model (pipeline stages); ``frames`` places slices in their whole tensors
-    (expert parallelism). Every rank calls it."""
+    (expert parallelism). ``quantization``: the folder's FP8 format
+    (``hf_dequantize.block_scaled`` of its config.json), whose quantized weights are
+    dequantized into ``state``'s dtype as they are read; without it a quantized weight
+    is a ValueError naming it. Every rank calls it."""
     _, _, no_dist = _ranks(process_group)
     root = os.path.abspath(os.fspath(path))
     # one dcp.load per round: a key read twice (tied weights) goes in a second round
@@ -495,6 +524,30 @@ def load_hf_safetensors(
         counts: list[Any] = [None] * dist.get_world_size(process_group)
         dist.all_gather_object(counts, len(rounds), group=process_group)
         rounds += [{} for _ in range(max(counts) - len(rounds))]
+    stored = stored_tensors(root)
+    quantized = {n for r in rounds for n, e in r.items() if is_quantized(n, stored, e[0].dtype)}
+    if quantized and quantization is None:
+        name = sorted(quantized)[0]
+        raise ValueError(
+            f"cannot load Hugging Face checkpoint '{root}': '{name}' is stored "
+            f"{stored[name].dtype} (quantized), and its config.json has no "
+            "quantization_config"
+        )
+    if quantization is not None:
+        # torch's reader refuses dtypes such folders hold (ue8m0 scales): every tensor
+        # is read here, region by region, none of it collective
+        for round_ in rounds:
+            for name, (chunks, target, heads) in round_.items():
+                if target is None:
+                    continue
+                if name in quantized:
+                    read_dequantized(name, target, stored, quantization)
+                else:
+                    read_stored(name, target, stored)
+                if heads:
+                    with torch.no_grad():
+                        _fill_from_rope(chunks, target, heads)
+        return
     reader = HuggingFaceStorageReader(root)
     _check_against(reader, {name: e[0] for r in rounds for name, e in r.items()}, root)
     for round_ in rounds:

@@ -19,9 +19,9 @@ from flexshard.checkpoint.safe_load import read_metadata
 from flexshard.runtime.module import own_buckets
 
 from .config import Config, ConfigError, config_from_dict, load_config
-from .config.hf_config import folder_fields, text_model_prefix
+from .config.hf_config import folder_fields, folder_quantization, text_model_prefix
 from .config.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, open_tokenizer
-from .models.hf_adapter import fused_experts, hf_keys
+from .models.hf_adapter import fused_experts, hf_keys, published_layout
 from .models.layers import KVCache
 from .models.model import Transformer, build_model
 from .parallel.parallelize import checked_dims, parallelize
@@ -98,8 +98,9 @@ def load_weights(model: nn.Module, cfg: Config, checkpoint: str | Path) -> None:
         state = model.state_dict()
         prefix = text_model_prefix(folder)
         tied, fused = cfg.model.tie_embeddings, fused_experts(folder)
-        keys = hf_keys(list(state), cfg.model, tied, prefix, fused)
-        load_hf_safetensors(folder, state, keys)
+        published = published_layout(folder, cfg.model)
+        keys = hf_keys(list(state), cfg.model, tied, prefix, fused, published)
+        load_hf_safetensors(folder, state, keys, quantization=folder_quantization(folder))
     else:
         import flexshard.checkpoint as ckpt
 

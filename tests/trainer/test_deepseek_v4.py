@@ -101,9 +101,10 @@ DRAWN = {
 }
 
 
-def hf_model(folder: Path) -> torch.nn.Module:
+def hf_model(folder: Path, **shape) -> torch.nn.Module:
+    """transformers' model of ``SHAPE`` (with ``shape``'s changes), saved in ``folder``."""
     torch.manual_seed(0)
-    config = transformers.DeepseekV4Config(**SHAPE)
+    config = transformers.DeepseekV4Config(**{**SHAPE, **shape})
     model = transformers.DeepseekV4ForCausalLM(config).eval()
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -374,8 +375,8 @@ def test_layouts_not_built_are_refused(section, values, message, tmp_path):
     "key, value, message",
     [
         ("scoring_func", "softmax", "scoring_func = 'softmax'"),
-        ("num_nextn_predict_layers", 1, "num_nextn_predict_layers = 1"),
         ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),
+        ("quantization_config", {"quant_method": "awq"}, "quant_method = 'awq'"),
         ("layer_types", None, "no layer_types"),
         ("n_shared_experts", 2, "n_shared_experts = 2"),
     ],

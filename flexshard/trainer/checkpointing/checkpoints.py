@@ -38,11 +38,18 @@ from flexshard.checkpoint.bounded import bounded_group, in_flight
 from flexshard.checkpoint.hf_safetensors import export_safetensors, load_hf_safetensors
 from flexshard.checkpoint.logical_model import Model
 
-from ..config.hf_config import folder_fields, text_model_prefix
+from ..config.hf_config import folder_fields, folder_quantization, text_model_prefix
 from ..config.schema import Config
 from ..config.tokenizer import Tokenizer
 from ..data.dataset import DPSampler, ValidationBatches
-from ..models.hf_adapter import DTYPES, fused_experts, hf_keys, in_hf
+from ..models.hf_adapter import (
+    DTYPES,
+    fused_experts,
+    hf_keys,
+    in_hf,
+    published_layout,
+    unloaded_mtp,
+)
 from ..models.model import meta_model
 from ..parallel.dims import Meshes, ParallelDims
 from ..parallel.exchange import configured_timeout
@@ -108,6 +115,27 @@ def world_group(job: Job) -> tuple[dist.ProcessGroup, datetime.timedelta]:
     return bounded_group(dist.group.WORLD, timeout), timeout
 
 
+def hf_load_notes(folder: str | Path) -> list[str]:
+    """What a Hugging Face load says it leaves out or converts, one line each: a vision
+    tower, quantized weights (dequantized), multi-token-prediction depths."""
+    notes = []
+    prefix = text_model_prefix(folder)
+    if prefix != "model.":
+        notes.append(
+            f"{folder}: its text model ({prefix}*) loaded; the vision tower is not "
+            "trained and not exported"
+        )
+    quantization = folder_quantization(folder)
+    if quantization is not None:
+        notes.append(
+            f"{folder}: its quantized weights (FP8 in tiles of {quantization.block}, "
+            f"experts {quantization.expert_dtype}) load dequantized into the model's "
+            "dtype; the export is unquantized"
+        )
+    mtp = unloaded_mtp(folder)
+    return notes + ([mtp] if mtp else [])
+
+
 def load_hf(job: Job, folder: str | Path) -> None:
     """Copy a Hugging Face folder's weights (``config.hf_config.FAMILIES``) into the sharded
     model (its config.json was checked against the config before any rank started:
@@ -115,16 +143,17 @@ def load_hf(job: Job, folder: str | Path) -> None:
     state = model_state(job)
     tied = folder_fields(folder)["tie_embeddings"]
     prefix = text_model_prefix(folder)
-    keys = hf_keys(list(state), job.cfg.model, tied, prefix, fused_experts(folder))
-    if prefix != "model." and job.rank == 0:
-        print(
-            f"{folder}: its text model ({prefix}*) loaded; the vision tower is not "
-            "trained and not exported",
-            flush=True,
-        )
+    published = published_layout(folder, job.cfg.model)
+    keys = hf_keys(list(state), job.cfg.model, tied, prefix, fused_experts(folder), published)
+    if job.rank == 0:
+        for note in hf_load_notes(folder):
+            print(note, flush=True)
     group, timeout = world_group(job)
     with in_flight("Hugging Face load", str(folder), group, timeout):
-        load_hf_safetensors(folder, state, keys, process_group=group, frames=frames_of(job))
+        quantization = folder_quantization(folder)
+        load_hf_safetensors(
+            folder, state, keys, group, frames=frames_of(job), quantization=quantization
+        )
 
 
 def export(

@@ -16,10 +16,13 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .schema import ConfigError, ModelConfig, MoEConfig
 from .validation import hf_format
+
+if TYPE_CHECKING:
+    from flexshard.checkpoint.hf_dequantize import BlockScaled
 
 # what a config.json may carry that changes what the model computes, and the value the
 # trainer's model has (other values: a ConfigError naming the key)
@@ -413,26 +416,102 @@ _V4_NEEDED = {
     "norm_topk_prob": True,
     "n_shared_experts": 1,
     "output_router_logits": False,
-    "num_nextn_predict_layers": 0,
 }
+# DeepSeek's own config.json: a compression ratio per layer for the attention kind
+_V4_RATIO_KINDS = {
+    0: "sliding_attention",
+    4: "compressed_sparse_attention",
+    128: "heavily_compressed_attention",
+}
+# transformers' default rotated share: 64 of a head's 512 dims, V4's own sizes
+_V4_DEFAULT_PARTIAL = 64 / 512
+_V4_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+_V4_OWN_KEYS = (
+    "compress_ratios",
+    "compress_rate_csa",
+    "compress_rate_hca",
+    "num_hash_layers",
+    "qk_rope_head_dim",
+)
+
+
+def _deepseek_v4_own_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """A config.json in DeepSeek's own keys (as DeepSeek publishes V4) in transformers'
+    ``DeepseekV4Config`` keys, folded as that class folds them: ``compress_ratios`` (0, 4
+    or 128 per layer; DeepSeek lists its MTP depth's too) -> ``layer_types``;
+    ``compress_rate_csa`` / ``_hca`` -> ``compress_rates``; ``num_hash_layers`` (the first
+    layers hash-routed) -> ``mlp_layer_types``; ``qk_rope_head_dim`` ->
+    ``partial_rotary_factor``; a flat ``rope_scaling`` / ``rope_parameters`` (YaRN, the
+    compressed branches' only) -> ``rope_parameters.main`` / ``.compress``. A folder
+    transformers saved passes through unchanged."""
+    out = {k: v for k, v in config.items() if k not in _V4_OWN_KEYS}
+    layers = out["num_hidden_layers"]
+    rates = dict(out.get("compress_rates") or _V4_DEFAULT_RATES)
+    if "compress_rate_csa" in config:
+        rates["compressed_sparse_attention"] = config["compress_rate_csa"]
+    if "compress_rate_hca" in config:
+        rates["heavily_compressed_attention"] = config["compress_rate_hca"]
+    out["compress_rates"] = rates
+    ratios = config.get("compress_ratios")
+    if not out.get("layer_types") and ratios is not None:
+        unknown = sorted(set(ratios) - set(_V4_RATIO_KINDS))
+        if unknown:
+            raise ConfigError(
+                f"config.json: compress_ratios has {unknown}: one of "
+                f"{sorted(_V4_RATIO_KINDS)} per layer (sliding, CSA, HCA)"
+            )
+        out["layer_types"] = [_V4_RATIO_KINDS[r] for r in ratios][:layers]
+    if not out.get("mlp_layer_types") and "num_hash_layers" in config:
+        hashed = min(layers, config["num_hash_layers"])
+        out["mlp_layer_types"] = ["hash_moe"] * hashed + ["moe"] * (layers - hashed)
+    if out.get("partial_rotary_factor") is None and "qk_rope_head_dim" in config:
+        out["partial_rotary_factor"] = config["qk_rope_head_dim"] / out["head_dim"]
+    rope = out.get("rope_parameters") or out.pop("rope_scaling", None) or {}
+    if not (isinstance(rope.get("main"), dict) and isinstance(rope.get("compress"), dict)):
+        flat = {k: v for k, v in rope.items() if k not in ("main", "compress", "type")}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if out.get("partial_rotary_factor") is None:
+            out["partial_rotary_factor"] = _V4_DEFAULT_PARTIAL
+        partial = {"partial_rotary_factor": out["partial_rotary_factor"]}
+        compress = {**flat, "rope_type": kind, **partial}
+        compress["rope_theta"] = out.get("compress_rope_theta", 160000.0)
+        if kind == "yarn":
+            compress.setdefault("attention_factor", 1.0)
+        theta = out.get("rope_theta", 10000.0)
+        main = {"rope_type": "default", "rope_theta": theta, **partial}
+        out["rope_parameters"] = {"main": main, "compress": compress}
+    return out
+
+
+def quantization_format(config: dict[str, Any]) -> BlockScaled | None:
+    """The FP8 format of a folder's config.json (``quantization_config``), dequantized on
+    load; a ConfigError naming the key for one that is not read."""
+    # imported here: reading a config (``--help`` included) loads no torch
+    from flexshard.checkpoint.hf_dequantize import block_scaled
+
+    try:
+        return block_scaled(config)
+    except ValueError as err:
+        raise ConfigError(f"config.json: {err}") from None
 
 
 def _deepseek_v4_fields(config: dict[str, Any]) -> dict[str, Any]:
     """The ``[model]`` keys (``[model.deepseek_v4]``, ``[model.moe]``,
-    ``[model.rope_scaling]``) of a ``DeepseekV4ForCausalLM`` config.json."""
+    ``[model.rope_scaling]``) of a ``DeepseekV4ForCausalLM`` config.json, transformers'
+    or DeepSeek's own (``_deepseek_v4_own_keys``). Its FP8 weights load dequantized
+    (``quantization_format``); its MTP depths (``num_nextn_predict_layers``) do not load:
+    the trainer has no DeepSeek-V4 MTP (transformers has none either)."""
     for key, ok in _V4_NEEDED.items():
         if config.get(key, ok) != ok:
             raise ConfigError(f"config.json: {key} = {config[key]!r}: the trainer needs {ok!r}")
-    if config.get("quantization_config"):
-        raise ConfigError(
-            "config.json: quantization_config: the trainer loads unquantized weights only"
-        )
+    quantization_format(config)
+    config = _deepseek_v4_own_keys(config)
     layers = config["num_hidden_layers"]
-    for key in ("layer_types", "mlp_layer_types", "compress_rates"):
-        if not config.get(key):  # DeepSeek's own config.json: transformers converts it
+    for key in ("layer_types", "mlp_layer_types"):
+        if not config.get(key):
             raise ConfigError(
-                f"config.json: no {key}: save the folder with transformers' "
-                "DeepseekV4ForCausalLM, which writes it"
+                f"config.json: no {key} (nor DeepSeek's "
+                f"{'compress_ratios' if key == 'layer_types' else 'num_hash_layers'})"
             )
     kinds, mlp = list(config["layer_types"]), list(config["mlp_layer_types"])
     if len(kinds) != layers or set(kinds) - _V4_KINDS:
@@ -654,6 +733,11 @@ def model_fields(config: dict[str, Any]) -> dict[str, Any]:
             f"config.json: model_type '{kind}': the trainer supports "
             f"{', '.join(repr(k) for k in FAMILIES)}"
         )
+    if config.get("quantization_config") and kind != "deepseek_v4":
+        raise ConfigError(
+            f"config.json: quantization_config: quantized weights load (dequantized) in "
+            f"'deepseek_v4' folders only, not '{kind}'"
+        )
     return FAMILIES[kind].fields(config)
 
 
@@ -665,6 +749,12 @@ def folder_fields(folder: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"'{folder}' has no config.json: not a Hugging Face model folder")
     return model_fields(json.loads(path.read_text()))
+
+
+def folder_quantization(folder: str | Path) -> BlockScaled | None:
+    """The FP8 format of a Hugging Face folder's weights (``quantization_format`` of its
+    config.json), which its load dequantizes; None for unquantized weights."""
+    return quantization_format(json.loads((Path(folder) / "config.json").read_text()))
 
 
 def _have(cfg: ModelConfig, key: str) -> Any:
@@ -725,6 +815,8 @@ def check_matches(cfg: ModelConfig, folder: str | Path) -> dict[str, Any]:
 # config.json keys an export decides whatever the folder it started from said: the
 # head it writes (a tied folder may train untied) and the MTP depths it holds (none)
 _EXPORT_DECIDES = ("tie_word_embeddings", "num_nextn_predict_layers")
+# what a quantized folder's config.json says of its weights: the export's are not
+_QUANTIZATION_KEYS = ("quantization_config", "expert_dtype")
 
 
 def exported_config(
@@ -752,6 +844,8 @@ def exported_config(
             out[key] = run[key]
     for key in [k for k in ("torch_dtype", "dtype") if k in source] or ["torch_dtype", "dtype"]:
         out[key] = dtype
+    for key in _QUANTIZATION_KEYS:
+        out.pop(key, None)
     out.update(token_ids or {})
     wrong = _mismatches(cfg, model_fields(out), untie=False)
     if wrong:

@@ -195,6 +195,13 @@ _DEEPSEEK_V4_ROOT = {
     "output.weight": "head.weight",
     **{f"hc_head.{name}": f"model.hc_head.{name}" for name in ("hc_fn", "hc_base", "hc_scale")},
 }
+# as DeepSeek publishes it: blocks as ``layers.{i}.*`` (no ``model.``), its own root names
+_DEEPSEEK_V4_PUBLISHED_ROOT = {
+    "tok_embeddings.weight": "embed.weight",
+    "norm.weight": "norm.weight",
+    "output.weight": "head.weight",
+    **{f"hc_head.hc_{part}": f"hc_head_{part}" for part in ("fn", "base", "scale")},
+}
 
 
 @dataclass(frozen=True)
@@ -204,6 +211,9 @@ class FamilyKeys:
     block: dict[str, str]  # trainer -> HF names within a block (every layer)
     sparse: dict[str, str]  # the MoE layers' sparse block ({} for a dense family)
     root: dict[str, str] = dataclasses.field(default_factory=lambda: dict(_ROOT))
+    # the root names of the folder as the model's authors publish it, whose blocks are
+    # ``layers.{i}.*`` with no ``model.`` prefix (None: no such layout)
+    published_root: dict[str, str] | None = None
 
 
 FAMILY_KEYS = {
@@ -214,7 +224,7 @@ FAMILY_KEYS = {
     "deepseek_v3": FamilyKeys(_DEEPSEEK_V3, _DEEPSEEK_V3_MOE),
     "qwen3_5_text": FamilyKeys(_QWEN3_5, {}),
     "qwen3_5_moe_text": FamilyKeys(_QWEN3_5, _QWEN3_5_MOE),
-    "deepseek_v4": FamilyKeys({}, _DEEPSEEK_V4, _DEEPSEEK_V4_ROOT),
+    "deepseek_v4": FamilyKeys({}, _DEEPSEEK_V4, _DEEPSEEK_V4_ROOT, _DEEPSEEK_V4_PUBLISHED_ROOT),
 }
 
 
@@ -282,17 +292,41 @@ def _fused(key: HFKey, cfg: ModelConfig) -> HFKey:
     return HFKey(f"{stack}.gate_up_proj", rows=(0 if kind == "gate" else hidden, 2 * hidden))
 
 
+def published_layout(folder: str | Path, cfg: ModelConfig) -> bool:
+    """Whether a Hugging Face folder holds ``cfg``'s family as its authors publish it
+    (DeepSeek-V4: ``embed.weight``, ``layers.{i}.*``) rather than as transformers saves it."""
+    root = FAMILY_KEYS[hf_format(cfg)].published_root
+    return root is not None and root["tok_embeddings.weight"] in tensor_names(folder)
+
+
+_MTP = re.compile(r"(^|\.)mtp\.")
+
+
+def unloaded_mtp(folder: str | Path) -> str | None:
+    """The line to say when a folder holds multi-token-prediction depths (``mtp.*``,
+    DeepSeek's ``num_nextn_predict_layers``), which no family here loads; None without."""
+    names = [name for name in tensor_names(folder) if _MTP.search(name)]
+    if not names:
+        return None
+    return (
+        f"{folder}: its {len(names)} multi-token-prediction tensors (mtp.*) are not loaded: "
+        "the trainer has no MTP for this family; the export has none"
+    )
+
+
 def hf_keys(
     fqns: list[str],
     cfg: ModelConfig,
     tied: bool = False,
     prefix: str = "model.",
     fused: bool = False,
+    published: bool = False,
 ) -> dict[str, HFKey]:
     """``hf_key`` of every FQN; ``tied``: the folder keeps the output projection as the
     embedding (``tie_word_embeddings``), so ``output.weight`` reads that; ``prefix``:
     where the folder keeps the text model (``config.hf_config.text_model_prefix``);
-    ``fused``: the routed experts in transformers' fused layout (``fused_experts``)."""
+    ``fused``: the routed experts in transformers' fused layout (``fused_experts``);
+    ``published``: the names of the family's published layout (``published_layout``)."""
     keys = {fqn: hf_key(fqn, cfg) for fqn in fqns}
     if fused:
         keys = {fqn: _fused(key, cfg) if key.experts else key for fqn, key in keys.items()}
@@ -302,4 +336,11 @@ def hf_keys(
         for fqn, key in keys.items():
             if key.name.startswith("model."):
                 keys[fqn] = dataclasses.replace(key, name=prefix + key.name.removeprefix("model."))
+    if published:
+        root = dict(FAMILY_KEYS[hf_format(cfg)].published_root or {})
+        if tied:
+            root["output.weight"] = root["tok_embeddings.weight"]
+        for fqn, key in keys.items():
+            name = root[fqn] if fqn in root else key.name.removeprefix("model.")
+            keys[fqn] = dataclasses.replace(key, name=name)
     return keys
