@@ -356,9 +356,7 @@ def test_muon_rule_for_the_new_kinds(tmp_path):
     "section, values, message",
     [
         ("parallelism", {"tp": 2}, "parallelism.tp = 2: not built"),
-        ("parallelism", {"pp": 2}, "parallelism.pp = 2: not built"),
         ("parallelism", {"cp": 2}, "parallelism.cp = 2: not built"),
-        ("parallelism", {"ep": 2}, "parallelism.ep = 2: not built"),
         ("compile", {"enable": True}, "compile.enable = True"),
         ("rl", {"enable": True}, "rl.enable = True"),
         ("training", {"optimizer": "soap"}, "training.optimizer = 'soap'"),
