@@ -344,6 +344,8 @@ MODEL_PARALLEL = {
         {"dp_shard": 1, "pp": 2, "pp_schedule": "gpipe", "pp_microbatches": 2},
         {"activation_checkpoint": {"mode": "full"}},
     ),
+    # W = 4: each expert sharded by flexshard over the 2 ranks that hold it
+    "dp4xep2": (4, {"dp_shard": 4, "ep": 2}, {}),
     # W = 4: dp2 x pp2, the experts split over the 2 data-parallel ranks of each stage
     "dp2xpp2xep2": (4, {"dp_shard": 2, "pp": 2, "ep": 2}, {}),
 }
