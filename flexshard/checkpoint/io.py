@@ -61,6 +61,7 @@ from .state import (
     state_dict,
     union_groups,
     with_groups,
+    without_unsaved_state,
 )
 from .striped_read import StripedReader
 from .verified_read import ChecksumError, VerifyingReader
@@ -432,6 +433,8 @@ def load(
     metadata = verified.metadata
     flat = saved_flat(metadata)
     target = fresh(state_dict(model, optimizer, flat=flat))
+    if optimizer is not None and not flat:
+        target["optim"] = without_unsaved_state(target["optim"], metadata)
     entries = entries if entries is not None else {}
     loaded = {**framed_state(target, frames), **entries}
     saved, problems = saved_entries(metadata), []

@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
-    set_state_dict,
 )
 
 from ..runtime.module import subtree_buckets
@@ -77,14 +76,15 @@ def state_dict(
 
 def apply(model: Model, optimizer: torch.optim.Optimizer | None, state: State) -> None:
     """``state`` (as ``state_dict`` gives it, nested or flattened, loaded) into
-    ``model`` and ``optimizer``: torch's ``set_state_dict``."""
+    ``model`` and ``optimizer``: torch's ``set_model_state_dict`` (strict) and
+    ``set_optimizer_state_dict``, which takes parameters without state (the
+    ``without_unsaved_state`` ones: every other key was checked against the checkpoint
+    before the read, and the param groups after it)."""
     root = logical_root(model)
-    if optimizer is None:
-        set_model_state_dict(root, state["model"])
-        return
-    set_state_dict(
-        root, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+    set_model_state_dict(root, state["model"])
+    if optimizer is not None:
+        lenient = StateDictOptions(strict=False)
+        set_optimizer_state_dict(root, optimizer, state["optim"], options=lenient)
 
 
 def optimizer_state_dict(model: Model, optimizer: torch.optim.Optimizer) -> State:
@@ -149,6 +149,22 @@ def group_problems(mine: list[list[str]], saved: list[list[str]]) -> list[str]:
 def saved_entries(metadata: Metadata) -> set[str]:
     """The top-level entries a checkpoint holds ("model", "optim", ...)."""
     return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+
+
+def without_unsaved_state(optim: State, metadata: Metadata) -> State:
+    """``optim`` (nested: a fresh optimizer's state, which torch gives every parameter)
+    less the parameters the checkpoint holds no state for: parameters the saved
+    optimizer never stepped, because no gradient ever reached them (DeepSeek-V4's
+    indexer, chosen by a top-k). They load without state, as they were saved; the
+    param groups are checked after the read, so a parameter the saved optimizer did not
+    know still raises."""
+    held = set()  # every dotted prefix of the saved optimizer-state keys
+    for key in metadata.state_dict_metadata:
+        if key.startswith("optim.state."):
+            parts = key.split(".")
+            held.update(".".join(parts[:n]) for n in range(3, len(parts)))
+    state = {fqn: v for fqn, v in optim["state"].items() if f"optim.state.{fqn}" in held}
+    return {**optim, "state": state}
 
 
 def saved_flat(metadata: Metadata) -> bool:

@@ -16,6 +16,11 @@ would hide a wrong use of any).
 - ``flexshard-train --nproc 3`` with nothing but the folder trains and exports (slow);
 - W = 2 (Shard(0), flat under Muon, owned, FSDP2) and W = 3 (Shard(0), the Muon
   placement, flat, block) against one process (slow);
+- expert parallel (the learned- and hash-routed layers' clamped experts over the EP
+  all-to-all) and pipeline parallel (the hc_mult streams between stages, the token ids
+  on every stage) against one process at W = 2 and 4, and a checkpoint carried dp2 ->
+  dp2 x ep2 -> pp2 -> dp2 continuing the one-process losses (slow); the stages run in
+  one process compute the whole model bit for bit;
 - the Muon rule for the new kinds; what is not built, or what the folder asks that the
   trainer does not compute, is a ConfigError naming the key.
 """
@@ -34,15 +39,27 @@ from flexshard.trainer.components.optimizers import build_optimizer
 from flexshard.trainer.config import ConfigError, config_from_dict
 from flexshard.trainer.config.hf_config import _mismatches, exported_config, model_fields
 from flexshard.trainer.launch import main as train_main
-from flexshard.trainer.models.deepseek_v4 import DeepseekV4Transformer
+from flexshard.trainer.models.deepseek_v4 import (
+    ClampedExperts,
+    DeepseekV4Transformer,
+    clamped_swiglu,
+)
 from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.layers import loss_fn
 from flexshard.trainer.models.model import init_weights
 from flexshard.trainer.parallel.activation_checkpoint import apply_ac
-from flexshard.trainer.train import setup
+from flexshard.trainer.parallel.pipeline import split_model
+from flexshard.trainer.train import run, setup
 
 from .test_model_families import _tensors, from_folder
-from .test_parallel_layouts import MUON_RTOL, compare_with_single_process, layout_config, trained
+from .test_parallel_layouts import (
+    LOSS_RTOL,
+    MUON_RTOL,
+    compare_with_single_process,
+    layout_config,
+    single_process,
+    trained,
+)
 from .test_qwen3_5 import _load_and_export
 
 transformers = pytest.importorskip("transformers")
@@ -310,6 +327,134 @@ def test_layouts_match_one_process(world_size, tmp_path):
         print(f"deepseek_v4 {name}: {gaps}")
 
 
+# ep and pp: 4 experts (ep 2 keeps 2 whole ones per rank), the hash-routed layers first
+# and last, so that each of 2 stages holds one hash and one learned-routed layer
+EP_MODEL = {**V4_MODEL, "moe": {**V4_MODEL["moe"], "num_experts": 4}}
+MODEL_PARALLEL = {
+    # ep borrows the 2 data-parallel ranks (dp folded into ep); op-level AC recomputes
+    # the EP block with its experts gathered on their own mesh
+    "dp2xep2": (2, {"dp_shard": 2, "ep": 2}, {}),
+    "dp2xep2_op_ac": (
+        2,
+        {"dp_shard": 2, "ep": 2},
+        {"activation_checkpoint": {"mode": "selective", "selective_ac_option": "op"}},
+    ),
+    "pp2": (2, {"dp_shard": 1, "pp": 2}, {}),
+    "pp2_gpipe_full_ac": (
+        2,
+        {"dp_shard": 1, "pp": 2, "pp_schedule": "gpipe", "pp_microbatches": 2},
+        {"activation_checkpoint": {"mode": "full"}},
+    ),
+    # W = 4: each expert sharded by flexshard over the 2 ranks that hold it
+    "dp4xep2": (4, {"dp_shard": 4, "ep": 2}, {}),
+    # W = 4: dp2 x pp2, the experts split over the 2 data-parallel ranks of each stage
+    "dp2xpp2xep2": (4, {"dp_shard": 2, "pp": 2, "ep": 2}, {}),
+}
+
+
+def _model_parallel_config(folder: str, name: str):
+    _, parallelism, sections = MODEL_PARALLEL[name]
+    return layout_config(f"{folder}/{name}", parallelism, None, model=EP_MODEL, **sections)
+
+
+def _model_parallel(rank: int, world_size: int, folder: str, names: list[str]) -> dict:
+    return {name: trained(setup(_model_parallel_config(folder, name))) for name in names}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_expert_and_pipeline_parallel_match_one_process(world_size, tmp_path):
+    names = [name for name, (w, _, _) in MODEL_PARALLEL.items() if w == world_size]
+    results = run_distributed(_model_parallel, world_size, str(tmp_path), names, timeout=1200)
+    for name in names:
+        cfg = _model_parallel_config("-", name)
+        gaps = compare_with_single_process(name, cfg, results[0][name], **HC_ATOL)
+        print(f"deepseek_v4 {name}: {gaps}")
+        for rank, by_name in enumerate(results):  # every rank logs the same loss
+            assert by_name[name]["losses"] == results[0][name]["losses"], (name, rank)
+
+
+# one global batch of 4 sequences through four layouts on 2 ranks, each resuming the
+# last one's checkpoint: dp2 -> dp2 x ep2 (the experts re-cut by EP rank) -> pp2 (one
+# data-parallel rank of 4 sequences: the same global batch) -> dp2 again
+RESUME_CHAIN = [
+    ({"dp_shard": 2}, 3, 2),
+    ({"dp_shard": 2, "ep": 2}, 6, 2),
+    ({"dp_shard": 1, "pp": 2}, 9, 4),
+    ({"dp_shard": 2}, 12, 2),
+]
+
+
+def _resume_config(folder: str, parallelism: dict, steps: int, batch: int):
+    training = {"decay": "none", "steps": steps, "batch_size": batch}
+    checkpoint = {"enable": True, "interval": 3}
+    return layout_config(
+        folder, parallelism, None, model=EP_MODEL, checkpoint=checkpoint, training=training
+    )
+
+
+def _save_then_resume(rank: int, world_size: int, folder: str) -> list[list[float]]:
+    return [
+        [r["loss"] for r in run(_resume_config(folder, parallelism, steps, batch))]
+        for parallelism, steps, batch in RESUME_CHAIN
+    ]
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_under_expert_and_pipeline_parallel(tmp_path):
+    losses = run_distributed(_save_then_resume, 2, str(tmp_path), timeout=1200)[0]
+    assert [len(x) for x in losses] == [3, 3, 3, 3]  # each run resumed where the last stopped
+    expected, _, _ = single_process(_resume_config("-", {"dp_shard": 2}, 12, 2), 2)
+    gaps = [abs(a - b) / b for a, b in zip(sum(losses, []), expected)]
+    print(f"deepseek_v4 dp2 -> dp2xep2 -> pp2 -> dp2 resumed: loss gap {max(gaps):.2e}")
+    assert max(gaps) < LOSS_RTOL, gaps
+
+
+def test_pipeline_stages_compute_the_whole_model():
+    """Two stages run one after the other in this process: the first's output is the
+    streams [b, s, hc_mult, dim], the last holds hc_head, and both take the token ids
+    (the hash-routed layers, first and last, route by them): the whole model's logits
+    bit for bit."""
+    cfg = config_from_dict({"model": EP_MODEL}).model
+    whole = DeepseekV4Transformer(cfg)
+    init_weights(whole, 0)
+    batch = tokens(17) % 256
+    expected = whole(batch)
+    first, last = split_model(whole, 2, [0, 1])
+    assert isinstance(first.hc_head, torch.nn.Identity) and not isinstance(
+        last.hc_head, torch.nn.Identity
+    )
+    streams = first(batch, token_ids=batch)
+    assert streams.shape == (2, 17, 3, 32) and first.stage_state_dims == (3, 32)
+    assert torch.equal(last(streams, token_ids=batch), expected)
+    with pytest.raises(ValueError, match="token_ids"):
+        last(streams)
+
+
+def test_clamped_experts_grouped_match_the_loop_over_experts():
+    """The routed experts through grouped GEMMs (what EP runs per rank) against a loop
+    of clamped SwiGLUs, expert by expert; the clamp bites."""
+    gen = torch.Generator().manual_seed(0)
+    experts = ClampedExperts(5, 32, 16, 0.02, limit=0.5)
+    for w in (experts.w1, experts.w2, experts.w3):
+        torch.nn.init.normal_(w, std=0.3, generator=gen)
+    flat = torch.randn(23, 32, generator=gen)
+    chosen = torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(23)])
+    weights = torch.rand(23, 2, generator=gen)
+    expected = torch.zeros_like(flat)
+    for e in range(5):
+        token, slot = torch.where(chosen == e)
+        w = (experts.w1[e], experts.w2[e], experts.w3[e])
+        y = clamped_swiglu(flat[token], *w, 0.5) * weights[token, slot, None]
+        expected = expected.index_add(0, token, y)
+        assert not torch.allclose(
+            y, clamped_swiglu(flat[token], *w, 1e9) * weights[token, slot, None]
+        )
+    with torch.no_grad():
+        got = experts(flat, weights, chosen)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
 def test_muon_rule_for_the_new_kinds(tmp_path):
     """Muon: the projections (hyper-connections' ``fn`` included), the router, the
     compressors' and the indexer's matrices, each expert; per head for ``wq_b``, per
@@ -357,9 +502,7 @@ def test_muon_rule_for_the_new_kinds(tmp_path):
     "section, values, message",
     [
         ("parallelism", {"tp": 2}, "parallelism.tp = 2: not built"),
-        ("parallelism", {"pp": 2}, "parallelism.pp = 2: not built"),
         ("parallelism", {"cp": 2}, "parallelism.cp = 2: not built"),
-        ("parallelism", {"ep": 2}, "parallelism.ep = 2: not built"),
         ("compile", {"enable": True}, "compile.enable = True"),
         ("rl", {"enable": True}, "rl.enable = True"),
         ("training", {"optimizer": "soap"}, "training.optimizer = 'soap'"),

@@ -62,9 +62,11 @@ def test_padded_rows_align_every_group():
     assert index.tolist() == expected  # each group's rows in order at its aligned start
 
 
+@pytest.mark.parametrize("limit", [None, 0.5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_matches_loop(dtype):
-    """The op: outputs and gradients (rows, w1, w2, w3); groups of 0, 1, 17 and 40 rows."""
+def test_grouped_matches_loop(dtype, limit):
+    """The op: outputs and gradients (rows, w1, w2, w3); groups of 0, 1, 17 and 40 rows;
+    with DeepSeek-V4's clamp (``limit``) too."""
     gen = torch.Generator().manual_seed(0)
     counts = [17, 0, 1, 40]
     x = torch.randn(sum(counts), 24, generator=gen).to(dtype)
@@ -76,9 +78,12 @@ def test_grouped_matches_loop(dtype):
     results = []
     for fn in (grouped_swiglu, loop_swiglu):
         leaves = [t.to(dtype).requires_grad_() for t in (x, w1, w2, w3)]
-        out = fn(leaves[0], counts, *leaves[1:])
+        out = fn(leaves[0], counts, *leaves[1:], limit)
         (out * probe).sum().backward()
         results.append([out.detach()] + [t.grad for t in leaves])
+    if limit is not None:  # the clamp bites: not the unclamped result
+        unclamped = grouped_swiglu(x, counts, *(w.to(dtype) for w in (w1, w2, w3)))
+        assert not torch.allclose(results[0][0], unclamped)
     gaps = [_rel_gap(a, b) for a, b in zip(*results)]
     print(dtype, gaps)
     assert max(gaps) <= ULPS, gaps

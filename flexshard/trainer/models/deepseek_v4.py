@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,10 @@ from ..config import ModelConfig
 from .compressed_attention import CompressedAttention, v4_rope_tables
 from .hyper_connections import HyperConnection, HyperHead
 from .layers import RMSNorm, _linear
-from .moe import LoadBalance
+from .moe import LoadBalance, gated, grouped_swiglu, loop_swiglu, routed_locally
+
+if TYPE_CHECKING:
+    from ..parallel.expert_parallel import ExpertParallel
 
 HASH = "hash_moe"
 
@@ -31,9 +34,7 @@ HASH = "hash_moe"
 def clamped_swiglu(
     x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float
 ) -> torch.Tensor:
-    gate = F.linear(x, w1).clamp(max=limit)
-    up = F.linear(x, w3).clamp(min=-limit, max=limit)
-    return F.linear(F.silu(gate) * up, w2)
+    return F.linear(gated(F.linear(x, w1), F.linear(x, w3), limit), w2)
 
 
 class ClampedFeedForward(nn.Module):
@@ -51,7 +52,9 @@ class ClampedFeedForward(nn.Module):
 
 
 class ClampedExperts(nn.Module):
-    """E clamped SwiGLU experts as [E, R, C] stacks (one parameter per projection)."""
+    """E clamped SwiGLU experts as [E, R, C] stacks (one parameter per projection), with
+    ``GroupedExperts``' surface: grouped GEMMs over the rows sorted by expert, and the
+    experts split over an EP group by ``apply_ep``."""
 
     def __init__(self, num_experts: int, dim: int, hidden: int, out_std: float, limit: float):
         super().__init__()
@@ -60,19 +63,23 @@ class ClampedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.init_stds = {"w1": 0.02, "w2": out_std, "w3": 0.02}
+        # set by apply_ep: the EP group, and (first, total): this rank keeps experts
+        # first .. first + len(w1) - 1 of total
+        self.expert_parallel: ExpertParallel | None = None
+        self.ep_range: tuple[int, int] | None = None
+        self.grouped = True  # False: the Python loop over experts (the tests' reference)
+
+    def swiglu(self, rows: torch.Tensor, counts: list[int], w: tuple) -> torch.Tensor:
+        """Experts ``0..`` of the weights ``w`` = (w1, w2, w3) on their ``counts[e]``
+        consecutive ``rows``, clamped."""
+        return (grouped_swiglu if self.grouped else loop_swiglu)(rows, counts, *w, self.limit)
 
     def forward(
         self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
     ) -> torch.Tensor:
-        out = torch.zeros_like(flat)
-        for expert in range(self.w1.shape[0]):
-            token, slot = torch.where(chosen == expert)
-            if token.numel():
-                y = clamped_swiglu(
-                    flat[token], self.w1[expert], self.w2[expert], self.w3[expert], self.limit
-                )
-                out = out.index_add(0, token, y * weights[token, slot, None])
-        return out
+        if self.expert_parallel is not None:  # the experts live on the EP ranks: all-to-all
+            return self.expert_parallel.routed(self, flat, weights, chosen)
+        return routed_locally(self, flat, weights, chosen)
 
 
 class Gate(nn.Module):
@@ -195,18 +202,37 @@ class DeepseekV4Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = _linear(cfg.dim, cfg.vocab_size, cfg.dim**-0.5)
         self.mtp: nn.Module | None = None  # the trainer's MTP depths: not for this family
+        # what pipeline stages exchange: the streams [b, s, hc_mult, dim] (not [b, s, dim]),
+        # and every stage takes the batch's token ids besides (hash routing)
+        self.stage_state_dims = (v4.hc_mult, cfg.dim)
+        self.stages_take_token_ids = True
         self._rope: dict[tuple[int, torch.device], Any] = {}
 
-    def forward(self, tokens: torch.Tensor, cache: Any = None) -> torch.Tensor:
+    def forward(
+        self, inputs: torch.Tensor, cache: Any = None, token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits of the tokens ``inputs`` [b, s]; as a pipeline stage after the
+        embedding's, ``inputs`` are the streams [b, s, hc_mult, dim] and ``token_ids``
+        the tokens (the hash-routed layers pick their experts by id)."""
         if cache is not None:
             raise NotImplementedError(
                 'model.attention = "deepseek_v4": no KV cache (generation) in the trainer'
             )
+        streams_in = inputs.is_floating_point()
+        if streams_in and token_ids is None:
+            raise ValueError(
+                "DeepseekV4Transformer: a stage given the streams needs the batch's "
+                "token_ids (the hash-routed layers route by token id)"
+            )
+        tokens = inputs if token_ids is None else token_ids
         key = (tokens.shape[1], tokens.device)
         if key not in self._rope:
             self._rope[key] = v4_rope_tables(self.cfg, tokens.shape[1], tokens.device)
-        x = self.tok_embeddings(tokens)
-        streams = x.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
+        if streams_in:
+            streams = self.tok_embeddings(inputs)  # nn.Identity on a later pipeline stage
+        else:
+            x = self.tok_embeddings(inputs)
+            streams = x.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, self._rope[key], tokens)
         return self.output(self.norm(self.hc_head(streams)))

@@ -33,7 +33,7 @@ from .layers import (
 )
 from .linear_attention import GatedDeltaNet, init_decay, per_row_arithmetic, whole_vectors
 from .mla import MLA, mla_rope_tables
-from .moe import LoadBalance, _AddAuxGrad, grouped_swiglu, loop_swiglu
+from .moe import LoadBalance, _AddAuxGrad, grouped_swiglu, loop_swiglu, routed_locally
 from .mtp import MultiTokenPrediction
 
 if TYPE_CHECKING:
@@ -129,14 +129,7 @@ class GroupedExperts(nn.Module):
         module call, so that a data-parallel wrapper of the experts sees it run)."""
         if self.expert_parallel is not None:  # the experts live on the EP ranks: all-to-all
             return self.expert_parallel.routed(self, flat, weights, chosen)
-        # one row per (token, choice), sorted by expert (stable: tokens stay in order)
-        order = torch.argsort(chosen.reshape(-1), stable=True)
-        token_of = order // chosen.shape[1]
-        counts = torch.bincount(chosen.reshape(-1), minlength=self.w1.shape[0]).tolist()
-        computed = self.swiglu(flat[token_of], counts, (self.w1, self.w2, self.w3))
-        # each token's rows added expert by expert, in the order of the loop it replaced
-        routed = computed * weights.reshape(-1)[order, None]
-        return torch.zeros_like(flat).index_add(0, token_of, routed)
+        return routed_locally(self, flat, weights, chosen)
 
 
 def _sigmoid(x: torch.Tensor) -> torch.Tensor:

@@ -217,12 +217,25 @@ def grouped_mm_runs(x: torch.Tensor, w1: torch.Tensor) -> bool:
     return x.dtype in allowed and all(n * x.element_size() % 16 == 0 for n in w1.shape[1:])
 
 
+def gated(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up``; with a ``limit`` (DeepSeek-V4's clamp) the gate
+    clamped above and ``up`` on both sides at it."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
 def loop_swiglu(
-    x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+    x: torch.Tensor,
+    counts: list[int],
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """The reference: expert ``e`` on its ``counts[e]`` consecutive rows of ``x``."""
     out = [
-        (F.silu(rows @ w1[e].t()) * (rows @ w3[e].t())) @ w2[e].t()
+        gated(rows @ w1[e].t(), rows @ w3[e].t(), limit) @ w2[e].t()
         for e, rows in enumerate(x.split(counts))
     ]
     return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
@@ -242,14 +255,35 @@ def _padded_rows(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]
 
 
 def grouped_swiglu(
-    x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+    x: torch.Tensor,
+    counts: list[int],
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """``loop_swiglu``'s result through three grouped GEMMs on padded groups."""
     if not grouped_mm_runs(x, w1) or not x.shape[0]:  # (no rows: the loop keeps the graph)
-        return loop_swiglu(x, counts, w1, w2, w3)
+        return loop_swiglu(x, counts, w1, w2, w3, limit)
     index, offs, total = _padded_rows(torch.tensor(counts, device=x.device))
     padded = x.new_zeros(total, x.shape[1]).index_copy(0, index, x)
     gate = F.grouped_mm(padded, w1.transpose(-2, -1), offs=offs)
     up = F.grouped_mm(padded, w3.transpose(-2, -1), offs=offs)
-    out = F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+    out = F.grouped_mm(gated(gate, up, limit), w2.transpose(-2, -1), offs=offs)
     return out[index]
+
+
+def routed_locally(
+    experts: nn.Module, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+) -> torch.Tensor:
+    """Per token of ``flat`` [N, dim], the ``weights``-weighted sum of its ``chosen``
+    experts' outputs [N, top_k], every expert of ``experts`` (``w1`` [E, ...] and
+    ``swiglu(rows, counts, (w1, w2, w3))``) on this rank: one row per (token, choice),
+    sorted by expert (stable: tokens stay in order), each token's rows added expert by
+    expert, in the order of a loop over the experts."""
+    order = torch.argsort(chosen.reshape(-1), stable=True)
+    token_of = order // chosen.shape[1]
+    counts = torch.bincount(chosen.reshape(-1), minlength=experts.w1.shape[0]).tolist()
+    computed = experts.swiglu(flat[token_of], counts, (experts.w1, experts.w2, experts.w3))
+    routed = computed * weights.reshape(-1)[order, None]
+    return torch.zeros_like(flat).index_add(0, token_of, routed)

@@ -38,7 +38,6 @@ import flexshard as fs
 from flexshard.torch_internals import disable_current_modes, functional_collective_ops
 
 from ..config import ActivationCheckpointConfig
-from ..models.model import MoE
 
 
 def _ops(namespace: Any, names: tuple[str, ...]) -> frozenset[Any]:
@@ -138,7 +137,9 @@ def apply_ac(model: nn.Module, ac: ActivationCheckpointConfig) -> None:
     for name in checkpointed_blocks(list(layers), ac):
         block = layers[name]
         checkpoint_fn: Checkpoint = _op_level if op_level else _full
-        ffn = getattr(block, "feed_forward", None)  # DeepSeek-V4's block: no EP to gather
-        if isinstance(ffn, MoE) and ffn.experts.expert_parallel is not None:
+        # the MoE's experts on their own data-parallel unit under EP (DeepSeek-V4: ``ffn``)
+        ffn = getattr(block, "feed_forward", None) or getattr(block, "ffn", None)
+        experts = getattr(ffn, "experts", None)
+        if getattr(experts, "expert_parallel", None) is not None:
             checkpoint_fn = _gathering_inner_units(block, checkpoint_fn)
         block.checkpoint = checkpoint_fn  # type: ignore[union-attr]

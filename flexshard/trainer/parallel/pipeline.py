@@ -1,5 +1,6 @@
 """Pipeline parallelism: the trainer's Transformer cut by layers into ``pp * virtual``
-stages (embedding on the first, norm and output on the last), run by
+stages (embedding on the first, norm and output on the last; DeepSeek-V4's stages pass
+its ``hc_mult`` residual streams and each takes the batch's token ids), run by
 ``torch.distributed.pipelining`` (GPipe, 1F1B, interleaved 1F1B), every stage module
 sharded by flexshard over the data-parallel mesh.
 
@@ -177,12 +178,19 @@ def stage_layers(n_layers: int, n_stages: int, stage: int) -> range:
     return range(stage * per_stage, (stage + 1) * per_stage)
 
 
+#: the parts after the blocks, on the last stage (``hc_head``: DeepSeek-V4's collapse
+#: of its residual streams, before the norm)
+LAST_STAGE_PARTS = ("hc_head", "norm", "output")
+
+
 def split_model(model: nn.Module, n_stages: int, ids: list[int]) -> list[nn.Module]:
-    """Cut the Transformer (``tok_embeddings``, ``layers``, ``norm``, ``output``) into the
-    stage modules ``ids``. The blocks move into the stages (no copy): ``model`` must not
-    be used afterwards. A stage is a Transformer shell whose missing parts are
-    ``nn.Identity`` (hidden states pass through), so ``Transformer.forward`` runs it."""
-    parts = {name: getattr(model, name) for name in ("tok_embeddings", "layers", "norm", "output")}
+    """Cut the Transformer (``tok_embeddings``, ``layers``, ``norm``, ``output``; and
+    DeepSeek-V4's ``hc_head``) into the stage modules ``ids``. The blocks move into the
+    stages (no copy): ``model`` must not be used afterwards. A stage is a shell of the
+    model whose missing parts are ``nn.Identity`` (hidden states pass through), so the
+    model's own ``forward`` runs it."""
+    last = [name for name in LAST_STAGE_PARTS if hasattr(model, name)]
+    parts = {name: getattr(model, name) for name in ("tok_embeddings", "layers", *last)}
     for name in parts:  # a parameterless shell to copy: deepcopy never touches weights
         setattr(model, name, nn.Identity())
     try:
@@ -198,7 +206,8 @@ def split_model(model: nn.Module, n_stages: int, ids: list[int]) -> list[nn.Modu
         if stage == 0:
             module.tok_embeddings = parts["tok_embeddings"]
         if stage == n_stages - 1:
-            module.norm, module.output = parts["norm"], parts["output"]
+            for name in last:
+                setattr(module, name, parts[name])
         modules.append(module)
     return modules
 
@@ -254,8 +263,10 @@ class PipelineRunner:
         micro, seq = tokens.shape[0] // self.n_microbatches, tokens.shape[1]
         cfg, dtype, device = self.modules[0].cfg, self.activation_dtype, tokens.device
         hidden_seq = seq // self.sequence_shards  # sequence-parallel TP splits it further
+        # [micro, seq, dim], or the model's own stage state (DeepSeek-V4's streams)
+        state_dims = getattr(self.modules[0], "stage_state_dims", (cfg.dim,))
         hidden = torch.empty(
-            micro, hidden_seq, cfg.dim, dtype=dtype, device=device, requires_grad=True
+            micro, hidden_seq, *state_dims, dtype=dtype, device=device, requires_grad=True
         )
         logits = torch.empty(micro, seq, cfg.vocab_size, dtype=dtype, device=device)
         stages = []
@@ -315,12 +326,15 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = (tokens,) if self.has_first else ()
         target = labels if self.has_last else None
+        # keyword inputs reach every stage, cut into the same microbatches as ``args``
+        token_ids = getattr(self.modules[0], "stages_take_token_ids", False)
+        kwargs = {"token_ids": tokens} if token_ids else {}
         self._runs += 1
         # the sends and receives wait as long as the pp group's timeout (the trainer's
         # mesh: parallelism.timeout_s); a stalled neighbour raises a CollectiveError
         what = f"{self.schedule_name} schedule run {self._runs} (sends/receives, loss broadcast)"
         with in_flight(what, f"pipeline stage(s) {self.stage_ids}", {"pp": self.pp_group}):
-            self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            self._schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
             loss = torch.zeros((), dtype=torch.float32, device=tokens.device)
             if self.has_last:
                 loss = torch.stack([item.detach().float() for item in losses]).mean()
