@@ -27,10 +27,17 @@ q|k|v rows of ``in_proj_qkv`` do not split by head in one contiguous shard, so i
 depthwise conv (each channel on its own) split their channels contiguously, and the
 conv's output is gathered once and sliced to this rank's heads (``heads_of_this_rank``).
 
-Under context parallelism (``context_parallel``, set by ``apply_cp``) a rank's zig-zag
-chunks need the recurrent state and conv inputs of every token before them: the layer
-all-gathers its input, runs on the whole sequence, and keeps this rank's chunks (its
-compute is not split over cp; the other layers' is).
+Under context parallelism (``context_parallel``, set by ``apply_cp``) each rank runs
+the rule on its own two zig-zag chunks only. A chunk needs the state S its first token
+starts from, which depends on every chunk before it, on other ranks; but the rule is
+linear in S, so each chunk runs once from an unknown start (``piece_transfers``: its
+outputs from zero, what its queries read of S, and its transfer S -> A S + B), the
+ranks all-gather the transfers (per value head k_dim x (k_dim + v_dim): small), and
+each rank scans them in sequence order (``start_states``) for its chunks' S. The conv
+reads the last taps - 1 inputs of the chunk before (``conv_window_across_ranks``). Both
+gathers are differentiable (their backward reduce-scatters), so autograd carries the
+gradients back to the ranks that own the chunks. Under tp each rank holds the states
+of its own heads.
 """
 
 from __future__ import annotations
@@ -483,7 +490,8 @@ def delta_rule_across_ranks(
     queries read of them. The gather's backward sums the ranks' gradients of each
     transfer (every rank's scan reads every chunk's)."""
     dtype = q.dtype
-    outputs, reads, transfer = piece_transfers(q, k, v, g, beta)
+    # a chunk shorter than the rule's 64 runs as one (not padded to 64)
+    outputs, reads, transfer = piece_transfers(q, k, v, g, beta, min(64, q.shape[1]))
     mine = transfer.unflatten(0, (2, -1)).transpose(0, 1)  # [b, 2, v_heads, k, k + v]
     every = cp.gather_sequence(mine, "Gated DeltaNet chunk transfers")
     start = cp.local_part(start_states(every))  # [b, 2, v_heads, k_dim, v_dim]
