@@ -17,7 +17,10 @@ row order, moves the logits.
   state): logits within 1e-6 of the full forward, transformers' greedy tokens;
 - GRPO from the folder (after a short pre-training on the task, exported to a folder)
   at W = 1 and 2: generator and trainer log-probs bit for bit in batch-invariant mode;
-- tp, pp and cp at W = 2 against one process, the quantized gather
+- context parallel's arithmetic: the rule on pieces from an unknown start, their
+  transfers scanned, is the whole sequence's rule (outputs, state, gradients);
+- tp, pp and cp at W = 2 against one process (under cp each rank's rule runs on seq / cp
+  tokens), cp at W = 3 and cp2 x tp2 (slow), the quantized gather
   (``test_families_quant``), a checkpoint of dp2 x pp2 resumed under dp2 x tp2 (slow);
 - zig-zag chunks shorter than the conv's history (cp) are a ConfigError naming the keys.
 """
@@ -46,11 +49,13 @@ from flexshard.trainer.models import linear_attention
 from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.layers import KVCache, loss_fn
 from flexshard.trainer.models.linear_attention import (
+    GatedDeltaNet,
     chunk_gated_delta_rule,
     outputs_from,
     piece_transfers,
     recurrent_gated_delta_rule,
     start_states,
+    token_by_token,
 )
 from flexshard.trainer.models.model import Transformer
 from flexshard.trainer.train import run, setup
@@ -314,6 +319,26 @@ def test_tp_needs_whole_gated_deltanet_heads():
     cfg = layout_config("-", {"tp": 2}, None, model={**QWEN3_5_MODEL, "linear_attention": heads})
     with pytest.raises(ConfigError, match="linear_attention.num_key_heads = 1 is not divisible"):
         launch_dims(cfg)
+
+
+class _TwoRanks:
+    """What a Gated DeltaNet layer reads of its ContextParallel before any exchange."""
+
+    size, rank = 2, 0
+
+
+def test_what_context_parallel_cannot_run_is_refused():
+    """Under cp: the per-row recurrence (one process's), and zig-zag chunks shorter than
+    the conv's history (the config refuses them first; the layer, if built by hand)."""
+    model = {**QWEN3_5_MODEL, "dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2}
+    cfg = config_from_dict({"model": model}).model
+    layer = GatedDeltaNet(cfg, 0.02)
+    layer.context_parallel = _TwoRanks()
+    empty = torch.zeros(1, 0, 2)
+    with token_by_token(), pytest.raises(ValueError, match="parallelism.cp = 1"):
+        layer(torch.randn(1, 4, 32), empty, empty)
+    with pytest.raises(ValueError, match="chunks of 1 tokens, fewer than the Gated DeltaNet"):
+        layer(torch.randn(1, 2, 32), empty, empty)
 
 
 def test_vision_folder_loads_its_text_model(tmp_path):
