@@ -17,16 +17,22 @@ row order, moves the logits.
   state): logits within 1e-6 of the full forward, transformers' greedy tokens;
 - GRPO from the folder (after a short pre-training on the task, exported to a folder)
   at W = 1 and 2: generator and trainer log-probs bit for bit in batch-invariant mode;
-- tp, pp and cp at W = 2 against one process, the quantized gather
+- context parallel's arithmetic: the rule on pieces from an unknown start, their
+  transfers scanned, is the whole sequence's rule (outputs, state, gradients);
+- tp, pp and cp at W = 2 against one process (under cp each rank's rule runs on seq / cp
+  tokens), cp at W = 3 and cp2 x tp2 (slow), the quantized gather
   (``test_families_quant``), a checkpoint of dp2 x pp2 resumed under dp2 x tp2 (slow);
-- what is not built (cp with tp) is a ConfigError naming the keys.
+- zig-zag chunks shorter than the conv's history (cp) are a ConfigError naming the keys.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -39,11 +45,17 @@ from flexshard.trainer.components.optimizers import build_optimizer
 from flexshard.trainer.config import ConfigError, config_from_dict
 from flexshard.trainer.config.hf_config import text_model_prefix
 from flexshard.trainer.launch import main as train_main
+from flexshard.trainer.models import linear_attention
 from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.layers import KVCache, loss_fn
 from flexshard.trainer.models.linear_attention import (
+    GatedDeltaNet,
     chunk_gated_delta_rule,
+    outputs_from,
+    piece_transfers,
     recurrent_gated_delta_rule,
+    start_states,
+    token_by_token,
 )
 from flexshard.trainer.models.model import Transformer
 from flexshard.trainer.train import run, setup
@@ -128,6 +140,56 @@ def test_chunked_delta_rule_is_transformers(seq, k_heads):
         q, k, v, g, beta, use_qk_l2norm_in_kernel=True
     )
     assert (ours - step).abs().max().item() < 1e-5
+    # from a state (the start of a context-parallel chunk)
+    start = torch.randn(2, 4, 12, 10, generator=gen)
+    ours, state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=start)
+    theirs, final = qwen3_5.torch_chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=start,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    assert torch.equal(ours, theirs) and torch.equal(state, final)
+
+
+def test_pieces_compose_to_the_whole_sequence_with_gradients():
+    """Context parallelism's arithmetic on one process: the rule on each piece from an
+    unknown start (the pieces of unequal lengths, one under and one over a chunk of 64,
+    one of 1 token), the pieces' transfers scanned for their start states, is the whole
+    sequence's rule within fp32 rounding: outputs, final state and every input's
+    gradient."""
+    gen = torch.Generator().manual_seed(4)
+    seq, bounds = 150, [0, 9, 80, 81, 117, 150]
+    inputs = [
+        torch.randn(2, seq, 2, 12, generator=gen),
+        torch.randn(2, seq, 2, 12, generator=gen),
+        torch.randn(2, seq, 4, 10, generator=gen),
+        -torch.rand(2, seq, 4, generator=gen),
+        torch.rand(2, seq, 4, generator=gen),
+    ]
+    weight = torch.randn(2, seq, 4, 10, generator=gen)
+    whole_in = [t.clone().requires_grad_() for t in inputs]
+    whole, final = chunk_gated_delta_rule(*whole_in)
+    ((whole * weight).sum() + final.sum()).backward()
+    piece_in = [t.clone().requires_grad_() for t in inputs]
+    parts = [piece_transfers(*(t[:, a:b] for t in piece_in)) for a, b in zip(bounds, bounds[1:])]
+    starts = start_states(torch.stack([transfer for _, _, transfer in parts], dim=1))
+    pieces = torch.cat(
+        [outputs_from(out, reads, starts[:, i]) for i, (out, reads, _) in enumerate(parts)], 1
+    )
+    k_dim = 12
+    last = parts[-1][2]
+    end = last[..., :k_dim] @ starts[:, -1] + last[..., k_dim:]
+    ((pieces * weight).sum() + end.sum()).backward()
+    assert (pieces - whole).abs().max().item() < 2e-6
+    assert (end - final).abs().max().item() < 2e-6
+    for name, a, b in zip("q k v g beta".split(), whole_in, piece_in):
+        scale = a.grad.abs().max().item()
+        assert (a.grad - b.grad).abs().max().item() < 2e-6 * max(scale, 1.0), name
 
 
 def test_recurrent_delta_rule_carries_the_state():
@@ -242,7 +304,7 @@ def test_flexshard_train_with_only_the_folder(optimizer, vision, tmp_path, capfd
 @pytest.mark.parametrize(
     "parallelism, message",
     [
-        ({"cp": 2, "tp": 2}, "parallelism.cp = 2 with parallelism.tp = 2"),
+        ({"cp": 8}, "parallelism.cp = 8: zig-zag chunks of 1 tokens, fewer than"),
     ],
 )
 def test_layouts_not_built_are_refused(parallelism, message, tmp_path):
@@ -257,6 +319,26 @@ def test_tp_needs_whole_gated_deltanet_heads():
     cfg = layout_config("-", {"tp": 2}, None, model={**QWEN3_5_MODEL, "linear_attention": heads})
     with pytest.raises(ConfigError, match="linear_attention.num_key_heads = 1 is not divisible"):
         launch_dims(cfg)
+
+
+class _TwoRanks:
+    """What a Gated DeltaNet layer reads of its ContextParallel before any exchange."""
+
+    size, rank = 2, 0
+
+
+def test_what_context_parallel_cannot_run_is_refused():
+    """Under cp: the per-row recurrence (one process's), and zig-zag chunks shorter than
+    the conv's history (the config refuses them first; the layer, if built by hand)."""
+    model = {**QWEN3_5_MODEL, "dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2}
+    cfg = config_from_dict({"model": model}).model
+    layer = GatedDeltaNet(cfg, 0.02)
+    layer.context_parallel = _TwoRanks()
+    empty = torch.zeros(1, 0, 2)
+    with token_by_token(), pytest.raises(ValueError, match="parallelism.cp = 1"):
+        layer(torch.randn(1, 4, 32), empty, empty)
+    with pytest.raises(ValueError, match="chunks of 1 tokens, fewer than the Gated DeltaNet"):
+        layer(torch.randn(1, 2, 32), empty, empty)
 
 
 def test_vision_folder_loads_its_text_model(tmp_path):
@@ -414,36 +496,84 @@ QWEN3_5_MODEL_PARALLEL = {
     "pp2": {"dp_shard": 1, "pp": 2},
     "cp2": {"dp_shard": 1, "cp": 2},
 }
+# cp on 3 ranks and cp with tp (slow), on a sequence of 24 (zig-zag chunks of 4 and 6)
+QWEN3_5_WIDER_CP = {
+    "cp3": {"dp_shard": 1, "cp": 3},
+    "cp2xtp2": {"dp_shard": 1, "cp": 2, "tp": 2},
+}
+WIDER_CP_SEQ = 24
 
 
 def model_parallel_config(folder: str, name: str, moe: dict | None = None):
     """``QWEN3_5_MODEL`` (with ``moe``: Qwen3.5-MoE) on the layout ``name``."""
-    parallelism = QWEN3_5_MODEL_PARALLEL[name]
     model = {**QWEN3_5_MODEL, "moe": moe} if moe else QWEN3_5_MODEL
-    return layout_config(f"{folder}/{name}", parallelism, None, model=model)
+    if name in QWEN3_5_WIDER_CP:
+        training = {"seq_len": WIDER_CP_SEQ}
+        return layout_config(
+            f"{folder}/{name}", QWEN3_5_WIDER_CP[name], None, model=model, training=training
+        )
+    return layout_config(f"{folder}/{name}", QWEN3_5_MODEL_PARALLEL[name], None, model=model)
 
 
-def _model_parallel(rank: int, world_size: int, folder: str, moe: dict | None) -> dict:
-    return {
-        name: trained(setup(model_parallel_config(folder, name, moe)))
-        for name in QWEN3_5_MODEL_PARALLEL
-    }
+@contextmanager
+def delta_rule_tokens() -> Iterator[list[int]]:
+    """Counts (in its one item) the tokens the chunked gated delta rule runs on: rows
+    times length of every call."""
+    count = [0]
+    rule = linear_attention._chunked_rule
+
+    def counting(q: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        count[0] += q.shape[0] * q.shape[2]
+        return rule(q, *args)
+
+    with mock.patch.object(linear_attention, "_chunked_rule", counting):
+        yield count
 
 
-def check_model_parallel(tmp_path, moe: dict | None = None, **tolerances: float) -> None:
+def _model_parallel(
+    rank: int, world_size: int, folder: str, moe: dict | None, names: list[str]
+) -> dict:
+    results = {}
+    for name in names:
+        with delta_rule_tokens() as tokens:
+            results[name] = trained(setup(model_parallel_config(folder, name, moe)))
+        results[name]["delta_rule_tokens"] = tokens[0]
+    return results
+
+
+def check_model_parallel(
+    tmp_path, moe: dict | None = None, names: list[str] | None = None, **tolerances: float
+) -> None:
     """tp (heads split: DeltaNet's and the gated attention's), pp (the 3 + 1 layer
-    kinds cut into 2 stages) and cp (zig-zag chunks; the Gated DeltaNet layers on the
-    gathered sequence) on 2 ranks, each against one process."""
-    results = run_distributed(_model_parallel, 2, str(tmp_path), moe, timeout=600)
-    for name in QWEN3_5_MODEL_PARALLEL:
+    kinds cut into 2 stages) and cp (zig-zag chunks; each rank's Gated DeltaNet layers
+    run the rule on its own chunks, the chunks' states passed between ranks) on 2 ranks
+    (``names``: those layouts, on the ranks they take), each against one process."""
+    names = names or list(QWEN3_5_MODEL_PARALLEL)
+    p = model_parallel_config("-", names[0], moe).parallelism
+    world = p.dp_shard * p.tp * p.pp * p.cp
+    results = run_distributed(_model_parallel, world, str(tmp_path), moe, names, timeout=900)
+    for name in names:
         cfg = model_parallel_config("-", name, moe)
         gaps = compare_with_single_process(name, cfg, results[0][name], **tolerances)
         print(f"{'qwen3_5_moe' if moe else 'qwen3_5'} {name}: {gaps}")
-        assert results[1][name]["losses"] == results[0][name]["losses"], name
+        for rank in range(1, world):
+            assert results[rank][name]["losses"] == results[0][name]["losses"], name
+        t, p = cfg.training, cfg.parallelism
+        if p.pp == 1:  # every rank runs every layer: the rule on seq / cp tokens
+            linear = cfg.model.layer_types.count("linear_attention")
+            per_rank = len(results[0][name]["losses"]) * linear * t.batch_size * t.seq_len // p.cp
+            counted = [results[rank][name]["delta_rule_tokens"] for rank in range(world)]
+            assert counted == [per_rank] * world, (name, counted, per_rank)
 
 
 def test_tp_pp_cp_match_one_process(tmp_path):
     check_model_parallel(tmp_path, **DECAY_ATOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(QWEN3_5_WIDER_CP))
+def test_cp3_and_cp_with_tp_match_one_process(name, tmp_path):
+    check_model_parallel(tmp_path, names=[name], **DECAY_ATOL)
 
 
 # one global batch (two data-parallel ranks) on 4 ranks: 3 steps under dp2 x pp2,

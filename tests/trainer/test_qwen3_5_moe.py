@@ -16,10 +16,11 @@ logits.
   against one process, and a checkpoint of dp2 resumed under dp2 x ep2 (slow);
 - under Muon the router and the experts (each expert its own matrix) are Muon matrices,
   the shared expert's gate (one row) steps with AdamW;
-- tp, pp and cp at W = 2 against one process (slow);
+- tp, pp and cp at W = 2, cp at W = 3 and cp2 x tp2 against one process (slow);
 - GRPO from the folder: generator and trainer log-probs bit for bit in batch-invariant
   mode (the experts one by one, the shared expert's gate on whole vectors);
-- what has no Qwen3.5-MoE twin, and cp with tp, are ConfigErrors naming the key.
+- what has no Qwen3.5-MoE twin, and zig-zag chunks shorter than the conv's history,
+  are ConfigErrors naming the key.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from .test_parallel_layouts import (
 )
 from .test_qwen3_5 import (
     QWEN3_5_MODEL,
+    QWEN3_5_WIDER_CP,
     SHAPE,
     SHAPE_TYPES,
     VISION,
@@ -263,7 +265,7 @@ def test_a_gate_without_a_shared_expert_is_refused():
 @pytest.mark.parametrize(
     "section, values, message",
     [
-        ("parallelism", {"cp": 2, "tp": 2}, "parallelism.cp = 2 with parallelism.tp = 2"),
+        ("parallelism", {"cp": 8}, "parallelism.cp = 8: zig-zag chunks of 1 tokens"),
     ],
 )
 def test_layouts_not_built_are_refused(section, values, message, tmp_path):
@@ -336,6 +338,12 @@ def test_layouts_match_one_process(world_size, tmp_path):
 def test_tp_pp_cp_match_one_process(tmp_path):
     """tp (the experts replicated over tp, the layers' heads split), pp and cp on 2 ranks."""
     check_model_parallel(tmp_path, QWEN3_5_MOE, **DECAY_ATOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(QWEN3_5_WIDER_CP))
+def test_cp3_and_cp_with_tp_match_one_process(name, tmp_path):
+    check_model_parallel(tmp_path, QWEN3_5_MOE, [name], **DECAY_ATOL)
 
 
 # one global batch (two data-parallel ranks): 3 steps under dp2, resumed under dp2 x ep2

@@ -27,10 +27,17 @@ q|k|v rows of ``in_proj_qkv`` do not split by head in one contiguous shard, so i
 depthwise conv (each channel on its own) split their channels contiguously, and the
 conv's output is gathered once and sliced to this rank's heads (``heads_of_this_rank``).
 
-Under context parallelism (``context_parallel``, set by ``apply_cp``) a rank's zig-zag
-chunks need the recurrent state and conv inputs of every token before them: the layer
-all-gathers its input, runs on the whole sequence, and keeps this rank's chunks (its
-compute is not split over cp; the other layers' is).
+Under context parallelism (``context_parallel``, set by ``apply_cp``) each rank runs
+the rule on its own two zig-zag chunks only. A chunk needs the state S its first token
+starts from, which depends on every chunk before it, on other ranks; but the rule is
+linear in S, so each chunk runs once from an unknown start (``piece_transfers``: its
+outputs from zero, what its queries read of S, and its transfer S -> A S + B), the
+ranks all-gather the transfers (per value head k_dim x (k_dim + v_dim): small), and
+each rank scans them in sequence order (``start_states``) for its chunks' S. The conv
+reads the last taps - 1 inputs of the chunk before (``conv_window_across_ranks``). Both
+gathers are differentiable (their backward reduce-scatters), so autograd carries the
+gradients back to the ranks that own the chunks. Under tp each rank holds the states
+of its own heads.
 """
 
 from __future__ import annotations
@@ -175,16 +182,31 @@ def chunk_gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     chunk: int = 64,
+    initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Outputs [b, s, v_heads, v_dim] of the gated delta rule from a zero state, and
-    the state after the last token [b, v_heads, k_dim, v_dim] (fp32): queries and keys
-    [b, s, k_heads, k_dim] (L2-normalised here; each key head serving v_heads / k_heads
-    consecutive value heads), values [b, s, v_heads, v_dim], the log decay ``g`` and
-    the write strength ``beta`` [b, s, v_heads]. fp32 inside."""
+    """Outputs [b, s, v_heads, v_dim] of the gated delta rule from ``initial_state``
+    [b, v_heads, k_dim, v_dim] (None: zeros), and the state after the last token
+    (fp32): queries and keys [b, s, k_heads, k_dim] (L2-normalised here; each key head
+    serving v_heads / k_heads consecutive value heads), values [b, s, v_heads, v_dim],
+    the log decay ``g`` and the write strength ``beta`` [b, s, v_heads]. fp32 inside."""
     dtype = q.dtype
-    b, s, _, _ = k.shape
-    v_heads, v_dim = v.shape[-2:]
     q, k, v, beta, g = _per_value_head(q, k, v, beta, g)
+    out, state = _chunked_rule(q, k, v, beta, g, chunk, initial_state)
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), state
+
+
+def _chunked_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor,
+    chunk: int,
+    initial_state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunk_gated_delta_rule`` on ``_per_value_head``'s fp32 inputs [b, v_heads, s,
+    ...]: outputs [b, v_heads, s, v_dim] and the final state, both fp32."""
+    b, v_heads, s, v_dim = v.shape
     pad = (chunk - s % chunk) % chunk  # the tail padded with zeros: no write, no decay
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
     beta, g = (F.pad(t, (0, pad)) for t in (beta, g))
@@ -206,7 +228,10 @@ def chunk_gated_delta_rule(
     k_decayed = torch.linalg.solve_triangular(
         system, decayed_k_beta, upper=False, unitriangular=True
     )
-    state = torch.zeros(b, v_heads, k.shape[-1], v_dim, dtype=new_values.dtype, device=q.device)
+    if initial_state is None:
+        state = new_values.new_zeros(b, v_heads, k.shape[-1], v_dim)
+    else:
+        state = initial_state.to(new_values)
     out = torch.zeros_like(new_values)
     q = q * decay.exp().unsqueeze(-1)
     k = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
@@ -215,9 +240,56 @@ def chunk_gated_delta_rule(
         correction = new_values[:, :, i] - k_decayed[:, :, i] @ state
         out[:, :, i] = q[:, :, i] @ state + within[:, :, i] @ correction
         state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ correction
-    out = out.reshape(b, v_heads, -1, v_dim)[:, :, :s]
     # the padded tail neither decays nor writes: ``state`` is the last token's
-    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), state
+    return out.reshape(b, v_heads, -1, v_dim)[:, :, :s], state
+
+
+def piece_transfers(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gated delta rule over pieces of a sequence (``chunk_gated_delta_rule``'s
+    inputs, one piece per batch row) whose state at the start is not known yet. The
+    rule is linear in (start state, values), so one pass of the chunked rule from the
+    start [I | 0] with values [0 | v] gives, per value head and in fp32,
+
+    - ``outputs`` [b, v_heads, s, v_dim] from a zero start,
+    - ``reads`` [b, v_heads, s, k_dim]: what each query reads of the start state S_in
+      (the outputs from S_in are ``outputs + reads @ S_in``, ``outputs_from``),
+    - ``transfer`` [b, v_heads, k_dim, k_dim + v_dim], [A | B]: the state after the
+      piece is ``A @ S_in + B`` (``start_states`` scans the pieces with it)."""
+    q, k, v, beta, g = _per_value_head(q, k, v, beta, g)
+    b, v_heads, s, _ = v.shape
+    k_dim = k.shape[-1]
+    values = torch.cat([v.new_zeros(b, v_heads, s, k_dim), v], dim=-1)
+    identity = torch.eye(k_dim, device=v.device).expand(b, v_heads, k_dim, k_dim)
+    start = torch.cat([identity, v.new_zeros(b, v_heads, k_dim, v.shape[-1])], dim=-1)
+    out, transfer = _chunked_rule(q, k, values, beta, g, chunk, start)
+    return out[..., k_dim:], out[..., :k_dim], transfer
+
+
+def start_states(transfers: torch.Tensor) -> torch.Tensor:
+    """The state at the start of each of a sequence's consecutive pieces [b, pieces,
+    v_heads, k_dim, v_dim] from their ``piece_transfers`` [b, pieces, v_heads, k_dim,
+    k_dim + v_dim] (in sequence order): zero for the first, then S <- A @ S + B."""
+    k_dim = transfers.shape[-2]
+    transition, written = transfers[..., :k_dim], transfers[..., k_dim:]
+    state = written.new_zeros(written[:, 0].shape)
+    states = []
+    for piece in range(transfers.shape[1]):
+        states.append(state)
+        state = transition[:, piece] @ state + written[:, piece]
+    return torch.stack(states, dim=1)
+
+
+def outputs_from(outputs: torch.Tensor, reads: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """``piece_transfers``' outputs with the pieces' start states ``start`` [b, v_heads,
+    k_dim, v_dim] added: [b, s, v_heads, v_dim] (fp32)."""
+    return (outputs + reads @ start).transpose(1, 2)
 
 
 def recurrent_gated_delta_rule(
@@ -305,15 +377,23 @@ class GatedDeltaNet(nn.Module):
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
         cp = self.context_parallel
-        if cp is None or cache is not None:  # generation: no CP there
-            return self.mix(x, cache)
-        # each token's output depends on every token before it, on whichever rank: the
-        # layer runs on the whole sequence (gathered in global order), and this rank
-        # keeps its zig-zag chunks (the gather's backward sums the ranks' gradients)
-        return cp.local_part(self.mix(cp.gather_sequence(x, "Gated DeltaNet input")))
+        if cp is not None and cache is None:  # generation: no CP there
+            if _TOKEN_BY_TOKEN.get():
+                raise ValueError(
+                    "token_by_token() under context parallelism: the Gated DeltaNet "
+                    "layers' per-row recurrence runs on one process (parallelism.cp = 1)"
+                )
+            return self.mix(x, context_parallel=cp)
+        return self.mix(x, cache)
 
-    def mix(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        """The layer's output for the tokens ``x`` [b, s, dim] (after the ``cache``'s)."""
+    def mix(
+        self,
+        x: torch.Tensor,
+        cache: LayerCache | None = None,
+        context_parallel: ContextParallel | None = None,
+    ) -> torch.Tensor:
+        """The layer's output for the tokens ``x`` [b, s, dim] (after the ``cache``'s;
+        under ``context_parallel``: this rank's two zig-zag chunks)."""
         b, s, _ = x.shape
         per_row = _TOKEN_BY_TOKEN.get()
         previous = cache.states if cache is not None else ()  # (conv inputs, state S)
@@ -324,14 +404,17 @@ class GatedDeltaNet(nn.Module):
         if per_row or cache is not None:
             history = previous[0] if previous else proj.new_zeros(b, proj.shape[1], taps - 1)
             window = torch.cat([history, proj], dim=-1)
-        if per_row or previous:
+        if context_parallel is not None:
+            window = conv_window_across_ranks(proj, taps, context_parallel)
+        if per_row or previous or context_parallel is not None:
             mixed = windowed_depthwise_conv(window, conv_weight)
         else:  # training and prefill: the folder's own arithmetic
             mixed = causal_depthwise_conv(proj, conv_weight)
         q, k, v = self.heads_of_this_rank(mixed)
-        q = q.reshape(b, s, -1, self.k_dim)
-        k = k.reshape(b, s, -1, self.k_dim)
-        v = v.reshape(b, s, -1, self.v_dim)
+        rows, length = q.shape[:2]  # under cp: each of the two chunks a row
+        q = q.reshape(rows, length, -1, self.k_dim)
+        k = k.reshape(rows, length, -1, self.k_dim)
+        v = v.reshape(rows, length, -1, self.v_dim)
         a = self.in_proj_a(x).float() + local(self.dt_bias)
         decay_rate = -local(self.A_log).float().exp()
         if per_row:
@@ -340,7 +423,10 @@ class GatedDeltaNet(nn.Module):
         else:
             beta = self.in_proj_b(x).sigmoid()
             g = decay_rate * F.softplus(a)
-        if per_row or previous:
+        if context_parallel is not None:
+            beta, g = as_pieces(beta), as_pieces(g)
+            out = delta_rule_across_ranks(q, k, v, g, beta, context_parallel)
+        elif per_row or previous:
             state = previous[1] if previous else None
             out, state = recurrent_gated_delta_rule(q, k, v, g, beta, state, per_row)
         else:
@@ -350,6 +436,67 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x)
         out = self.norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
         return self.out_proj(out.reshape(b, s, -1))
+
+
+def as_pieces(t: torch.Tensor) -> torch.Tensor:
+    """A CP rank's [b, 2 * n, ...] (its two zig-zag chunks) as [2 * b, n, ...]: one
+    chunk per row, the first chunks' rows first."""
+    b, s = t.shape[:2]
+    return t.unflatten(1, (2, s // 2)).transpose(0, 1).flatten(0, 1)
+
+
+def from_pieces(t: torch.Tensor) -> torch.Tensor:
+    """``as_pieces``'s inverse: [2 * b, n, ...] -> [b, 2 * n, ...]."""
+    return t.unflatten(0, (2, t.shape[0] // 2)).transpose(0, 1).flatten(1, 2)
+
+
+def conv_window_across_ranks(proj: torch.Tensor, taps: int, cp: ContextParallel) -> torch.Tensor:
+    """The causal conv's windows [2 * b, channels, taps - 1 + n] of a CP rank's two
+    chunks ``proj`` [b, channels, 2 * n], one per row (``as_pieces``): each chunk after
+    the last taps - 1 inputs of the chunk before it, from whichever rank holds it
+    (zeros before the first). One all-gather of every chunk's tail; its backward
+    returns each tail's gradient to its owner."""
+    b, channels, length = proj.shape
+    n, history = length // 2, taps - 1
+    if n < history:
+        raise ValueError(
+            f"context parallelism cuts the sequence into chunks of {n} tokens, fewer than "
+            f"the Gated DeltaNet conv's taps - 1 = {history} (model.linear_attention."
+            "conv_kernel): raise training.seq_len or lower parallelism.cp"
+        )
+    chunks = proj.transpose(1, 2).unflatten(1, (2, n))  # [b, 2, n, channels]
+    tails = chunks[:, :, n - history :].flatten(1, 2)
+    every_tail = cp.gather_sequence(tails, "Gated DeltaNet conv inputs").unflatten(1, (-1, history))
+    # the tail before each chunk, in global chunk order: this rank keeps its two
+    before = torch.cat([torch.zeros_like(every_tail[:, :1]), every_tail[:, :-1]], dim=1)
+    before = cp.local_part(before)  # [b, 2, taps - 1, channels]
+    window = torch.cat([before, chunks], dim=2)
+    return window.transpose(0, 1).flatten(0, 1).transpose(1, 2)
+
+
+def delta_rule_across_ranks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cp: ContextParallel,
+) -> torch.Tensor:
+    """The gated delta rule's outputs [b, 2 * n, v_heads, v_dim] of a CP rank's two
+    zig-zag chunks (inputs as ``chunk_gated_delta_rule``'s, one chunk per row as
+    ``as_pieces`` lays them): the rule runs on this rank's chunks only, from an unknown
+    start (``piece_transfers``); every chunk's transfer [A | B] is all-gathered, each
+    rank scans them in sequence order for its chunks' start states, and adds what its
+    queries read of them. The gather's backward sums the ranks' gradients of each
+    transfer (every rank's scan reads every chunk's)."""
+    dtype = q.dtype
+    # a chunk shorter than the rule's 64 runs as one (not padded to 64)
+    outputs, reads, transfer = piece_transfers(q, k, v, g, beta, min(64, q.shape[1]))
+    mine = transfer.unflatten(0, (2, -1)).transpose(0, 1)  # [b, 2, v_heads, k, k + v]
+    every = cp.gather_sequence(mine, "Gated DeltaNet chunk transfers")
+    start = cp.local_part(start_states(every))  # [b, 2, v_heads, k_dim, v_dim]
+    out = outputs_from(outputs, reads, start.transpose(0, 1).flatten(0, 1))
+    return from_pieces(out).to(dtype, memory_format=torch.contiguous_format)
 
 
 def init_decay(param: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ from torch import nn
 import flexshard as fs
 from flexshard.fsdp.state_dict import Assemble
 
-from ..config import Config, ConfigError, ParallelismConfig
+from ..config import Config, ConfigError
 from ..models.layers import loss_fn
 from ..models.model import build_model, init_module, init_weights
 from .activation_checkpoint import apply_ac
@@ -162,15 +162,17 @@ def checked_dims(cfg: Config, world_size: int) -> ParallelDims:
     return dims
 
 
-def _check_qwen3_5_layout(p: ParallelismConfig) -> None:
-    """Qwen3.5 (gated attention, Gated DeltaNet layers) runs data parallel (every
-    placement, both backends), tp, pp and cp; cp with tp is refused rather than run
-    unchecked."""
-    if p.cp > 1 and p.tp > 1:
+def _check_qwen3_5_layout(cfg: Config) -> None:
+    """Under cp each Gated DeltaNet chunk's conv reads the last conv_kernel - 1 inputs
+    of the chunk before it, which one rank holds whole only if the chunks are that
+    long."""
+    m, t, p = cfg.model, cfg.training, cfg.parallelism
+    history = m.linear_attention.conv_kernel - 1
+    if p.cp > 1 and "linear_attention" in m.layer_types and t.seq_len // (2 * p.cp) < history:
         raise ConfigError(
-            f'parallelism.cp = {p.cp} with parallelism.tp = {p.tp} and model.attention = "gated" '
-            "(Qwen3.5): the Gated DeltaNet layers gather the whole sequence under cp, which "
-            "their tensor-parallel plan does not take; set parallelism.tp = 1 or cp = 1"
+            f"training.seq_len = {t.seq_len} with parallelism.cp = {p.cp}: zig-zag chunks of "
+            f"{t.seq_len // (2 * p.cp)} tokens, fewer than model.linear_attention.conv_kernel "
+            f"- 1 = {history} (each chunk's conv reads that many inputs of the chunk before)"
         )
 
 
@@ -199,7 +201,7 @@ def check_layout(cfg: Config) -> None:
         )
     check_cp(t.seq_len, p.cp)
     if m.attention == "gated":
-        _check_qwen3_5_layout(p)
+        _check_qwen3_5_layout(cfg)
     if m.mtp_layers and (p.tp > 1 or p.pp > 1 or p.cp > 1):
         raise ConfigError(
             f"model.mtp_layers = {m.mtp_layers} runs with data and expert parallelism only: "
