@@ -16,6 +16,9 @@ would hide a wrong use of any).
 - ``flexshard-train --nproc 3`` with nothing but the folder trains and exports (slow);
 - W = 2 (Shard(0), flat under Muon, owned, FSDP2) and W = 3 (Shard(0), the Muon
   placement, flat, block) against one process (slow);
+- tp against one process: tp2 (sequence parallel) at W = 2, tp2 without sequence
+  parallelism and dp2 x tp2 at W = 4 (slow); a checkpoint saved under dp2 resumed
+  under tp2 (slow);
 - the Muon rule for the new kinds; what is not built, or what the folder asks that the
   trainer does not compute, is a ConfigError naming the key.
 """
@@ -27,6 +30,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
 from flexshard.testing import run_distributed
@@ -39,7 +44,9 @@ from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.layers import loss_fn
 from flexshard.trainer.models.model import init_weights
 from flexshard.trainer.parallel.activation_checkpoint import apply_ac
-from flexshard.trainer.train import setup
+from flexshard.trainer.parallel.parallelize import checked_dims
+from flexshard.trainer.parallel.tensor_parallel import apply_tp
+from flexshard.trainer.train import run, setup
 
 from .test_model_families import _tensors, from_folder
 from .test_parallel_layouts import MUON_RTOL, compare_with_single_process, layout_config, trained
@@ -288,8 +295,17 @@ LAYOUTS = {
 HC_ATOL = {"param_atol": 3e-3}
 
 
+# tensor parallel: the heads and output groups split, the shared key-and-value head,
+# compressors, indexer, experts and hyper-connections replicated
+TP_LAYOUTS = {
+    "tp2": (2, {"tp": 2, "dp_shard": 1}, {}),
+    "tp2_no_sp": (4, {"tp": 2, "dp_shard": 2, "sequence_parallel": False}, {}),
+    "dp2xtp2_muon": (4, {"tp": 2, "dp_shard": 2}, {"training": {"optimizer": "muon"}}),
+}
+
+
 def _config(folder: str, name: str):
-    _, parallelism, sections = LAYOUTS[name]
+    _, parallelism, sections = {**LAYOUTS, **TP_LAYOUTS}[name]
     return layout_config(f"{folder}/{name}", parallelism, None, model=V4_MODEL, **sections)
 
 
@@ -307,6 +323,137 @@ def test_layouts_match_one_process(world_size, tmp_path):
         tolerances = {**MUON_RTOL, **HC_ATOL} if "muon" in name else HC_ATOL
         gaps = compare_with_single_process(name, cfg, result, **tolerances)
         print(f"deepseek_v4 {name}: {gaps}")
+
+
+def _check_tp(tmp_path, world_size: int) -> None:
+    names = [name for name, (w, _, _) in TP_LAYOUTS.items() if w == world_size]
+    results = run_distributed(_layouts, world_size, str(tmp_path), names, timeout=900)
+    for name in names:
+        cfg = _config("-", name)
+        tolerances = {**MUON_RTOL, **HC_ATOL} if "muon" in name else HC_ATOL
+        gaps = compare_with_single_process(name, cfg, results[0][name], **tolerances)
+        print(f"deepseek_v4 {name}: {gaps}")
+        # every rank's loss is the whole batch's
+        assert all(r[name]["losses"] == results[0][name]["losses"] for r in results), name
+
+
+# DRAWN under the trainer's names
+DRAWN_HERE = {"attn_sink": (0.0, 1.0), "ape": (0.0, 1.0), "_base": (0.0, 0.5), "_scale": (1.0, 0.5)}
+
+
+def _drawn_model() -> DeepseekV4Transformer:
+    """The seeded model with its sinks and hyper-connection offsets and scales drawn
+    wide: at their initial values (zero, one) the streams' mixing gets gradients at
+    rounding level, which would hide a missing or doubled sum over tp."""
+    model = DeepseekV4Transformer(config_from_dict({"model": V4_MODEL}).model)
+    init_weights(model, 0)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            for end, (mean, std) in DRAWN_HERE.items():
+                if name.endswith(end):
+                    param.copy_(torch.randn(param.shape, generator=gen) * std + mean)
+    return model
+
+
+# the hyper-connections' gradients are sums that cancel to 1e-3 of their terms (1e-6 to
+# 1e-5 where the projections' are 1e-2), so the reduction order moves them by up to 8e-4
+# of their size (measured, with or without sequence parallelism); a sum over tp missing
+# or taken twice moves them by their whole size
+HC_GRAD_RTOL = {"hc": 5e-3, "rest": 1e-5}
+
+
+def _tp_gradients(rank: int, world_size: int, sequence_parallel: bool) -> dict:
+    """One backward of the tensor-parallel model: every parameter's whole gradient."""
+    model = _drawn_model()
+    apply_tp(model, init_device_mesh("cpu", (world_size,)), sequence_parallel)
+    batch = tokens(17) % 256
+    loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+    return {
+        n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_tp_gradients_are_one_process(sequence_parallel):
+    """Each parameter's gradient under tp2, on every rank, against one process: the
+    heads' parts gathered, the replicated parts (shared key-and-value head, the
+    hyper-connections, the experts) whole on every rank, summed over tp exactly once."""
+    model = _drawn_model()
+    batch = tokens(17) % 256
+    loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    ranks = run_distributed(_tp_gradients, 2, sequence_parallel, timeout=300)
+    for grads in ranks:
+        assert set(grads) == set(expected)
+        gaps = {
+            n: float((g - expected[n]).abs().max() / expected[n].abs().max())
+            for n, g in grads.items()
+        }
+        for part, tolerance in HC_GRAD_RTOL.items():
+            mine = {n: gap for n, gap in gaps.items() if ("hc_" in n) == (part == "hc")}
+            worst = max(mine, key=mine.__getitem__)
+            print(
+                f"deepseek_v4 tp2 (sequence parallel {sequence_parallel}), {part}: worst "
+                f"relative gradient gap {mine[worst]:.1e} ({worst})"
+            )
+            assert mine[worst] < tolerance, (worst, mine[worst])
+
+
+def test_tp2_matches_one_process(tmp_path):
+    _check_tp(tmp_path, 2)
+
+
+@pytest.mark.slow
+def test_dp2_x_tp2_match_one_process(tmp_path):
+    _check_tp(tmp_path, 4)
+
+
+# one global batch of 4 sequences: 3 steps under dp2, resumed under tp2 (the
+# checkpoint's heads, sinks and output groups re-cut over tp)
+CHAIN = [({"dp_shard": 2}, 2, 3), ({"tp": 2, "dp_shard": 1}, 4, 6)]
+
+
+def _save_then_resume(rank: int, world_size: int, folder: str) -> tuple[list, list]:
+    def losses(name: str, parallelism: dict, batch: int, steps: int) -> list[float]:
+        cfg = layout_config(
+            f"{folder}/{name}",
+            parallelism,
+            None,
+            model=V4_MODEL,
+            checkpoint={"enable": True, "interval": 3},
+            training={"decay": "none", "steps": steps, "batch_size": batch},
+        )
+        return [r["loss"] for r in run(cfg)]
+
+    whole = losses("whole", {"dp_shard": 2}, 2, 6)
+    chained = [losses("chain", parallelism, *rest) for parallelism, *rest in CHAIN]
+    return whole, chained
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_under_tp(tmp_path):
+    whole, chained = run_distributed(_save_then_resume, 2, str(tmp_path), timeout=900)[0]
+    assert [len(x) for x in chained] == [3, 3]  # the second run resumed at step 3
+    assert chained[0] == whole[:3]  # the same layout: bit for bit
+    gap = max(abs(a - b) / b for a, b in zip(chained[1], whole[3:]))
+    print(f"deepseek_v4 dp2 -> tp2 resumed: loss gap {gap:.2e}")
+    assert gap < 2e-6, gap
+
+
+@pytest.mark.parametrize(
+    "tp, message",
+    [
+        (3, "model.n_heads = 4 is not divisible by parallelism.tp = 3"),
+        (4, "model.deepseek_v4.o_groups = 2 is not divisible by parallelism.tp = 4"),
+    ],
+)
+def test_tp_needs_whole_heads_and_groups(tp, message):
+    cfg = config_from_dict({"model": V4_MODEL, "parallelism": {"tp": tp}})
+    with pytest.raises(ConfigError, match=message):
+        checked_dims(cfg, tp)
 
 
 def test_muon_rule_for_the_new_kinds(tmp_path):
@@ -355,7 +502,6 @@ def test_muon_rule_for_the_new_kinds(tmp_path):
 @pytest.mark.parametrize(
     "section, values, message",
     [
-        ("parallelism", {"tp": 2}, "parallelism.tp = 2: not built"),
         ("parallelism", {"pp": 2}, "parallelism.pp = 2: not built"),
         ("parallelism", {"cp": 2}, "parallelism.cp = 2: not built"),
         ("parallelism", {"ep": 2}, "parallelism.ep = 2: not built"),
