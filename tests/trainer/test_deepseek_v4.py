@@ -18,7 +18,7 @@ would hide a wrong use of any).
   placement, flat, block) against one process (slow);
 - tp2 against one process: each gradient after one backward (with and without
   sequence parallelism); 10 steps at W = 2, and dp2 x tp2 at W = 4 (without sequence
-  parallelism; under Muon) (slow);
+  parallelism, on FSDP2, under Muon) (slow);
 - the Muon rule for the new kinds; what is not built, or what the folder asks that the
   trainer does not compute, is a ConfigError naming the key.
 """
@@ -300,6 +300,7 @@ HC_ATOL = {"param_atol": 3e-3}
 TP_LAYOUTS = {
     "tp2": (2, {"tp": 2, "dp_shard": 1}, {}),
     "dp2xtp2_no_sp": (4, {"tp": 2, "dp_shard": 2, "sequence_parallel": False}, {}),
+    "dp2xtp2_fsdp2": (4, {"tp": 2, "dp_shard": 2, "dp_backend": "fsdp2"}, {}),
     "dp2xtp2_muon": (4, {"tp": 2, "dp_shard": 2}, {"training": {"optimizer": "muon"}}),
 }
 
