@@ -22,10 +22,14 @@ from .mla import _all_reduce_grad
 
 
 def summed_over(mesh: DeviceMesh | None, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``params`` as they are, their gradients summed over ``mesh`` (when given)."""
+    """``params`` as they are, their gradients summed over ``mesh`` (when given) in one
+    all-reduce: they are small, and each would otherwise cost one of its own."""
     if mesh is None:
         return params
-    return tuple(_all_reduce_grad(p, mesh) for p in params)
+    flat = _all_reduce_grad(torch.cat([p.reshape(-1) for p in params]), mesh)
+    return tuple(
+        part.view_as(p) for part, p in zip(flat.split([p.numel() for p in params]), params)
+    )
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
