@@ -338,7 +338,7 @@ def _check_tp(tmp_path, world_size: int) -> None:
         assert all(r[name]["losses"] == results[0][name]["losses"] for r in results), name
 
 
-# DRAWN under the trainer's names
+# the folder test's DRAWN, under the trainer's names
 DRAWN_HERE = {"attn_sink": (0.0, 1.0), "ape": (0.0, 1.0), "_base": (0.0, 0.5), "_scale": (1.0, 0.5)}
 
 

@@ -203,8 +203,8 @@ def shard_linear_attention(attention: GatedDeltaNet, tp_mesh: DeviceMesh) -> Non
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """Every tp rank must hold whole attention heads (MLA: no kv heads of its own;
-    Gated DeltaNet: whole key heads and the value heads they serve); run once, before
-    any rank starts, by ``checked_dims``."""
+    Gated DeltaNet: whole key heads and the value heads they serve; DeepSeek-V4: whole
+    output groups too); run once, before any rank starts, by ``checked_dims``."""
     parts = [("n_heads", cfg.n_heads, "attention heads")]
     if cfg.attention in ("gqa", "gated"):
         parts.append(("n_kv_heads", cfg.n_kv_heads, "key/value heads"))
@@ -270,11 +270,13 @@ def apply_tp(
 def _apply_tp_deepseek_v4(
     model: DeepseekV4Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool
 ) -> None:
+    """Each block by ``_deepseek_v4_plan``; under sequence parallelism the
+    hyper-connections' gradients summed over tp (each rank mixes its own tokens)."""
     for block in model.layers:
         assert isinstance(block, V4Block)
         parallelize_module(block, tp_mesh, _deepseek_v4_plan(sequence_parallel))  # type: ignore[arg-type]
         shard_compressed_attention(block.attn, tp_mesh)
-        if sequence_parallel:  # each rank mixes its own tokens' streams
+        if sequence_parallel:
             block.hc.tp_mesh = tp_mesh
     if sequence_parallel:
         model.hc_head.tp_mesh = tp_mesh
