@@ -21,6 +21,9 @@ would hide a wrong use of any).
   on every stage) against one process at W = 2 and 4, and a checkpoint carried dp2 ->
   dp2 x ep2 -> pp2 -> dp2 continuing the one-process losses (slow); the stages run in
   one process compute the whole model bit for bit;
+- tp2 against one process: each gradient after one backward (with and without
+  sequence parallelism); 10 steps at W = 2, and dp2 x tp2 at W = 4 (without sequence
+  parallelism, on FSDP2, under Muon) (slow);
 - the Muon rule for the new kinds; what is not built, or what the folder asks that the
   trainer does not compute, is a ConfigError naming the key.
 """
@@ -32,6 +35,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
 from flexshard.testing import run_distributed
@@ -48,7 +53,9 @@ from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.layers import loss_fn
 from flexshard.trainer.models.model import init_weights
 from flexshard.trainer.parallel.activation_checkpoint import apply_ac
+from flexshard.trainer.parallel.parallelize import checked_dims
 from flexshard.trainer.parallel.pipeline import split_model
+from flexshard.trainer.parallel.tensor_parallel import apply_tp
 from flexshard.trainer.train import run, setup
 
 from .test_model_families import _tensors, from_folder
@@ -306,8 +313,18 @@ LAYOUTS = {
 HC_ATOL = {"param_atol": 3e-3}
 
 
+# tensor parallel: the heads and output groups split, the shared key-and-value head,
+# compressors, indexer, experts and hyper-connections replicated
+TP_LAYOUTS = {
+    "tp2": (2, {"tp": 2, "dp_shard": 1}, {}),
+    "dp2xtp2_no_sp": (4, {"tp": 2, "dp_shard": 2, "sequence_parallel": False}, {}),
+    "dp2xtp2_fsdp2": (4, {"tp": 2, "dp_shard": 2, "dp_backend": "fsdp2"}, {}),
+    "dp2xtp2_muon": (4, {"tp": 2, "dp_shard": 2}, {"training": {"optimizer": "muon"}}),
+}
+
+
 def _config(folder: str, name: str):
-    _, parallelism, sections = LAYOUTS[name]
+    _, parallelism, sections = {**LAYOUTS, **TP_LAYOUTS}[name]
     return layout_config(f"{folder}/{name}", parallelism, None, model=V4_MODEL, **sections)
 
 
@@ -455,6 +472,109 @@ def test_clamped_experts_grouped_match_the_loop_over_experts():
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
 
 
+def _check_tp(tmp_path, world_size: int) -> None:
+    names = [name for name, (w, _, _) in TP_LAYOUTS.items() if w == world_size]
+    results = run_distributed(_layouts, world_size, str(tmp_path), names, timeout=900)
+    for name in names:
+        cfg = _config("-", name)
+        tolerances = {**MUON_RTOL, **HC_ATOL} if "muon" in name else HC_ATOL
+        gaps = compare_with_single_process(name, cfg, results[0][name], **tolerances)
+        print(f"deepseek_v4 {name}: {gaps}")
+        # every rank's loss is the whole batch's
+        assert all(r[name]["losses"] == results[0][name]["losses"] for r in results), name
+
+
+# the folder test's DRAWN, under the trainer's names
+DRAWN_HERE = {"attn_sink": (0.0, 1.0), "ape": (0.0, 1.0), "_base": (0.0, 0.5), "_scale": (1.0, 0.5)}
+
+
+def _drawn_model() -> DeepseekV4Transformer:
+    """The seeded model with its sinks and hyper-connection offsets and scales drawn
+    wide: at their initial values (zero, one) the streams' mixing gets gradients at
+    rounding level, which would hide a missing or doubled sum over tp."""
+    model = DeepseekV4Transformer(config_from_dict({"model": V4_MODEL}).model)
+    init_weights(model, 0)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            for end, (mean, std) in DRAWN_HERE.items():
+                if name.endswith(end):
+                    param.copy_(torch.randn(param.shape, generator=gen) * std + mean)
+    return model
+
+
+# the hyper-connections' gradients are sums that cancel to 1e-3 of their terms (1e-6 to
+# 1e-5 where the projections' are 1e-2), so the reduction order moves them by up to 8e-4
+# of their size (measured, with or without sequence parallelism); a sum over tp missing
+# or taken twice moves them by their whole size
+HC_GRAD_RTOL = {"hc": 5e-3, "rest": 1e-5}
+
+
+def _tp_gradients(rank: int, world_size: int) -> dict[bool, dict]:
+    """One backward of the tensor-parallel model, with sequence parallelism and
+    without: every parameter's whole gradient."""
+    grads = {}
+    for sequence_parallel in (True, False):
+        model = _drawn_model()
+        apply_tp(model, init_device_mesh("cpu", (world_size,)), sequence_parallel)
+        batch = tokens(17) % 256
+        loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+        grads[sequence_parallel] = {
+            n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        }
+    return grads
+
+
+def test_tp_gradients_are_one_process():
+    """Each parameter's gradient under tp2, on every rank, against one process: the
+    heads' parts gathered, the replicated parts (shared key-and-value head, the
+    hyper-connections, the experts) whole on every rank, summed over tp exactly once."""
+    model = _drawn_model()
+    batch = tokens(17) % 256
+    loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for rank, by_layout in enumerate(run_distributed(_tp_gradients, 2, timeout=300)):
+        for sequence_parallel, grads in by_layout.items():
+            assert set(grads) == set(expected)
+            gaps = {
+                n: float((g - expected[n]).abs().max() / expected[n].abs().max())
+                for n, g in grads.items()
+            }
+            for part, tolerance in HC_GRAD_RTOL.items():
+                mine = {n: gap for n, gap in gaps.items() if ("hc_" in n) == (part == "hc")}
+                worst = max(mine, key=mine.__getitem__)
+                print(
+                    f"deepseek_v4 tp2 rank {rank} (sequence parallel {sequence_parallel}), "
+                    f"{part}: worst relative gradient gap {mine[worst]:.1e} ({worst})"
+                )
+                assert mine[worst] < tolerance, (sequence_parallel, worst, mine[worst])
+
+
+@pytest.mark.slow  # each gradient is checked in the fast suite
+def test_tp2_matches_one_process(tmp_path):
+    _check_tp(tmp_path, 2)
+
+
+@pytest.mark.slow
+def test_dp2_x_tp2_match_one_process(tmp_path):
+    _check_tp(tmp_path, 4)
+
+
+@pytest.mark.parametrize(
+    "tp, message",
+    [
+        (3, "model.n_heads = 4 is not divisible by parallelism.tp = 3"),
+        (4, "model.deepseek_v4.o_groups = 2 is not divisible by parallelism.tp = 4"),
+    ],
+)
+def test_tp_needs_whole_heads_and_groups(tp, message):
+    cfg = config_from_dict({"model": V4_MODEL, "parallelism": {"tp": tp}})
+    with pytest.raises(ConfigError, match=message):
+        checked_dims(cfg, tp)
+
+
 def test_muon_rule_for_the_new_kinds(tmp_path):
     """Muon: the projections (hyper-connections' ``fn`` included), the router, the
     compressors' and the indexer's matrices, each expert; per head for ``wq_b``, per
@@ -501,7 +621,6 @@ def test_muon_rule_for_the_new_kinds(tmp_path):
 @pytest.mark.parametrize(
     "section, values, message",
     [
-        ("parallelism", {"tp": 2}, "parallelism.tp = 2: not built"),
         ("parallelism", {"cp": 2}, "parallelism.cp = 2: not built"),
         ("compile", {"enable": True}, "compile.enable = True"),
         ("rl", {"enable": True}, "rl.enable = True"),

@@ -19,18 +19,26 @@ Beside the window, a layer may attend compressed entries, each a softmax-gated s
 
 Names are DeepSeek's own (``wq_a``, ``wkv``, ``attn_sink``, ``compressor.ape``), as
 transformers saves them. Computes what transformers' ``DeepseekV4Attention`` does
-without a cache (training; positions from 0)."""
+without a cache (training; positions from 0).
+
+Under tensor parallelism (``tp_mesh``, set by ``apply_tp``) each tp rank holds whole
+query heads (``wq_b`` rows, ``attn_sink``) and the output groups they make (``wo_a``
+rows, ``wo_b`` columns); the shared key-and-value head, the compressors and the indexer
+stay replicated, computed whole on every rank: every head reads all of their output,
+so splitting them would only add a gather."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import ModelConfig
 from .hyper_connections import unweighted_rms_norm
 from .layers import RMSNorm, _linear, apply_rope
-from .mla import yarn_frequencies
+from .linear_attention import local
+from .mla import _all_reduce_grad, yarn_frequencies
 
 SLIDING = "sliding_attention"
 SPARSE = "compressed_sparse_attention"
@@ -168,6 +176,9 @@ class CompressedAttention(nn.Module):
                 cfg.dim, self.head_dim, v4.compress_rate_csa, True, cfg.norm_eps
             )
             self.indexer = Indexer(cfg)
+        # set by apply_tp: the keys and values are shared by every head, and a tp rank's
+        # heads give only their part of their gradient
+        self.tp_mesh: DeviceMesh | None = None
 
     def forward(
         self, x: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -180,8 +191,10 @@ class CompressedAttention(nn.Module):
         kv = rope_tail(self.norm(self.wkv(x)).unsqueeze(2), cos, sin).squeeze(2)
         positions = torch.arange(s, device=x.device)
         gap = positions[:, None] - positions[None, :]
-        local = (gap >= 0) & (gap < self.window)
-        mask = torch.zeros(s, s, dtype=x.dtype, device=x.device).masked_fill(~local, float("-inf"))
+        in_window = (gap >= 0) & (gap < self.window)
+        mask = torch.zeros(s, s, dtype=x.dtype, device=x.device).masked_fill(
+            ~in_window, float("-inf")
+        )
         mask = mask.expand(b, s, s)
         if self.compressor is not None:
             entries = self.compressor(x, cos, sin)
@@ -193,15 +206,17 @@ class CompressedAttention(nn.Module):
                 bias = bias.masked_fill(~visible, float("-inf")).expand(b, -1, -1)
             kv = torch.cat([kv, entries], dim=1)
             mask = torch.cat([mask, bias], dim=-1)
+        if self.tp_mesh is not None:
+            kv = _all_reduce_grad(kv, self.tp_mesh)
         scores = torch.matmul(q.transpose(1, 2), kv.unsqueeze(1).transpose(2, 3))
         scores = scores * self.head_dim**-0.5 + mask.unsqueeze(1)
-        sinks = self.attn_sink.reshape(1, -1, 1, 1).expand(b, -1, s, 1).to(scores.dtype)
+        sinks = local(self.attn_sink).reshape(1, -1, 1, 1).expand(b, -1, s, 1).to(scores.dtype)
         logits = torch.cat([scores, sinks], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)
         out = torch.matmul(probs, kv.unsqueeze(1)).transpose(1, 2)  # [b, s, h, d]
         out = rope_tail(out, cos, -sin)
         grouped = out.reshape(b * s, self.groups, -1).transpose(0, 1)
-        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)
+        w = local(self.wo_a.weight).view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)
         low_rank = torch.bmm(grouped, w).transpose(0, 1).reshape(b, s, -1)
         return self.wo_b(low_rank)

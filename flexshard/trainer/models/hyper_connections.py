@@ -4,13 +4,32 @@ it the block's output is spread back over them (``post``) and added to the strea
 by ``comb``, a doubly stochastic n x n matrix (Sinkhorn-Knopp on a softmax). All three
 come per token from one projection (``fn``) of the RMS-normalised streams, plus a
 learned offset (``base``) and one scale per kind (``scale``). Computed in fp32, as
-transformers' reference keeps these modules."""
+transformers' reference keeps these modules.
+
+Every weight here acts per token: under sequence-parallel tp (``tp_mesh``, set by
+``apply_tp``) each tp rank mixes its own tokens' streams with the replicated ``fn``,
+``base`` and ``scale``, whose gradients are then summed over tp; without sequence
+parallelism every tp rank computes the same, and their gradients are already whole."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .mla import _all_reduce_grad
+
+
+def summed_over(mesh: DeviceMesh | None, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``params`` as they are, their gradients summed over ``mesh`` (when given) in one
+    all-reduce: they are small, and each would otherwise cost one of its own."""
+    if mesh is None:
+        return params
+    flat = _all_reduce_grad(torch.cat([p.reshape(-1) for p in params]), mesh)
+    return tuple(
+        part.view_as(p) for part, p in zip(flat.split([p.numel() for p in params]), params)
+    )
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,6 +44,7 @@ class HyperConnection(nn.Module):
         super().__init__()
         self.streams, self.sinkhorn_iters = streams, sinkhorn_iters
         self.eps, self.norm_eps = eps, norm_eps
+        self.tp_mesh: DeviceMesh | None = None  # set by apply_tp (see the module's docstring)
 
     def weights(
         self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
@@ -32,6 +52,7 @@ class HyperConnection(nn.Module):
         """(post [b, s, n], comb [b, s, n, n], the collapsed block input [b, s, d])."""
         n = self.streams
         b, s = streams.shape[:2]
+        fn, base, scale = summed_over(self.tp_mesh, fn, base, scale)
         flat = unweighted_rms_norm(streams.reshape(b, s, -1).float(), self.norm_eps)
         mixes = F.linear(flat, fn.float())
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
@@ -67,9 +88,11 @@ class HyperHead(nn.Module):
         self.hc_base = nn.Parameter(torch.empty(streams))
         self.hc_scale = nn.Parameter(torch.empty(1))
         self.init_stds = {"hc_fn": 0.02, "hc_base": "zeros", "hc_scale": None}
+        self.tp_mesh: DeviceMesh | None = None  # set by apply_tp (see the module's docstring)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        fn, base, scale = summed_over(self.tp_mesh, self.hc_fn, self.hc_base, self.hc_scale)
         flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
-        mixes = F.linear(flat, self.hc_fn.float())
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        mixes = F.linear(flat, fn.float())
+        pre = torch.sigmoid(mixes * scale.float() + base.float()) + self.eps
         return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)

@@ -17,6 +17,12 @@ Qwen3.5: the gated attention as the others' (``q_proj`` rows are whole heads, ea
 head's queries then its gates), and the Gated DeltaNet layers by head
 (``_linear_attention_plan``).
 
+DeepSeek-V4 (``_deepseek_v4_plan``): its attention by query head (``wq_b`` rows and
+the sinks, ``wo_a`` by output group, ``wo_b`` row-wise), the shared key-and-value
+head, the compressors and the indexer replicated; the hyper-connections act per token,
+on the sequence shards under sequence parallelism (their weights replicated, their
+gradients summed over tp, ``hyper_connections.summed_over``); its MoE as the others'.
+
 MoE layers keep the router and the experts replicated over tp: every tp rank routes
 the whole sequence and runs every expert on it (the work is duplicated over tp; expert
 parallelism is the axis that splits experts). Their gradients come out identical on
@@ -42,6 +48,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..config import ConfigError, ModelConfig
+from ..models.compressed_attention import CompressedAttention
+from ..models.deepseek_v4 import DeepseekV4Transformer, V4Block
 from ..models.gated_attention import GatedAttention
 from ..models.linear_attention import GatedDeltaNet
 from ..models.mla import MLA
@@ -87,15 +95,57 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, object]:
         plan["feed_forward.w3"] = ColwiseParallel()
         plan["feed_forward.w2"] = RowwiseParallel(output_layouts=split)
     elif isinstance(ffn, MoE):
-        # replicated experts: gather the sequence in, hand back this rank's part out
-        plan["feed_forward"] = PrepareModuleInputOutput(
-            input_layouts=(split,),
-            desired_input_layouts=(Replicate(),),
-            use_local_input=True,
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(split,),
-        )
+        plan["feed_forward"] = _replicated_moe(split)
     return plan
+
+
+def _replicated_moe(split: Shard | Replicate, *rest: None) -> PrepareModuleInputOutput:
+    """Replicated experts: gather the sequence in, hand back this rank's part out;
+    ``rest``: the module's other inputs, passed as they are."""
+    return PrepareModuleInputOutput(
+        input_layouts=(split, *rest),
+        desired_input_layouts=(Replicate(), *rest),
+        use_local_input=True,
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(split,),
+    )
+
+
+def _deepseek_v4_plan(sequence_parallel: bool) -> dict[str, object]:
+    """One DeepSeek-V4 block: the attention takes the whole sequence as a plain tensor
+    (its replicated projections, compressors and indexer read it), its heads'
+    ``wq_b`` rows column-wise and ``wo_b`` row-wise (``shard_compressed_attention``
+    the rest); the MoE (which also reads the token ids, whole on every rank) replicated.
+    The hyper-connections between them run on what the norms see: the sequence shard
+    under sequence parallelism."""
+    split = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, object] = {
+        "attn": PrepareModuleInput(
+            input_layouts=(split, None),
+            desired_input_layouts=(Replicate(), None),
+            use_local_output=True,
+        ),
+        "attn.wq_b": ColwiseParallel(),
+        "attn.wo_b": RowwiseParallel(output_layouts=split),
+        "ffn": _replicated_moe(split, None),
+    }
+    if sequence_parallel:
+        plan["attn_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+    return plan
+
+
+def shard_compressed_attention(attention: CompressedAttention, tp_mesh: DeviceMesh) -> None:
+    """The sinks by head and ``wo_a`` by output group (its rows are group-major, and
+    ``check_tp`` keeps each rank's heads whole groups); this rank's heads and groups."""
+    tp = tp_mesh.size()
+    for module, name in ((attention, "attn_sink"), (attention.wo_a, "weight")):
+        param = getattr(module, name)
+        sharded = distribute_tensor(param.data, tp_mesh, [Shard(0)])
+        module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
+    attention.n_heads //= tp
+    attention.groups //= tp
+    attention.tp_mesh = tp_mesh
 
 
 def _mla_plan(attention: MLA, split: Shard | Replicate) -> dict[str, object]:
@@ -153,28 +203,32 @@ def shard_linear_attention(attention: GatedDeltaNet, tp_mesh: DeviceMesh) -> Non
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """Every tp rank must hold whole attention heads (MLA: no kv heads of its own;
-    Gated DeltaNet: whole key heads and the value heads they serve); run once, before
-    any rank starts, by ``checked_dims``."""
+    Gated DeltaNet: whole key heads and the value heads they serve; DeepSeek-V4: whole
+    output groups too); run once, before any rank starts, by ``checked_dims``."""
     parts = [("n_heads", cfg.n_heads, "attention heads")]
     if cfg.attention in ("gqa", "gated"):
         parts.append(("n_kv_heads", cfg.n_kv_heads, "key/value heads"))
+    if cfg.attention == "deepseek_v4":
+        parts.append(("deepseek_v4.o_groups", cfg.deepseek_v4.o_groups, "output groups"))
     if "linear_attention" in cfg.layer_types:
         la = cfg.linear_attention
         parts.append(("linear_attention.num_key_heads", la.num_key_heads, "Gated DeltaNet heads"))
         parts.append(
             ("linear_attention.num_value_heads", la.num_value_heads, "Gated DeltaNet heads")
         )
+    every = " and ".join(f"model.{key} = {heads}" for key, heads, _ in parts)
     for key, heads, kind in parts:
         if heads % tp:
             raise ConfigError(
                 f"model.{key} = {heads} is not divisible by parallelism.tp = {tp}; "
-                f"parallelism.tp = {tp} must divide model.n_heads = {cfg.n_heads} and "
-                f"model.n_kv_heads = {cfg.n_kv_heads}: tensor parallelism gives every tp "
-                f"rank whole {kind}"
+                f"parallelism.tp = {tp} must divide {every}: tensor parallelism gives "
+                f"every tp rank whole {kind}"
             )
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
+def apply_tp(
+    model: Transformer | DeepseekV4Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True
+) -> None:
     """Tensor-parallelise ``model`` in place over the 1-D ``tp_mesh`` (before any data
     parallelism). Attention modules then work on their local heads."""
     if tp_mesh.ndim != 1:
@@ -196,6 +250,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
     # the embedding hands its output over sequence-split (SP): later pipeline stages
     # then receive [b, s / tp, d] and must know the sequence is tp times longer
     model.sequence_shards = tp if sequence_parallel else 1
+    if isinstance(model, DeepseekV4Transformer):
+        _apply_tp_deepseek_v4(model, tp_mesh, sequence_parallel)
+        return
     for block in model.layers:
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))  # type: ignore[arg-type]
         attention = block.attention
@@ -208,3 +265,18 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         else:
             assert isinstance(attention, (Attention, GatedAttention))
             attention.n_kv_heads //= tp
+
+
+def _apply_tp_deepseek_v4(
+    model: DeepseekV4Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool
+) -> None:
+    """Each block by ``_deepseek_v4_plan``; under sequence parallelism the
+    hyper-connections' gradients summed over tp (each rank mixes its own tokens)."""
+    for block in model.layers:
+        assert isinstance(block, V4Block)
+        parallelize_module(block, tp_mesh, _deepseek_v4_plan(sequence_parallel))  # type: ignore[arg-type]
+        shard_compressed_attention(block.attn, tp_mesh)
+        if sequence_parallel:
+            block.hc.tp_mesh = tp_mesh
+    if sequence_parallel:
+        model.hc_head.tp_mesh = tp_mesh
