@@ -366,6 +366,9 @@ MODEL_PARALLEL = {
     "dp4xep2": (4, {"dp_shard": 4, "ep": 2}, {}),
     # W = 4: dp2 x pp2, the experts split over the 2 data-parallel ranks of each stage
     "dp2xpp2xep2": (4, {"dp_shard": 2, "pp": 2, "ep": 2}, {}),
+    # W = 4: tp with each of them
+    "tp2xpp2": (4, {"tp": 2, "pp": 2, "dp_shard": 1}, {}),
+    "tp2xep2": (4, {"tp": 2, "dp_shard": 2, "ep": 2}, {}),
 }
 
 
