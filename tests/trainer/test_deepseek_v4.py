@@ -361,7 +361,6 @@ def test_muon_rule_for_the_new_kinds(tmp_path):
         ("parallelism", {"ep": 2}, "parallelism.ep = 2: not built"),
         ("compile", {"enable": True}, "compile.enable = True"),
         ("rl", {"enable": True}, "rl.enable = True"),
-        ("training", {"optimizer": "soap"}, "training.optimizer = 'soap'"),
     ],
 )
 def test_layouts_not_built_are_refused(section, values, message, tmp_path):
