@@ -39,9 +39,7 @@ Factors = list[tuple[int, ...]]
 
 
 def _config(folder: str, family: str, parallelism: dict | None = None) -> Config:
-    return layout_config(
-        folder, parallelism or {}, None, model=FAMILIES[family], training=SOAP
-    )
+    return layout_config(folder, parallelism or {}, None, model=FAMILIES[family], training=SOAP)
 
 
 def _factors(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Factors]:
@@ -64,11 +62,7 @@ RULE: dict[str, dict[str, dict[str, Factors]]] = {
     "qwen3_5": {
         # a depthwise conv kernel [C, 1, K] is a 3-D stack: each channel's K taps a
         # [1, K] matrix (a K x K factor; the 1 x 1 one is a scalar)
-        **{
-            "layers.0.attention.conv1d.weight": {
-                f"expert{c}": _matrix(1, 3) for c in range(88)
-            }
-        },
+        **{"layers.0.attention.conv1d.weight": {f"expert{c}": _matrix(1, 3) for c in range(88)}},
         "layers.0.attention.A_log": {"matrix": []},  # per-head vectors: diagonal Adam
         "layers.0.attention.dt_bias": {"matrix": []},
         "layers.0.attention.in_proj_qkv.weight": {"matrix": _matrix(88, 32)},
@@ -84,7 +78,9 @@ RULE: dict[str, dict[str, dict[str, Factors]]] = {
     },
     "deepseek_v4": {
         # Muon's blocks: per head for wq_b, per output group for wo_a
-        "layers.1.attn.wq_b.weight": {f"rows{r}-{r + 16}": _matrix(16, 24) for r in (0, 16, 32, 48)},
+        "layers.1.attn.wq_b.weight": {
+            f"rows{r}-{r + 16}": _matrix(16, 24) for r in (0, 16, 32, 48)
+        },
         "layers.1.attn.wo_a.weight": {f"rows{r}-{r + 12}": _matrix(12, 32) for r in (0, 12)},
         "layers.1.hc_attn_fn": {"matrix": _matrix(15, 96)},  # hyper-connection projection
         "layers.1.hc_attn_base": {"matrix": []},  # its offsets and scales: diagonal Adam
@@ -154,8 +150,9 @@ def test_soap_on_the_families_matches_one_process(world_size: int, tmp_path) -> 
     for family in FAMILIES:
         for by_case in results:  # every rank logs the same losses
             assert by_case[(family, planned)]["losses"] == results[0][(family, planned)]["losses"]
-        # both placements step the same whole matrices: the same losses, bit for bit
-        assert results[0][(family, planned)]["losses"] == results[0][(family, other)]["losses"]
+        if world_size == 2:  # a sum of two gradients rounds alike in every layout, and
+            # both placements step the same whole matrices: the same losses, bit for bit
+            assert results[0][(family, planned)]["losses"] == results[0][(family, other)]["losses"]
         for placement in (planned, other):
             cfg = _case_config("-", family, world_size, placement)
             result = results[0][(family, placement)]
