@@ -62,7 +62,7 @@ RULE: dict[str, dict[str, dict[str, Factors]]] = {
     "qwen3_5": {
         # a depthwise conv kernel [C, 1, K] is a 3-D stack: each channel's K taps a
         # [1, K] matrix (a K x K factor; the 1 x 1 one is a scalar)
-        **{"layers.0.attention.conv1d.weight": {f"expert{c}": _matrix(1, 3) for c in range(88)}},
+        "layers.0.attention.conv1d.weight": {f"expert{c}": _matrix(1, 3) for c in range(88)},
         "layers.0.attention.A_log": {"matrix": []},  # per-head vectors: diagonal Adam
         "layers.0.attention.dt_bias": {"matrix": []},
         "layers.0.attention.in_proj_qkv.weight": {"matrix": _matrix(88, 32)},
