@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import flexshard as fs
 from flexshard.trainer.config import ModelConfig, MoEConfig
-from flexshard.trainer.models.model import Transformer, init_weights
+from flexshard.trainer.models.model import Transformer, build_model, init_weights
 from flexshard.trainer.parallel.tensor_parallel import apply_tp
 
 SEED = 7
@@ -69,18 +69,18 @@ def reference(cfg: ModelConfig, dp: int, steps: int) -> tuple[list[float], list[
 
 
 def quantized_reference(
-    cfg: ModelConfig, dp: int, steps: int, qdq: Callable[[Transformer], None]
+    cfg: ModelConfig, dp: int, steps: int, qdq: Callable[[nn.Module], None]
 ) -> list[float]:
     """One process's losses where the master weights train and each forward runs on
     ``qdq``'s quantize-dequantize of them (applied in place to a copy, no grad): the
     gradient of the dequantized weights updates the master, as a quantized all-gather
     of fp32 master shards trains."""
-    master = Transformer(cfg)
+    master = build_model(cfg)
     init_weights(master, SEED)
     opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=0.1)
     losses = []
     for batch in batches(dp, steps):
-        model = Transformer(cfg)
+        model = build_model(cfg)
         model.load_state_dict(master.state_dict())
         with torch.no_grad():
             qdq(model)

@@ -627,7 +627,6 @@ def test_muon_rule_for_the_new_kinds(tmp_path):
         ("parallelism", {"cp": 2}, "parallelism.cp = 2: not built"),
         ("compile", {"enable": True}, "compile.enable = True"),
         ("rl", {"enable": True}, "rl.enable = True"),
-        ("training", {"optimizer": "soap"}, "training.optimizer = 'soap'"),
     ],
 )
 def test_layouts_not_built_are_refused(section, values, message, tmp_path):

@@ -246,7 +246,7 @@ _V4_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compre
 
 def _check_deepseek_v4(cfg: Config) -> None:
     """DeepSeek-V4: its sizes, and the layouts built for it (data parallel on every
-    placement, tp, ep, pp, with AdamW or Muon); the rest refused naming the key."""
+    placement, tp, ep, pp, with every optimizer); the rest refused naming the key."""
     m, p, v4, moe = cfg.model, cfg.parallelism, cfg.model.deepseek_v4, cfg.model.moe
     why = 'model.attention = "deepseek_v4"'
     for key in ("cp",):
@@ -264,10 +264,6 @@ def _check_deepseek_v4(cfg: Config) -> None:
         "model.moe.first_dense_layers": (moe.first_dense_layers, 0),
         "model.n_kv_heads": (m.n_kv_heads, 1),
     }
-    if cfg.training.optimizer not in ("adamw", "muon"):
-        raise ConfigError(
-            f"training.optimizer = {cfg.training.optimizer!r}: {why} runs AdamW or Muon"
-        )
     for key, (value, ok) in refused.items():
         if value != ok:
             raise ConfigError(f"{key} = {value!r}: {why} needs {ok!r}")
