@@ -394,14 +394,16 @@ def test_expert_and_pipeline_parallel_match_one_process(world_size, tmp_path):
             assert by_name[name]["losses"] == results[0][name]["losses"], (name, rank)
 
 
-# one global batch of 4 sequences through four layouts on 2 ranks, each resuming the
+# one global batch of 4 sequences through five layouts on 2 ranks, each resuming the
 # last one's checkpoint: dp2 -> dp2 x ep2 (the experts re-cut by EP rank) -> pp2 (one
-# data-parallel rank of 4 sequences: the same global batch) -> dp2 again
+# data-parallel rank of 4 sequences: the same global batch) -> tp2 (the heads re-cut)
+# -> dp2 again
 RESUME_CHAIN = [
     ({"dp_shard": 2}, 3, 2),
     ({"dp_shard": 2, "ep": 2}, 6, 2),
     ({"dp_shard": 1, "pp": 2}, 9, 4),
-    ({"dp_shard": 2}, 12, 2),
+    ({"dp_shard": 1, "tp": 2}, 12, 4),
+    ({"dp_shard": 2}, 15, 2),
 ]
 
 
@@ -421,12 +423,14 @@ def _save_then_resume(rank: int, world_size: int, folder: str) -> list[list[floa
 
 
 @pytest.mark.slow
-def test_checkpoint_resumes_under_expert_and_pipeline_parallel(tmp_path):
+def test_checkpoint_resumes_across_model_parallel_layouts(tmp_path):
     losses = run_distributed(_save_then_resume, 2, str(tmp_path), timeout=1200)[0]
-    assert [len(x) for x in losses] == [3, 3, 3, 3]  # each run resumed where the last stopped
-    expected, _, _ = single_process(_resume_config("-", {"dp_shard": 2}, 12, 2), 2)
+    assert [len(x) for x in losses] == [3] * len(
+        RESUME_CHAIN
+    )  # each run resumed where the last stopped
+    expected, _, _ = single_process(_resume_config("-", {"dp_shard": 2}, 15, 2), 2)
     gaps = [abs(a - b) / b for a, b in zip(sum(losses, []), expected)]
-    print(f"deepseek_v4 dp2 -> dp2xep2 -> pp2 -> dp2 resumed: loss gap {max(gaps):.2e}")
+    print(f"deepseek_v4 dp2 -> dp2xep2 -> pp2 -> tp2 -> dp2 resumed: loss gap {max(gaps):.2e}")
     assert max(gaps) < LOSS_RTOL, gaps
 
 
