@@ -33,11 +33,10 @@ from flexshard.trainer.config import ConfigError, config_from_dict
 from flexshard.trainer.config.hf_config import folder_quantization, model_fields
 from flexshard.trainer.models.deepseek_v4 import DeepseekV4Transformer
 from flexshard.trainer.models.hf_adapter import hf_keys, published_layout
-from flexshard.trainer.models.layers import loss_fn
 
 from .deepseek_v4_published import E2M1, published_config, quantize_fp4, write_published
 from .test_deepseek_v4 import SHAPE, hf_model, tokens
-from .test_model_families import _tensors, from_folder
+from .test_model_families import _tensors, from_folder, matches_transformers
 from .test_qwen3_5 import _load_and_export
 
 transformers = pytest.importorskip("transformers")
@@ -118,14 +117,7 @@ def test_published_folder_is_transformers_load_of_it(tmp_path):
     unquantized = original.state_dict()[layer.format(0) + "self_attn.q_a_proj.weight"]
     assert not torch.equal(state["layers.0.attn.wq_a.weight"], unquantized)
     batch = tokens()
-    with torch.no_grad():
-        ours = model(batch)
-        out = reference(batch, labels=batch)
-        loss = loss_fn(ours[:, :-1], batch[:, 1:]).item()
-    gap = (ours - out.logits).abs().max().item()
-    print(f"deepseek_v4 published: logits within {gap:.1e}, loss {loss} vs {out.loss.item()}")
-    assert gap <= 1e-5, gap
-    assert abs(loss - out.loss.item()) <= 1e-4
+    matches_transformers("deepseek_v4 published", model, reference, batch)
 
 
 def test_run_from_it_exports_an_unquantized_folder_transformers_loads(tmp_path):

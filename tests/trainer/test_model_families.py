@@ -38,6 +38,7 @@ from flexshard.trainer.config.hf_config import check_matches, hf_config, model_f
 from flexshard.trainer.launch import main as train_main
 from flexshard.trainer.models import hf_adapter
 from flexshard.trainer.models.hf_adapter import hf_keys
+from flexshard.trainer.models.layers import loss_fn
 from flexshard.trainer.models.model import Transformer
 from flexshard.trainer.train import run, setup
 
@@ -114,6 +115,22 @@ def hf_model(folder: Path, family: str) -> torch.nn.Module:
 
 def probe_tokens() -> torch.Tensor:
     return torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(1))
+
+
+def matches_transformers(
+    name: str, model: torch.nn.Module, reference: torch.nn.Module, batch: torch.Tensor
+) -> torch.Tensor:
+    """Our logits within 1e-5 of transformers' ``reference`` on ``batch`` and the loss
+    within 1e-4 of its own; transformers' logits, for the checks after."""
+    with torch.no_grad():
+        ours = model(batch)
+        out = reference(batch, labels=batch)
+        loss = loss_fn(ours[:, :-1], batch[:, 1:]).item()
+    gap = (ours - out.logits).abs().max().item()
+    print(f"{name}: logits within {gap:.1e}, loss {loss} vs {out.loss.item()}")
+    assert gap <= 1e-5, gap
+    assert abs(loss - out.loss.item()) <= 1e-4
+    return out.logits
 
 
 def from_folder(folder: Path, **sections: dict) -> dict:

@@ -47,7 +47,7 @@ from flexshard.trainer.config.hf_config import text_model_prefix
 from flexshard.trainer.launch import main as train_main
 from flexshard.trainer.models import linear_attention
 from flexshard.trainer.models.hf_adapter import hf_keys
-from flexshard.trainer.models.layers import KVCache, loss_fn
+from flexshard.trainer.models.layers import KVCache
 from flexshard.trainer.models.linear_attention import (
     GatedDeltaNet,
     chunk_gated_delta_rule,
@@ -61,7 +61,7 @@ from flexshard.trainer.models.model import Transformer
 from flexshard.trainer.train import run, setup
 
 from ..helpers.trainer_cases import launch_dims
-from .test_model_families import _tensors, from_folder
+from .test_model_families import _tensors, from_folder, matches_transformers
 from .test_parallel_layouts import (
     LOSS_RTOL,
     MUON_RTOL,
@@ -223,14 +223,7 @@ def test_folder_is_the_model_logits_and_loss(tmp_path):
     assert (m.linear_attention.conv_kernel, m.linear_attention.num_value_heads) == (3, 4)
     model = loaded(tmp_path)
     batch = tokens()
-    with torch.no_grad():
-        ours = model(batch)
-        out = reference(batch, labels=batch)
-        loss = loss_fn(ours[:, :-1], batch[:, 1:]).item()
-    gap = (ours - out.logits).abs().max().item()
-    print(f"qwen3_5: logits within {gap:.1e}, loss {loss} vs {out.loss.item()}")
-    assert gap <= 1e-5, gap
-    assert abs(loss - out.loss.item()) <= 1e-4
+    matches_transformers("qwen3_5", model, reference, batch)
 
 
 def _load_and_export(rank: int, world_size: int, folder: str) -> None:

@@ -38,12 +38,11 @@ from flexshard.trainer.config import ConfigError, config_from_dict
 from flexshard.trainer.config.hf_config import text_model_prefix
 from flexshard.trainer.launch import main as train_main
 from flexshard.trainer.models.hf_adapter import fused_experts, hf_keys
-from flexshard.trainer.models.layers import loss_fn
 from flexshard.trainer.models.model import Transformer
 from flexshard.trainer.train import run, setup
 
 from ..helpers.trainer_cases import launch_dims
-from .test_model_families import _tensors, from_folder
+from .test_model_families import _tensors, from_folder, matches_transformers
 from .test_parallel_layouts import (
     LOSS_RTOL,
     MUON_RTOL,
@@ -119,19 +118,12 @@ def test_folder_is_the_model_logits_and_loss(tmp_path):
     model = loaded(tmp_path)
     assert model.layers[0].feed_forward.shared_gate.weight.shape == (1, 64)
     batch = tokens()
-    with torch.no_grad():
-        ours = model(batch)
-        out = reference(batch, labels=batch)
-        loss = loss_fn(ours[:, :-1], batch[:, 1:]).item()
-    gap = (ours - out.logits).abs().max().item()
-    print(f"qwen3_5_moe: logits within {gap:.1e}, loss {loss} vs {out.loss.item()}")
-    assert gap <= 1e-5, gap
-    assert abs(loss - out.loss.item()) <= 1e-4
+    expected = matches_transformers("qwen3_5_moe", model, reference, batch)
     # the gate matters: without it the logits are another model's
     with torch.no_grad():
         for layer in model.layers:
             layer.feed_forward.shared_gate = None
-        assert (model(batch) - out.logits).abs().max().item() > 1e-2
+        assert (model(batch) - expected).abs().max().item() > 1e-2
 
 
 def test_export_reloads_exact(tmp_path):
