@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -53,6 +55,7 @@ from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.layers import loss_fn
 from flexshard.trainer.models.model import init_weights
 from flexshard.trainer.parallel.activation_checkpoint import apply_ac
+from flexshard.trainer.parallel.context_parallel import apply_cp, split_sequence, zigzag_chunks
 from flexshard.trainer.parallel.parallelize import checked_dims
 from flexshard.trainer.parallel.pipeline import split_model
 from flexshard.trainer.parallel.tensor_parallel import apply_tp
@@ -552,6 +555,73 @@ def test_tp_gradients_are_one_process():
                 assert mine[worst] < tolerance, (sequence_parallel, worst, mine[worst])
 
 
+# context parallel: (cp, seq) with zig-zag chunks of 5 (the sparse branch's windows of
+# 4 across chunk boundaries, a chunk completing none, one or two; the heavy branch's of
+# 8 across two chunks) and 3 (every window across two or three chunks, the sliding
+# window of 6 reaching back over two)
+CP_SEQUENCES = [(2, 20), (3, 18)]
+
+
+def _cp_logits_and_gradients(rank: int, world_size: int, seqs: list[int]) -> list:
+    """Per sequence length: this rank's logits, and each parameter's gradient of the
+    whole batch's mean loss summed over the cp ranks (what data parallelism over
+    dp x cp reduces)."""
+    results = []
+    for seq in seqs:
+        model = _drawn_model()
+        mesh = init_device_mesh("cpu", (world_size,))
+        apply_cp(model, mesh)
+        batch = tokens(seq + 1) % 256
+        inputs, targets = (split_sequence(t, mesh) for t in (batch[:, :-1], batch[:, 1:]))
+        logits = model(inputs)
+        total = targets.numel() * world_size
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").div(
+            total
+        ).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        for grad in grads.values():
+            dist.all_reduce(grad)
+        results.append((logits.detach(), grads))
+    return results
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_cp_logits_and_gradients_are_one_process(cp):
+    """Under cp every rank's logits are one process's at its zig-zag positions, and
+    every parameter's gradient (summed over the ranks) is one process's: the sliding
+    window's keys before each chunk, the compressed entries pooled by the rank that
+    holds their last token and gathered, the indexer's top-k by global position."""
+    seqs = [seq for size, seq in CP_SEQUENCES if size == cp]
+    by_rank = run_distributed(_cp_logits_and_gradients, cp, seqs, timeout=300)
+    for index, seq in enumerate(seqs):
+        model = _drawn_model()
+        batch = tokens(seq + 1) % 256
+        logits = model(batch[:, :-1])
+        loss_fn(logits, batch[:, 1:]).backward()
+        expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        for rank, results in enumerate(by_rank):
+            got_logits, grads = results[index]
+            chunks = logits.detach().chunk(2 * cp, dim=1)
+            mine = torch.cat([chunks[c] for c in zigzag_chunks(rank, cp)], dim=1)
+            logit_gap = float((got_logits - mine).abs().max() / mine.abs().max())
+            assert set(grads) == set(expected), seq
+            gaps = {
+                n: float((g - expected[n]).abs().max() / expected[n].abs().max())
+                for n, g in grads.items()
+            }
+            worst = {
+                part: max((n for n in gaps if ("hc_" in n) == (part == "hc")), key=gaps.__getitem__)
+                for part in HC_GRAD_RTOL
+            }
+            print(
+                f"deepseek_v4 cp{cp} seq {seq} rank {rank}: logits {logit_gap:.1e}, worst "
+                + ", ".join(f"{part} {gaps[n]:.1e} ({n})" for part, n in worst.items())
+            )
+            assert logit_gap < 1e-6, (seq, rank, logit_gap)
+            for part, name in worst.items():
+                assert gaps[name] < HC_GRAD_RTOL[part], (seq, rank, name, gaps[name])
+
+
 @pytest.mark.slow  # each gradient is checked in the fast suite
 def test_tp2_matches_one_process(tmp_path):
     _check_tp(tmp_path, 2)
@@ -621,7 +691,6 @@ def test_muon_rule_for_the_new_kinds(tmp_path):
 @pytest.mark.parametrize(
     "section, values, message",
     [
-        ("parallelism", {"cp": 2}, "parallelism.cp = 2: not built"),
         ("compile", {"enable": True}, "compile.enable = True"),
         ("rl", {"enable": True}, "rl.enable = True"),
     ],

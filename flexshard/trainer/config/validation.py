@@ -246,12 +246,9 @@ _V4_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compre
 
 def _check_deepseek_v4(cfg: Config) -> None:
     """DeepSeek-V4: its sizes, and the layouts built for it (data parallel on every
-    placement, tp, ep, pp, with every optimizer); the rest refused naming the key."""
-    m, p, v4, moe = cfg.model, cfg.parallelism, cfg.model.deepseek_v4, cfg.model.moe
+    placement, tp, ep, pp, cp, with every optimizer); the rest refused naming the key."""
+    m, v4, moe = cfg.model, cfg.model.deepseek_v4, cfg.model.moe
     why = 'model.attention = "deepseek_v4"'
-    for key in ("cp",):
-        if getattr(p, key) > 1:
-            raise ConfigError(f"parallelism.{key} = {getattr(p, key)}: not built for {why}")
     refused = {
         "compile.enable": (cfg.compile.enable, False),
         "rl.enable": (cfg.rl.enable, False),

@@ -29,16 +29,22 @@ so splitting them would only add a gather."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import ModelConfig
+from .compressed_attention_cp import entries_across_ranks, window_keys_across_ranks
 from .hyper_connections import unweighted_rms_norm
 from .layers import RMSNorm, _linear, apply_rope
-from .linear_attention import local
+from .linear_attention import as_pieces, from_pieces, local
 from .mla import _all_reduce_grad, yarn_frequencies
+
+if TYPE_CHECKING:
+    from ..parallel.context_parallel import ContextParallel
 
 SLIDING = "sliding_attention"
 SPARSE = "compressed_sparse_attention"
@@ -99,21 +105,37 @@ class Compressor(nn.Module):
             return x.new_zeros(b, 0, d)
         kv = self.wkv(x[:, : n * m]).view(b, n, m, -1)
         gate = self.wgate(x[:, : n * m]).view(b, n, m, -1) + self.ape
+        if self.overlap:  # the first window has no previous one: one of no weight in front
+            kv = F.pad(kv, (0, 0, 0, 0, 1, 0))
+            gate = F.pad(gate, (0, 0, 0, 0, 1, 0), value=float("-inf"))
+        return rotated_entries(self.pool(kv, gate), m, cos, sin)
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The entries [b, n, head_dim] (not rotated) of ``n`` consecutive windows' token
+        projections ``kv`` and gates ``gate`` (``ape`` added) [b, n, rate, width]; with
+        ``overlap`` one window more in front, read only for its first half."""
+        d = self.head_dim
         if self.overlap:  # [previous window's first half | this window's second half]
-            first_kv = F.pad(kv[:, :-1, :, :d], (0, 0, 0, 0, 1, 0))
-            first_gate = F.pad(gate[:, :-1, :, :d], (0, 0, 0, 0, 1, 0), value=float("-inf"))
-            kv = torch.cat([first_kv, kv[..., d:]], dim=2)
-            gate = torch.cat([first_gate, gate[..., d:]], dim=2)
+            kv = torch.cat([kv[:, :-1, :, :d], kv[:, 1:, :, d:]], dim=2)
+            gate = torch.cat([gate[:, :-1, :, :d], gate[:, 1:, :, d:]], dim=2)
         weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
-        entries = self.norm((kv * weights).sum(dim=2))
-        where = torch.arange(n, device=x.device) * m
-        return rope_tail(entries.unsqueeze(2), cos[where], sin[where]).squeeze(2)
+        return self.norm((kv * weights).sum(dim=2))
 
 
-def visible_entries(seq_len: int, entries: int, rate: int, device: torch.device) -> torch.Tensor:
-    """[seq_len, entries]: whether query t sees entry w (all of its tokens at or before t)."""
-    ready = (torch.arange(seq_len, device=device) + 1) // rate
-    return torch.arange(entries, device=device)[None, :] < ready[:, None]
+def rotated_entries(
+    entries: torch.Tensor, rate: int, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """``entries`` [b, n, head_dim] (windows 0 .. n - 1 of ``rate`` tokens) rotated at
+    their windows' first positions."""
+    where = torch.arange(entries.shape[1], device=entries.device) * rate
+    return rope_tail(entries.unsqueeze(2), cos[where], sin[where]).squeeze(2)
+
+
+def visible_entries(positions: torch.Tensor, entries: int, rate: int) -> torch.Tensor:
+    """[queries, entries]: whether the query at each of ``positions`` sees entry w (all
+    of its tokens at or before the query)."""
+    ready = (positions + 1) // rate
+    return torch.arange(entries, device=positions.device)[None, :] < ready[:, None]
 
 
 class Indexer(nn.Module):
@@ -129,23 +151,42 @@ class Indexer(nn.Module):
         self.weights_proj = _linear(cfg.dim, self.heads, 0.02)
 
     def forward(
-        self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        keys: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
-        """[b, s, T] additive bias over the T compressed entries: 0 where chosen."""
+        """[b, s, T] additive bias over the T compressed entries: 0 where chosen, for the
+        queries ``x`` at ``positions`` (``cos`` / ``sin``: their rows of the tables)
+        and the compressor's entries ``keys`` [b, T, index_head_dim]."""
         b, s, _ = x.shape
-        keys = self.compressor(x, cos, sin)  # [b, T, hd]
         q = rope_tail(self.wq_b(q_latent).view(b, s, self.heads, self.head_dim), cos, sin)
         scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))
         scores = F.relu(scores) * self.head_dim**-0.5  # [b, s, h, T]
         weights = self.weights_proj(x).float() * self.heads**-0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=2)
-        visible = visible_entries(s, keys.shape[1], self.compressor.rate, x.device)
+        visible = visible_entries(positions, keys.shape[1], self.compressor.rate)
         scores = scores.masked_fill(~visible, float("-inf"))
         chosen = scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
         # a query with fewer visible entries than topk: its extra picks stay masked
         picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
         bias = torch.zeros_like(scores, dtype=x.dtype)
         return bias.masked_fill(~(picked & visible), float("-inf"))
+
+
+def window_bias(
+    queries: torch.Tensor, keys: torch.Tensor, window: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """[..., q, k] additive bias: 0 where the key at position ``keys`` is one of the
+    ``window`` ending at the query at ``queries`` (and in the sequence), else -inf."""
+    gap = queries[..., :, None] - keys[..., None, :]
+    seen = (gap >= 0) & (gap < window) & (keys[..., None, :] >= 0)
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(
+        ~seen, float("-inf")
+    )
 
 
 class CompressedAttention(nn.Module):
@@ -179,44 +220,82 @@ class CompressedAttention(nn.Module):
         # set by apply_tp: the keys and values are shared by every head, and a tp rank's
         # heads give only their part of their gradient
         self.tp_mesh: DeviceMesh | None = None
+        self.context_parallel: ContextParallel | None = None  # set by apply_cp
 
     def forward(
         self, x: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
+        """The layer's output for the tokens ``x`` [b, s, dim] (under
+        ``context_parallel``: this rank's two zig-zag chunks; ``tables``: the whole
+        sequence's)."""
         b, s, _ = x.shape
+        cp = self.context_parallel
         cos, sin = tables["main" if self.compressor is None else "compress"]
+        if cp is None:
+            positions, here = torch.arange(s, device=x.device), (cos, sin)
+        else:  # this rank's tokens sit at zig-zag global positions
+            positions = cp.positions(s, x.device)
+            here = (cos[positions], sin[positions])
         q_latent = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_latent).view(b, s, self.n_heads, self.head_dim)
-        q = rope_tail(unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = rope_tail(self.norm(self.wkv(x)).unsqueeze(2), cos, sin).squeeze(2)
-        positions = torch.arange(s, device=x.device)
-        gap = positions[:, None] - positions[None, :]
-        in_window = (gap >= 0) & (gap < self.window)
-        mask = torch.zeros(s, s, dtype=x.dtype, device=x.device).masked_fill(
-            ~in_window, float("-inf")
-        )
-        mask = mask.expand(b, s, s)
+        q = rope_tail(unweighted_rms_norm(q, self.eps), *here)
+        kv = rope_tail(self.norm(self.wkv(x)).unsqueeze(2), *here).squeeze(2)
+        if cp is None:
+            keys, mask = kv, window_bias(positions, positions, self.window, x.dtype).expand(b, s, s)
+        else:  # one row per chunk (``as_pieces``), each with the window keys before it
+            chunk_keys, key_positions = window_keys_across_ranks(kv, self.window, cp, positions)
+            keys = chunk_keys.transpose(0, 1).flatten(0, 1)
+            mask = window_bias(positions.view(2, -1), key_positions, self.window, x.dtype)
+            mask = mask.unsqueeze(1).expand(-1, b, -1, -1).flatten(0, 1)
+            q = as_pieces(q)
         if self.compressor is not None:
-            entries = self.compressor(x, cos, sin)
+            entries = self.entries(self.compressor, x, cos, sin, positions)
             if self.indexer is not None:
-                bias = self.indexer(x, q_latent, cos, sin)
+                index_keys = self.entries(self.indexer.compressor, x, cos, sin, positions)
+                bias = self.indexer(x, q_latent, index_keys, *here, positions)
             else:
-                visible = visible_entries(s, entries.shape[1], self.compressor.rate, x.device)
+                visible = visible_entries(positions, entries.shape[1], self.compressor.rate)
                 bias = torch.zeros(s, entries.shape[1], dtype=x.dtype, device=x.device)
                 bias = bias.masked_fill(~visible, float("-inf")).expand(b, -1, -1)
-            kv = torch.cat([kv, entries], dim=1)
+            if cp is not None:  # every chunk reads every entry
+                entries, bias = entries.repeat(2, 1, 1), as_pieces(bias)
+            keys = torch.cat([keys, entries], dim=1)
             mask = torch.cat([mask, bias], dim=-1)
-        if self.tp_mesh is not None:
-            kv = _all_reduce_grad(kv, self.tp_mesh)
-        scores = torch.matmul(q.transpose(1, 2), kv.unsqueeze(1).transpose(2, 3))
-        scores = scores * self.head_dim**-0.5 + mask.unsqueeze(1)
-        sinks = local(self.attn_sink).reshape(1, -1, 1, 1).expand(b, -1, s, 1).to(scores.dtype)
-        logits = torch.cat([scores, sinks], dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)
-        out = torch.matmul(probs, kv.unsqueeze(1)).transpose(1, 2)  # [b, s, h, d]
-        out = rope_tail(out, cos, -sin)
+        out = self.attend(q, keys, mask)
+        if cp is not None:
+            out = from_pieces(out)
+        out = rope_tail(out, here[0], -here[1])
         grouped = out.reshape(b * s, self.groups, -1).transpose(0, 1)
         w = local(self.wo_a.weight).view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)
         low_rank = torch.bmm(grouped, w).transpose(0, 1).reshape(b, s, -1)
         return self.wo_b(low_rank)
+
+    def entries(
+        self,
+        compressor: Compressor,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """``compressor``'s entries [b, T, d] of the whole sequence, rotated."""
+        cp = self.context_parallel
+        if cp is None:
+            return compressor(x, cos, sin)
+        pooled = entries_across_ranks(compressor, x, cp, positions)
+        return rotated_entries(pooled, compressor.rate, cos, sin)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Every head's attention [rows, s, h, d] of the queries ``q`` [rows, s, h, d] over
+        the shared ``keys`` (= values) [rows, K, d] under the additive ``mask`` [rows, s, K],
+        each head's sink beside them in the softmax."""
+        if self.tp_mesh is not None:
+            keys = _all_reduce_grad(keys, self.tp_mesh)
+        rows, s = q.shape[:2]
+        scores = torch.matmul(q.transpose(1, 2), keys.unsqueeze(1).transpose(2, 3))
+        scores = scores * self.head_dim**-0.5 + mask.unsqueeze(1)
+        sinks = local(self.attn_sink).reshape(1, -1, 1, 1).expand(rows, -1, s, 1).to(scores.dtype)
+        logits = torch.cat([scores, sinks], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(keys.dtype)
+        return torch.matmul(probs, keys.unsqueeze(1)).transpose(1, 2)

@@ -26,6 +26,7 @@ from .layers import RMSNorm, _linear
 from .moe import LoadBalance, gated, grouped_swiglu, loop_swiglu, routed_locally
 
 if TYPE_CHECKING:
+    from ..parallel.context_parallel import ContextParallel
     from ..parallel.expert_parallel import ExpertParallel
 
 HASH = "hash_moe"
@@ -207,6 +208,9 @@ class DeepseekV4Transformer(nn.Module):
         self.stage_state_dims = (v4.hc_mult, cfg.dim)
         self.stages_take_token_ids = True
         self._rope: dict[tuple[int, torch.device], Any] = {}
+        # set by apply_cp: the tokens are this rank's zig-zag chunks, the RoPE tables
+        # the whole sequence's (each attention reads its tokens' rows)
+        self.context_parallel: ContextParallel | None = None
 
     def forward(
         self, inputs: torch.Tensor, cache: Any = None, token_ids: torch.Tensor | None = None
@@ -225,9 +229,11 @@ class DeepseekV4Transformer(nn.Module):
                 "token_ids (the hash-routed layers route by token id)"
             )
         tokens = inputs if token_ids is None else token_ids
-        key = (tokens.shape[1], tokens.device)
+        cp = self.context_parallel
+        length = tokens.shape[1] if cp is None else cp.global_len(tokens.shape[1])
+        key = (length, tokens.device)
         if key not in self._rope:
-            self._rope[key] = v4_rope_tables(self.cfg, tokens.shape[1], tokens.device)
+            self._rope[key] = v4_rope_tables(self.cfg, length, tokens.device)
         if streams_in:
             streams = self.tok_embeddings(inputs)  # nn.Identity on a later pipeline stage
         else:
