@@ -319,8 +319,25 @@ TP_LAYOUTS = {
 }
 
 
+# context parallel on sequences whose zig-zag chunks cut the compressors' windows (as
+# CP_SEQUENCES below): alone at W = 2 and 3, with dp, tp and pp at W = 4
+CP_LAYOUTS = {
+    "cp2": (2, {"dp_shard": 1, "cp": 2}, {"training": {"seq_len": 20}}),
+    # the blocks' recompute runs the gathers again, in the same order on every rank
+    "cp2_full_ac": (
+        2,
+        {"dp_shard": 1, "cp": 2},
+        {"training": {"seq_len": 20}, "activation_checkpoint": {"mode": "full"}},
+    ),
+    "cp3": (3, {"dp_shard": 1, "cp": 3}, {"training": {"seq_len": 18}}),
+    "dp2xcp2": (4, {"dp_shard": 2, "cp": 2}, {"training": {"seq_len": 20}}),
+    "cp2xtp2": (4, {"dp_shard": 1, "cp": 2, "tp": 2}, {"training": {"seq_len": 20}}),
+    "cp2xpp2": (4, {"dp_shard": 1, "cp": 2, "pp": 2}, {"training": {"seq_len": 20}}),
+}
+
+
 def _config(folder: str, name: str):
-    _, parallelism, sections = {**LAYOUTS, **TP_LAYOUTS}[name]
+    _, parallelism, sections = {**LAYOUTS, **TP_LAYOUTS, **CP_LAYOUTS}[name]
     return layout_config(f"{folder}/{name}", parallelism, None, model=V4_MODEL, **sections)
 
 
@@ -475,8 +492,9 @@ def test_clamped_experts_grouped_match_the_loop_over_experts():
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
 
 
-def _check_tp(tmp_path, world_size: int) -> None:
-    names = [name for name, (w, _, _) in TP_LAYOUTS.items() if w == world_size]
+def _check_layouts(layouts: dict, tmp_path, world_size: int) -> None:
+    """The ``layouts`` of ``world_size`` ranks, 10 steps each, against one process."""
+    names = [name for name, (w, _, _) in layouts.items() if w == world_size]
     results = run_distributed(_layouts, world_size, str(tmp_path), names, timeout=900)
     for name in names:
         cfg = _config("-", name)
@@ -585,7 +603,7 @@ def _cp_logits_and_gradients(rank: int, world_size: int, seqs: list[int]) -> lis
     return results
 
 
-@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("cp", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_cp_logits_and_gradients_are_one_process(cp):
     """Under cp every rank's logits are one process's at its zig-zag positions, and
     every parameter's gradient (summed over the ranks) is one process's: the sliding
@@ -624,12 +642,12 @@ def test_cp_logits_and_gradients_are_one_process(cp):
 
 @pytest.mark.slow  # each gradient is checked in the fast suite
 def test_tp2_matches_one_process(tmp_path):
-    _check_tp(tmp_path, 2)
+    _check_layouts(TP_LAYOUTS, tmp_path, 2)
 
 
 @pytest.mark.slow
 def test_dp2_x_tp2_match_one_process(tmp_path):
-    _check_tp(tmp_path, 4)
+    _check_layouts(TP_LAYOUTS, tmp_path, 4)
 
 
 @pytest.mark.parametrize(
@@ -751,3 +769,9 @@ def test_activation_checkpoint_recomputes_the_same_gradients(mode):
     assert {n for n, g, _ in pairs if g is None} == {n for n, _, g in pairs if g is None}
     assert all(".indexer." in n for n, g, _ in pairs if g is None)
     assert [n for n, g, h in pairs if g is not None and not torch.equal(g, h)] == []
+
+
+@pytest.mark.slow  # each gradient is checked in the fast suite
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_cp_matches_one_process(world_size, tmp_path):
+    _check_layouts(CP_LAYOUTS, tmp_path, world_size)
