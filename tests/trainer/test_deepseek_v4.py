@@ -24,6 +24,9 @@ would hide a wrong use of any).
 - tp2 against one process: each gradient after one backward (with and without
   sequence parallelism); 10 steps at W = 2, and dp2 x tp2 at W = 4 (without sequence
   parallelism, on FSDP2, under Muon) (slow);
+- cp: logits and each gradient after one backward at cp2 and cp3 (slow) against one
+  process, on sequences whose zig-zag chunks cut the compressors' windows; 10 steps at
+  cp2 (and with full AC), cp3, dp2 x cp2, cp2 x tp2 and cp2 x pp2 (slow);
 - the Muon rule for the new kinds; what is not built, or what the folder asks that the
   trainer does not compute, is a ConfigError naming the key.
 """

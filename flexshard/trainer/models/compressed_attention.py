@@ -19,7 +19,9 @@ Beside the window, a layer may attend compressed entries, each a softmax-gated s
 
 Names are DeepSeek's own (``wq_a``, ``wkv``, ``attn_sink``, ``compressor.ape``), as
 transformers saves them. Computes what transformers' ``DeepseekV4Attention`` does
-without a cache (training; positions from 0).
+without a cache (training; positions from 0); under context parallelism, for a rank's
+two zig-zag chunks, with what they need from the other ranks
+(``compressed_attention_cp.py``).
 
 Under tensor parallelism (``tp_mesh``, set by ``apply_tp``) each tp rank holds whole
 query heads (``wq_b`` rows, ``attn_sink``) and the output groups they make (``wo_a``
