@@ -245,15 +245,15 @@ class CompressedAttention(nn.Module):
         if cp is None:
             keys, mask = kv, window_bias(positions, positions, self.window, x.dtype).expand(b, s, s)
         else:  # one row per chunk (``as_pieces``), each with the window keys before it
-            chunk_keys, key_positions = window_keys_across_ranks(kv, self.window, cp, positions)
+            chunk_keys, key_positions = window_keys_across_ranks(kv, self.window, cp)
             keys = chunk_keys.transpose(0, 1).flatten(0, 1)
             mask = window_bias(positions.view(2, -1), key_positions, self.window, x.dtype)
             mask = mask.unsqueeze(1).expand(-1, b, -1, -1).flatten(0, 1)
             q = as_pieces(q)
         if self.compressor is not None:
-            entries = self.entries(self.compressor, x, cos, sin, positions)
+            entries = self.entries(self.compressor, x, cos, sin)
             if self.indexer is not None:
-                index_keys = self.entries(self.indexer.compressor, x, cos, sin, positions)
+                index_keys = self.entries(self.indexer.compressor, x, cos, sin)
                 bias = self.indexer(x, q_latent, index_keys, *here, positions)
             else:
                 visible = visible_entries(positions, entries.shape[1], self.compressor.rate)
@@ -278,13 +278,13 @@ class CompressedAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        positions: torch.Tensor,
     ) -> torch.Tensor:
-        """``compressor``'s entries [b, T, d] of the whole sequence, rotated."""
+        """``compressor``'s entries [b, T, d] of the whole sequence, rotated (``cos`` /
+        ``sin``: the whole sequence's tables)."""
         cp = self.context_parallel
         if cp is None:
             return compressor(x, cos, sin)
-        pooled = entries_across_ranks(compressor, x, cp, positions)
+        pooled = entries_across_ranks(compressor, x, cp)
         return rotated_entries(pooled, compressor.rate, cos, sin)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

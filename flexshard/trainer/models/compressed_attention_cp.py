@@ -53,13 +53,8 @@ def tokens_before(local: torch.Tensor, count: int, cp: ContextParallel, what: st
     return cp.local_part(before[:, :, reach * tail - count :])
 
 
-def chunk_starts(positions: torch.Tensor) -> list[int]:
-    """The global positions of this rank's two chunks' first tokens."""
-    return positions.view(2, -1)[:, 0].tolist()
-
-
 def window_keys_across_ranks(
-    kv: torch.Tensor, window: int, cp: ContextParallel, positions: torch.Tensor
+    kv: torch.Tensor, window: int, cp: ContextParallel
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each chunk's sliding-window keys [b, 2, window - 1 + n, d] (the ``window - 1``
     before it, then its own) from this rank's keys ``kv`` [b, 2 n, d], and their global
@@ -68,7 +63,7 @@ def window_keys_across_ranks(
     before = tokens_before(kv, window - 1, cp, "sliding-window keys")
     keys = torch.cat([before, kv.unflatten(1, (2, n))], dim=2)
     offsets = torch.arange(1 - window, n, device=kv.device)
-    starts = torch.tensor(chunk_starts(positions), device=kv.device)
+    starts = torch.tensor(cp.chunk_starts(kv.shape[1]), device=kv.device)
     return keys, starts[:, None] + offsets[None, :]
 
 
@@ -76,12 +71,11 @@ def entries_across_ranks(
     compressor: Compressor,
     x: torch.Tensor,
     cp: ContextParallel,
-    positions: torch.Tensor,
 ) -> torch.Tensor:
     """The whole sequence's compressed entries [b, seq / rate, head_dim], not yet
     rotated, as ``compressor`` pools them on one process: this rank pools the windows
-    whose last token its chunks ``x`` [b, 2 n, dim] hold (at global ``positions``),
-    then every rank's are gathered."""
+    whose last token its chunks ``x`` [b, 2 n, dim] hold, then every rank's are
+    gathered."""
     b, length, _ = x.shape
     n, m, chunks = length // 2, compressor.rate, 2 * cp.size
     # each token's projection and gate, side by side: the windows before need them
@@ -93,7 +87,7 @@ def entries_across_ranks(
     spans = torch.cat([before, projected.unflatten(1, (2, n))], dim=2)  # [b, 2, reach + n, 2w]
     most = math.ceil(n / m)  # the most windows one chunk completes
     mine = []
-    for piece, start in enumerate(chunk_starts(positions)):
+    for piece, start in enumerate(cp.chunk_starts(length)):
         first, last = start // m, (start + n) // m  # windows completed in this chunk
         windows = last - first
         # no window ends in this chunk: pool none, but through the same ops, so that every

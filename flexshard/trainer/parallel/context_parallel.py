@@ -177,6 +177,12 @@ class ContextParallel:
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         return local_positions(local_len, self.rank, self.size, device)
 
+    def chunk_starts(self, local_len: int) -> tuple[int, int]:
+        """The global positions of this rank's two chunks' first tokens (host ints: no
+        device round trip)."""
+        first, second = zigzag_chunks(self.rank, self.size)
+        return first * (local_len // 2), second * (local_len // 2)
+
     def ring_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
     ) -> torch.Tensor:
