@@ -102,6 +102,16 @@ def attention_flops(info: BucketInfo, cfg: Config, tokens: int) -> float:
     )
 
 
+def expert_flops(info: BucketInfo, cfg: Config, tokens: int) -> float:
+    """Of ``bucket_flops``, the routed experts' (timed at ``hw.grouped_gemm_efficiency``):
+    a ``[experts, R, C]`` stack's top_k of its experts per token, over all EP ranks."""
+    return sum(
+        2.0 * p.shape[-2] * p.shape[-1] * cfg.model.moe.top_k * tokens
+        for p in info.layout.params
+        if len(p.shape) == 3
+    )
+
+
 def bucket_flops(info: BucketInfo, cfg: Config, tokens: int) -> float:
     """Forward FLOPs of a bucket's parameters over ``tokens`` tokens: 2 per weight that
     a token touches (a routed expert stack only top_k of its experts; the embedding
@@ -265,8 +275,10 @@ def bucket_costs(
     )
     compiled = cfg.compile.enable
     float8_rate = hw.fp8_flops_per_s() / slowdown if techniques.float8 else rate
+    grouped_rate = hw.grouped_gemm_flops_per_s() / slowdown  # bf16 under Float8 too
     flops = {id(b): bucket_flops(b, cfg, tokens) for b in buckets}
     attention = {id(b): attention_flops(b, cfg, tokens) for b in buckets}
+    routed = {id(b): expert_flops(b, cfg, tokens) for b in buckets}
     ops = model_ops(cfg, tokens // (cfg.training.seq_len // dims.cp))
     share = tp_share(cfg)  # a tp rank moves its share of a block's activations
     layers = cfg.model.n_layers // dims.pp
@@ -316,7 +328,8 @@ def bucket_costs(
             ag = 0.0
             ar = 2 * (b.world - 1) * b.numel * b.reduce_itemsize / b.world
             rs = ring_time(ar, b.world, dp_link, call)
-        linear = flops[id(b)] - attention[id(b)]
+        linear = flops[id(b)] - attention[id(b)] - routed[id(b)]
+        grouped = routed[id(b)] / grouped_rate  # the routed experts' forward seconds
         attend = attention[id(b)] / attention_rate  # causal attention's forward seconds
         routed_fwd, routed_bwd = (
             hw.non_gemm_s(0, moved) * slowdown for moved in routed_copies(b, cfg, tokens)
@@ -329,7 +342,7 @@ def bucket_costs(
             fused = hw.fused_share if compiled else 1.0
             fwd = non_gemm(ops.block_forward, part, fused) + routed_fwd
             bwd = non_gemm(ops.block_backward, part, fused) + routed_bwd
-            matmul = linear / float8_rate
+            matmul = linear / float8_rate + grouped
             if techniques.float8:
                 scale_fwd, scale_bwd = float8_scaling(b)
                 fwd, bwd = fwd + scale_fwd, bwd + scale_bwd

@@ -1,10 +1,12 @@
 """The effects the planner models for published runs, each term on its own: the MoE
-layers' token movement and their all-to-all rerun by a recompute, FSDP's Float8
+layers' token movement, their all-to-all rerun by a recompute and their experts'
+grouped GEMMs below a dense GEMM's rate, FSDP's Float8
 all-gather, loss parallel's sharded head, torchtitan's op-level checkpoint policy, and
 a pipeline's gradient reduction after its last backward and sends per virtual stage."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -19,6 +21,8 @@ from flexshard.plan.steptime import (
     BucketCost,
     _other_collectives,
     bucket_costs,
+    bucket_flops,
+    expert_flops,
     gathered_share,
     link,
     reduce_after_pipeline_backward,
@@ -63,6 +67,40 @@ def test_a_block_recompute_reruns_the_expert_all_to_all() -> None:
     assert _other_collectives(full, dims, H100, 512) == pytest.approx(1.5 * none)
     # op-level checkpointing keeps the all-to-all's output
     assert _other_collectives(op, dims, H100, 512) == pytest.approx(none)
+
+
+def test_h100_grouped_gemm_share_is_torchaos_published_benchmark() -> None:
+    # pytorch/ao PR 2490 (bench_grouped_mm.py, H100, bf16 torch._grouped_mm): 8,192 tokens
+    # x 5,120 x 8,192 over 16 experts in 1.31 ms and 1.26 ms, against 989 TFLOP/s
+    flops = 2 * 8192 * 5120 * 8192
+    shares = [flops / seconds / 989e12 for seconds in (1.31e-3, 1.26e-3)]
+    assert H100.grouped_gemm_efficiency == round(sum(shares) / len(shares), 2)
+    assert H100.grouped_gemm_efficiency < H100.gemm_efficiency
+    plain = dataclasses.replace(H100, grouped_gemm_efficiency=0.0)  # 0: the GEMMs' rate
+    assert plain.grouped_gemm_flops_per_s() == plain.gemm_flops_per_s()
+
+
+def test_routed_experts_run_at_the_grouped_gemm_rate() -> None:
+    """Only the expert stacks' top_k FLOPs move to the grouped rate: forward once,
+    backward twice, and again in a full recompute; every other bucket is unchanged."""
+    cfg, dims, buckets = _moe("--activation_checkpoint.mode", "full")
+    tokens = 512
+    dense = dataclasses.replace(H100, grouped_gemm_efficiency=H100.gemm_efficiency)
+    slow, fast = (bucket_costs(cfg, dims, buckets, hw, tokens) for hw in (H100, dense))
+    moe = cfg.model.moe
+    stacks = 0
+    for b in buckets:
+        routed = expert_flops(b, cfg, tokens)
+        assert routed <= bucket_flops(b, cfg, tokens)
+        extra = routed / H100.grouped_gemm_flops_per_s() - routed / H100.gemm_flops_per_s()
+        assert slow[id(b)].forward - fast[id(b)].forward == pytest.approx(extra, abs=1e-15)
+        # backward: its two GEMMs and the recompute's forward
+        assert slow[id(b)].backward - fast[id(b)].backward == pytest.approx(3 * extra, abs=1e-15)
+        for p in b.layout.params:
+            if len(p.shape) == 3:
+                stacks += 1
+                assert routed >= 2.0 * p.shape[-2] * p.shape[-1] * moe.top_k * tokens
+    assert stacks == 6  # w1, w2, w3 of the two MoE layers
 
 
 def test_float8_all_gather_halves_the_linears_bytes() -> None:
