@@ -1,6 +1,6 @@
 """The effects the planner models for published runs, each term on its own: the MoE
 layers' token movement, their all-to-all rerun by a recompute and their experts'
-grouped GEMMs below a dense GEMM's rate, FSDP's Float8
+grouped GEMMs below a dense GEMM's rate, ring attention's fp32 merges, FSDP's Float8
 all-gather, loss parallel's sharded head, torchtitan's op-level checkpoint policy, and
 a pipeline's gradient reduction after its last backward and sends per virtual stage."""
 
@@ -26,6 +26,7 @@ from flexshard.plan.steptime import (
     gathered_share,
     link,
     reduce_after_pipeline_backward,
+    ring_merge_bytes,
     ring_time,
     routed_copies,
     step_time,
@@ -193,3 +194,58 @@ def test_interleaved_stages_send_per_virtual_stage() -> None:
         flat, dims, H100, tokens
     )
     assert one_send > 0 and extra == pytest.approx(2 * one_send)
+
+
+def _cp(*extra: str):  # type: ignore[no-untyped-def]
+    overrides = [
+        "--parallelism.cp",
+        "3",
+        "--training.seq_len",
+        "96",
+        "--training.mixed_precision",
+        "bf16",
+    ]
+    overrides += extra
+    cfg = planning_config(load_config("configs/debug.toml", overrides))
+    dims, (buckets,) = build_stages(cfg, 3, 0)
+    return cfg, dims, buckets
+
+
+def test_ring_attention_merges_each_step_in_fp32() -> None:
+    """torch's ring attention (``cp_method = "ring"``) merges cp - 1 partial outputs per
+    attention layer into fp32 and copies keys and values into send buffers: bytes per
+    query element 38 forward, 10 backward, per key / value element 4 and 22 (bf16)."""
+    ring, dims, buckets = _cp("--parallelism.cp_method", "ring")
+    gathered, _, _ = _cp()
+    tokens = ring.training.seq_len // dims.cp
+    m = ring.model
+    query = tokens * m.n_heads * m.head_size()
+    kv = 2 * tokens * m.n_kv_heads * m.head_size()
+    attention_buckets = 0
+    for b in buckets:
+        layers = sum(p.fqn.endswith("attention.wq.weight") for p in b.layout.params)
+        attention_buckets += layers > 0
+        expected = (2 * layers * (38 * query + 4 * kv), 2 * layers * (10 * query + 22 * kv))
+        assert ring_merge_bytes(b, ring, dims, tokens) == pytest.approx(expected), b.name
+        assert ring_merge_bytes(b, gathered, dims, tokens) == (0.0, 0.0)
+    assert attention_buckets == ring.model.n_layers
+    one, one_dims, one_buckets = _cp("--parallelism.cp", "1", "--parallelism.cp_method", "ring")
+    assert all(ring_merge_bytes(b, one, one_dims, tokens) == (0.0, 0.0) for b in one_buckets)
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_the_ring_merges_are_compute_rerun_with_attention(ac: str) -> None:
+    """The merges join each attention bucket's forward and backward; a full recompute
+    runs them again, an op-level policy (which keeps attention's output) does not."""
+    ring, dims, buckets = _cp("--parallelism.cp_method", "ring", "--activation_checkpoint.mode", ac)
+    gathered, _, _ = _cp("--activation_checkpoint.mode", ac)
+    tokens = ring.training.seq_len // dims.cp
+    with_ring = bucket_costs(ring, dims, buckets, H100, tokens)
+    without = bucket_costs(gathered, dims, buckets, H100, tokens)
+    for b in buckets:
+        fwd, bwd = (H100.non_gemm_s(0, x) for x in ring_merge_bytes(b, ring, dims, tokens))
+        rerun = fwd if ac == "full" else 0.0
+        assert with_ring[id(b)].forward - without[id(b)].forward == pytest.approx(fwd, abs=1e-15)
+        assert with_ring[id(b)].backward - without[id(b)].backward == pytest.approx(
+            bwd + rerun, abs=1e-15
+        )
