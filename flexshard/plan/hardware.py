@@ -52,6 +52,9 @@ class Hardware:
     sustained_clock: float = 1.0
     fp8_tflops: float = 0.0  # dense FP8 tensor-core peak (0: no Float8 GEMMs here)
     fp8_gemm_efficiency: float = 0.0  # share of fp8_tflops a Float8 GEMM reaches (0: gemm's)
+    # share of peak the routed experts' grouped GEMMs reach (torch._grouped_mm, bf16:
+    # one kernel over every local expert's tokens; 0: gemm_efficiency's)
+    grouped_gemm_efficiency: float = 0.0
     # torch.compile's fusion: the share of the non-GEMM ops' kernels and bytes left
     # once Inductor fuses the elementwise / norm chains (1: nothing fused)
     fused_share: float = 1.0
@@ -68,6 +71,11 @@ class Hardware:
             raise ValueError(f"hardware {self.name!r}: fp8_tflops is 0, no Float8 GEMMs to plan")
         efficiency = self.fp8_gemm_efficiency or self.gemm_efficiency
         return self.fp8_tflops * 1e12 * efficiency * self.sustained_clock
+
+    def grouped_gemm_flops_per_s(self) -> float:
+        """The routed experts' grouped bf16 GEMM's achieved rate at the sustained clock."""
+        efficiency = self.grouped_gemm_efficiency or self.gemm_efficiency
+        return self.peak_tflops * 1e12 * efficiency * self.sustained_clock
 
     def non_gemm_s(self, ops: int, moved: float) -> float:
         """Seconds of ``ops`` dispatched ops moving ``moved`` non-GEMM bytes."""
@@ -101,7 +109,12 @@ class Hardware:
 # take longer (the 2 us gap per op above stays; the per-parameter copy kernels are
 # charged by the copies' per-op term); one GPU per rank (contention 1); no wait for
 # a slower rank per collective (stragglers are not modelled on GPUs). Estimates,
-# not fitted.
+# not fitted. The routed experts' grouped GEMMs: torch._grouped_mm in bf16 on H100 at
+# 0.54 of the dense peak, the mean of torchao's published benchmark (pytorch/ao PR
+# 2490, benchmarks/float8/bench_grouped_mm.py on an H100: Llama 4 17Bx16E's expert
+# shapes, 8,192 tokens over 16 experts, 2 x 8,192 x 5,120 x 8,192 FLOPs in 1.31 ms and
+# 1.26 ms: 0.530 and 0.551 of 989 TFLOP/s), below a dense GEMM's (the 0.7 above) from
+# the per-expert tile quantisation and its group scheduling.
 H100 = Hardware(
     "h100",
     989.0,
@@ -119,6 +132,7 @@ H100 = Hardware(
     attention_tflops=335.0,
     memory_gib=80.0,
     fp8_tflops=1979.0,
+    grouped_gemm_efficiency=0.54,
 )
 H200 = dataclasses.replace(
     H100,

@@ -6,9 +6,9 @@ efficiency constants (:data:`FITTED`: a bf16 GEMM's share of peak, a Float8 GEMM
 compile's fused share of the non-GEMM work), each from one calibration row, and
 refuses any held-out row; the held-out rows are then predicted with those constants
 and are the test. Everything else is documented, not fitted (``hardware.py``,
-``techniques.py``, ``recompute.py``, the MoE and pipeline terms of ``steptime.py``);
-docs/planning_validation.md says which of those effects were added after the held-out
-errors had been seen.
+``techniques.py``, ``recompute.py``, the MoE, ring-attention and pipeline terms of
+``steptime.py``); docs/planning_validation.md says which of those effects were added
+after the held-out errors had been seen.
 
 Sources: torchtitan ``docs/performance.md`` (tables 1-5: Llama 3.1 on Grand Teton
 H100 at 500 W, torch 2024-12-23), FlexShard's DeepSeek-V3 16B on 8 H100 with EP 4
@@ -101,6 +101,9 @@ def _titan_cp(seq: int, cp: int) -> Run:
         str(seq),
         "--parallelism.cp",
         str(cp),
+        # torchtitan's CP is torch's context_parallel: ring attention
+        "--parallelism.cp_method",
+        "ring",
     )
     return Run("configs/llama3_8b.toml", 8, overrides, techniques=TITAN_FP8)
 

@@ -42,6 +42,19 @@ MUON_BYTES = 20  # one momentum buffer
 # of these.
 ROUTED_ELEMENTS_FORWARD = 7
 ROUTED_ELEMENTS_BACKWARD = 14
+# Ring attention (``cp_method = "ring"``; torch's ``context_parallel``, as torchtitan runs
+# CP) merges each ring step's partial output into an fp32 accumulator: per step after
+# the first, per query element (``_SDPAMerger``: the output cast to fp32, ``out -
+# sigmoid(lse diff) * (out - block_out)`` in three passes: 4 + act, 12, 8, 12 bytes read +
+# written), and copies the keys and values into the send buffer (2 x act per element).
+# Backward (``_templated_ring_attention_backward``, fp32 accumulators): the query
+# gradient accumulated (4 + act + 4 per query element); per key / value element the
+# send copy (2 x act), the gradient accumulated (8 + act) and copied into its fp32
+# send buffer (8). The steps that update half the rows count whole (their partial
+# update copies the accumulator); the log-sum-exp's bytes (one per row) are left out.
+RING_MERGE_QUERY_FIXED, RING_MERGE_QUERY_PER_ACT = 36, 1  # forward: 36 + act per element
+RING_GRAD_QUERY_FIXED, RING_GRAD_QUERY_PER_ACT = 8, 1
+RING_GRAD_KV_FIXED, RING_GRAD_KV_PER_ACT = 16, 3
 # flash attention's backward runs 5 matmuls to the forward's 2 (it recomputes the
 # scores): 2.5 times the forward's FLOPs (Dao, FlashAttention-2, 2023, section 4.1)
 ATTENTION_BACKWARD = 2.5
@@ -102,6 +115,16 @@ def attention_flops(info: BucketInfo, cfg: Config, tokens: int) -> float:
     )
 
 
+def expert_flops(info: BucketInfo, cfg: Config, tokens: int) -> float:
+    """Of ``bucket_flops``, the routed experts' (timed at ``hw.grouped_gemm_efficiency``):
+    a ``[experts, R, C]`` stack's top_k of its experts per token, over all EP ranks."""
+    return sum(
+        2.0 * p.shape[-2] * p.shape[-1] * cfg.model.moe.top_k * tokens
+        for p in info.layout.params
+        if len(p.shape) == 3
+    )
+
+
 def bucket_flops(info: BucketInfo, cfg: Config, tokens: int) -> float:
     """Forward FLOPs of a bucket's parameters over ``tokens`` tokens: 2 per weight that
     a token touches (a routed expert stack only top_k of its experts; the embedding
@@ -133,6 +156,27 @@ def routed_copies(info: BucketInfo, cfg: Config, tokens: int) -> tuple[float, fl
         stacks * ROUTED_ELEMENTS_FORWARD * per_layer,
         stacks * ROUTED_ELEMENTS_BACKWARD * per_layer,
     )
+
+
+def ring_merge_bytes(
+    info: BucketInfo, cfg: Config, dims: ParallelDims, tokens: int
+) -> tuple[float, float]:
+    """(forward, backward) bytes ring attention's merges and send copies move in a
+    bucket's attention layers (``RING_*``), over its cp - 1 steps after the first; 0
+    without a ring (the all-gather method runs one attention over the gathered keys)."""
+    if dims.cp == 1 or cfg.parallelism.cp_method != "ring":
+        return 0.0, 0.0
+    layers = sum(1 for p in info.layout.params if p.fqn.endswith("attention.wq.weight"))
+    m = cfg.model
+    act = 2 if cfg.training.mixed_precision == "bf16" else 4
+    query = tokens * m.n_heads * m.head_size() / dims.tp
+    kv = 2 * tokens * m.n_kv_heads * m.head_size() / dims.tp
+    forward = (RING_MERGE_QUERY_FIXED + RING_MERGE_QUERY_PER_ACT * act) * query + 2 * act * kv
+    backward = (RING_GRAD_QUERY_FIXED + RING_GRAD_QUERY_PER_ACT * act) * query + (
+        RING_GRAD_KV_FIXED + RING_GRAD_KV_PER_ACT * act
+    ) * kv
+    steps = layers * (dims.cp - 1)
+    return steps * forward, steps * backward
 
 
 def gathered_share(info: BucketInfo, techniques: Techniques) -> float:
@@ -265,8 +309,10 @@ def bucket_costs(
     )
     compiled = cfg.compile.enable
     float8_rate = hw.fp8_flops_per_s() / slowdown if techniques.float8 else rate
+    grouped_rate = hw.grouped_gemm_flops_per_s() / slowdown  # bf16 under Float8 too
     flops = {id(b): bucket_flops(b, cfg, tokens) for b in buckets}
     attention = {id(b): attention_flops(b, cfg, tokens) for b in buckets}
+    routed = {id(b): expert_flops(b, cfg, tokens) for b in buckets}
     ops = model_ops(cfg, tokens // (cfg.training.seq_len // dims.cp))
     share = tp_share(cfg)  # a tp rank moves its share of a block's activations
     layers = cfg.model.n_layers // dims.pp
@@ -316,10 +362,14 @@ def bucket_costs(
             ag = 0.0
             ar = 2 * (b.world - 1) * b.numel * b.reduce_itemsize / b.world
             rs = ring_time(ar, b.world, dp_link, call)
-        linear = flops[id(b)] - attention[id(b)]
+        linear = flops[id(b)] - attention[id(b)] - routed[id(b)]
+        grouped = routed[id(b)] / grouped_rate  # the routed experts' forward seconds
         attend = attention[id(b)] / attention_rate  # causal attention's forward seconds
         routed_fwd, routed_bwd = (
             hw.non_gemm_s(0, moved) * slowdown for moved in routed_copies(b, cfg, tokens)
+        )
+        merge_fwd, merge_bwd = (
+            hw.non_gemm_s(0, moved) * slowdown for moved in ring_merge_bytes(b, cfg, dims, tokens)
         )
         if b.is_root:  # torchtitan compiles and converts the blocks alone
             fwd, bwd = non_gemm(ops.head_forward, 1.0), non_gemm(ops.head_backward, 1.0)
@@ -329,7 +379,7 @@ def bucket_costs(
             fused = hw.fused_share if compiled else 1.0
             fwd = non_gemm(ops.block_forward, part, fused) + routed_fwd
             bwd = non_gemm(ops.block_backward, part, fused) + routed_bwd
-            matmul = linear / float8_rate
+            matmul = linear / float8_rate + grouped
             if techniques.float8:
                 scale_fwd, scale_bwd = float8_scaling(b)
                 fwd, bwd = fwd + scale_fwd, bwd + scale_bwd
@@ -343,11 +393,13 @@ def bucket_costs(
         # op-level policy: the share it recomputes, attention kept) and non-GEMM ops
         redo_attend = 0.0 if b.is_root or op_level(cfg) else redo_gemm
         redo_matmul = 0.0 if b.is_root else redo_gemm
-        recompute = 0.0 if b.is_root else redo_matmul * matmul + redo_attend * attend
+        # the ring's merges belong to attention: recomputed with it, not by an op policy
+        attend_all = attend + merge_fwd
+        recompute = 0.0 if b.is_root else redo_matmul * matmul + redo_attend * attend_all
         recompute += 0.0 if b.is_root else redo_other * fwd
         out[id(b)] = BucketCost(
-            forward=matmul + attend + fwd,
-            backward=2 * matmul + ATTENTION_BACKWARD * attend + bwd + recompute,
+            forward=matmul + attend_all + fwd,
+            backward=2 * matmul + ATTENTION_BACKWARD * attend + merge_bwd + bwd + recompute,
             all_gather=ag,
             reduce_scatter=rs,
             gather_copy=gather_copy,

@@ -1,10 +1,12 @@
 """The effects the planner models for published runs, each term on its own: the MoE
-layers' token movement and their all-to-all rerun by a recompute, FSDP's Float8
+layers' token movement, their all-to-all rerun by a recompute and their experts'
+grouped GEMMs below a dense GEMM's rate, ring attention's fp32 merges, FSDP's Float8
 all-gather, loss parallel's sharded head, torchtitan's op-level checkpoint policy, and
 a pipeline's gradient reduction after its last backward and sends per virtual stage."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -19,9 +21,12 @@ from flexshard.plan.steptime import (
     BucketCost,
     _other_collectives,
     bucket_costs,
+    bucket_flops,
+    expert_flops,
     gathered_share,
     link,
     reduce_after_pipeline_backward,
+    ring_merge_bytes,
     ring_time,
     routed_copies,
     step_time,
@@ -63,6 +68,40 @@ def test_a_block_recompute_reruns_the_expert_all_to_all() -> None:
     assert _other_collectives(full, dims, H100, 512) == pytest.approx(1.5 * none)
     # op-level checkpointing keeps the all-to-all's output
     assert _other_collectives(op, dims, H100, 512) == pytest.approx(none)
+
+
+def test_h100_grouped_gemm_share_is_torchaos_published_benchmark() -> None:
+    # pytorch/ao PR 2490 (bench_grouped_mm.py, H100, bf16 torch._grouped_mm): 8,192 tokens
+    # x 5,120 x 8,192 over 16 experts in 1.31 ms and 1.26 ms, against 989 TFLOP/s
+    flops = 2 * 8192 * 5120 * 8192
+    shares = [flops / seconds / 989e12 for seconds in (1.31e-3, 1.26e-3)]
+    assert H100.grouped_gemm_efficiency == round(sum(shares) / len(shares), 2)
+    assert H100.grouped_gemm_efficiency < H100.gemm_efficiency
+    plain = dataclasses.replace(H100, grouped_gemm_efficiency=0.0)  # 0: the GEMMs' rate
+    assert plain.grouped_gemm_flops_per_s() == plain.gemm_flops_per_s()
+
+
+def test_routed_experts_run_at_the_grouped_gemm_rate() -> None:
+    """Only the expert stacks' top_k FLOPs move to the grouped rate: forward once,
+    backward twice, and again in a full recompute; every other bucket is unchanged."""
+    cfg, dims, buckets = _moe("--activation_checkpoint.mode", "full")
+    tokens = 512
+    dense = dataclasses.replace(H100, grouped_gemm_efficiency=H100.gemm_efficiency)
+    slow, fast = (bucket_costs(cfg, dims, buckets, hw, tokens) for hw in (H100, dense))
+    moe = cfg.model.moe
+    stacks = 0
+    for b in buckets:
+        routed = expert_flops(b, cfg, tokens)
+        assert routed <= bucket_flops(b, cfg, tokens)
+        extra = routed / H100.grouped_gemm_flops_per_s() - routed / H100.gemm_flops_per_s()
+        assert slow[id(b)].forward - fast[id(b)].forward == pytest.approx(extra, abs=1e-15)
+        # backward: its two GEMMs and the recompute's forward
+        assert slow[id(b)].backward - fast[id(b)].backward == pytest.approx(3 * extra, abs=1e-15)
+        for p in b.layout.params:
+            if len(p.shape) == 3:
+                stacks += 1
+                assert routed >= 2.0 * p.shape[-2] * p.shape[-1] * moe.top_k * tokens
+    assert stacks == 6  # w1, w2, w3 of the two MoE layers
 
 
 def test_float8_all_gather_halves_the_linears_bytes() -> None:
@@ -155,3 +194,58 @@ def test_interleaved_stages_send_per_virtual_stage() -> None:
         flat, dims, H100, tokens
     )
     assert one_send > 0 and extra == pytest.approx(2 * one_send)
+
+
+def _cp(*extra: str):  # type: ignore[no-untyped-def]
+    overrides = [
+        "--parallelism.cp",
+        "3",
+        "--training.seq_len",
+        "96",
+        "--training.mixed_precision",
+        "bf16",
+    ]
+    overrides += extra
+    cfg = planning_config(load_config("configs/debug.toml", overrides))
+    dims, (buckets,) = build_stages(cfg, 3, 0)
+    return cfg, dims, buckets
+
+
+def test_ring_attention_merges_each_step_in_fp32() -> None:
+    """torch's ring attention (``cp_method = "ring"``) merges cp - 1 partial outputs per
+    attention layer into fp32 and copies keys and values into send buffers: bytes per
+    query element 38 forward, 10 backward, per key / value element 4 and 22 (bf16)."""
+    ring, dims, buckets = _cp("--parallelism.cp_method", "ring")
+    gathered, _, _ = _cp()
+    tokens = ring.training.seq_len // dims.cp
+    m = ring.model
+    query = tokens * m.n_heads * m.head_size()
+    kv = 2 * tokens * m.n_kv_heads * m.head_size()
+    attention_buckets = 0
+    for b in buckets:
+        layers = sum(p.fqn.endswith("attention.wq.weight") for p in b.layout.params)
+        attention_buckets += layers > 0
+        expected = (2 * layers * (38 * query + 4 * kv), 2 * layers * (10 * query + 22 * kv))
+        assert ring_merge_bytes(b, ring, dims, tokens) == pytest.approx(expected), b.name
+        assert ring_merge_bytes(b, gathered, dims, tokens) == (0.0, 0.0)
+    assert attention_buckets == ring.model.n_layers
+    one, one_dims, one_buckets = _cp("--parallelism.cp", "1", "--parallelism.cp_method", "ring")
+    assert all(ring_merge_bytes(b, one, one_dims, tokens) == (0.0, 0.0) for b in one_buckets)
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_the_ring_merges_are_compute_rerun_with_attention(ac: str) -> None:
+    """The merges join each attention bucket's forward and backward; a full recompute
+    runs them again, an op-level policy (which keeps attention's output) does not."""
+    ring, dims, buckets = _cp("--parallelism.cp_method", "ring", "--activation_checkpoint.mode", ac)
+    gathered, _, _ = _cp("--activation_checkpoint.mode", ac)
+    tokens = ring.training.seq_len // dims.cp
+    with_ring = bucket_costs(ring, dims, buckets, H100, tokens)
+    without = bucket_costs(gathered, dims, buckets, H100, tokens)
+    for b in buckets:
+        fwd, bwd = (H100.non_gemm_s(0, x) for x in ring_merge_bytes(b, ring, dims, tokens))
+        rerun = fwd if ac == "full" else 0.0
+        assert with_ring[id(b)].forward - without[id(b)].forward == pytest.approx(fwd, abs=1e-15)
+        assert with_ring[id(b)].backward - without[id(b)].backward == pytest.approx(
+            bwd + rerun, abs=1e-15
+        )
