@@ -88,8 +88,8 @@ def hf_format(cfg: ModelConfig, option: str = HF_OPTIONS, export: bool = False) 
     (gated attention, dense / MoE); a ConfigError naming ``option`` and every reason
     when the model has no Hugging Face twin. ``export``: the model is written (a
     ``"bias"`` balance changes the routing, and neither MoE format but DeepSeek-V3's has
-    a tensor to hold it). Multi-token prediction is never exported (no format here
-    holds it)."""
+    a tensor to hold it). Multi-token prediction is exported in DeepSeek-V3's format
+    only (its depths as DeepSeek publishes them)."""
     moe = cfg.moe
     if cfg.attention == "deepseek_v4":  # validate() holds it to its one twin
         return "deepseek_v4"
