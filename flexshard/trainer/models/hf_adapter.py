@@ -28,7 +28,7 @@ is the config side's (``config/hf_config.py``: ``FAMILIES``, keyed alike).
   written on export, required on load: no row moves); DeepSeek's MoE block (``mlp.gate``
   with the ``"bias"`` balance's selection bias as ``e_score_correction_bias``, hence that
   balance both ways; ``mlp.shared_experts``; routed experts one tensor per expert). Its
-  multi-token prediction depths under DeepSeek's names (``DEEPSEEK_V3_MTP``).
+  multi-token prediction depths under DeepSeek's names (``_DEEPSEEK_V3_MTP``).
 
 The trainer's ``[E, R, C]`` stacks are stored per expert (``...experts.{e}.w1.weight``,
 what ``save_pretrained`` writes; transformers 5 fuses them on load), or, in a folder
@@ -328,6 +328,7 @@ def published_layout(folder: str | Path, cfg: ModelConfig) -> bool:
 
 
 _MTP = re.compile(r"(^|\.)mtp\.")
+_FOLDER_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
 
 def shared_copies(cfg: ModelConfig) -> dict[str, str]:
@@ -355,9 +356,6 @@ def mtp_tensors(folder: str | Path) -> list[str]:
         if _MTP.search(name) or (block is not None and int(block.group(1)) >= layers):
             names.append(name)
     return names
-
-
-_FOLDER_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
 
 def unloaded_mtp(folder: str | Path, mtp_layers: int = 0) -> str | None:
