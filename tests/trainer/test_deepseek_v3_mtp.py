@@ -5,16 +5,19 @@ reference written from the paper's equations with transformers' own
 ``DeepseekV3DecoderLayer``; the export is the folder as it came (the same names, every
 MTP tensor bit for bit, transformers reports the same unexpected keys); data
 parallelism on placements at W = 2 and 3 (and with ep) trains 10 steps as one process
-does, and exports the trained depths; what cannot work is refused naming the key."""
+does, and exports the trained depths; ``run`` from the folder resumes exactly (slow);
+what cannot work is refused naming the key."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
@@ -35,7 +38,7 @@ from flexshard.trainer.models.hf_adapter import hf_keys
 from flexshard.trainer.models.model import Transformer
 from flexshard.trainer.models.moe import step_balance
 from flexshard.trainer.models.mtp import take_step_loss
-from flexshard.trainer.train import loss_fn, setup, train_step
+from flexshard.trainer.train import loss_fn, run, setup, train_step
 
 from ..helpers.trainer_cases import launch_dims, set_lr, tiny_config, whole_parameters
 from .test_deepseek_v3 import hf_deepseek, probe_tokens
@@ -232,7 +235,12 @@ GLOBAL_BATCH = 6  # 2 and 3 ranks
 
 
 def _config(
-    root: str, name: str, folder: str, parallelism: dict, mtp_layers: int | None = None
+    root: str,
+    name: str,
+    folder: str,
+    parallelism: dict,
+    mtp_layers: int | None = None,
+    **checkpoint: Any,
 ) -> Config:
     """[model] as the folder says (``--model.mtp_layers`` given: that)."""
     dp = parallelism.get("dp_shard", 1)
@@ -244,7 +252,7 @@ def _config(
         model=model,
         parallelism=parallelism,
         training={"steps": STEPS, "batch_size": GLOBAL_BATCH // dp, "seq_len": 16, "lr": 3e-3},
-        checkpoint={"initial_load_path": folder, "initial_load_in_hf": True},
+        checkpoint={"initial_load_path": folder, "initial_load_in_hf": True, **checkpoint},
     )
 
 
@@ -365,3 +373,31 @@ def test_odd_world_on_3_ranks(tmp_path):
 )
 def test_the_other_placements(tmp_path, names):
     _check_layouts(tmp_path, names)
+
+
+def _run_and_resume(rank: int, world_size: int, root: str) -> tuple[list[dict], list[dict]]:
+    parallelism = {"dp_shard": world_size}
+    checkpoint = {"enable": True, "interval": 5, "last_save_in_hf": True}
+    cfg = _config(root, "run", f"{root}/hf", parallelism, **checkpoint)
+    whole = run(cfg)
+    ckpt = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+    dist.barrier()
+    if rank == 0:  # as if the job had died after the step-5 save
+        shutil.rmtree(ckpt / f"step-{STEPS}")
+    dist.barrier()
+    return whole, run(cfg)
+
+
+@pytest.mark.slow
+def test_run_logs_mtp_loss_and_resumes_exactly(tmp_path):
+    """``run``'s own path from the folder at W = 2: the MTP loss logged and falling; a
+    resume from the step-5 checkpoint (the depths in it) repeats steps 6-10 bit for bit."""
+    mtp_folder(tmp_path / "hf")
+    whole, resumed = run_distributed(_run_and_resume, 2, str(tmp_path), timeout=900)[0]
+    mtp = [r["mtp_loss"] for r in whole]
+    assert mtp[-1] < mtp[0], mtp
+    assert [r["step"] for r in resumed] == list(range(6, STEPS + 1))
+    for key in ("loss", "mtp_loss"):
+        assert [r[key] for r in resumed] == [r[key] for r in whole[5:]], key
+    exported = load_file(str(tmp_path / "run" / "hf" / "model.safetensors"))
+    assert f"model.layers.{N_LAYERS}.eh_proj.weight" in exported
