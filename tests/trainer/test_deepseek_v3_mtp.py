@@ -4,9 +4,10 @@ with transformers' classes plus the MTP keys. The loaded depths' loss equals a
 reference written from the paper's equations with transformers' own
 ``DeepseekV3DecoderLayer``; the export is the folder as it came (the same names, every
 MTP tensor bit for bit, transformers reports the same unexpected keys); data
-parallelism on placements at W = 2 and 3 (and with ep) trains 10 steps as one process
-does, and exports the trained depths; ``run`` from the folder resumes exactly (slow);
-what cannot work is refused naming the key."""
+parallelism on placements at W = 3 (W = 2 and with ep: slow) trains 10 steps as one
+process does, and exports the trained depths; ``run`` from the folder resumes exactly
+(slow); a layout that trains no MTP leaves a folder's depths out unless
+``model.mtp_layers`` is given, which is refused naming the key."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from flexshard.checkpoint.hf_safetensors import load_hf_safetensors
 from flexshard.testing import run_distributed
+from flexshard.trainer import launch
 from flexshard.trainer.checkpointing import checkpoints as checkpointing
 from flexshard.trainer.checkpointing.checkpoints import export, hf_load_notes
 from flexshard.trainer.checkpointing.preflight import (
@@ -31,7 +33,7 @@ from flexshard.trainer.checkpointing.preflight import (
     check_shared_copies,
 )
 from flexshard.trainer.components.optimizers import build_optimizer
-from flexshard.trainer.config import Config, ConfigError, config_from_dict
+from flexshard.trainer.config import Config, ConfigError, config_from_dict, load_config
 from flexshard.trainer.config.hf_config import folder_fields
 from flexshard.trainer.data.dataset import ByteTokenizer, DPSampler, load_tokens
 from flexshard.trainer.models.hf_adapter import hf_keys
@@ -190,10 +192,10 @@ def test_a_folder_without_depths_and_one_left_out(tmp_path):
     assert hf_load_notes(tmp_path / "plain") == []
     mtp_folder(tmp_path / "mtp")
     folder = tmp_path / "mtp"
-    note = hf_load_notes(folder, mtp_layers=0)
+    note = hf_load_notes(folder, _config(str(tmp_path), "x", str(folder), {}, mtp_layers=0))
     assert len(note) == 1 and "model.mtp_layers = 0" in note[0], note
     assert "tensors (model.layers.3." in note[0]
-    assert hf_load_notes(folder, mtp_layers=1) == []
+    assert hf_load_notes(folder, _config(str(tmp_path), "x", str(folder), {})) == []
     for mtp_layers in (0, 1):
         launch_dims(_config(str(tmp_path), "x", str(folder), {}, mtp_layers=mtp_layers))
     for mtp_layers in (0, 1):  # start-up checks pass
@@ -213,12 +215,48 @@ def test_a_copy_that_differs_is_refused(tmp_path):
         check_shared_copies(cfg, tmp_path)
 
 
-def test_pp_and_tp_are_refused_naming_the_key(tmp_path):
-    mtp_folder(tmp_path)
-    for parallelism in ({"pp": 3}, {"tp": 2}, {"cp": 2}):
-        cfg = _config(str(tmp_path), "x", str(tmp_path), {"dp_shard": 1, **parallelism})
+def _started(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str
+) -> tuple[Config | None, str]:
+    """``flexshard-train *args`` up to its spawn (not run): the config its ranks get, or
+    None and the one line it exits with."""
+    started: list[Config] = []
+    monkeypatch.setattr(launch, "spawn", lambda cfg, dims, nproc: started.append(cfg))
+    try:
+        launch.main(list(args))
+    except SystemExit as exit_info:
+        assert "Traceback" not in "".join(capsys.readouterr())
+        return None, str(exit_info.code)
+    return started[0], ""
+
+
+def test_layouts_without_mtp_leave_the_depths_out_unless_asked(tmp_path, monkeypatch, capsys):
+    """pp, tp, cp and rl train no MTP: a folder's depths, model.mtp_layers not given, load
+    left out there, the start-up line naming the layout and the export; given, refused."""
+    mtp_folder(tmp_path / "hf")
+    folder = str(tmp_path / "hf")
+    pp = [
+        "--nproc", "3", "--checkpoint.initial_load_path", folder,
+        "--checkpoint.initial_load_in_hf", "true", "--parallelism.pp", "3",
+        "--training.batch_size", "3", "--training.seq_len", "16",
+        "--job.dump_folder", str(tmp_path / "out"),
+    ]  # fmt: skip
+    cfg, _ = _started(monkeypatch, capsys, *pp)
+    assert cfg is not None and cfg.model.mtp_layers == 0
+    (line,) = hf_load_notes(folder, cfg)  # what the load prints on rank 0
+    assert "tensors (model.layers.3." in line and "not loaded: parallelism.pp = 3" in line
+    assert "the export will not carry them (to keep them, train with" in line, line
+    cfg, error = _started(monkeypatch, capsys, *pp, "--model.mtp_layers", "1")
+    assert cfg is None and "model.mtp_layers = 1 runs with data" in error, error
+    on_dp, _ = _started(monkeypatch, capsys, *pp[:6], "--job.dump_folder", str(tmp_path / "o"))
+    assert on_dp is not None and on_dp.model.mtp_layers == 1  # the folder's, trained
+    for key in ("tp", "cp"):
+        assert load_config(overrides=[*pp[2:6], f"--parallelism.{key}", "2"]).model.mtp_layers == 0
+        given = _config(str(tmp_path), "x", folder, {"dp_shard": 1, key: 2})  # [model] written
         with pytest.raises(ConfigError, match=r"model\.mtp_layers = 1 runs with data.*0 trains"):
-            launch_dims(cfg)
+            launch_dims(given)
+    rl = load_config(overrides=[*pp[2:6], "--rl.enable", "true"])
+    assert rl.model.mtp_layers == 0 and "rl.enable = true" in hf_load_notes(folder, rl)[0]
 
 
 # ---------------------------------------------------------------- layouts
@@ -359,12 +397,13 @@ def _check_layouts(tmp_path: Path, names: list[str], reload: bool = True) -> Non
     assert not infos[0]["missing_keys"] and not infos[0]["mismatched_keys"]
 
 
-def test_data_parallel_on_2_ranks(tmp_path):
-    _check_layouts(tmp_path, ["dp2_flat"])
-
-
 def test_odd_world_on_3_ranks(tmp_path):
-    _check_layouts(tmp_path, ["dp3_mixed"], reload=False)
+    _check_layouts(tmp_path, ["dp3_mixed"])
+
+
+@pytest.mark.slow
+def test_data_parallel_on_2_ranks(tmp_path):
+    _check_layouts(tmp_path, ["dp2_flat"], reload=False)
 
 
 @pytest.mark.slow

@@ -41,6 +41,7 @@ from flexshard.checkpoint.logical_model import Model
 from ..config.hf_config import folder_fields, folder_quantization, text_model_prefix
 from ..config.schema import Config
 from ..config.tokenizer import Tokenizer
+from ..config.validation import layout_without_mtp
 from ..data.dataset import DPSampler, ValidationBatches
 from ..models.hf_adapter import (
     DTYPES,
@@ -116,10 +117,10 @@ def world_group(job: Job) -> tuple[dist.ProcessGroup, datetime.timedelta]:
     return bounded_group(dist.group.WORLD, timeout), timeout
 
 
-def hf_load_notes(folder: str | Path, mtp_layers: int = 0) -> list[str]:
+def hf_load_notes(folder: str | Path, cfg: Config | None = None) -> list[str]:
     """What a Hugging Face load says it leaves out or converts, one line each: a vision
     tower, quantized weights (dequantized), multi-token-prediction depths the run
-    (``mtp_layers``, its ``model.mtp_layers``) does not load."""
+    (``cfg``; None: one without MTP) does not load, and why."""
     notes = []
     prefix = text_model_prefix(folder)
     if prefix != "model.":
@@ -134,7 +135,8 @@ def hf_load_notes(folder: str | Path, mtp_layers: int = 0) -> list[str]:
             f"experts {quantization.expert_dtype}) load dequantized into the model's "
             "dtype; the export is unquantized"
         )
-    mtp = unloaded_mtp(folder, mtp_layers)
+    mtp_layers, layout = (cfg.model.mtp_layers, layout_without_mtp(cfg)) if cfg else (0, [])
+    mtp = unloaded_mtp(folder, mtp_layers, layout)
     return notes + ([mtp] if mtp else [])
 
 
@@ -148,7 +150,7 @@ def load_hf(job: Job, folder: str | Path) -> None:
     published = published_layout(folder, job.cfg.model)
     keys = hf_keys(list(state), job.cfg.model, tied, prefix, fused_experts(folder), published)
     if job.rank == 0:
-        for note in hf_load_notes(folder, job.cfg.model.mtp_layers):
+        for note in hf_load_notes(folder, job.cfg):
             print(note, flush=True)
     group, timeout = world_group(job)
     with in_flight("Hugging Face load", str(folder), group, timeout):

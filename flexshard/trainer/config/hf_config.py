@@ -8,8 +8,8 @@ does not compute is a ConfigError naming it; ``check_matches`` compares a folder
 config.json with ``[model]`` at start-up. DeepSeek-V3 (``deepseek_v3``): MLA sizes,
 YaRN RoPE (``rope_interleave = true``: the trainer's pairwise rotation), sigmoid
 group-limited routing with the ``"bias"`` balance, and its multi-token prediction
-depths (``num_nextn_predict_layers`` -> ``mtp_layers``; ``--model.mtp_layers 0`` leaves
-them out)."""
+depths (``num_nextn_predict_layers`` -> ``mtp_layers``; ``--model.mtp_layers 0``, or a
+layout that trains no MTP with ``mtp_layers`` not given, leaves them out: ``loader``)."""
 
 from __future__ import annotations
 

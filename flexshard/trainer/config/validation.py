@@ -157,6 +157,19 @@ def hf_format(cfg: ModelConfig, option: str = HF_OPTIONS, export: bool = False) 
 PLACEMENT_NAMES = ("shard0", "flat", "owned", "block", "mixed")
 
 
+def layout_without_mtp(cfg: Config) -> list[str]:
+    """The settings (``key = value``) under which ``cfg``'s run cannot train multi-token
+    prediction, empty where it can (data and expert parallelism): tp, pp and cp, which
+    ``check_layout`` refuses with ``model.mtp_layers`` (the depths share the embedding and
+    the head, which pp puts on different stages, and read tokens ahead, which cp puts on
+    other ranks), and rl, which ``check_rl`` refuses (its update is on sampled
+    completions)."""
+    p = cfg.parallelism
+    degrees = {"tp": p.tp, "pp": p.pp, "cp": p.cp}
+    without = [f"parallelism.{k} = {v}" for k, v in degrees.items() if v > 1]
+    return without + (["rl.enable = true"] if cfg.rl.enable else [])
+
+
 def _check_bucket_entry(where: str, entry: Any) -> None:
     """One explicit bucket: {patterns = [...], placement = "owned", name = "..", block = [R, C]}."""
     if not isinstance(entry, dict):

@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -358,10 +359,11 @@ def mtp_tensors(folder: str | Path) -> list[str]:
     return names
 
 
-def unloaded_mtp(folder: str | Path, mtp_layers: int = 0) -> str | None:
+def unloaded_mtp(folder: str | Path, mtp_layers: int = 0, layout: Sequence[str] = ()) -> str | None:
     """The line to say when a folder holds multi-token-prediction depths that the run
-    does not load: ``mtp_layers`` (the run's) is 0, or the family has no MTP here
-    (DeepSeek-V4); None when there are none or they load."""
+    does not load: ``mtp_layers`` (the run's) is 0, since ``layout`` (the run's settings
+    that train no MTP: ``config.validation.layout_without_mtp``) or by choice, or the
+    family has no MTP here (DeepSeek-V4); None when there are none or they load."""
     names = mtp_tensors(folder)
     if not names:
         return None
@@ -369,10 +371,14 @@ def unloaded_mtp(folder: str | Path, mtp_layers: int = 0) -> str | None:
     if kind == "deepseek_v3":
         if mtp_layers:
             return None
-        return (
-            f"{folder}: its {len(names)} multi-token-prediction tensors ({names[0]}, ...) "
-            "are not loaded: model.mtp_layers = 0; the export has none"
-        )
+        tensors = f"{folder}: its {len(names)} multi-token-prediction tensors ({names[0]}, ...)"
+        if layout:
+            return (
+                f"{tensors} are not loaded: {', '.join(layout)} trains no MTP (data and "
+                "expert parallelism only); the export will not carry them (to keep them, "
+                "train with parallelism.tp, pp and cp 1 and rl off)"
+            )
+        return f"{tensors} are not loaded: model.mtp_layers = 0; the export has none"
     return (
         f"{folder}: its {len(names)} multi-token-prediction tensors (mtp.*) are not loaded: "
         "the trainer has no MTP for this family; the export has none"
