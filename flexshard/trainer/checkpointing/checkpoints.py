@@ -35,12 +35,13 @@ from flexshard.checkpoint import load
 from flexshard.checkpoint import save as save_checkpoint
 from flexshard.checkpoint.async_save import AsyncCheckpointer, SaveError, one_line
 from flexshard.checkpoint.bounded import bounded_group, in_flight
-from flexshard.checkpoint.hf_safetensors import export_safetensors, load_hf_safetensors
+from flexshard.checkpoint.hf_safetensors import HFKey, export_safetensors, load_hf_safetensors
 from flexshard.checkpoint.logical_model import Model
 
 from ..config.hf_config import folder_fields, folder_quantization, text_model_prefix
 from ..config.schema import Config
 from ..config.tokenizer import Tokenizer
+from ..config.validation import layout_without_mtp
 from ..data.dataset import DPSampler, ValidationBatches
 from ..models.hf_adapter import (
     DTYPES,
@@ -48,6 +49,7 @@ from ..models.hf_adapter import (
     hf_keys,
     in_hf,
     published_layout,
+    shared_copies,
     unloaded_mtp,
 )
 from ..models.model import meta_model
@@ -115,9 +117,10 @@ def world_group(job: Job) -> tuple[dist.ProcessGroup, datetime.timedelta]:
     return bounded_group(dist.group.WORLD, timeout), timeout
 
 
-def hf_load_notes(folder: str | Path) -> list[str]:
+def hf_load_notes(folder: str | Path, cfg: Config | None = None) -> list[str]:
     """What a Hugging Face load says it leaves out or converts, one line each: a vision
-    tower, quantized weights (dequantized), multi-token-prediction depths."""
+    tower, quantized weights (dequantized), multi-token-prediction depths the run
+    (``cfg``; None: one without MTP) does not load, and why."""
     notes = []
     prefix = text_model_prefix(folder)
     if prefix != "model.":
@@ -132,7 +135,8 @@ def hf_load_notes(folder: str | Path) -> list[str]:
             f"experts {quantization.expert_dtype}) load dequantized into the model's "
             "dtype; the export is unquantized"
         )
-    mtp = unloaded_mtp(folder)
+    mtp_layers, layout = (cfg.model.mtp_layers, layout_without_mtp(cfg)) if cfg else (0, [])
+    mtp = unloaded_mtp(folder, mtp_layers, layout)
     return notes + ([mtp] if mtp else [])
 
 
@@ -146,7 +150,7 @@ def load_hf(job: Job, folder: str | Path) -> None:
     published = published_layout(folder, job.cfg.model)
     keys = hf_keys(list(state), job.cfg.model, tied, prefix, fused_experts(folder), published)
     if job.rank == 0:
-        for note in hf_load_notes(folder):
+        for note in hf_load_notes(folder, job.cfg):
             print(note, flush=True)
     group, timeout = world_group(job)
     with in_flight("Hugging Face load", str(folder), group, timeout):
@@ -179,11 +183,15 @@ def export(
     source = source_folder(cfg)  # its experts' layout, fused or per expert, kept
     fused = source is not None and fused_experts(source)
     keys = hf_keys(list(shapes), cfg.model, fused=fused) if hf else None
+    state = model_state(job, hf)
+    if keys is not None:  # DeepSeek's MTP depths hold copies of the embedding and head
+        for name, fqn in shared_copies(cfg.model).items():
+            state[name], shapes[name], keys[name] = state[fqn], shapes[fqn], HFKey(name)
     group, timeout = world_group(job)
     what = "Hugging Face export" if hf else "safetensors export"
     with in_flight(what, str(folder), group, timeout):
         export_safetensors(
-            model_state(job, hf),
+            state,
             folder,
             keys,
             DTYPES[dtype],

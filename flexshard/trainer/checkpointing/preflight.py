@@ -104,6 +104,7 @@ def check_checkpoints(cfg: Config) -> None:
             if not any(path.glob("*.safetensors")):
                 raise StartupError("checkpoint", f"{key} '{path}': no *.safetensors file")
             check_hf_files(path)
+            check_shared_copies(cfg, path)
         elif not (path / ".metadata").is_file():
             raise StartupError(
                 "checkpoint",
@@ -124,6 +125,49 @@ def check_hf_files(path: Path) -> None:
         check_safetensors_folder(path)
     except ValueError as err:
         raise StartupError("checkpoint", str(err)) from None
+
+
+COPY_ROWS = 4096  # rows compared at a time: a 129k-row embedding is never read whole
+
+
+def check_shared_copies(cfg: Config, path: Path) -> None:
+    """The MTP depths' copies of the embedding and head in a DeepSeek-V3 folder
+    (``models.hf_adapter.shared_copies``) equal the main model's bit for bit: the run
+    shares one tensor between them, so a copy that differs would be dropped unseen.
+    A StartupError names the first that differs; a folder without copies passes."""
+    from safetensors import safe_open
+
+    from flexshard.checkpoint.hf_safetensors import stored_tensors
+
+    from ..config.hf_config import folder_fields
+    from ..models.hf_adapter import hf_keys, shared_copies
+
+    copies = shared_copies(cfg.model)
+    if not copies:
+        return
+    stored = stored_tensors(path)
+    tied = folder_fields(path)["tie_embeddings"]
+    mains = hf_keys(sorted(set(copies.values())), cfg.model, tied)
+    for name, fqn in copies.items():
+        main = mains[fqn].name
+        if name not in stored:
+            continue
+        with (
+            safe_open(stored[name].file, "pt") as copy_file,
+            safe_open(stored[main].file, "pt") as main_file,
+        ):
+            copy, whole = copy_file.get_slice(name), main_file.get_slice(main)
+            same = copy.get_shape() == whole.get_shape() and all(
+                torch.equal(copy[i : i + COPY_ROWS], whole[i : i + COPY_ROWS])
+                for i in range(0, copy.get_shape()[0], COPY_ROWS)
+            )
+        if not same:
+            raise StartupError(
+                "checkpoint",
+                f"checkpoint.initial_load_path '{path}': '{name}' differs from '{main}': "
+                "the trainer's MTP depths share the main model's embedding and head (as "
+                "DeepSeek trains them); set --model.mtp_layers 0 to leave the depths out",
+            )
 
 
 def model_shapes(cfg: Config) -> dict[str, torch.Size]:

@@ -7,8 +7,9 @@ A ``config.json`` key that changes what the model computes and that the trainer'
 does not compute is a ConfigError naming it; ``check_matches`` compares a folder's
 config.json with ``[model]`` at start-up. DeepSeek-V3 (``deepseek_v3``): MLA sizes,
 YaRN RoPE (``rope_interleave = true``: the trainer's pairwise rotation), sigmoid
-group-limited routing with the ``"bias"`` balance, no MTP depths
-(``num_nextn_predict_layers = 0``); a folder loads with ``mtp_layers = 0``."""
+group-limited routing with the ``"bias"`` balance, and its multi-token prediction
+depths (``num_nextn_predict_layers`` -> ``mtp_layers``; ``--model.mtp_layers 0``, or a
+layout that trains no MTP with ``mtp_layers`` not given, leaves them out: ``loader``)."""
 
 from __future__ import annotations
 
@@ -297,7 +298,8 @@ def _yarn_parameters(cfg: ModelConfig) -> dict[str, Any]:
 
 def _deepseek_v3_config(cfg: ModelConfig) -> dict[str, Any]:
     """``config.json`` of a ``DeepseekV3ForCausalLM`` computing what ``Transformer(cfg)``
-    does (its main model: no MTP), but the keys every family writes alike."""
+    does, with its MTP depths as DeepSeek counts them, but the keys every family writes
+    alike."""
     moe = cfg.moe
     dense = cfg.ffn_hidden_size()
     return {
@@ -322,7 +324,7 @@ def _deepseek_v3_config(cfg: ModelConfig) -> dict[str, Any]:
         "routed_scaling_factor": moe.routed_scaling_factor,
         # every block dense without routed experts
         "first_k_dense_replace": moe.first_dense_layers if moe.num_experts else cfg.n_layers,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.mtp_layers,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
@@ -400,6 +402,7 @@ def _deepseek_v3_fields(config: dict[str, Any]) -> dict[str, Any]:
         "v_head_dim": config["v_head_dim"],
         "rope_scaling": rope_scaling,
         "moe": moe,
+        "mtp_layers": config.get("num_nextn_predict_layers") or 0,
     }
 
 
@@ -748,7 +751,20 @@ def folder_fields(folder: str | Path) -> dict[str, Any]:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ConfigError(f"'{folder}' has no config.json: not a Hugging Face model folder")
-    return model_fields(json.loads(path.read_text()))
+    fields = model_fields(json.loads(path.read_text()))
+    if fields.get("mtp_layers") and not _holds_mtp(folder, fields["n_layers"]):
+        # transformers' DeepseekV3Config counts one depth by default, and save_pretrained
+        # writes no MTP weights: the depths are the ones the folder holds
+        fields["mtp_layers"] = 0
+    return fields
+
+
+def _holds_mtp(folder: str | Path, n_layers: int) -> bool:
+    """Whether a DeepSeek-V3 folder holds its first MTP depth (``model.layers.{n_layers}``)."""
+    # imported here: reading a config (``--help`` included) loads no torch
+    from flexshard.checkpoint.hf_safetensors import tensor_names
+
+    return f"model.layers.{n_layers}.eh_proj.weight" in tensor_names(folder)
 
 
 def folder_quantization(folder: str | Path) -> BlockScaled | None:
@@ -774,10 +790,11 @@ def _have(cfg: ModelConfig, key: str) -> Any:
 _LAYER_CHOICE = ("moe.first_dense_layers", "moe.decoder_sparse_step", "moe.mlp_only_layers")
 
 
-def _mismatches(cfg: ModelConfig, fields: dict[str, Any], untie: bool) -> dict[str, Any]:
+def _mismatches(cfg: ModelConfig, fields: dict[str, Any], loading: bool) -> dict[str, Any]:
     """The ``[model]`` keys (``moe.x``, ``rope_scaling.x`` for the sub-tables) whose value
     in ``fields`` (a config.json's reading) differs from ``cfg``'s, with the fields'
-    value. ``untie``: a tied config.json may describe an untied ``cfg``."""
+    value. ``loading``: the folder is read into ``cfg``, so a tied config.json may describe
+    an untied ``cfg``, and one with MTP depths a ``cfg`` without."""
     wanted = dict(fields)
     moe = wanted.pop("moe")
     wanted.update({f"moe.{k}": v for k, v in moe.items()})
@@ -790,8 +807,10 @@ def _mismatches(cfg: ModelConfig, fields: dict[str, Any], untie: bool) -> dict[s
             wanted.pop(key, None)
     if moe["num_experts"] and all(theirs):  # no dense layer: its width does not count
         wanted.pop("ffn_hidden", None)
-    if untie and wanted["tie_embeddings"] and not cfg.tie_embeddings:
+    if loading and wanted["tie_embeddings"] and not cfg.tie_embeddings:
         del wanted["tie_embeddings"]
+    if loading and not cfg.mtp_layers:  # the run leaves the folder's MTP depths out
+        wanted.pop("mtp_layers", None)
     return {k: v for k, v in wanted.items() if _have(cfg, k) != v}
 
 
@@ -799,9 +818,9 @@ def check_matches(cfg: ModelConfig, folder: str | Path) -> dict[str, Any]:
     """The folder's ``[model]`` keys (``folder_fields``), or a ConfigError listing the
     ones that differ from ``cfg`` (with the overrides that would make them match). A
     tied folder loads into an untied model too (the output starts as a copy of the
-    embedding)."""
+    embedding), and a folder with MTP depths into a model without (``mtp_layers = 0``)."""
     fields = folder_fields(folder)
-    wrong = _mismatches(cfg, fields, untie=True)
+    wrong = _mismatches(cfg, fields, loading=True)
     if wrong:
         fix = " ".join(f"--model.{k} {json.dumps(v)}" for k, v in wrong.items())
         raise ConfigError(
@@ -813,7 +832,7 @@ def check_matches(cfg: ModelConfig, folder: str | Path) -> dict[str, Any]:
 
 
 # config.json keys an export decides whatever the folder it started from said: the
-# head it writes (a tied folder may train untied) and the MTP depths it holds (none)
+# head it writes (a tied folder may train untied) and the MTP depths it holds
 _EXPORT_DECIDES = ("tie_word_embeddings", "num_nextn_predict_layers")
 # what a quantized folder's config.json says of its weights: the export's are not
 _QUANTIZATION_KEYS = ("quantization_config", "expert_dtype")
@@ -847,7 +866,7 @@ def exported_config(
     for key in _QUANTIZATION_KEYS:
         out.pop(key, None)
     out.update(token_ids or {})
-    wrong = _mismatches(cfg, model_fields(out), untie=False)
+    wrong = _mismatches(cfg, model_fields(out), loading=False)
     if wrong:
         raise ConfigError(
             "checkpoint.last_save_in_hf: the config.json of checkpoint.initial_load_path "

@@ -16,7 +16,7 @@ from .schema import (
     Config,
     ConfigError,
 )
-from .validation import validate
+from .validation import layout_without_mtp, validate
 
 
 def _check_type(key: str, value: Any, hint: Any) -> Any:
@@ -130,8 +130,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def config_from_dict(table: dict[str, Any]) -> Config:
     """A Config from a nested dict (as ``Config.to_dict`` gives), validated."""
     cfg = Config()
+    given = table.get("model", {})  # the [model] keys written, before the folder's
     table = _model_from_folder(table)  # a folder's vocab_size is given, as if written here
     _fill(cfg, table, "")
+    _folder_mtp_for_layout(cfg, given)
     _vocab_from_tokenizer(cfg, table)
     _check_activation_checkpoint(cfg.activation_checkpoint)
     _resolve_placement(cfg)
@@ -164,6 +166,15 @@ def _model_from_folder(table: dict[str, Any]) -> dict[str, Any]:
     if not Path(path).is_dir():
         return table
     return {**table, "model": _merge(folder_fields(path), given)}
+
+
+def _folder_mtp_for_layout(cfg: Config, given: Any) -> None:
+    """A folder's MTP depths (``model.mtp_layers`` not written) are left out where the
+    layout trains no MTP (``layout_without_mtp``: tp, pp, cp, rl), so such a folder runs
+    there as one without depths (the load says so in one line: ``hf_load_notes``); an
+    ``mtp_layers`` written is kept, and refused there by the layout's check."""
+    if isinstance(given, dict) and "mtp_layers" not in given and layout_without_mtp(cfg):
+        cfg.model.mtp_layers = 0
 
 
 def _vocab_from_tokenizer(cfg: Config, table: dict[str, Any]) -> None:

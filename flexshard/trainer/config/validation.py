@@ -88,8 +88,8 @@ def hf_format(cfg: ModelConfig, option: str = HF_OPTIONS, export: bool = False) 
     (gated attention, dense / MoE); a ConfigError naming ``option`` and every reason
     when the model has no Hugging Face twin. ``export``: the model is written (a
     ``"bias"`` balance changes the routing, and neither MoE format but DeepSeek-V3's has
-    a tensor to hold it). Multi-token prediction is never exported (no format here
-    holds it)."""
+    a tensor to hold it). Multi-token prediction is exported in DeepSeek-V3's format
+    only (its depths as DeepSeek publishes them)."""
     moe = cfg.moe
     if cfg.attention == "deepseek_v4":  # validate() holds it to its one twin
         return "deepseek_v4"
@@ -155,6 +155,19 @@ def hf_format(cfg: ModelConfig, option: str = HF_OPTIONS, export: bool = False) 
 
 
 PLACEMENT_NAMES = ("shard0", "flat", "owned", "block", "mixed")
+
+
+def layout_without_mtp(cfg: Config) -> list[str]:
+    """The settings (``key = value``) under which ``cfg``'s run cannot train multi-token
+    prediction, empty where it can (data and expert parallelism): tp, pp and cp, which
+    ``check_layout`` refuses with ``model.mtp_layers`` (the depths share the embedding and
+    the head, which pp puts on different stages, and read tokens ahead, which cp puts on
+    other ranks), and rl, which ``check_rl`` refuses (its update is on sampled
+    completions)."""
+    p = cfg.parallelism
+    degrees = {"tp": p.tp, "pp": p.pp, "cp": p.cp}
+    without = [f"parallelism.{k} = {v}" for k, v in degrees.items() if v > 1]
+    return without + (["rl.enable = true"] if cfg.rl.enable else [])
 
 
 def _check_bucket_entry(where: str, entry: Any) -> None:

@@ -27,9 +27,8 @@ is the config side's (``config/hf_config.py``: ``FAMILIES``, keyed alike).
   names, its rotated rows in DeepSeek's pairwise order (``rope_interleave = true``,
   written on export, required on load: no row moves); DeepSeek's MoE block (``mlp.gate``
   with the ``"bias"`` balance's selection bias as ``e_score_correction_bias``, hence that
-  balance both ways; ``mlp.shared_experts``; routed experts one tensor per expert). The
-  multi-token prediction depths (``mtp.*``) are not exported: the transformers class has
-  no such weights, and a folder loads with ``mtp_layers = 0``.
+  balance both ways; ``mlp.shared_experts``; routed experts one tensor per expert). Its
+  multi-token prediction depths under DeepSeek's names (``_DEEPSEEK_V3_MTP``).
 
 The trainer's ``[E, R, C]`` stacks are stored per expert (``...experts.{e}.w1.weight``,
 what ``save_pretrained`` writes; transformers 5 fuses them on load), or, in a folder
@@ -51,7 +50,9 @@ MiniMax-M2 a sigmoid router.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,7 @@ import torch
 from flexshard.checkpoint.hf_safetensors import HFKey, tensor_names
 
 from ..config import ModelConfig
+from ..config.hf_config import folder_fields
 from ..config.validation import hf_format
 
 # trainer name (within a block) -> HF name (within model.layers.{i})
@@ -99,6 +101,7 @@ _ROOT = {
     "output.weight": "lm_head.weight",
 }
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_MTP_DEPTH = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 # model state no Hugging Face format holds: the "bias" balance's selection bias (a run
 # loading a folder starts it at zero, which routes as the folder's model does;
 # exporting it is refused by hf_format)
@@ -136,6 +139,22 @@ _DEEPSEEK_V3_MOE = {
     "feed_forward.experts.w1": "mlp.experts.{}.gate_proj.weight",
     "feed_forward.experts.w3": "mlp.experts.{}.up_proj.weight",
     "feed_forward.experts.w2": "mlp.experts.{}.down_proj.weight",
+}
+
+
+# DeepSeek-V3's multi-token prediction depth k is ``model.layers.{n_layers + k}.*``, as
+# DeepSeek publishes it (README_WEIGHTS.md): its own norms and projection, a whole
+# decoder block under the main blocks' names, and copies of the main model's embedding
+# and head, which it shares (``shared_copies``); transformers' class ignores them all
+_DEEPSEEK_V3_MTP = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+_MTP_SHARED = {
+    "tok_embeddings.weight": "embed_tokens.weight",
+    "output.weight": "shared_head.head.weight",
 }
 
 
@@ -214,6 +233,9 @@ class FamilyKeys:
     # the root names of the folder as the model's authors publish it, whose blocks are
     # ``layers.{i}.*`` with no ``model.`` prefix (None: no such layout)
     published_root: dict[str, str] | None = None
+    # a multi-token-prediction depth's own names (trainer -> HF, within its block's
+    # ``model.layers.{n_layers + k}``), None: the format holds no MTP depth
+    mtp: dict[str, str] | None = None
 
 
 FAMILY_KEYS = {
@@ -221,7 +243,7 @@ FAMILY_KEYS = {
     "qwen3": FamilyKeys({**_ATTENTION, **_QK_NORM, **_DENSE}, {}),
     "mixtral": FamilyKeys({**_ATTENTION, **_DENSE}, _MIXTRAL),
     "qwen3_moe": FamilyKeys({**_ATTENTION, **_QK_NORM, **_DENSE}, _QWEN3_MOE),
-    "deepseek_v3": FamilyKeys(_DEEPSEEK_V3, _DEEPSEEK_V3_MOE),
+    "deepseek_v3": FamilyKeys(_DEEPSEEK_V3, _DEEPSEEK_V3_MOE, mtp=_DEEPSEEK_V3_MTP),
     "qwen3_5_text": FamilyKeys(_QWEN3_5, {}),
     "qwen3_5_moe_text": FamilyKeys(_QWEN3_5, _QWEN3_5_MOE),
     "deepseek_v4": FamilyKeys({}, _DEEPSEEK_V4, _DEEPSEEK_V4_ROOT, _DEEPSEEK_V4_PUBLISHED_ROOT),
@@ -234,6 +256,13 @@ def hf_key(fqn: str, cfg: ModelConfig) -> HFKey:
     family = FAMILY_KEYS[hf_format(cfg)]
     if fqn in family.root:
         return HFKey(family.root[fqn])
+    depth = _MTP_DEPTH.match(fqn)
+    if depth is not None and family.mtp is not None:
+        layer, rest = cfg.n_layers + int(depth.group(1)), depth.group(2)
+        if rest in family.mtp:
+            return HFKey(f"model.layers.{layer}.{family.mtp[rest]}")
+        if rest.startswith("block."):  # a decoder block named as the main model's
+            return hf_key(f"layers.{layer}.{rest.removeprefix('block.')}", cfg)
     match = _LAYER.match(fqn)
     rest = match.group(2) if match else ""
     if match is None or (rest not in family.block and rest not in family.sparse):
@@ -259,8 +288,8 @@ def in_hf(fqn: str, cfg: ModelConfig) -> bool:
     output projection is stored once, as the embedding)."""
     if cfg.tie_embeddings and fqn == "output.weight":
         return False
-    if fqn.startswith("mtp."):  # multi-token prediction: no format here holds it
-        return False
+    if fqn.startswith("mtp."):  # multi-token prediction: DeepSeek-V3's format holds it
+        return cfg.attention == "mla"
     # DeepSeek-V3's format holds the selection bias (e_score_correction_bias)
     return cfg.attention in ("mla", "deepseek_v4") or _TRAINER_ONLY.match(fqn) is None
 
@@ -300,14 +329,56 @@ def published_layout(folder: str | Path, cfg: ModelConfig) -> bool:
 
 
 _MTP = re.compile(r"(^|\.)mtp\.")
+_FOLDER_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
 
-def unloaded_mtp(folder: str | Path) -> str | None:
-    """The line to say when a folder holds multi-token-prediction depths (``mtp.*``,
-    DeepSeek's ``num_nextn_predict_layers``), which no family here loads; None without."""
-    names = [name for name in tensor_names(folder) if _MTP.search(name)]
+def shared_copies(cfg: ModelConfig) -> dict[str, str]:
+    """The MTP depths' copies of the main model's embedding and head in DeepSeek-V3's
+    layout (HF name -> the trainer key it copies): the depths share those two, as in
+    DeepSeek's training, so a load reads the main ones and an export writes them again
+    under each depth's names. Empty for a model or format without MTP depths."""
+    if not cfg.mtp_layers or FAMILY_KEYS[hf_format(cfg)].mtp is None:
+        return {}
+    tied = {"output.weight": "tok_embeddings.weight"} if cfg.tie_embeddings else {}
+    return {
+        f"model.layers.{cfg.n_layers + k}.{name}": tied.get(fqn, fqn)
+        for k in range(cfg.mtp_layers)
+        for fqn, name in _MTP_SHARED.items()
+    }
+
+
+def mtp_tensors(folder: str | Path) -> list[str]:
+    """A folder's multi-token-prediction tensors: DeepSeek-V3's blocks past
+    ``num_hidden_layers``, DeepSeek-V4's ``mtp.*``."""
+    layers = folder_fields(folder)["n_layers"]
+    names = []
+    for name in sorted(tensor_names(folder)):
+        block = _FOLDER_LAYER.match(name)
+        if _MTP.search(name) or (block is not None and int(block.group(1)) >= layers):
+            names.append(name)
+    return names
+
+
+def unloaded_mtp(folder: str | Path, mtp_layers: int = 0, layout: Sequence[str] = ()) -> str | None:
+    """The line to say when a folder holds multi-token-prediction depths that the run
+    does not load: ``mtp_layers`` (the run's) is 0, since ``layout`` (the run's settings
+    that train no MTP: ``config.validation.layout_without_mtp``) or by choice, or the
+    family has no MTP here (DeepSeek-V4); None when there are none or they load."""
+    names = mtp_tensors(folder)
     if not names:
         return None
+    kind = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    if kind == "deepseek_v3":
+        if mtp_layers:
+            return None
+        tensors = f"{folder}: its {len(names)} multi-token-prediction tensors ({names[0]}, ...)"
+        if layout:
+            return (
+                f"{tensors} are not loaded: {', '.join(layout)} trains no MTP (data and "
+                "expert parallelism only); the export will not carry them (to keep them, "
+                "train with parallelism.tp, pp and cp 1 and rl off)"
+            )
+        return f"{tensors} are not loaded: model.mtp_layers = 0; the export has none"
     return (
         f"{folder}: its {len(names)} multi-token-prediction tensors (mtp.*) are not loaded: "
         "the trainer has no MTP for this family; the export has none"

@@ -18,8 +18,10 @@ The MTP term enters the backward through the logits (``Transformer.forward``), o
 while gradients are enabled (training): evaluation, validation and generation run the
 main model alone. ``loss_scale`` is what the trainer divides each micro-batch's loss
 by (``1 / grad_accum``), so the MTP gradient keeps its weight under accumulation.
-MTP weights are model state (trained, checkpointed, resumed under ``mtp.*``); the
-Hugging Face export leaves them out, since ``DeepseekV3ForCausalLM`` has none."""
+MTP weights are model state (trained, checkpointed, resumed under ``mtp.*``); a
+DeepSeek-V3 Hugging Face folder holds them as DeepSeek publishes them (depth ``k`` as
+``model.layers.{n_layers + k}``, ``norm`` as ``shared_head.norm``: ``hf_adapter``),
+which its load reads and its export writes."""
 
 from __future__ import annotations
 

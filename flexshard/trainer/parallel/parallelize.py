@@ -207,7 +207,8 @@ def check_layout(cfg: Config) -> None:
             f"model.mtp_layers = {m.mtp_layers} runs with data and expert parallelism only: "
             "set parallelism.tp, pp and cp to 1 (the MTP depths share the embedding and the "
             "head, which pp puts on different stages, and read the tokens ahead, which cp "
-            "puts on other ranks)"
+            "puts on other ranks); a Hugging Face folder's depths: --model.mtp_layers 0 "
+            "trains without them"
         )
     # sequence parallelism cuts each rank's sequence across tp, and pipeline stages
     # send those shards
