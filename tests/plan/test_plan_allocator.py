@@ -5,6 +5,7 @@ torch's c10/cuda/CUDACachingAllocator.cpp, and the step's allocation sequence
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,16 @@ def test_the_step_sequence_peaks_where_the_plan_does(expandable):
     assert memory["allocator_simulated_peak"] == pytest.approx(memory["total"], rel=0.05)
     assert memory["allocator_reserve"] >= 0
     assert memory["reserved"] == memory["total"] + memory["allocator_reserve"]
+
+
+def test_the_cli_reports_the_reserved_peak(tmp_path):
+    from flexshard.plan.cli import main
+
+    out = {}
+    for flag in ((), ("--expandable-segments",)):
+        path = tmp_path / f"plan{len(flag)}.json"
+        assert main(["configs/debug.toml", "--world", "8", *flag, "--json", str(path)]) == 0
+        out[flag] = json.loads(path.read_text())["backends"]["fsdp2"]["memory"]
+    for memory in out.values():
+        assert memory["reserved"] == memory["total"] + memory["allocator_reserve"]
+        assert memory["allocator_reserve"] > 0  # small tensors take whole 2 / 20 MiB segments
