@@ -19,13 +19,16 @@ import contextlib
 import datetime
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
 
 from ..runtime.collectives import CollectiveError, backend_failures_raise, check_timeout
 from ..runtime.module import subtree_buckets
+
+if TYPE_CHECKING:
+    from .load_progress import LoadProgress
 
 _GROUPS: dict[tuple[tuple[int, ...], float, str], dist.ProcessGroup] = {}
 
@@ -98,13 +101,15 @@ def in_flight(
 class Ranks:
     """The ranks taking part (a process group, or this process alone); with a
     ``timeout``, their collectives run on a copy of the group bounded by it, and a
-    peer that stalls or dies raises a CollectiveError naming the step and ``path``."""
+    peer that stalls or dies raises a CollectiveError naming the step and ``path``;
+    with a load's ``progress``, also the ranks that never reached it."""
 
     group: dist.ProcessGroup | None
     rank: int
     world: int
     path: str = ""
     timeout: datetime.timedelta | None = None
+    progress: LoadProgress | None = None  # a load's: its checks note each step reached
 
     @staticmethod
     def of(
@@ -126,6 +131,8 @@ class Ranks:
 
     def step(self, what: str) -> Any:
         """A context in which ``what``'s collectives run (their failure names it)."""
+        if self.progress is not None:
+            return self.progress.collective(what)
         return in_flight(what, self.path, self.group, self.timeout)
 
     def barrier(self, what: str = "barrier") -> None:

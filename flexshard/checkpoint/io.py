@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import io
 import os
 import shutil
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from ..runtime.collectives import is_backend_failure
 from ..torch_internals import single_process_dcp
-from .bounded import Ranks, model_timeout
+from .bounded import Ranks, in_flight, model_timeout
 from .frames import Frames, framed_state, unframed
 from .load_progress import LoadProgress, TrackedReader
 from .logical_model import Model, modules_of
@@ -342,6 +343,19 @@ def _reader(
     return TrackedReader(root, head, progress)
 
 
+@contextlib.contextmanager
+def _tracked(ranks: Ranks, root: str) -> Iterator[Ranks]:
+    """``ranks`` with a load's progress (several ranks): every collective of the load,
+    its checks before and after the read included, notes the point each rank reached,
+    and torchrun's SIGTERM is held for the whole load (``load_progress.py``)."""
+    if ranks.group is None or ranks.world == 1:
+        yield ranks
+        return
+    progress = LoadProgress(ranks.group, root)
+    with progress.holding_agent_stop():
+        yield dataclasses.replace(ranks, progress=progress)
+
+
 def _read(
     root: str,
     state: dict[str, Any],
@@ -354,12 +368,10 @@ def _read(
     it had none)."""
     if reads not in READS:
         raise ValueError(f"reads = {reads!r}: must be one of {READS}")
-    progress = None
-    if ranks.group is not None and ranks.world > 1:
-        progress = LoadProgress(ranks.group, root)
+    progress = ranks.progress
     reader = _reader(root, ranks, verified, reads, progress)
-    held = progress.holding_agent_stop() if progress is not None else contextlib.nullcontext()
-    with ranks.step("dcp.load"), single_process_dcp(ranks.no_dist), held:
+    step = in_flight("dcp.load", ranks.path, ranks.group, ranks.timeout)
+    with step, single_process_dcp(ranks.no_dist):
         try:
             dcp_load(state, root, ranks.group, ranks.no_dist, reader=reader)
         except (Exception, CheckpointException) as err:  # CheckpointException: BaseException
@@ -394,10 +406,10 @@ def load_state(
     reading. ``require_manifest=False`` also takes a checkpoint torch's ``dcp.save``
     wrote (no manifest: unchecked)."""
     root = os.path.abspath(os.fspath(path))
-    ranks = Ranks.of(process_group, root, timeout)
-    verified = _verified(root, ranks, require_manifest)
-    _raise_if_any(_mismatches(state, verified.metadata, ranks, set(state)), ranks, root)
-    return _read(root, state, ranks, verified)
+    with _tracked(Ranks.of(process_group, root, timeout), root) as ranks:
+        verified = _verified(root, ranks, require_manifest)
+        _raise_if_any(_mismatches(state, verified.metadata, ranks, set(state)), ranks, root)
+        return _read(root, state, ranks, verified)
 
 
 def load(
@@ -428,7 +440,23 @@ def load(
     "striped", each chunk is read once, by one of the ranks that need it, and sent to
     the others over ``process_group`` (``striped_read.py``)."""
     root = os.path.abspath(os.fspath(path))
-    ranks = Ranks.of(process_group, root, _timeout(model, timeout))
+    with _tracked(Ranks.of(process_group, root, _timeout(model, timeout)), root) as ranks:
+        return _load(root, ranks, model, optimizer, frames, require_manifest, entries,
+                     checksums_first, reads)  # fmt: skip
+
+
+def _load(
+    root: str,
+    ranks: Ranks,
+    model: Model,
+    optimizer: torch.optim.Optimizer | None,
+    frames: Frames | None,
+    require_manifest: bool,
+    entries: dict[str, Any] | None,
+    checksums_first: bool,
+    reads: Reads,
+) -> Any:
+    """``load``'s checks, read and apply, on ``ranks``."""
     verified = _verified(root, ranks, require_manifest, not checksums_first)
     metadata = verified.metadata
     flat = saved_flat(metadata)

@@ -1,7 +1,10 @@
 """Each rank's progress through a checkpoint load, kept in the job's store, so that a
 load that loses a rank names it.
 
-A DCP load runs collective steps of its own (the plan: a gather of every rank's local
+Before the read, the load checks the checkpoint together (rank 0 sends the manifest
+and ``.metadata``, each rank's findings and keys are gathered); after it, the param
+groups. Each of those collectives is a point too (``collective``), numbered alike on
+every rank. A DCP load runs collective steps of its own (the plan: a gather of every rank's local
 plan to the coordinator, its global plan, a scatter back; the read: an all-gather once
 every rank read), and the striped reader one exchange per batch. A rank that dies or
 stalls in any of them fails the others' collective with the backend's generic error.
@@ -38,16 +41,17 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from ..runtime.collectives import CollectiveError, backend_cause
+from ..runtime.collectives import CollectiveError, backend_cause, is_backend_failure
 from ..torch_internals import default_store
 from .bounded import abandon
 from .safe_load import SafeReader
 
 #: the points of a load, in order: (phase, batch); a rank's record only grows
-STARTED = (0, 0)
+STARTED = (0, 0)  # then (0, n): the n-th collective of the checks before the read
 LOCAL_PLAN = (1, 0)  # this rank's local plan made: it enters the plan's gather
 GLOBAL_PLAN = (2, 0)  # the coordinator's global plan made: it enters the scatter
 READ = (4, 0)  # this rank read everything it needs: it enters the read's all-gather
+CHECKED_AFTER = 5  # (5, n): the n-th collective of the load, a check after the read
 
 
 def batch(number: int) -> tuple[int, int]:
@@ -71,6 +75,8 @@ class LoadProgress:
         self._root = root
         self._coordinator = self._ranks[0]  # DCP's: the group's rank 0
         self.last = STARTED
+        self._collectives = 0  # the checks' collectives entered, for their points
+        self._check = ""  # the check this rank entered last, for messages
         self.agent_stopped = False  # torchrun's agent sent this worker SIGTERM mid-load
         self.arrive(STARTED)
 
@@ -213,8 +219,28 @@ class LoadProgress:
             if completed and self.agent_stopped:
                 signal.raise_signal(signal.SIGTERM)
 
+    @contextlib.contextmanager
+    def collective(self, what: str) -> Iterator[None]:
+        """One collective of the load's checks (``what``), before or after the read:
+        this rank notes it entered it; a backend failure (a lost or stalled peer) in it
+        raises :meth:`failure`, naming the ranks that never reached it."""
+        self._collectives += 1
+        phase = CHECKED_AFTER if self.last >= READ else STARTED[0]
+        self._check = what
+        self.arrive((phase, self._collectives))
+        try:
+            yield
+        except CollectiveError:
+            raise
+        except Exception as err:
+            if not is_backend_failure(err):
+                raise
+            raise self.failure(err, self.step()) from None
+
     def step(self) -> str:
         """The step this rank's last collective was in, for messages."""
+        if self.last[0] in (STARTED[0], CHECKED_AFTER) and self.last != STARTED:
+            return f"the load's check ({self._check})"
         if self.last in (LOCAL_PLAN, GLOBAL_PLAN):
             return "DCP's plan (gather, global plan, scatter)"
         if self.last == READ:

@@ -54,6 +54,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="the LM head's logits and loss sharded over tp (torchtitan's default)",
     )
     p.add_argument(
+        "--expandable-segments",
+        action="store_true",
+        help="the memory reserved with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    )
+    p.add_argument(
         "--rank",
         type=int,
         default=None,
@@ -145,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             async_tp=args.async_tp,
             loss_parallel=args.loss_parallel,
             float8_all_gather=args.float8_all_gather,
+            expandable_segments=args.expandable_segments,
         )
     except ValueError as err:
         print(f"flexshard-plan: {err}", file=sys.stderr)

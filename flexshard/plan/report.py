@@ -24,6 +24,7 @@ from .host_costs import BACKENDS, NO_HOST_COSTS, HostCosts
 from .memory import rank_memory
 from .peak import step_moments
 from .recompute import kept_collective_bytes, op_level, recomputed_share
+from .reserve import simulate
 from .steptime import StepTime, muon_gather_all_time, step_time
 from .techniques import TRAINER, Techniques
 from .timeline import ActivationTimeline, mix, timeline
@@ -101,6 +102,50 @@ def activation_timeline(
     return plain.scaled(tp_share(cfg), kept, head)
 
 
+def allocator_reserve(
+    live: int,
+    buckets: list[BucketInfo],
+    timeline_: ActivationTimeline,
+    optimizer: str,
+    hw: Hardware,
+    techniques: Techniques,
+    held_microbatches: int,
+    accumulating: bool,
+    backend: str,
+) -> dict[str, Any]:
+    """What torch's CUDA caching allocator reserves beyond the live peak (``reserve.py``);
+    ``reserved``: the ``live`` peak plus that, torchtitan's ``memory`` figure."""
+    if timeline_.tensors is None:
+        return {"reserved": live, "allocator_reserve": 0, "allocator_retries": 0}
+    sim = simulate(
+        buckets,
+        timeline_.tensors,
+        optimizer,
+        expandable=techniques.expandable_segments,
+        capacity=round(hw.memory_gib * 2**30) or None,
+        held_microbatches=held_microbatches,
+        accumulating=accumulating,
+        root_prefetches=backend == "fsdp2",
+        foreach=not hw.blocking_collectives,
+    )
+    return {
+        "reserved": live + sim.reserve,
+        "allocator_reserve": sim.reserve,
+        "allocator_retries": sim.retries,
+        "allocator_simulated_peak": sim.requested,
+    }
+
+
+def microbatching(cfg: Config, dims: ParallelDims) -> tuple[int, int, int]:
+    """(microbatches per step, sequences per microbatch, microbatches a pipeline stage
+    holds at once)."""
+    par, t = cfg.parallelism, cfg.training
+    micro = (par.pp_microbatches or dims.pp) if dims.pp > 1 else t.grad_accum
+    seqs = t.batch_size // micro if dims.pp > 1 else t.batch_size
+    in_flight = 1 if dims.pp == 1 else (micro if par.pp_schedule == "gpipe" else dims.pp)
+    return micro, seqs, in_flight
+
+
 def _backend_plan(
     cfg: Config,
     dims: ParallelDims,
@@ -112,10 +157,8 @@ def _backend_plan(
 ) -> dict[str, Any]:
     if backend == "fsdp2":
         stages = [fsdp2_equivalent(s) for s in stages]
-    par, t = cfg.parallelism, cfg.training
-    micro = (par.pp_microbatches or dims.pp) if dims.pp > 1 else t.grad_accum
-    seqs = t.batch_size // micro if dims.pp > 1 else t.batch_size
-    in_flight = 1 if dims.pp == 1 else (micro if par.pp_schedule == "gpipe" else dims.pp)
+    t = cfg.training
+    micro, seqs, in_flight = microbatching(cfg, dims)
     timeline_ = activation_timeline(cfg, seqs, techniques)
     worst: dict[str, Any] | None = None
     slowest: StepTime | None = None  # a pipeline moves at its slowest stage's pace
@@ -140,11 +183,13 @@ def _backend_plan(
         )
         staging = cfg.checkpoint.async_mode != "disabled"
         memory = rank_memory(buckets, t.optimizer, 0, moments, staging)
+        reserve = allocator_reserve(memory.total, buckets, timeline_, t.optimizer, hw,
+                                    techniques, in_flight - 1, micro > 1, backend)  # fmt: skip
         comms = [bucket_comm(b, micro, dims.pp > 1) for b in buckets]
         step = step_time(cfg, dims, buckets, hw, muon, backend, host, techniques)
         stage = {
             "stage": index,
-            "memory": memory.as_dict(),
+            "memory": {**memory.as_dict(), **reserve},
             "buckets": [c.as_dict() for c in comms],
             "bytes_per_step": sum(c.all_gather + c.reduce_scatter + c.all_reduce for c in comms)
             + (muon.all_to_all_bytes if muon and t.optimizer == "muon" else 0),
@@ -163,7 +208,8 @@ def _backend_plan(
             else None,
             "notes": notes,
         }
-        if worst is None or memory.total > worst["memory"]["total"]:
+        # the busiest stage by what the allocator reserves, as torchtitan reports
+        if worst is None or stage["memory"]["reserved"] > worst["memory"]["reserved"]:
             worst = stage
         if slowest is None or step.step_s > slowest.step_s:
             slowest = step

@@ -31,6 +31,10 @@ matmul recompute (``torch.compile`` is the config's ``[compile] enable``).
   false): the LM head's output stays sharded over the vocabulary and the cross-entropy
   runs on the shards, so the logits, their fp32 copy and their gradient take 1 / tp of
   a rank's memory. The trainer gathers the logits whole on every tp rank (off).
+- **Expandable segments** (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, as
+  torchtitan's ``run_llama_train.sh`` launched at 9dec370): the caching allocator grows
+  one segment per stream by pages instead of caching one segment per large request;
+  changes what it reserves, not the step (``allocator.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class Techniques:
     loss_parallel: bool = False  # the LM head's logits and the loss sharded over tp
     # the linears' weights cast to FP8 on their shards before FSDP's all-gather
     float8_all_gather: bool = False
+    expandable_segments: bool = False  # the CUDA caching allocator's (memory reserved)
 
     def __post_init__(self) -> None:
         if self.float8_all_gather and not self.float8:

@@ -41,6 +41,8 @@ class _LiveBytes(TorchDispatchMode):
         self.current = 0
         self.phase = "before"
         self.peaks: dict[str, int] = {}
+        # every storage's birth (+bytes) and death (-bytes), in order: (phase, id, bytes)
+        self.events: list[tuple[str, int, int]] = []
 
     def ignore(self, tensors: Any) -> None:
         """Storages made before counting (parameters): a view of one is no new memory."""
@@ -49,14 +51,16 @@ class _LiveBytes(TorchDispatchMode):
 
     def _dead(self, size: list[int], _ref: Any) -> None:
         self.current -= size[0]
+        self.events.append((self.phase, size[1], -size[0]))
 
     def _track(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         if storage in self._sizes:
             return
-        size = [storage.nbytes()]  # a cell the death callback reads
+        size = [storage.nbytes(), len(self.events)]  # a cell the death callback reads
         self._sizes[storage] = (size, weakref.ref(storage, partial(self._dead, size)))
         self.current += size[0]
+        self.events.append((self.phase, size[1], size[0]))
         if self.current > self.peaks.get(self.phase, 0):
             self.peaks[self.phase] = self.current
 
@@ -64,6 +68,52 @@ class _LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         tree_map_only(torch.Tensor, self._track, out)
         return out
+
+
+Event = tuple[int, int]  # (storage id, +bytes made / -bytes freed)
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """The storages behind the timeline, one by one, for the allocator
+    (``flexshard/plan/allocator.py``): block 1's forward and backward stand for every
+    block, the head's for the head. A storage a block's forward makes and does not free
+    stays until that block's backward frees it (else until its end); one its backward
+    makes and does not free (the gradient passed down) until the end of the next
+    block's backward; one
+    the head makes and does not free until the end of the first block's backward;
+    ``prelude`` (the embedding's) until the end of backward. A free of a storage made
+    in another part is left to these rules."""
+
+    prelude: tuple[int, ...]
+    forward: tuple[Event, ...]
+    head: tuple[Event, ...]
+    backward: tuple[Event, ...]
+
+    def scaled(self, block: float, extra_per_block: int, head: float) -> StepTensors:
+        def times(events: tuple[Event, ...], factor: float) -> tuple[Event, ...]:
+            return tuple((key, round(size * factor)) for key, size in events)
+
+        kept = ((-1, extra_per_block),) if extra_per_block else ()
+        return StepTensors(
+            self.prelude,
+            times(self.forward, block) + kept,
+            times(self.head, head),
+            times(self.backward, block),
+        )
+
+
+def step_tensors(events: list[tuple[str, int, int]]) -> StepTensors:
+    """Sort the recorded births and deaths (``_LiveBytes.events``) by part."""
+    born = {key: phase for phase, key, size in events if size > 0}
+
+    def part(phase: str, *made_in: str) -> tuple[Event, ...]:
+        return tuple((k, n) for p, k, n in events if p == phase and born.get(k) in made_in)
+
+    prelude = tuple(n for p, k, n in events if p == "before" and n > 0)
+    # the backward frees what its forward kept as it goes
+    backward = part("backward 1", "backward 1", "forward 1")
+    return StepTensors(prelude, part("forward 1", "forward 1"), part("head", "head"), backward)
 
 
 @dataclass(frozen=True)
@@ -77,6 +127,7 @@ class ActivationTimeline:
     forward_rest: int  # forward of block i: i blocks held + this
     head_rest: int  # final norm, LM head and the loss, forward and backward: L blocks + this
     backward_rest: int  # backward of block i: i + 1 blocks held + this
+    tensors: StepTensors | None = None  # the storages, one by one (None: not recorded)
 
     def forward(self, i: int) -> int:
         return i * self.per_block + self.forward_rest
@@ -98,6 +149,7 @@ class ActivationTimeline:
             forward_rest=round(self.forward_rest * block),
             head_rest=round(self.head_rest * head),
             backward_rest=round(self.backward_rest * block),
+            tensors=self.tensors.scaled(block, extra_per_block, head) if self.tensors else None,
         )
 
 
@@ -139,6 +191,7 @@ def measure_timeline(
         forward_rest=p["forward 0"],
         head_rest=p["head"] - 2 * per_block,
         backward_rest=max(p["backward 1"] - 2 * per_block, p.get("backward 0", 0) - per_block),
+        tensors=step_tensors(live.events),
     )
 
 
@@ -160,7 +213,8 @@ def timeline(
 
 def mix(plain: ActivationTimeline, marked: ActivationTimeline, share: float) -> ActivationTimeline:
     """A model where ``share`` of the blocks are checkpointed: a block keeps the mean of
-    the two; the running block's own bytes are the larger of the two."""
+    the two; the running block's own bytes are the larger of the two; the storages one
+    by one are those of the kind most blocks are."""
     if share in (0, 1):
         return marked if share else plain
     return ActivationTimeline(
@@ -168,4 +222,5 @@ def mix(plain: ActivationTimeline, marked: ActivationTimeline, share: float) -> 
         forward_rest=max(plain.forward_rest, marked.forward_rest),
         head_rest=max(plain.head_rest, marked.head_rest),
         backward_rest=max(plain.backward_rest, marked.backward_rest),
+        tensors=marked.tensors if share >= 0.5 else plain.tensors,
     )

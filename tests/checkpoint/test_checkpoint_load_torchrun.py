@@ -1,8 +1,9 @@
 """A rank that dies mid-load under real torchrun: the elastic agent serves the job's
 store (not rank 0) and answers the death by sending the other workers SIGTERM, so the
-surviving rank must name the dead rank before the agent ends it. One torchrun of 2
-workers per victim (rank 0, whose death does not take the store with it here, and
-rank 1); ``tests/helpers/torchrun_load_death.py`` is the job."""
+surviving rank must name the dead rank before the agent ends it, whether the rank died
+in the read or in the checks before it. One torchrun of 2 workers per case (rank 0,
+whose death does not take the store with it here, and rank 1);
+``tests/helpers/torchrun_load_death.py`` is the job."""
 
 from __future__ import annotations
 
@@ -37,14 +38,27 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+#: where the victim dies: the step the survivor is left waiting in
+STEPS = {
+    "read": "DCP's read (all-gather)",
+    # the victim dies checking the manifest rank 0 sent: the survivor waits in the
+    # gather of every rank's findings
+    "check": "the load's check (check all-gather)",
+}
+
+
 # rank 0 is the case a store on rank 0 would not cover; rank 1 as well (slow)
-@pytest.mark.parametrize("victim", [0, pytest.param(1, marks=pytest.mark.slow)])
-def test_the_survivor_names_the_rank_that_died_mid_load(tmp_path, saved, victim):
+@pytest.mark.parametrize(
+    ("phase", "victim"),
+    [("read", 0), ("check", 0)]
+    + [pytest.param(p, 1, marks=pytest.mark.slow) for p in ("read", "check")],
+)
+def test_the_survivor_names_the_rank_that_died_mid_load(tmp_path, saved, phase, victim):
     results = tmp_path / "results"
     results.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", JOB, str(saved), str(results)]  # fmt: skip
-    env = {**os.environ, "VICTIM": str(victim), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "VICTIM": str(victim), "PHASE": phase, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
@@ -63,7 +77,7 @@ def test_the_survivor_names_the_rank_that_died_mid_load(tmp_path, saved, victim)
     assert report.exists(), f"the agent ended rank {survivor} before it spoke:\n{output[-3000:]}"
     got = json.loads(report.read_text())
     assert got["type"] == "CollectiveError", got
-    named = re.escape("in DCP's read (all-gather): rank(s) ") + re.escape(f"[{victim}] never")
+    named = re.escape(f"in {STEPS[phase]}: rank(s) [{victim}] never")
     assert re.search(named, got["error"]), got
     assert "torchrun's agent is stopping the workers" in got["error"], got
     assert got["seconds"] < NAMED_WITHIN_S, got

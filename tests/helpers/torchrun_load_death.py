@@ -1,6 +1,7 @@
 """A checkpoint load as torchrun runs it, with one rank dying mid-load: the worker of
-global rank ``VICTIM`` exits without a word when it is about to read its chunks; every
-other worker writes what its load raised (type, message, seconds) to
+global rank ``VICTIM`` exits without a word when it is about to read its chunks
+(``PHASE=read``, the default) or to check the manifest it was sent, before the read
+(``PHASE=check``); every other worker writes what its load raised (type, message, seconds) to
 ``RESULTS/rank<r>.json``. Usage: ``torchrun ... torchrun_load_death.py CHECKPOINT RESULTS``."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import flexshard as fs
-from flexshard.checkpoint import verified_read
+from flexshard.checkpoint import io, verified_read
 from flexshard.testing import TinyTransformer, TransformerConfig
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -30,7 +31,10 @@ def main(checkpoint: str, results: Path) -> None:
     dist.init_process_group("gloo", timeout=TIMEOUT)
     rank = dist.get_rank()
     if rank == int(os.environ["VICTIM"]):
-        verified_read.VerifyingReader.read_chunks = _die
+        if os.environ.get("PHASE", "read") == "check":
+            io.parse_manifest = _die
+        else:
+            verified_read.VerifyingReader.read_chunks = _die
     torch.manual_seed(1)
     model = TinyTransformer(TransformerConfig())
     fs.flex_shard(model, mesh=dist.group.WORLD, buckets=[fs.BucketSpec("*", placement=fs.Shard(0))])

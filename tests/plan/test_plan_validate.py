@@ -51,6 +51,9 @@ def test_validate_prints_every_row_and_the_held_out_errors_are_the_models() -> N
         assert cells[1] == row.source and cells[2] == row.layout
         assert cells[9] == row.role
         assert cells[5] == published._num(row.published)
+        if row.memory_gib is not None:  # live, reserved (live + the allocator's), published
+            live, reserved, memory = (float(x) for x in cells[7].split(" / "))
+            assert live < reserved and memory == row.memory_gib, key
     # recomputed apart: the fit on the calibration rows, then each held-out row's model
     # (the slow test below checks the model is make_plan's)
     constants = fit(_calibration())
