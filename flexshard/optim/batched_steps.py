@@ -197,7 +197,7 @@ def _soap_step(optimizer: Optimizer, group: dict[str, Any], params: list[torch.T
     factors = [_stack_list(states, "GG", i) for i in range(2)]
     bases = [_stack_list(states, "Q", i) for i in range(2)]
     exp_avg, exp_avg_sq = _stack(states, "exp_avg"), _stack(states, "exp_avg_sq")
-    param = torch.stack([p.detach() for p in params])
+    param = torch.stack(params)
 
     projected = _soap_project(grad, bases, back=False)
     exp_avg.lerp_(grad, weight=1.0 - beta1)
@@ -211,7 +211,7 @@ def _soap_step(optimizer: Optimizer, group: dict[str, Any], params: list[torch.T
     frequency = states[0]["precondition_frequency"]
     bases, exp_avg_sq = _soap_statistics(grad, factors, bases, exp_avg_sq, beta, frequency, step)
 
-    _copy_back([p.detach() for p in params], param)
+    _copy_back(params, param)
     _copy_back([s["exp_avg"] for s in states], exp_avg)
     _copy_back([s["exp_avg_sq"] for s in states], exp_avg_sq)
     for i in range(2):
@@ -259,7 +259,7 @@ def _shampoo_step(optimizer: Optimizer, group: dict[str, Any], params: list[torc
     if fresh:
         index = torch.tensor(fresh, device=grad.device)
         _shampoo_init([states[i] for i in fresh], grad.index_select(0, index), group)
-    param = torch.stack([p.detach() for p in params])
+    param = torch.stack(params)
     changed_grad = False
     if group["momentum"] > 0.0:
         grad.lerp_(_stack(states, "momentum_buffer"), weight=group["momentum"])
@@ -283,7 +283,7 @@ def _shampoo_step(optimizer: Optimizer, group: dict[str, Any], params: list[torc
     update = bmm(update.transpose(1, 2).contiguous().transpose(1, 2), roots[1])
     param.add_(update, alpha=-group["lr"])
 
-    _copy_back([p.detach() for p in params], param)
+    _copy_back(params, param)
     if changed_grad:
         _copy_back([p.grad for p in params], grad)  # type: ignore[misc]
     for d in range(2):
