@@ -17,15 +17,24 @@ times (5 by default), the order alternating; ratios to (a) per repetition, then 
     .venv/bin/python -m benchmarks.bench_matrix_optim [--world-sizes 2 4] [--reps 5]
 
 Writes benchmarks/results/matrix_optim_bench.{json,md}.
+
+``--conv-dim C`` (one process) instead: SOAP and Shampoo through MatrixOptimizer on a
+Gated DeltaNet depthwise conv kernel ``[C, 1, K]`` (C matrices ``[1, K]``), one matrix
+at a time (``batched=False``: the inner optimizer's loop) against one batched call per
+stack, alternating: the step's CPU time (``time.process_time``) and its Python function
+calls (cProfile), and how far the two end apart (SOAP: Shampoo keeps the loop on such
+small matrices). Writes matrix_optim_conv_bench.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import hashlib
 import json
 import os
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -197,6 +206,108 @@ def _summarise(per_rank: list[dict]) -> dict:
     return rows
 
 
+def _conv_run(optimizer: str, batched: bool, conv: tuple[int, int], steps: int) -> dict:
+    """``steps`` timed steps (after two: SOAP's first only gathers statistics) of one
+    optimizer on a ``[C, 1, K]`` kernel, then one profiled step."""
+    cls, kwargs = _conv_optimizers()[optimizer]
+    gen = torch.Generator().manual_seed(0)
+    weight = nn.Parameter(torch.randn(conv[0], 1, conv[1], generator=gen))
+    opt = MatrixOptimizer([weight], cls, batched=batched, **kwargs)
+    cpu_ms = []
+    for step in range(steps + 3):
+        weight.grad = torch.randn(weight.shape, generator=gen)
+        if step == steps + 2:  # the last one profiled: Python calls per step
+            profile = cProfile.Profile()
+            profile.runcall(opt.step)
+            calls = pstats.Stats(profile).total_calls  # type: ignore[attr-defined]
+            continue
+        start = time.process_time()
+        opt.step()
+        if step >= 2:
+            cpu_ms.append((time.process_time() - start) * 1e3)
+    return {"cpu_ms": statistics.median(cpu_ms), "calls": calls, "weight": weight.detach()}
+
+
+def _conv_optimizers() -> dict[str, tuple[Any, dict]]:
+    import pytorch_optimizer
+
+    # the trainer's settings (training.optimizer): its lr, betas and weight decay.
+    # Shampoo keeps the per-matrix loop on [1, K] (batched_steps: it would magnify the
+    # small-matrix bmm's rounding): both sides would be the loop
+    return {
+        "soap": (pytorch_optimizer.SOAP, {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}),
+    }
+
+
+def conv_main(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    conv = (args.conv_dim, args.conv_kernel)
+    sides = ("per matrix", "batched")
+    started, load_before = time.time(), os.getloadavg()[0]
+    results: dict[str, dict] = {}
+    for optimizer in _conv_optimizers():
+        runs: dict[str, list[dict]] = {side: [] for side in sides}
+        for rep in range(args.reps):
+            for side in alternating(sides, rep):
+                runs[side].append(_conv_run(optimizer, side == "batched", conv, args.steps))
+        loop, batch = runs["per matrix"][0]["weight"], runs["batched"][0]["weight"]
+        start = torch.randn(conv[0], 1, conv[1], generator=torch.Generator().manual_seed(0))
+        moved = float((loop - start).abs().max())  # the kernel's first draw in _conv_run
+        results[optimizer] = {
+            side: {
+                "cpu_ms_per_rep": [r["cpu_ms"] for r in runs[side]],
+                "calls_per_step": runs[side][0]["calls"],
+            }
+            for side in sides
+        }
+        results[optimizer]["batched_vs_per_matrix"] = summary(
+            paired_ratios(
+                results[optimizer]["batched"]["cpu_ms_per_rep"],
+                results[optimizer]["per matrix"]["cpu_ms_per_rep"],
+            )
+        )
+        results[optimizer]["relative_gap"] = float((batch - loop).abs().max()) / moved
+    args.out.mkdir(exist_ok=True)
+    (args.out / "matrix_optim_conv_bench.json").write_text(json.dumps(results, indent=2))
+    lines = [
+        "# A depthwise conv kernel's channels: one matrix at a time vs one batched call",
+        "",
+        f"Command: `.venv/bin/python -m benchmarks.bench_matrix_optim --conv-dim {conv[0]} "
+        f"--conv-kernel {conv[1]} --steps {args.steps} --reps {args.reps}`  ",
+        f"Date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}; "
+        f"torch {torch.__version__}; CPU, one process, one thread; "
+        f"{time.time() - started:.0f} s; 1-min load {load_before:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after (the machine is shared: times vary)",
+        f"One parameter [{conv[0]}, 1, {conv[1]}] fp32 (each channel a [1, {conv[1]}] matrix), "
+        "pytorch-optimizer 4.1.0 SOAP at the trainer's settings (lr 3e-3, betas (0.9, 0.95), "
+        "weight decay 0.1) through "
+        f"MatrixOptimizer; {args.steps} steps timed after 2, CPU time per step (median), "
+        "Python function calls of one more step (cProfile).",
+        "",
+        RULE,
+        "",
+        "| optimizer | per matrix: CPU ms/step | batched: CPU ms/step | batched / per matrix "
+        "[IQR] | calls/step per matrix | calls/step batched | max gap / max move |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for optimizer, row in results.items():
+        loop_ms = statistics.median(row["per matrix"]["cpu_ms_per_rep"])
+        batch_ms = statistics.median(row["batched"]["cpu_ms_per_rep"])
+        lines.append(
+            f"| {optimizer} | {loop_ms:.1f} | {batch_ms:.1f} | "
+            f"{cell(row['batched_vs_per_matrix'], 4)} | {row['per matrix']['calls_per_step']} | "
+            f"{row['batched']['calls_per_step']} | {row['relative_gap']:.1e} |"
+        )
+    lines += [
+        "",
+        "- gap: the largest difference between the two sides' final parameters over the",
+        "  largest distance the parameters moved (torch's small-matrix bmm rounds otherwise",
+        "  than mm: the last bits differ).",
+    ]
+    (args.out / "matrix_optim_conv_bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -204,7 +315,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="runs per variant (order alternating)")
     parser.add_argument("--dim", type=int, default=DIM)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--conv-dim", type=int, help="channels C of a [C, 1, K] conv kernel")
+    parser.add_argument("--conv-kernel", type=int, default=4, help="its taps K")
     args = parser.parse_args()
+    if args.conv_dim:
+        return conv_main(args)
     started, load_before = time.time(), os.getloadavg()[0]
     results = {}
     for w in args.world_sizes:

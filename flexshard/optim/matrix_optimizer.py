@@ -24,6 +24,10 @@ or a shard: its parameters are *proxies*, plain tensors each holding one whole m
 * Tensor-parallel matrices: gathered whole (dp, then tp: DistMuon's ``tp_matrices``)
   with their gradient on every rank, which steps its own copy and keeps its part;
   per-head blocks in column-parallel pieces cut at block boundaries need no gather.
+* 3-D stacks (experts, a depthwise conv kernel's channels): where the inner optimizer
+  has a batched step (:mod:`.batched_steps`: pytorch-optimizer's SOAP and Shampoo), the
+  matrices of a stack this rank computes are stepped in one batched call, with the
+  per-matrix results and state; otherwise one matrix at a time.
 
 Param groups are the adapter's (``lr`` schedulers edit them); before each inner step
 the inner optimizer's groups are refreshed from them, and what the inner step writes
@@ -45,6 +49,7 @@ from torch.optim import Optimizer
 
 from ..runtime.dtensor.tensor_parallel import local_of
 from ..torch_internals import full_state_dict_call
+from .batched_steps import batched_step_of
 from .matrix_calls import check_steps_per_call
 from .matrix_proxies import (
     Cost,
@@ -144,6 +149,8 @@ class MatrixOptimizer(Optimizer):
     bucket's gather is in flight: for optimizers that keep no count of their calls on
     themselves (checked at construction; pytorch-optimizer's and torch's keep none,
     heavyball's do).
+    ``batched=False`` steps every matrix of a 3-D stack on its own, through the inner
+    optimizer, even where a batched step exists (the same results, one call each).
     ``comm_stats()`` counts the step's all-to-alls and bytes. Build it after sharding."""
 
     def __init__(
@@ -154,6 +161,7 @@ class MatrixOptimizer(Optimizer):
         cost: Cost | None = None,
         row_blocks: bool | int | Mapping[str, bool | int] = False,
         overlap: bool = False,
+        batched: bool = True,
         **defaults: Any,
     ) -> None:
         groups = _as_groups(params)
@@ -176,6 +184,9 @@ class MatrixOptimizer(Optimizer):
         if overlap:
             check_steps_per_call(self._inner, self._tag)
         self._cost = cost or preconditioner_flops
+        self._batched = batched_step_of(self._inner) if batched else None
+        # the 3-D stack each proxy belongs to, by id(proxy): its matrices go in one batch
+        self._stack_of: dict[int, int] = {}
         self._resolved: dict[int, Resolved] = {}  # by id(param)
         self._group_of: dict[int, int] = {}
         self._owned: dict[tuple[int, int | None], torch.Tensor] = {}  # remote proxies here
@@ -200,6 +211,8 @@ class MatrixOptimizer(Optimizer):
             resolved = resolve_param(param, name, self._cost, group["row_blocks"])
             self._resolved[id(param)] = resolved
             self._group_of[id(param)] = index
+            if param.dim() == 3:
+                self._stack_of.update((id(m.proxy), id(param)) for m in resolved.local)
             if resolved.tensor_parallel is not None:
                 spec = resolved.tensor_parallel[0].params[resolved.tensor_parallel[1]].tp_spec
                 local = local_of(param)
@@ -238,6 +251,8 @@ class MatrixOptimizer(Optimizer):
                     local = unit.target.param
                     proxy = torch.zeros(unit.shape, dtype=local.dtype, device=local.device)
                     self._owned[(id(local), unit.expert)] = proxy
+                    if unit.expert is not None:
+                        self._stack_of[id(proxy)] = id(local)
             self._outer = {id(r.remote.param): r.param for r in resolved if r.remote}
         return self._plan
 
@@ -365,7 +380,10 @@ class MatrixOptimizer(Optimizer):
 
     def _inner_step(self, members: list[tuple[int, torch.Tensor]]) -> list[dict[str, Any]]:
         """The inner step over ``members`` (group index, proxy with its gradient), its
-        groups refreshed from the adapter's (lr schedulers edit those)."""
+        groups refreshed from the adapter's (lr schedulers edit those). The matrices of
+        a stack with a batched step go in one call per stack, after the inner step has
+        counted the step in each group, as it would with them in it."""
+        stacks, members = self._stacks(members)
         groups = []
         for index, group in enumerate(self.param_groups):
             inner_group = {k: v for k, v in group.items() if k not in OWN_KEYS}
@@ -373,8 +391,34 @@ class MatrixOptimizer(Optimizer):
             groups.append(inner_group)
         self._inner.param_groups = groups
         self._inner.step()
+        for (index, _), proxies in stacks.items():
+            assert self._batched is not None
+            self._batched(self._inner, groups[index], proxies)
         self._check_state()
         return groups
+
+    def _stacks(
+        self, members: list[tuple[int, torch.Tensor]]
+    ) -> tuple[dict[tuple[int, int], list[torch.Tensor]], list[tuple[int, torch.Tensor]]]:
+        """``members`` split into the proxies of each (group, 3-D stack) the batched
+        step takes, and the rest (stepped one by one by the inner optimizer)."""
+        if self._batched is None:
+            return {}, members
+        batched = self._batched
+        takes: dict[tuple[int, int], bool] = {}  # per (group, stack), from its first matrix
+        stacks: dict[tuple[int, int], list[torch.Tensor]] = {}
+        rest = []
+        for index, proxy in members:
+            stack = self._stack_of.get(id(proxy))
+            key = (index, stack if stack is not None else -1)
+            if stack is not None and key not in takes:
+                shape = tuple(proxy.shape)
+                takes[key] = batched.accepts(self._inner, self.param_groups[index], shape)
+            if stack is not None and takes[key]:
+                stacks.setdefault(key, []).append(proxy)
+            else:
+                rest.append((index, proxy))
+        return stacks, rest
 
     def _release(self, members: list[tuple[int, torch.Tensor]]) -> None:
         for index, proxy in members:
