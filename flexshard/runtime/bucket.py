@@ -225,15 +225,6 @@ def _mark(param: nn.Parameter, bucket: Bucket, index: int) -> None:
     param._flexshard_slot = (bucket, index)  # type: ignore[attr-defined]
 
 
-def _follow_requires_grad(shown: list[nn.Parameter], hidden: list[nn.Parameter]) -> None:
-    """``requires_grad_`` after sharding holds, as in FSDP2: it lands on the parameters
-    the modules hold (full while unsharded, local otherwise); the others follow them
-    when the modules switch."""
-    for source, target in zip(shown, hidden):
-        if target.requires_grad != source.requires_grad:
-            target.requires_grad_(source.requires_grad)
-
-
 class Bucket:
     """Holds this rank's shard of a group of parameters and moves it.
 
@@ -508,6 +499,16 @@ class Bucket:
             for module, attr in param.locations:
                 module._parameters[attr] = tensor
 
+    def _switch(self, shown: list[nn.Parameter], to: list[nn.Parameter]) -> None:
+        """Give the modules ``to`` instead of ``shown`` (full and local parameters).
+        ``requires_grad_`` after sharding holds, as in FSDP2: it lands on the parameters
+        the modules hold; the others follow them when the modules switch."""
+        for param, source, target in zip(self.params, shown, to):
+            if target.requires_grad != source.requires_grad:
+                target.requires_grad_(source.requires_grad)
+            for module, attr in param.locations:
+                module._parameters[attr] = target
+
     # ---------------------------------------------------------------- unshard
     @property
     def gather_in_flight(self) -> bool:
@@ -570,8 +571,7 @@ class Bucket:
             finally:
                 set_grad_mode(grad_mode)
                 set_versions(full.guarded, versions)
-        _follow_requires_grad(self.local_params, self.full.params)
-        self._set_on_modules(self.full.params)
+        self._switch(self.local_params, self.full.params)
         full.unsharded = True
 
     def _data_version(self) -> tuple[int, int, int]:
@@ -600,8 +600,7 @@ class Bucket:
             self._finish_gather()
         if not self.full.unsharded:
             return
-        _follow_requires_grad(self.full.params, self.local_params)
-        self._set_on_modules(self.local_params)
+        self._switch(self.full.params, self.local_params)
         self.full.free()
         self.full.unsharded = False
 

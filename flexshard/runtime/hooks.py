@@ -307,9 +307,9 @@ class StepState:
     def _unshard_async(self, bucket: Bucket) -> None:
         """Launch ``bucket``'s all-gather, landing the oldest prefetch first when
         MAX_GATHERS_IN_FLIGHT are already in flight (landing issues no collective)."""
-        if bucket.full.unsharded or bucket.gather_in_flight:
+        if bucket.full.unsharded or bucket.full.pending is not None:  # gathered or in flight
             return
-        gathers = deque(b for b in self._gathers if b.gather_in_flight)
+        gathers = deque([b for b in self._gathers if b.full.pending is not None])
         while len(gathers) >= MAX_GATHERS_IN_FLIGHT:
             gathers.popleft().unshard()
         bucket.unshard(async_op=True, overlap=not self.in_backward)

@@ -113,7 +113,7 @@ class GradReduction:
         )
 
     def _divide(self, out: torch.Tensor) -> None:
-        if self.op == dist.ReduceOp.SUM:
+        if self.divide_factor is not None or self.force_sum:  # ``op`` is SUM
             replicas = self.comm.replicate_group
             size = self.layout.world_size * (dist.get_world_size(replicas) if replicas else 1)
             out.div_(self.divide_factor or size)
