@@ -403,7 +403,7 @@ class StepState:
             self._unreduced.remove(bucket)
         bucket.launch_reduce()
         runtime = bucket.runtime()
-        if runtime.streams and runtime not in self._joining:
+        if runtime.reduce_scatter_stream is not None and runtime not in self._joining:
             self._joining.append(runtime)
         self._in_flight.append(bucket)
         limit = bucket.schedule.reductions_in_flight or MAX_PENDING_REDUCTIONS
