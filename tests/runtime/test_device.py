@@ -50,6 +50,7 @@ class _StreamRuntime(DeviceRuntime):
 
     def __init__(self, event: _Event) -> None:
         super().__init__(torch.device("cpu"), streams=False)
+        self.streams = True  # stream-ordered waits, without torch.cuda's streams
         self.event = event
         self.waited: list[_Event] = []
 
