@@ -12,9 +12,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..placements.layout import BucketLayout, trainable_layout
-from ..torch_internals import DTensorSpec, post_accumulate_grad_hooks
+from ..torch_internals import DTensorSpec, local_tensor, post_accumulate_grad_hooks
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime
 from .dtensor.region_dtensor import wrap
@@ -259,7 +260,12 @@ class GradAccumulator:
         grads = []
         self.owed = [False] * len(self.held)
         for i, (full, spec, came) in enumerate(zip(fulls, tp_specs, as_came)):
-            grad, full.grad = local_grad(full.grad, spec, came), None
+            grad, full.grad = full.grad, None
+            if grad is not None and spec is not None:  # a DTensor parameter's gradient
+                if came and isinstance(grad, DTensor):  # nothing to redistribute
+                    grad = local_tensor(grad)
+                else:
+                    grad = local_grad(grad, spec)
             held = self.held[i]
             self.held[i] = None
             if held is not None and grad is not None:

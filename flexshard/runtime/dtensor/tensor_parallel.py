@@ -94,23 +94,19 @@ def full_parameter(local: torch.Tensor, spec: DTensorSpec | None, requires_grad:
 
 def only_dp_dims(spec: DTensorSpec | None) -> bool:
     """Whether every dim of the parameter's mesh is a data-parallel dim of a full SPMD
-    mesh: its gradient's placements then stay as they came (``local_grad``)."""
+    mesh: its gradient's placements then stay as they came (``local_grad`` would take
+    its local tensor as it is)."""
     spmd = spmd_dims(spec)
     return spmd is not None and len(spmd.dp) == spmd.mesh.ndim
 
 
-def local_grad(
-    grad: torch.Tensor | None, spec: DTensorSpec | None, as_came: bool = False
-) -> torch.Tensor | None:
+def local_grad(grad: torch.Tensor | None, spec: DTensorSpec | None) -> torch.Tensor | None:
     """A TP parameter's gradient as the local tensor of the parameter's own placements
-    (a replicated weight's gradient may come back Partial: redistribute sums it over tp).
-    ``as_came``: ``only_dp_dims(spec)``, known in advance: nothing to redistribute."""
+    (a replicated weight's gradient may come back Partial: redistribute sums it over tp)."""
     if grad is None or spec is None:
         return grad
     if not isinstance(grad, DTensor):
         raise TypeError(f"expected a DTensor gradient for a TP parameter, got {type(grad)}")
-    if as_came:
-        return local_tensor(grad)
     target = tuple(spec.placements)
     spmd = spmd_dims(spec)
     if spmd is not None:  # as FSDP2: dp dims stay as they came (a Partial is reduced by us)
