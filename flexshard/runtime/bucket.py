@@ -688,10 +688,7 @@ class Bucket:
             if info.widen:
                 full.grad_dtype = info.grad
 
-    def launch_reduce(self) -> DeviceRuntime:
-        """Launch the gradient reduction; returns the runtime whose reduce-scatter
-        stream it runs on (compute joins that stream at the end of backward)."""
-        runtime = self.runtime()
+    def launch_reduce(self) -> None:
         # copy-in on compute, as FSDP2; the collective on the reduce-scatter stream
         with self._span("reduce_scatter"):
             trainable = self._trainable()
@@ -702,8 +699,7 @@ class Bucket:
             carried = self._carried(trainable) if agree else trainable
             grads = self._take_grads()
             dtype = self.store.reduce_dtype_of(grads, carried)
-            self.reduction.launch(self.collective, grads, dtype, runtime, carried, agree)
-        return runtime
+            self.reduction.launch(self.collective, grads, dtype, self.runtime(), carried, agree)
 
     def _check_unused_grad_dtypes(self, trainable: tuple[bool, ...]) -> None:
         """As FSDP2 (torch 2.15), before any collective and on every rank alike: zeros for

@@ -401,7 +401,8 @@ class StepState:
             self._in_flight.popleft().finish_reduce()
         if bucket in self._unreduced:
             self._unreduced.remove(bucket)
-        runtime = bucket.launch_reduce()
+        bucket.launch_reduce()
+        runtime = bucket.runtime()
         if runtime.reduce_scatter_stream is not None and runtime not in self._joining:
             self._joining.append(runtime)
         self._in_flight.append(bucket)
