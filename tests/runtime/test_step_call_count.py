@@ -4,8 +4,8 @@ time). ``python -m benchmarks.profile_overhead`` gives the full picture.
 
 The bounds are the counts measured when this test was last tightened (W = 1, 4 blocks
 of ``Linear(8, 8)`` + ReLU, one ``fully_shard`` each and one at the root, AdamW), calls
-into flexshard's own functions per steady-state step: 548 in fp32, 568 in bf16
-(``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``) and 968 with gradient
+into flexshard's own functions per steady-state step: 552 in fp32, 572 in bf16
+(``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``) and 972 with gradient
 accumulation (two micro-batches, the first without gradient sync) on torch 2.13 (806 /
 826 / 1444 before the second trim, 1065 / 1073 / 1915 before the first). The bounds are
 about 5 % above: the counts are exact, the slack only absorbs small differences
