@@ -181,7 +181,9 @@ def _chunk_cat_fits(fulls: Sequence[torch.Tensor | None], dtype: torch.dtype) ->
     source = fulls[0].dtype
     if source != dtype and source not in _WIDENS_EXACTLY.get(dtype, ()):
         return False
-    return all(full is not None and full.dtype == source and full.is_contiguous() for full in fulls)
+    return all(
+        [full is not None and full.dtype == source and full.is_contiguous() for full in fulls]
+    )
 
 
 #: narrower float dtypes each wider one holds exactly (a cast is a plain widening)

@@ -44,7 +44,7 @@ from .collectives import BucketComm, Pending
 from .device import HOST, DeviceRuntime, device_runtime
 from .dtensor.region_dtensor import wrap
 from .dtensor.sharded_spec import sharded_spec
-from .dtensor.tensor_parallel import local_of
+from .dtensor.tensor_parallel import local_of, only_dp_dims
 from .gather import FullParams
 from .quantized import QuantizedGather, optimizer_steps
 from .reduce import GradAccumulator, GradReduction
@@ -113,7 +113,14 @@ class StepCounts:
     @property
     def calls(self) -> list[ForwardCall]:
         """The forward calls whose backward is owed, their graphs alive."""
-        return [c for c in (ref() for ref in self._calls) if c is not None]
+        return [c for ref in self._calls if (c := ref()) is not None]
+
+    def owes(self, call: ForwardCall) -> bool:
+        """Whether ``call`` is one of the forward calls whose backward is owed."""
+        for ref in self._calls:  # a loop, not ``calls``: asked once per backward hook
+            if ref() is call:
+                return True
+        return False
 
     def add(self, call: ForwardCall) -> None:
         ref = weakref.ref(call)
@@ -164,7 +171,7 @@ class StepCounts:
 
     def reset_pass(self) -> None:
         """A backward call ended: the forward calls it reached are over."""
-        self._calls = [weakref.ref(c) for c in self.calls if not c.began]
+        self._calls = [ref for ref in self._calls if (c := ref()) is not None and not c.began]
         self.forwards_done = 0
         self.reached = False  # a backward hook of this bucket ran in this backward call
         self.ready = False  # this backward's gradients are complete
@@ -177,7 +184,7 @@ class StepCounts:
             self.forwards_done = 0
             self.reached = self.ready = False
             return
-        self.uncertain = bool(self.calls)
+        self.uncertain = self.owes_backward
         self._calls = []
         self._made = []
         self._began.clear()
@@ -186,13 +193,22 @@ class StepCounts:
     @property
     def owes_backward(self) -> bool:
         """A forward call with grad ran whose backward has not begun."""
-        return bool(self.calls)
+        for ref in self._calls:  # a loop: asked of every bucket at each backward's end
+            if ref() is not None:
+                return True
+        return False
 
     @property
     def complete(self) -> bool:
         """Every forward call's backward reached its inputs: the gradients can be
         reduced before the backward call ends."""
-        return not self.uncertain and all(c.reported for c in self.calls)
+        if self.uncertain:
+            return False
+        for ref in self._calls:
+            call = ref()
+            if call is not None and not call.reported:
+                return False
+        return True
 
 
 _NO_SPAN = contextlib.nullcontext()
@@ -207,15 +223,6 @@ def slot_of(param: torch.Tensor) -> tuple[Bucket, int] | None:
 
 def _mark(param: nn.Parameter, bucket: Bucket, index: int) -> None:
     param._flexshard_slot = (bucket, index)  # type: ignore[attr-defined]
-
-
-def _follow_requires_grad(shown: list[nn.Parameter], hidden: list[nn.Parameter]) -> None:
-    """``requires_grad_`` after sharding holds, as in FSDP2: it lands on the parameters
-    the modules hold (full while unsharded, local otherwise); the others follow them
-    when the modules switch."""
-    for source, target in zip(shown, hidden):
-        if target.requires_grad != source.requires_grad:
-            target.requires_grad_(source.requires_grad)
 
 
 class Bucket:
@@ -267,6 +274,10 @@ class Bucket:
             comm, layout, rank, [p.placement.uniform_slots for p in params]
         )
         self.grads = GradAccumulator(len(params))
+        # per parameter, looked up once: its tp spec, and whether its gradient's local
+        # tensor is taken as it comes (every mesh dim data parallel)
+        self._tp_specs = [p.tp_spec for p in params]
+        self._grads_as_came = [only_dp_dims(p.tp_spec) for p in params]
         self._payload_uses_version = getattr(self.collective, "payload_uses_version", True)
         self._runtime_device: torch.device | None = None  # the device of ``_runtime``
         self._runtime = HOST
@@ -382,6 +393,8 @@ class Bucket:
         # a new one), as FSDP2's: DTensor's sharding cache then matches the optimizer's
         # and clip_grad_norm_'s ops on them by identity, not spec by spec
         self.specs = [dtensor_spec(p) for p in self.local_params]
+        # new parameter objects: their hook modules' membership is walked afresh
+        self._members: dict[tuple[int, ...], list[frozenset[int]]] = {}
         for i, (local, info) in enumerate(zip(self.local_params, self.store.per_param)):
             _mark(local, self, i)
             if info.follows and self.params[i].grad_override[0]:
@@ -486,6 +499,16 @@ class Bucket:
             for module, attr in param.locations:
                 module._parameters[attr] = tensor
 
+    def _switch(self, shown: list[nn.Parameter], to: list[nn.Parameter]) -> None:
+        """Give the modules ``to`` instead of ``shown`` (full and local parameters).
+        ``requires_grad_`` after sharding holds, as in FSDP2: it lands on the parameters
+        the modules hold; the others follow them when the modules switch."""
+        for param, source, target in zip(self.params, shown, to):
+            if target.requires_grad != source.requires_grad:
+                target.requires_grad_(source.requires_grad)
+            for module, attr in param.locations:
+                module._parameters[attr] = target
+
     # ---------------------------------------------------------------- unshard
     @property
     def gather_in_flight(self) -> bool:
@@ -500,7 +523,8 @@ class Bucket:
         if self.full.unsharded:
             return
         if self.full.pending is None:
-            self._follow_ties()
+            if self.ties:
+                self._follow_ties()
             self._launch_gather(async_op and overlap)
         if not async_op:
             self._finish_gather()
@@ -514,8 +538,9 @@ class Bucket:
         # CUDA: copy-in and collective on the all-gather stream, after it waited on
         # compute (the optimizer's writes; reads of the buffer it may reuse)
         with self._span("all_gather"), runtime.on(runtime.all_gather_stream):
-            runtime.wait(self.schedule.post_optim_event)
-            self.schedule.post_optim_event = None
+            if self.schedule.post_optim_event is not None:  # CUDA only
+                runtime.wait(self.schedule.post_optim_event)
+                self.schedule.post_optim_event = None
             full.alloc_gathered()
             version = self._data_version() if self._payload_uses_version else None
             send = self.collective.payload(version, full.gathered)
@@ -546,8 +571,7 @@ class Bucket:
             finally:
                 set_grad_mode(grad_mode)
                 set_versions(full.guarded, versions)
-        _follow_requires_grad(self.local_params, self.full_params)
-        self._set_on_modules(self.full_params)
+        self._switch(self.local_params, self.full.params)
         full.unsharded = True
 
     def _data_version(self) -> tuple[int, int, int]:
@@ -576,21 +600,20 @@ class Bucket:
             self._finish_gather()
         if not self.full.unsharded:
             return
-        _follow_requires_grad(self.full_params, self.local_params)
-        self._set_on_modules(self.local_params)
+        self._switch(self.full.params, self.local_params)
         self.full.free()
         self.full.unsharded = False
 
     # ---------------------------------------------------------------- gradients
     def _take_grads(self) -> list[torch.Tensor | None]:
-        grads = self.grads.take(self.full_params, [p.tp_spec for p in self.params])
+        grads = self.grads.take(self.full.params, self._tp_specs, self._grads_as_came)
         self.restore_grad_casts()
         return grads
 
     def holds_grads(self) -> bool:
         """A gradient waits to be reduced: on a full parameter, or held back by no-sync."""
-        return any(p.grad is not None for p in self.full_params) or any(
-            held is not None for held in self.grads.held
+        return any([p.grad is not None for p in self.full.params]) or any(
+            [held is not None for held in self.grads.held]
         )
 
     def hold_grads(self) -> None:
@@ -601,10 +624,11 @@ class Bucket:
 
     def _shown(self) -> list[nn.Parameter]:
         """The parameters the modules hold now (``requires_grad_`` lands on these)."""
-        return self.full_params if self.full.unsharded else self.local_params
+        return self.full.params if self.full.unsharded else self.local_params
 
     def _trainable(self) -> tuple[bool, ...]:
-        return tuple(p.requires_grad for p in self._shown())
+        shown = self.full.params if self.full.unsharded else self.local_params
+        return tuple([p.requires_grad for p in shown])
 
     def _carried(self, trainable: tuple[bool, ...]) -> tuple[bool, ...]:
         """The trainable parameters this backward call's reduction carries. As FSDP2's
@@ -614,21 +638,34 @@ class Bucket:
         carries. Decided by which modules ran, so that every rank carries the same."""
         present = [
             full.grad is not None or held is not None or owed
-            for full, held, owed in zip(self.full_params, self.grads.held, self.grads.owed)
+            for full, held, owed in zip(self.full.params, self.grads.held, self.grads.owed)
         ]
-        if all(p or not t for p, t in zip(present, trainable)):
+        if all([p or not t for p, t in zip(present, trainable)]):
             return trainable
         later = self.step.later_modules()
         if not later:
             return trainable
-        index = {id(p): i for i, p in enumerate(self._shown())}
         elsewhere, here = set(), set()
-        for j, module in enumerate(self.hook_modules):
-            into = elsewhere if j in later else here
-            into.update(index[id(p)] for p in module.parameters() if id(p) in index)
+        for j, members in enumerate(self._module_members()):
+            (elsewhere if j in later else here).update(members)
         return tuple(
-            t and (present[i] or i in here or i not in elsewhere) for i, t in enumerate(trainable)
+            [t and (present[i] or i in here or i not in elsewhere) for i, t in enumerate(trainable)]
         )
+
+    def _module_members(self) -> list[frozenset[int]]:
+        """Per hook module, the indices of this bucket's parameters it holds (itself or
+        below it). Walked once per set of parameters the modules hold (full or local),
+        not at every reduction: a chunked loss asks at each of its backward calls."""
+        shown = self._shown()
+        key = tuple(map(id, shown))
+        members = self._members.get(key)
+        if members is None:
+            index = {id(p): i for i, p in enumerate(shown)}
+            members = self._members[key] = [
+                frozenset(index[id(p)] for p in module.parameters() if id(p) in index)
+                for module in self.hook_modules
+            ]
+        return members
 
     def defer_grad_casts(self) -> None:
         """Before the bucket's backward (torch 2.15's FSDP2): a parameter whose gradient
@@ -637,7 +674,7 @@ class Bucket:
         if not self.store.widens:
             return
         sync = self.schedule.requires_grad_sync
-        for full, info, held in zip(self.full_params, self.store.per_param, self.grads.held):
+        for full, info, held in zip(self.full.params, self.store.per_param, self.grads.held):
             accumulates = held is not None or full.grad is not None
             if info.widen and full.requires_grad and (sync or accumulates):
                 full.grad_dtype = None
@@ -647,7 +684,7 @@ class Bucket:
         it between backwards (its gradient dtype)."""
         if not self.store.widens:
             return
-        for full, info in zip(self.full_params, self.store.per_param):
+        for full, info in zip(self.full.params, self.store.per_param):
             if info.widen:
                 full.grad_dtype = info.grad
 
@@ -681,7 +718,7 @@ class Bucket:
 
     def finish_reduce(self) -> None:
         """Land the reduced gradient shards on ``.grad``. CUDA: on the reduce-scatter
-        stream; compute joins that stream at the end of backward (``join_reductions``)."""
+        stream; compute joins that stream at the end of backward (hooks.StepState)."""
         if not self.reduction.in_flight:
             return
         runtime = self.runtime()
@@ -696,8 +733,3 @@ class Bucket:
         runtime = self.runtime()
         with runtime.on(runtime.reduce_scatter_stream):
             self.reduction.settle(used_anywhere, self.local_params, self.specs)
-
-    def join_reductions(self) -> None:
-        """Compute waits on every gradient copy queued so far (no-op on CPU)."""
-        runtime = self.runtime()
-        runtime.join(runtime.reduce_scatter_stream)

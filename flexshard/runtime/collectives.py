@@ -50,23 +50,27 @@ class _WaitThread:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # outcomes come back one per job; a queue of its own per thread, so a thread
+        # dropped after a timeout can never hand its late outcome to another wait
+        self._outcomes: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="flexshard-wait", daemon=True).start()
 
     def _serve(self) -> None:
         while True:
-            work, done, outcome = self._jobs.get()
+            work = self._jobs.get()
             try:
-                outcome.append(work.wait())
+                outcome = work.wait()
             except BaseException as err:
-                outcome.append(err)
-            finally:
-                done.set()
+                outcome = err
+            self._outcomes.put(outcome)
 
     def wait(self, work: dist.Work, seconds: float) -> bool | BaseException | None:
         """``work.wait()``'s result or exception; None when it did not end in time."""
-        done, outcome = threading.Event(), []
-        self._jobs.put((work, done, outcome))
-        return outcome[0] if done.wait(seconds) else None
+        self._jobs.put(work)
+        try:  # SimpleQueue's timed get: no Python-level lock hand-off per wait
+            return self._outcomes.get(timeout=seconds)
+        except queue.Empty:
+            return None
 
 
 #: waiter threads not waiting now (a caller takes one, or starts one, and gives it back)
@@ -337,14 +341,16 @@ class Pending:
         stream-ordered ``runtime`` the current stream is made to wait on it at once.
         ``subject``: what its error names (default: the bucket); ``afterwards``: what
         that error says is left."""
-        WATCHDOG.check()  # a collective that timed out earlier broke the group
+        if WATCHDOG.failure is not None:  # a collective that timed out earlier broke the group
+            WATCHDOG.check()
         pending = cls(
             None, collective, bucket, timeout, group, wait_ignores_timeout, subject, afterwards
         )
         pending.runtime = runtime
         try:
             pending.work = start()
-            pending.event = runtime.enqueue_wait(pending.work)
+            if runtime.streams:  # else waits block the CPU (gloo): no event
+                pending.event = runtime.enqueue_wait(pending.work)
         except Exception as err:
             pending.error = pending._error(err)
             raise pending.error from None  # the backend's words are in its message
@@ -393,7 +399,8 @@ class Pending:
             self._then()
             return
         if self.work is None:
-            self._then()
+            if self.then is not None:
+                self._then()
             return
         # the clock runs from launch: a prefetch waited on late gets no extra time
         left = max(self.timeout.total_seconds() - (time.monotonic() - self.started), 0.001)
@@ -412,7 +419,8 @@ class Pending:
             raise self.error
         self.work = None
         self.keep = ()
-        self._then()
+        if self.then is not None:
+            self._then()
 
     def _then(self) -> None:
         then, self.then = self.then, None

@@ -89,7 +89,7 @@ class DeviceRuntime:
         if self.streams and tensor.is_cuda:
             tensor.record_stream(torch.cuda.current_stream(self.device))
         storage = tensor.untyped_storage()
-        if storage.size() != 0:
+        if storage.nbytes() != 0:
             storage.resize_(0)
 
     def enqueue_wait(self, work: dist.Work | None) -> torch.cuda.Event | None:

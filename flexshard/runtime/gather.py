@@ -428,21 +428,21 @@ class FullParams:
 
     def free(self) -> None:
         for storage, _ in self._owned_storages:
-            if storage.size() != 0:
+            if storage.nbytes() != 0:
                 storage.resize_(0)
-        if self.gathered is not None and self._gathered_storage.size() != 0:
+        if self.gathered is not None and self._gathered_storage.nbytes() != 0:
             self._gathered_storage.resize_(0)
 
     def alloc_gathered(self) -> None:
         """Give the all-gather output its memory back (contents undefined)."""
         assert self.gathered is not None
-        if self._gathered_storage.size() < self._gathered_bytes:
+        if self._gathered_storage.nbytes() < self._gathered_bytes:
             self._gathered_storage.resize_(self._gathered_bytes)
 
     def alloc_owned(self) -> list[torch.Tensor | None]:
         """Give the parameters that own memory their memory back; per parameter, the
         tensor to fill (None: it aliases a buffer)."""
         for storage, nbytes in self._owned_storages:
-            if storage.size() < nbytes:
+            if storage.nbytes() < nbytes:
                 storage.resize_(nbytes)
         return self._to_fill

@@ -58,6 +58,7 @@ from ..torch_internals import (
 )
 from .bucket import Bucket, ForwardCall
 from .collectives import Pending, TrafficStats, attach_traffic, by_process_group
+from .device import DeviceRuntime
 from .reduce import INF, NAN
 
 if TYPE_CHECKING:
@@ -164,10 +165,12 @@ class UnusedGradAgreement:
         """Land the gradients of the parameters some rank used on every rank; leave
         those no rank used without one. Every rank calls it with the same buckets, in
         the same order, after their reductions landed."""
-        self.finish()
+        if self._background:
+            self.finish()
         settling = [b for b in buckets if b.reduction.used_here is not None]
-        for group_buckets in by_process_group(settling):
-            self._agree(group_buckets)
+        if settling:  # none when each rank decided alone (fully_shard's default)
+            for group_buckets in by_process_group(settling):
+                self._agree(group_buckets)
 
     def finish(self) -> None:
         """Wait for the all-reduces left running (a failure of theirs raises here)."""
@@ -239,6 +242,12 @@ class StepState:
         self.in_root_forward = False
         self._launch_queue: list[Bucket] = []
         self._launched = 0
+        # the reduction order and the forward order's length it was made for: made
+        # again only when a forward records a new bucket (each backward call asks)
+        self._order: tuple[int, list[Bucket]] = (-1, [])
+        # CUDA: the runtimes whose reduce-scatter stream got gradient work since the
+        # last end of backward (compute joins each once); none on CPU
+        self._joining: list[DeviceRuntime] = []
         self._in_flight: deque[Bucket] = deque()
         self._gathers: deque[Bucket] = deque()  # prefetches launched, oldest first
         self.in_backward = False
@@ -298,9 +307,9 @@ class StepState:
     def _unshard_async(self, bucket: Bucket) -> None:
         """Launch ``bucket``'s all-gather, landing the oldest prefetch first when
         MAX_GATHERS_IN_FLIGHT are already in flight (landing issues no collective)."""
-        if bucket.full.unsharded or bucket.gather_in_flight:
+        if bucket.full.unsharded or bucket.full.pending is not None:  # gathered or in flight
             return
-        gathers = deque(b for b in self._gathers if b.gather_in_flight)
+        gathers = deque([b for b in self._gathers if b.full.pending is not None])
         while len(gathers) >= MAX_GATHERS_IN_FLIGHT:
             gathers.popleft().unshard()
         bucket.unshard(async_op=True, overlap=not self.in_backward)
@@ -320,9 +329,13 @@ class StepState:
 
     def _reduction_order(self) -> list[Bucket]:
         """Backward's order (the forward's reversed), then buckets no forward ran: the
-        same on every rank, so their reductions pair up."""
-        rest = [b for b in self.buckets if b not in self.forward_order]
-        return list(reversed(self.forward_order)) + rest
+        same on every rank, so their reductions pair up. Not to be changed in place."""
+        made_for, order = self._order
+        if made_for != len(self.forward_order):  # the order only grows, by appends
+            rest = [b for b in self.buckets if b not in self.forward_order]
+            order = list(reversed(self.forward_order)) + rest
+            self._order = (len(self.forward_order), order)
+        return order
 
     def before_backward(self, bucket: Bucket, call: ForwardCall) -> None:
         """The backward of one forward call of the bucket's modules begins."""
@@ -389,6 +402,9 @@ class StepState:
         if bucket in self._unreduced:
             self._unreduced.remove(bucket)
         bucket.launch_reduce()
+        runtime = bucket.runtime()
+        if runtime.reduce_scatter_stream is not None and runtime not in self._joining:
+            self._joining.append(runtime)
         self._in_flight.append(bucket)
         limit = bucket.schedule.reductions_in_flight or MAX_PENDING_REDUCTIONS
         while len(self._in_flight) > limit:
@@ -443,43 +459,43 @@ class StepState:
     def _finish_backward(self) -> None:
         owed: list[Bucket] = []  # left for a later backward call of this step
         try:
-            # buckets whose modules never reported a backward (their inputs need no
-            # gradient, like the root's token ids) reduce now, still in queue order;
-            # those this backward never reached and that hold no gradient wait
+            # A bucket whose backward ran in this call reduces now. One it did not reach
+            # (its inputs need no gradient, like the root's token ids) reduces now, in
+            # queue order, if it holds gradients (fresh, or held by no-sync calls) or
+            # reduces even without any (set_reduce_scatter_unused_params), and either no
+            # later backward call of this step owes it or this call passed a whole
+            # forward call's output: as FSDP2, whose end-of-backward callback (queued by
+            # a state's pre-backward hook on a forward's output, which a grouped state's
+            # partial forward does not register) runs the post-backward of every group,
+            # even one a later backward reaches again. Every rank decides alike: a
+            # bucket's backward runs on every rank or on none (a resharded bucket's
+            # re-gather in backward needs that already).
+            whole = self.whole_call_in_pass
             for bucket in self._launch_queue[self._launched :]:
-                if self._reduces_now(bucket):
+                if bucket.step.reached:  # its backward ran in this call
                     self._launch(bucket)
-                elif bucket.step.owes_backward:
+                    continue
+                owes = bucket.step.owes_backward
+                if owes and not whole:  # a later backward call of this step reduces it
+                    owed.append(bucket)
+                elif bucket.holds_grads() or bucket.reduction.reduce_unused:
+                    self._launch(bucket)
+                elif owes:
                     owed.append(bucket)
             while self._in_flight:
                 self._in_flight.popleft().finish_reduce()
             self.agree_on_unused(self.buckets)  # no gradient where none was
-            for bucket in self.buckets:
-                bucket.join_reductions()  # CUDA: compute waits on the gradient copies
+            joining, self._joining = self._joining, []
+            for runtime in joining:  # CUDA: compute waits on the gradient copies
+                runtime.join(runtime.reduce_scatter_stream)
             for bucket in self.buckets:
                 if bucket.schedule.reshard_after_backward and bucket not in owed:
                     bucket.reshard()
-            if any(bucket.grads.check_finite for bucket in self.buckets):
-                check_finite_grads(self.buckets)  # every rank raises alike, or none
+            checked = [bucket for bucket in self.buckets if bucket.grads.check_finite]
+            if checked:
+                check_finite_grads(checked)  # every rank raises alike, or none
         finally:
             self._reset_step(owed)
-
-    def _reduces_now(self, bucket: Bucket) -> bool:
-        """Whether the end of this backward call reduces ``bucket``: its backward ran in
-        it; or it holds gradients (fresh, or held by no-sync calls) or reduces even
-        without any (``set_reduce_scatter_unused_params``), and either no later backward
-        call of this step owes it or this one passed a whole forward call's output. As
-        FSDP2, whose end-of-backward callback (queued by a state's pre-backward hook on
-        a forward's output, which a grouped state's partial forward does not register)
-        runs the post-backward of every group, even one a later backward reaches again.
-        Every rank decides alike: a bucket's backward runs on every rank or on none (a
-        resharded bucket's re-gather in backward needs that already)."""
-        step = bucket.step
-        if step.reached:
-            return True
-        if step.owes_backward and not self.whole_call_in_pass:
-            return False
-        return bucket.holds_grads() or bucket.reduction.reduce_unused
 
     def reduce_held(self, buckets: list[Bucket]) -> None:
         """Reduce ``buckets``' gradients now, in this order, as the end of a backward
@@ -492,14 +508,17 @@ class StepState:
         """Forget one backward pass: its hook counts and prefetches. ``owed``: buckets
         whose backward is still to come in a later pass keep their forward calls'
         counts; with none owed, the step's counts start afresh."""
+        whole = self.whole_call_in_pass
         for bucket in self.buckets:
+            step = bucket.step
             if not owed:
-                bucket.step.reset()
+                step.reset()
             elif bucket not in owed:
-                bucket.step.reset_pass()
-            bucket.step.in_pass.clear()
-            if self.whole_call_in_pass:  # FSDP2's final callback starts grouped forwards anew
-                bucket.step.to_run.clear()
+                step.reset_pass()
+            if step.in_pass:
+                step.in_pass.clear()
+            if whole and step.to_run:  # FSDP2's final callback starts grouped forwards anew
+                step.to_run.clear()
         self._gathers.clear()
         self._launched = len(self._launch_queue)
         self.in_backward = False
@@ -510,6 +529,7 @@ class StepState:
         self._end_pass(owed)
         self._in_flight.clear()
         self._unreduced.clear()
+        self._joining.clear()
         self.manual_active = None
         self.pending_finalization = None
 
@@ -531,7 +551,7 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hook: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.hook = hook
-        return tuple(t.view_as(t) for t in tensors)
+        return tuple([t.view_as(t) for t in tensors])
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -556,20 +576,20 @@ def _tensors_in(tree: Any) -> list[torch.Tensor]:
 
 def _wrap_inputs(args: tuple, kwargs: dict, hook: Any) -> tuple[tuple, dict] | None:
     """The inputs routed through _PostBackward, or None when none needs a gradient."""
-    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+    if not kwargs and all([isinstance(a, torch.Tensor) for a in args]):
         # positional tensors only (the common call): the same result without pytree
         slots = [i for i, t in enumerate(args) if t.requires_grad]
         if not slots:
             return None
         flat_args = list(args)
-        for i, tensor in zip(slots, _PostBackward.apply(hook, *(args[i] for i in slots))):
+        for i, tensor in zip(slots, _PostBackward.apply(hook, *[args[i] for i in slots])):
             flat_args[i] = tensor
         return tuple(flat_args), kwargs
     flat, spec = tree_flatten((args, kwargs))
     slots = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not slots:
         return None
-    wrapped = _PostBackward.apply(hook, *(flat[i] for i in slots))
+    wrapped = _PostBackward.apply(hook, *[flat[i] for i in slots])
     for i, tensor in zip(slots, wrapped):
         flat[i] = tensor
     return spec.unflatten(flat)
@@ -665,7 +685,7 @@ def install_bucket_hooks(bucket: Bucket, modules: list[nn.Module]) -> None:
         step = bucket.step
         step.begin(call)
         call.reported = True
-        if any(c is call for c in step.calls) and step.complete:
+        if step.owes(call) and step.complete:
             step.state.after_backward(bucket)
 
     @eager

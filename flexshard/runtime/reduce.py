@@ -12,14 +12,18 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..placements.layout import BucketLayout, trainable_layout
-from ..torch_internals import DTensorSpec, post_accumulate_grad_hooks
+from ..torch_internals import DTensorSpec, local_tensor, post_accumulate_grad_hooks
 from .collectives import BucketComm, Pending
 from .device import DeviceRuntime
 from .dtensor.region_dtensor import wrap
 from .dtensor.tensor_parallel import local_grad, local_of
 from .gather import Collective
+
+#: (offset, elements, shape) of one parameter's shard in a reduced buffer
+_Slice = tuple[int, int, tuple[int, ...]]
 
 
 class GradReduction:
@@ -35,7 +39,10 @@ class GradReduction:
         self.uniform = list(uniform)
         self.layout = layout  # the last launch's: its carried parameters' regions
         self.carried: tuple[bool, ...] = ()  # the last launch's parameters, by index
-        self._trainable_layouts: dict[tuple[bool, ...], BucketLayout] = {}
+        # per set of carried parameters: its layout and where each parameter's shard
+        # lies in a reduced buffer (``_slices``), made once
+        self._layouts: dict[tuple[bool, ...], tuple[BucketLayout, list[_Slice]]] = {}
+        self._slices_now: list[_Slice] = []  # the last launch's
         self.rank = rank
         # FlexShardModule's setters (runtime/module.py) tune these
         self.requires_all_reduce = True  # HSDP: False skips the all-reduce over replicas
@@ -65,16 +72,22 @@ class GradReduction:
         summed = self.divide_factor is not None or self.force_sum
         return dist.ReduceOp.SUM if summed else dist.ReduceOp.AVG
 
-    def _layout_of(self, trainable: tuple[bool, ...]) -> BucketLayout:
-        """The reduction's layout for the parameters that require grad now: it follows
-        ``requires_grad_`` after sharding, as FSDP2 reduces only those."""
-        if all(trainable):
-            return self.bucket_layout
-        if trainable not in self._trainable_layouts:
-            self._trainable_layouts[trainable] = trainable_layout(
-                self.bucket_layout, trainable, self.uniform
-            )
-        return self._trainable_layouts[trainable]
+    def _layout_of(self, trainable: tuple[bool, ...]) -> tuple[BucketLayout, list[_Slice]]:
+        """The reduction's layout for the parameters that require grad now (it follows
+        ``requires_grad_`` after sharding, as FSDP2 reduces only those) and its slices."""
+        known = self._layouts.get(trainable)
+        if known is None:
+            layout = self.bucket_layout
+            if not all(trainable):
+                layout = trainable_layout(layout, trainable, self.uniform)
+            known = self._layouts[trainable] = (layout, self._slices(layout))
+        return known
+
+    def _slices(self, layout: BucketLayout) -> list[_Slice]:
+        """Per parameter, (offset, elements, shape) of this rank's shard in a reduced
+        buffer of ``layout``."""
+        rank = self.rank
+        return [(p.offsets[rank], p.local_numel(rank), p.local_shape(rank)) for p in layout.params]
 
     def launch(
         self,
@@ -88,7 +101,7 @@ class GradReduction:
         """``carried``: the parameters reduced (trainable, and not left to another
         backward call); ``agree``: a parameter without a gradient on any rank gets none
         (the ranks agree on it, runtime/hooks.py); False: it gets the reduced zeros."""
-        self.layout = self._layout_of(carried)
+        self.layout, self._slices_now = self._layout_of(carried)
         self.carried = carried
         self.used_here, self.unused_here = None, []  # a step aborted may have left some
         if self.layout.shard_numel == 0:  # nothing carried (frozen or left): no collective
@@ -101,18 +114,10 @@ class GradReduction:
         )
 
     def _divide(self, out: torch.Tensor) -> None:
-        if self.op == dist.ReduceOp.SUM:
+        if self.divide_factor is not None or self.force_sum:  # ``op`` is SUM
             replicas = self.comm.replicate_group
             size = self.layout.world_size * (dist.get_world_size(replicas) if replicas else 1)
             out.div_(self.divide_factor or size)
-
-    def view(self, reduced: torch.Tensor, index: int) -> torch.Tensor:
-        """This rank's part of parameter ``index`` in a reduced gradient (elements)."""
-        param = self.layout.params[index]
-        offset = param.offsets[self.rank]
-        return reduced[offset : offset + param.local_numel(self.rank)].view(
-            param.local_shape(self.rank)
-        )
 
     def finish(
         self,
@@ -137,10 +142,12 @@ class GradReduction:
             self.all_reduce_hook(out)
         if cast_to is not None and out.dtype != cast_to:
             out = out.to(cast_to)
+        slices = self._slices_now
         for i, local in enumerate(local_params):
             if not (self.carried[i] and local.requires_grad):
                 continue
-            grad, dtype = self.view(out, i), grad_dtypes[i]
+            offset, numel, shape = slices[i]  # this rank's part of parameter i
+            grad, dtype = out[offset : offset + numel].view(shape), grad_dtypes[i]
             if dtype is not None and grad.dtype != dtype:
                 grad = grad.to(dtype)
             if self.used_here is not None and not self.used_here.get(i, True):
@@ -242,14 +249,23 @@ class GradAccumulator:
         self.nonfinite = [0] * count
 
     def take(
-        self, fulls: Sequence[torch.Tensor], tp_specs: Sequence[DTensorSpec | None]
+        self,
+        fulls: Sequence[torch.Tensor],
+        tp_specs: Sequence[DTensorSpec | None],
+        as_came: Sequence[bool],
     ) -> list[torch.Tensor | None]:
         """Unsharded gradients of this backward (taken off the full parameters) plus
-        those held back by no-sync steps."""
+        those held back by no-sync steps. ``as_came``: per parameter, ``only_dp_dims``
+        of its spec."""
         grads = []
         self.owed = [False] * len(self.held)
-        for i, (full, spec) in enumerate(zip(fulls, tp_specs)):
-            grad, full.grad = local_grad(full.grad, spec), None
+        for i, (full, spec, came) in enumerate(zip(fulls, tp_specs, as_came)):
+            grad, full.grad = full.grad, None
+            if grad is not None and spec is not None:  # a DTensor parameter's gradient
+                if came and isinstance(grad, DTensor):  # nothing to redistribute
+                    grad = local_tensor(grad)
+                else:
+                    grad = local_grad(grad, spec)
             held = self.held[i]
             self.held[i] = None
             if held is not None and grad is not None:

@@ -109,7 +109,7 @@ def param_dtypes(
 def free(tensor: torch.Tensor) -> None:
     """Release ``tensor``'s memory, keeping the tensor object (and views' metadata)."""
     storage = tensor.untyped_storage()
-    if storage.size() != 0:
+    if storage.nbytes() != 0:
         storage.resize_(0)
 
 
@@ -122,7 +122,7 @@ def alloc(tensor: torch.Tensor) -> None:
     """Give a ``free``d tensor its memory back (contents undefined)."""
     storage = tensor.untyped_storage()
     needed = storage_bytes(tensor)
-    if storage.size() < needed:
+    if storage.nbytes() < needed:
         storage.resize_(needed)
 
 

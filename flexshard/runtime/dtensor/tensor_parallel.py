@@ -92,6 +92,14 @@ def full_parameter(local: torch.Tensor, spec: DTensorSpec | None, requires_grad:
     return nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=requires_grad)
 
 
+def only_dp_dims(spec: DTensorSpec | None) -> bool:
+    """Whether every dim of the parameter's mesh is a data-parallel dim of a full SPMD
+    mesh: its gradient's placements then stay as they came (``local_grad`` would take
+    its local tensor as it is)."""
+    spmd = spmd_dims(spec)
+    return spmd is not None and len(spmd.dp) == spmd.mesh.ndim
+
+
 def local_grad(grad: torch.Tensor | None, spec: DTensorSpec | None) -> torch.Tensor | None:
     """A TP parameter's gradient as the local tensor of the parameter's own placements
     (a replicated weight's gradient may come back Partial: redistribute sums it over tp)."""
