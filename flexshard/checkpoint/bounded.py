@@ -19,16 +19,13 @@ import contextlib
 import datetime
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch import nn
 
 from ..runtime.collectives import CollectiveError, backend_failures_raise, check_timeout
 from ..runtime.module import subtree_buckets
-
-if TYPE_CHECKING:
-    from .load_progress import LoadProgress
 
 _GROUPS: dict[tuple[tuple[int, ...], float, str], dist.ProcessGroup] = {}
 
@@ -97,6 +94,13 @@ def in_flight(
         yield
 
 
+class Progress(Protocol):
+    """What a load's progress (``load_progress.LoadProgress``) gives the checks: a
+    context per collective that notes the rank reached it."""
+
+    def collective(self, what: str) -> Any: ...
+
+
 @dataclass(frozen=True)
 class Ranks:
     """The ranks taking part (a process group, or this process alone); with a
@@ -109,7 +113,7 @@ class Ranks:
     world: int
     path: str = ""
     timeout: datetime.timedelta | None = None
-    progress: LoadProgress | None = None  # a load's: its checks note each step reached
+    progress: Progress | None = None  # a load's: its checks note each step reached
 
     @staticmethod
     def of(

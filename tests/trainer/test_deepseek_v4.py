@@ -747,7 +747,7 @@ def test_config_json_of_model_keys_round_trips():
     config = exported_config(cfg, "float32", 16)
     assert config["model_type"] == "deepseek_v4"
     assert model_fields(config)["deepseek_v4"]["mlp_layer_types"] == MLP_LAYER_TYPES
-    assert _mismatches(cfg, model_fields(config), untie=False) == {}
+    assert _mismatches(cfg, model_fields(config), loading=False) == {}
     hf = transformers.DeepseekV4Config(**{k: v for k, v in config.items() if k != "model_type"})
     assert hf.rope_parameters["compress"]["rope_type"] == "yarn"
     assert hf.layer_types == LAYER_TYPES and hf.compress_rates["heavily_compressed_attention"] == 8
