@@ -267,8 +267,6 @@ def conv_main(args: argparse.Namespace) -> None:
             )
         )
         results[optimizer]["relative_gap"] = float((batch - loop).abs().max()) / moved
-    args.out.mkdir(exist_ok=True)
-    (args.out / "matrix_optim_conv_bench.json").write_text(json.dumps(results, indent=2))
     lines = [
         "# A depthwise conv kernel's channels: one matrix at a time vs one batched call",
         "",
@@ -304,7 +302,14 @@ def conv_main(args: argparse.Namespace) -> None:
         "  largest distance the parameters moved (torch's small-matrix bmm rounds otherwise",
         "  than mm: the last bits differ).",
     ]
-    (args.out / "matrix_optim_conv_bench.md").write_text("\n".join(lines) + "\n")
+    _write(args.out, "matrix_optim_conv_bench", results, lines)
+
+
+def _write(out: Path, stem: str, results: dict, lines: list[str]) -> None:
+    """The raw rows as ``<stem>.json`` and the table as ``<stem>.md`` (printed too)."""
+    out.mkdir(exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -325,8 +330,6 @@ def main() -> None:
     for w in args.world_sizes:
         per_rank = run_distributed(rank_main, w, args.steps, args.reps, args.dim, timeout=3000)
         results[w] = _summarise(per_rank)
-    args.out.mkdir(exist_ok=True)
-    (args.out / "matrix_optim_bench.json").write_text(json.dumps(results, indent=2))
     lines = [
         "# Any matrix optimizer: gather everything vs MatrixOptimizer, optimizer step",
         "",
@@ -369,8 +372,7 @@ def main() -> None:
         "- ms: `optimizer.step()` wall time on the slowest rank. With W ranks on 2 cores",
         "  the ranks compete for the CPU; (a) runs W copies of every matrix's step.",
     ]
-    (args.out / "matrix_optim_bench.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    _write(args.out, "matrix_optim_bench", results, lines)
 
 
 if __name__ == "__main__":
